@@ -1,0 +1,30 @@
+# Set-up is idempotent: the venv is built once and reused until pyproject.toml or requirements.lock change.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.gemline-installed
+
+.PHONY: setup demo test bench clean-lake
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the CPU wheel of 2.13.0 (any other request pulls a CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q fbgemm-gpu-cpu==1.8.0
+	# torchrec declares the CUDA fbgemm-gpu: install it without deps, then its own needs from the lock.
+	$(BIN)/pip install -q --no-deps torchrec==1.8.0
+	$(BIN)/pip install -q -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/gemline demo $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python -m benchmarks.kernels

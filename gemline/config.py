@@ -1,0 +1,147 @@
+"""One typed config tree, loaded from a TOML file with defaults and overridden by CLI flags.
+
+    [kafka]
+    bootstrap = "broker:9092"
+    [build]
+    max_seq_len = 512
+
+`--set build.max_seq_len=512` on any command overrides the same key. Nothing else reads the
+environment: every stage receives its section of this tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ingest.config import IngestConfig, KafkaConfig
+from sequences.config import BuildConfig
+from trainer.config import TrainerConfig
+from validation.config import ValidationConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemlineConfig:
+    """The whole pipeline's configuration."""
+
+    lake: str = "./lake"
+    """Root of the Delta lake (a local directory)."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    """Broker and topic."""
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    """Parsing and validation of raw events."""
+    build: BuildConfig = field(default_factory=BuildConfig)
+    """Sequences, labels, examples."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Quality suites and the gate."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Model and optimisation."""
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a TOML or CLI value to the field's declared type; raise ValueError naming the key."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is type(None):
+        if value is None or value in ("none", "None", ""):
+            return None
+        raise ValueError(f"{key}: expected none, got {value!r}")
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in args):
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError("; ".join(errors))
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{key}: expected one of {args}, got {value!r}")
+        return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(_coerce(v, args[0], key) for v in items)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key}: expected a boolean, got {value!r}")
+    if annotation in (int, float, str):
+        try:
+            if annotation is int and isinstance(value, float):
+                raise ValueError
+            return annotation(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ValueError(f"unknown config key {key!r}; known: {sorted(fields)}")
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ValueError(f"{key}: expected a table, got {value!r}")
+            kwargs[name] = _build(hint, value, f"{key}.")
+        else:
+            kwargs[name] = _coerce(value, hint, key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"cannot set {dotted!r}: {part!r} is not a table")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GemlineConfig:
+    """Load the config tree.
+
+    Args:
+        path: a TOML file; None uses the defaults only.
+        overrides: dotted keys to values (``{"build.max_seq_len": "512"}``), applied after the file;
+            strings are converted to the field's type.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: an unknown key, a value of the wrong type, or a value a section rejects.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as fh:
+            tree = tomllib.load(fh)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    return _build(GemlineConfig, tree, "")
+
+
+def parse_set_flags(pairs: list[str]) -> dict[str, str]:
+    """Turn ``["build.max_seq_len=512", ...]`` into a dict; raise ValueError on a pair without '='."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out

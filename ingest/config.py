@@ -1,0 +1,55 @@
+"""Typed configuration of the ingest stage (Kafka -> events / dead_letter)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_DOMAINS: tuple[str, ...] = (
+    # GEM's three surfaces (synthetic data) ...
+    "facebook",
+    "instagram",
+    "messaging",
+    # ... and the domains of the real datasets the adapters map (see ingest/datasets/).
+    "movielens",
+    "taobao",
+    "obd_all",
+    "obd_men",
+    "obd_women",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaConfig:
+    """Where events come from."""
+
+    bootstrap: str | None = None
+    """HOST:PORT of a Kafka cluster; None starts the embedded broker (tansu) where a command needs one."""
+    topic: str = "gemline.events"
+    """Topic the events are produced to and consumed from."""
+    partitions: int = 4
+    """Partitions created for the topic when it does not exist."""
+    client: Literal["confluent", "kafka-python"] = "confluent"
+    """Client library; confluent-kafka measured ~28x faster at consuming here."""
+
+    def __post_init__(self) -> None:
+        if self.partitions < 1:
+            raise ValueError(f"kafka.partitions must be >= 1, got {self.partitions}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestConfig:
+    """Parsing, validation and the Delta commit of the ingest job."""
+
+    domains: tuple[str, ...] = DEFAULT_DOMAINS
+    """Known domains; an event with any other domain is dead-lettered (reason unknown_domain)."""
+    max_future_skew_ms: int = 5 * 60 * 1000
+    """An event time later than (ingest clock + this) is dead-lettered (reason future_event_time)."""
+    runner: str = "DirectRunner"
+    """Beam runner; any other Beam pipeline flag passes through the CLI untouched."""
+
+    def __post_init__(self) -> None:
+        if not self.domains:
+            raise ValueError("ingest.domains must name at least one domain")
+        if self.max_future_skew_ms < 0:
+            raise ValueError(f"ingest.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")

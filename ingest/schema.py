@@ -1,0 +1,124 @@
+"""The versioned event schema: the typed record every stage after Kafka relies on.
+
+Wire format: one JSON object per Kafka message, keyed by ``user_id`` (UTF-8), with the fields of
+:class:`Event`. Times are integers in ms since the epoch, UTC.
+
+Version history:
+    1  first version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+EVENT_TYPES: tuple[str, ...] = ("impression", "click", "conversion", "engagement")
+"""impression: an item/ad was shown; click and conversion: labels of a prior impression;
+engagement: organic activity (a view, a like) that feeds sequences but carries no label."""
+
+IMPRESSION_TYPES: frozenset[str] = frozenset({"impression"})
+"""Event types that become training examples."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One user event, as produced to Kafka and stored in the ``events`` table.
+
+    Required: event_id, event_time_ms, user_id, item_id, domain, event_type.
+    Optional context is None where the source dataset lacks it (adapters never invent it).
+    """
+
+    event_id: str
+    """Globally unique, deterministic id (dataset prefix + source keys), used for deduplication."""
+    event_time_ms: int
+    """When the event happened, ms since epoch UTC."""
+    user_id: str
+    """The acting user."""
+    item_id: str
+    """The item or ad the event is about."""
+    domain: str
+    """Surface/domain (facebook, instagram, messaging, or the dataset's own)."""
+    event_type: str
+    """One of EVENT_TYPES."""
+    category: str | None = None
+    """Item/ad category."""
+    position: int | None = None
+    """Slot/position the item was shown in (1-based)."""
+    ad_format: str | None = None
+    """Ad format or placement."""
+    age: int | None = None
+    """User age in years (or the dataset's age bucket)."""
+    gender: str | None = None
+    """User gender as the dataset codes it."""
+    location: str | None = None
+    """User location (zip, city level, ...)."""
+    schema_version: int = SCHEMA_VERSION
+    """Version of this schema the producer wrote."""
+
+    def to_json(self) -> bytes:
+        """Encode as the UTF-8 JSON wire format."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @property
+    def key(self) -> bytes:
+        """Kafka message key: the user id, so one user's events share a partition and stay in order."""
+        return self.user_id.encode()
+
+
+REQUIRED_FIELDS: tuple[str, ...] = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type")
+OPTIONAL_FIELDS: tuple[str, ...] = ("category", "position", "ad_format", "age", "gender", "location")
+
+EVENT_ARROW_SCHEMA = pa.schema(
+    [
+        pa.field("event_id", pa.string(), nullable=False),
+        pa.field("event_time_ms", pa.int64(), nullable=False),
+        pa.field("user_id", pa.string(), nullable=False),
+        pa.field("item_id", pa.string(), nullable=False),
+        pa.field("domain", pa.string(), nullable=False),
+        pa.field("event_type", pa.string(), nullable=False),
+        pa.field("category", pa.string()),
+        pa.field("position", pa.int32()),
+        pa.field("ad_format", pa.string()),
+        pa.field("age", pa.int32()),
+        pa.field("gender", pa.string()),
+        pa.field("location", pa.string()),
+        pa.field("schema_version", pa.int32(), nullable=False),
+    ]
+)
+"""Arrow schema of an Event."""
+
+EVENTS_TABLE_SCHEMA = pa.schema(
+    list(EVENT_ARROW_SCHEMA)
+    + [
+        pa.field("created_ts_ms", pa.int64(), nullable=False),  # Kafka log-append time: when we could know it
+        pa.field("event_date", pa.string(), nullable=False),  # YYYY-MM-DD of event_time_ms (UTC); partition column
+        pa.field("kafka_topic", pa.string(), nullable=False),
+        pa.field("kafka_partition", pa.int32(), nullable=False),
+        pa.field("kafka_offset", pa.int64(), nullable=False),
+    ]
+)
+"""Arrow schema of the ``events`` Delta table (partitioned by ``event_date``)."""
+
+DEAD_LETTER_SCHEMA = pa.schema(
+    [
+        pa.field("reason", pa.string(), nullable=False),  # a code: not_json, missing_field, wrong_type, ...
+        pa.field("detail", pa.string(), nullable=False),  # human-readable message
+        pa.field("raw", pa.binary(), nullable=False),  # the message value exactly as read
+        pa.field("kafka_topic", pa.string(), nullable=False),
+        pa.field("kafka_partition", pa.int32(), nullable=False),
+        pa.field("kafka_offset", pa.int64(), nullable=False),
+        pa.field("created_ts_ms", pa.int64(), nullable=False),
+    ]
+)
+"""Arrow schema of the ``dead_letter`` Delta table."""
+
+
+def event_to_row(event: Event) -> dict[str, Any]:
+    """The Event as a dict in EVENT_ARROW_SCHEMA field order."""
+    return dataclasses.asdict(event)

@@ -1,0 +1,1 @@
+"""gemline stage: validation."""
