@@ -1,0 +1,78 @@
+"""Schemas of the tables the build writes: ``sequences`` and ``examples``.
+
+The ``examples`` table is the contract with validation and the trainer:
+
+- identity and time: ``example_id`` (the impression's event_id), ``event_time_ms`` (ms since
+  epoch UTC), ``event_date`` (YYYY-MM-DD UTC; partition column);
+- sparse (categorical) features, strings, hashed by the trainer: :data:`SPARSE_FEATURES`;
+- dense features: every column named ``f_*`` (float64, finite or null), computed from events with
+  event time strictly before ``event_time_ms`` (point in time);
+- the behaviour sequence: the list columns :data:`SEQUENCE_FEATURES` plus ``seq_event_time_ms``,
+  aligned element by element, time-ascending (oldest first), only events strictly before the
+  example, truncated to the newest ``build.max_seq_len``; ``seq_length`` and ``seq_truncated``
+  (number of older events cut);
+- labels: ``label_click`` and ``label_conversion`` (int32 0/1) from later events of the same user
+  and item within the attribution windows; ``click_latency_ms`` / ``conversion_latency_ms``
+  (null when unlabelled); ``label_window_closed`` (bool: the conversion window ended before the
+  snapshot's watermark, i.e. the labels are final).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SPARSE_FEATURES: tuple[str, ...] = (
+    "user_id",
+    "item_id",
+    "domain",
+    "category",
+    "position",
+    "ad_format",
+    "age",
+    "gender",
+    "location",
+)
+"""Categorical example columns, all stored as nullable strings."""
+
+SEQUENCE_FEATURES: tuple[str, ...] = ("seq_item_ids", "seq_categories", "seq_event_types", "seq_domains")
+"""Aligned list<string> sequence columns (a missing category is the empty string)."""
+
+LABELS: tuple[str, ...] = ("label_click", "label_conversion")
+
+_list_str = pa.list_(pa.string())
+
+EXAMPLES_BASE_SCHEMA = pa.schema(
+    [
+        pa.field("example_id", pa.string(), nullable=False),
+        pa.field("event_time_ms", pa.int64(), nullable=False),
+        pa.field("event_date", pa.string(), nullable=False),
+        *[pa.field(name, pa.string(), nullable=name not in ("user_id", "item_id", "domain")) for name in SPARSE_FEATURES],
+        *[pa.field(name, _list_str, nullable=False) for name in SEQUENCE_FEATURES],
+        pa.field("seq_event_time_ms", pa.list_(pa.int64()), nullable=False),
+        pa.field("seq_length", pa.int32(), nullable=False),
+        pa.field("seq_truncated", pa.int32(), nullable=False),
+        pa.field("label_click", pa.int32(), nullable=False),
+        pa.field("label_conversion", pa.int32(), nullable=False),
+        pa.field("click_latency_ms", pa.int64()),
+        pa.field("conversion_latency_ms", pa.int64()),
+        pa.field("label_window_closed", pa.bool_(), nullable=False),
+    ]
+)
+"""Columns every ``examples`` table has; the build appends its ``f_*`` float64 dense features."""
+
+SEQUENCES_SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.string(), nullable=False),
+        *[pa.field(name, _list_str, nullable=False) for name in SEQUENCE_FEATURES],
+        pa.field("seq_event_time_ms", pa.list_(pa.int64()), nullable=False),
+        pa.field("seq_length", pa.int32(), nullable=False),
+        pa.field("seq_truncated", pa.int32(), nullable=False),
+        pa.field("as_of_ms", pa.int64(), nullable=False),
+    ]
+)
+"""One row per user: the newest ``max_seq_len`` events (time-ascending) as of ``as_of_ms``."""
+
+
+def dense_feature_names(schema: pa.Schema) -> list[str]:
+    """The ``f_*`` dense feature columns of an examples schema, in schema order."""
+    return [name for name in schema.names if name.startswith("f_")]

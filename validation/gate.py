@@ -1,0 +1,108 @@
+"""The training gate: the ``quality`` Delta table and the decision whether a table version may be trained on.
+
+``quality`` has one row per (table, table_version, expectation) from every validation run, plus
+one row per release a person made (expectation ``__release__``). A version is quarantined when
+any ``critical`` expectation failed in its newest validation run and no release row follows it.
+A version that was never validated is not allowed either: the gate fails closed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import write_deltalake
+
+from gemline.lake import read_table, table_uri
+
+QUALITY_TABLE = "quality"
+RELEASE = "__release__"
+
+QUALITY_SCHEMA = pa.schema(
+    [
+        pa.field("table", pa.string(), nullable=False),  # e.g. "examples"
+        pa.field("table_version", pa.int64(), nullable=False),  # Delta version validated
+        pa.field("run_id", pa.string(), nullable=False),  # one validation run (or one release)
+        pa.field("run_ts_ms", pa.int64(), nullable=False),  # wall clock of the run, ms since epoch UTC
+        pa.field("expectation", pa.string(), nullable=False),  # expectation name, or __release__
+        pa.field("severity", pa.string(), nullable=False),  # critical | warning | release
+        pa.field("success", pa.bool_(), nullable=False),
+        pa.field("observed", pa.string(), nullable=False),  # observed value / error message / release reason
+        pa.field("report_path", pa.string(), nullable=False),  # JSON report of the run ("" for a release)
+    ]
+)
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """Whether ``table`` at ``table_version`` may be trained on, and why."""
+
+    table: str
+    table_version: int
+    allowed: bool
+    reason: str
+
+
+def append_quality_rows(lake: str | Path, rows: list[dict]) -> None:
+    """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit."""
+    if rows:
+        write_deltalake(table_uri(lake, QUALITY_TABLE), pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), mode="append")
+
+
+def gate_decision(lake: str | Path, table: str, table_version: int) -> GateDecision:
+    """Decide from the ``quality`` table whether ``table@table_version`` may be trained on.
+
+    Never raises for a missing quality table: it answers not allowed ("never validated").
+    """
+    quality = read_table(lake, QUALITY_TABLE)
+    if quality is None:
+        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated")
+    mask = pc.and_(pc.equal(quality["table"], table), pc.equal(quality["table_version"], table_version))
+    rows = quality.filter(mask).to_pylist()
+    checks = [r for r in rows if r["expectation"] != RELEASE]
+    if not checks:
+        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated")
+    last_ts = max(r["run_ts_ms"] for r in checks)
+    last_run = max((r for r in checks if r["run_ts_ms"] == last_ts), key=lambda r: r["run_id"])["run_id"]
+    failed = sorted(
+        r["expectation"] for r in checks if r["run_id"] == last_run and r["severity"] == "critical" and not r["success"]
+    )
+    if not failed:
+        return GateDecision(table, table_version, True, f"{table}@{table_version} passed all critical expectations")
+    releases = [r for r in rows if r["expectation"] == RELEASE and r["run_ts_ms"] >= last_ts]
+    if releases:
+        latest = max(releases, key=lambda r: r["run_ts_ms"])
+        return GateDecision(table, table_version, True, f"{table}@{table_version} released by hand: {latest['observed']}")
+    return GateDecision(
+        table, table_version, False, f"{table}@{table_version} is quarantined: critical expectations failed: {', '.join(failed)}"
+    )
+
+
+def release(lake: str | Path, table: str, table_version: int, reason: str, *, now_ms: int | None = None) -> None:
+    """Record that a person released a quarantined version (the reason is kept in ``observed``).
+
+    Raises:
+        ValueError: ``reason`` is empty.
+    """
+    if not reason.strip():
+        raise ValueError("a release needs a non-empty --reason")
+    ts = int(time.time() * 1000) if now_ms is None else now_ms
+    append_quality_rows(
+        lake,
+        [
+            {
+                "table": table,
+                "table_version": table_version,
+                "run_id": f"release-{ts}",
+                "run_ts_ms": ts,
+                "expectation": RELEASE,
+                "severity": "release",
+                "success": True,
+                "observed": reason,
+                "report_path": "",
+            }
+        ],
+    )
