@@ -1,0 +1,225 @@
+"""The `gemline` command: thin wrappers that load the config (TOML + flags) and call one function.
+
+    gemline broker [--port P]
+    gemline replay --dataset NAME [--path FILE] [--limit N] [--bootstrap HOST:PORT]
+    gemline ingest [--bootstrap HOST:PORT] [beam pipeline flags ...]
+    gemline build [beam pipeline flags ...]
+    gemline validate --table T [--version V]
+    gemline report [--table T] [--version V]
+    gemline quality release V --reason "..." [--table T]
+    gemline train [--version V]
+    gemline demo [--dataset NAME] [--path FILE] [--limit N]
+
+Every command takes --config FILE, --lake DIR and --set section.key=value (repeatable).
+Flags that gemline does not know are passed to Beam's PipelineOptions (ingest, build, demo).
+Stage modules are imported inside each command so that `gemline broker` starts without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from gemline.config import GemlineConfig, load_config, parse_set_flags
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (defaults apply to what it leaves out)")
+    parser.add_argument("--lake", help="lake root directory (overrides config 'lake'; default ./lake)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config key, e.g. --set build.max_seq_len=512 (repeatable)",
+    )
+
+
+def _kafka_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bootstrap", help="HOST:PORT of a Kafka cluster (overrides kafka.bootstrap)")
+    parser.add_argument("--topic", help="topic (overrides kafka.topic)")
+
+
+def _config(args: argparse.Namespace) -> GemlineConfig:
+    overrides: dict[str, Any] = parse_set_flags(args.overrides)
+    if getattr(args, "lake", None):
+        overrides["lake"] = args.lake
+    if getattr(args, "bootstrap", None):
+        overrides["kafka.bootstrap"] = args.bootstrap
+    if getattr(args, "topic", None):
+        overrides["kafka.topic"] = args.topic
+    return load_config(args.config, overrides)
+
+
+def _require_bootstrap(config: GemlineConfig) -> str:
+    if not config.kafka.bootstrap:
+        raise SystemExit("error: no Kafka cluster given: pass --bootstrap HOST:PORT (start one with `gemline broker`)")
+    return config.kafka.bootstrap
+
+
+def cmd_broker(args: argparse.Namespace, extra: list[str]) -> int:
+    from ingest.broker import serve_forever
+
+    return serve_forever(args.port)
+
+
+def cmd_replay(args: argparse.Namespace, extra: list[str]) -> int:
+    from ingest.replay import replay_dataset
+
+    config = _config(args)
+    result = replay_dataset(
+        args.dataset,
+        bootstrap=_require_bootstrap(config),
+        topic=config.kafka.topic,
+        partitions=config.kafka.partitions,
+        path=args.path,
+        limit=args.limit,
+        batch_messages=config.kafka.producer_batch_messages,
+    )
+    print(json.dumps(result.__dict__ if hasattr(result, "__dict__") else str(result), default=str))
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
+    from ingest.pipeline import run_ingest
+
+    config = _config(args)
+    result = run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra)
+    print(_as_json(result))
+    return 0
+
+
+def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
+    from sequences.pipeline import run_build
+
+    result = run_build(_config(args), events_version=args.events_version, beam_args=extra)
+    print(_as_json(result))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
+    from validation.run import validate_table
+
+    result = validate_table(_config(args), args.table, args.version)
+    print(f"{result.table}@{result.table_version}: {'PASSED' if result.passed else 'QUARANTINED'}  report: {result.report_html}")
+    return 0 if result.passed else 3
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from validation.run import latest_report
+
+    config = _config(args)
+    verdict, html = latest_report(config.lake, args.table, args.version)
+    print(f"{args.table}: {verdict}  report: {html}")
+    return 0
+
+
+def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
+    from validation.gate import gate_decision, release
+
+    config = _config(args)
+    release(config.lake, args.table, args.version, args.reason)
+    print(gate_decision(config.lake, args.table, args.version).reason)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from trainer.train import run_training
+
+    result = run_training(_config(args), examples_version=args.version)
+    print(_as_json(result))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    from gemline.demo import run_demo
+
+    summary = run_demo(
+        _config(args), dataset=args.dataset, path=args.path, limit=args.limit, beam_args=extra
+    )
+    return 0 if summary["quality_passed"] else 3
+
+
+def _as_json(result: object) -> str:
+    import dataclasses
+
+    data = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+    return json.dumps(data, indent=2, default=str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gemline", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("broker", help="run the embedded Kafka-compatible broker (tansu) until Ctrl-C")
+    p.add_argument("--port", type=int, default=None, help="TCP port on 127.0.0.1 (default: a free one)")
+    p.set_defaults(func=cmd_broker, passthrough=False)
+
+    p = sub.add_parser("replay", help="produce a real dataset's events to Kafka in event-time order")
+    _common(p)
+    _kafka_flags(p)
+    p.add_argument("--dataset", required=True, help="movielens | taobao | openbandit")
+    p.add_argument("--path", help="input file (taobao)")
+    p.add_argument("--limit", type=int, help="first N source records only")
+    p.set_defaults(func=cmd_replay, passthrough=False)
+
+    p = sub.add_parser("ingest", help="Kafka -> events / dead_letter (one bounded snapshot, exactly once)")
+    _common(p)
+    _kafka_flags(p)
+    p.set_defaults(func=cmd_ingest, passthrough=True)
+
+    p = sub.add_parser("build", help="events -> sequences, features, examples")
+    _common(p)
+    p.add_argument("--events-version", type=int, default=None, help="events table version (default latest)")
+    p.set_defaults(func=cmd_build, passthrough=True)
+
+    p = sub.add_parser("validate", help="run the quality suite on a table version; exit 3 if quarantined")
+    _common(p)
+    p.add_argument("--table", default="examples", help="events | examples")
+    p.add_argument("--version", type=int, default=None, help="Delta version (default latest)")
+    p.set_defaults(func=cmd_validate, passthrough=False)
+
+    p = sub.add_parser("report", help="print the quality verdict and the path of the HTML report")
+    _common(p)
+    p.add_argument("--table", default="examples")
+    p.add_argument("--version", type=int, default=None)
+    p.set_defaults(func=cmd_report, passthrough=False)
+
+    p = sub.add_parser("quality", help="gate actions")
+    qsub = p.add_subparsers(dest="action", required=True)
+    q = qsub.add_parser("release", help="release a quarantined version, with a recorded reason")
+    _common(q)
+    q.add_argument("version", type=int)
+    q.add_argument("--reason", required=True)
+    q.add_argument("--table", default="examples")
+    q.set_defaults(func=cmd_quality, passthrough=False)
+
+    p = sub.add_parser("train", help="train on a version of examples (refuses quarantined versions)")
+    _common(p)
+    p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
+    p.set_defaults(func=cmd_train, passthrough=False)
+
+    p = sub.add_parser("demo", help="broker + replay + ingest + build + validate + train, end to end")
+    _common(p)
+    _kafka_flags(p)
+    p.add_argument("--dataset", default="movielens", help="movielens (default) | taobao | openbandit")
+    p.add_argument("--path", help="input file (taobao)")
+    p.add_argument("--limit", type=int, help="first N source records only")
+    p.set_defaults(func=cmd_demo, passthrough=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `gemline` console script; returns the process exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not args.passthrough:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
