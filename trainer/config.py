@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,12 @@ class TrainerConfig:
     """Adam learning rate of the dense part (and Adagrad of the embeddings)."""
     seed: int = 0
     """Seed of parameter init and data order."""
+    embedding_learning_rate: float | None = None
+    """Adagrad learning rate of the embedding tables; None uses ``learning_rate``."""
+    hidden_dims: tuple[int, ...] = (64, 32)
+    """Widths of the shared MLP layers under the click and conversion heads."""
+    init_from: Literal["scratch", "latest"] = "scratch"
+    """Start from fresh parameters, or resume model, optimisers, step and RNG from the lake's latest checkpoint."""
 
     def __post_init__(self) -> None:
         for name in ("embedding_dim", "num_embeddings", "batch_size", "epochs"):
@@ -28,3 +35,11 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ValueError(f"trainer.learning_rate must be > 0, got {self.learning_rate}")
+        if self.num_embeddings < 2:
+            raise ValueError(f"trainer.num_embeddings must be >= 2 (row 0 is reserved for null ids), got {self.num_embeddings}")
+        if self.embedding_learning_rate is not None and self.embedding_learning_rate <= 0:
+            raise ValueError(f"trainer.embedding_learning_rate must be > 0 or none, got {self.embedding_learning_rate}")
+        if not self.hidden_dims or any(width < 1 for width in self.hidden_dims):
+            raise ValueError(f"trainer.hidden_dims must be a non-empty tuple of widths >= 1, got {self.hidden_dims}")
+        if self.init_from not in ("scratch", "latest"):
+            raise ValueError(f"trainer.init_from must be 'scratch' or 'latest', got {self.init_from!r}")

@@ -1,0 +1,178 @@
+"""Trainer checkpoints under ``LAKE/_checkpoints/step-N/``, complete or absent.
+
+A checkpoint is written into a hidden temporary directory next to its final place and renamed
+when every file is on disk (a rename within one filesystem is atomic), so a crash mid-save leaves
+only a ``.tmp-*`` directory that :func:`latest_checkpoint` ignores; the idea follows torchtitan's
+checkpointer, which also counts a step only once its files are complete.
+
+    step-N/state.pt      model, optimisers, RNG states (torch.save)
+    step-N/meta.json     step, examples_seen, examples_version, extra (written last)
+    step-N/*             extra files given by the caller (e.g. loss_curve.png)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+CHECKPOINTS_DIR = "_checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainState:
+    """Progress of a training run.
+
+    Attributes:
+        step: optimiser steps taken (the checkpoint directory is ``step-<step>``).
+        examples_seen: training examples consumed by those steps.
+        examples_version: Delta version of ``examples`` the run trained on.
+        extra: JSON-serialisable values the trainer keeps (e.g. dense normalization statistics).
+    """
+
+    step: int
+    examples_seen: int
+    examples_version: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoints_root(lake: str | Path) -> Path:
+    """``LAKE/_checkpoints``."""
+    return Path(lake) / CHECKPOINTS_DIR
+
+
+def _rng_state(numpy_rng: np.random.Generator | None) -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy_global": np.random.get_state(),
+        "numpy_generator": None if numpy_rng is None else numpy_rng.bit_generator.state,
+    }
+
+
+def save_checkpoint(
+    lake: str | Path,
+    state: TrainState,
+    model: nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    numpy_rng: np.random.Generator | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
+    """Write ``step-<state.step>`` atomically and return its path.
+
+    An existing complete checkpoint of the same step is replaced (a rerun from scratch on the same
+    lake reaches the same step numbers).
+
+    Raises:
+        ValueError: ``state.step`` < 0 or an extra file name that is not a plain file name.
+    """
+    if state.step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {state.step}")
+    for name in extra_files or {}:
+        if name != Path(name).name or name in ("state.pt", "meta.json"):
+            raise ValueError(f"extra file names must be plain names other than state.pt/meta.json, got {name!r}")
+    root = checkpoints_root(lake)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step}"
+    tmp = root / f".tmp-step-{state.step}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizers": {name: opt.state_dict() for name, opt in optimizers.items()},
+            "rng": _rng_state(numpy_rng),
+        },
+        tmp / "state.pt",
+    )
+    for name, payload in (extra_files or {}).items():
+        (tmp / name).write_bytes(payload)
+    meta = {
+        "step": state.step,
+        "examples_seen": state.examples_seen,
+        "examples_version": state.examples_version,
+        "extra": state.extra,
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if final.exists():
+        old = root / f".old-step-{state.step}-{uuid.uuid4().hex}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    return final
+
+
+def latest_checkpoint(lake: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None if there is none."""
+    root = checkpoints_root(lake)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / "meta.json").is_file() and (entry / "state.pt").is_file():
+            step = int(match.group(1))
+            if best is None or step > best[0]:
+                best = (step, entry)
+    return None if best is None else best[1]
+
+
+def read_state(path: str | Path) -> TrainState:
+    """The :class:`TrainState` of a checkpoint directory (meta.json only; cheap)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    return TrainState(
+        step=meta["step"],
+        examples_seen=meta["examples_seen"],
+        examples_version=meta["examples_version"],
+        extra=meta["extra"],
+    )
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    numpy_rng: np.random.Generator | None = None,
+) -> TrainState:
+    """Restore model, optimisers and every RNG (torch, python, numpy global, ``numpy_rng``) in place.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+        ValueError: the optimiser names differ from the saved ones.
+        RuntimeError: the model's parameters do not match the saved state dict (torch's message).
+    """
+    path = Path(path)
+    if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
+    # weights_only=False: the payload holds RNG states (numpy arrays, tuples) the trainer wrote itself.
+    payload = torch.load(path / "state.pt", weights_only=False)
+    if set(payload["optimizers"]) != set(optimizers):
+        raise ValueError(
+            f"checkpoint has optimisers {sorted(payload['optimizers'])}, got {sorted(optimizers)}; "
+            "build the same optimisers as the run that saved it"
+        )
+    model.load_state_dict(payload["model"])
+    for name, opt in optimizers.items():
+        opt.load_state_dict(payload["optimizers"][name])
+    rng = payload["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy_global"])
+    if numpy_rng is not None and rng["numpy_generator"] is not None:
+        numpy_rng.bit_generator.state = rng["numpy_generator"]
+    return read_state(path)

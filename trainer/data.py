@@ -1,0 +1,340 @@
+"""From a version of the ``examples`` Delta table to TorchRec batches.
+
+Shape letters: N examples in a split, B examples in a batch, S = len(SPARSE_FEATURES) sparse
+features, F dense features, L_i history length of example i, T = sum L_i over a batch.
+
+The sequence of each example is one jagged row; a batch keeps it jagged (no padding)::
+
+    example      0         1      2
+    seq_length   3         0      2
+    values       [a b c]   []     [d e]     -> values (T=5,), lengths (B=3,) = [3, 0, 2]
+
+String ids are hashed with ``hashlib.blake2b`` (keyed by a namespace, so ``item_id`` and
+``seq_item_ids`` share one id space) into ``[1, num_embeddings)``; row 0 is reserved for null.
+blake2b, unlike Python's ``hash``, is identical across processes and runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gemline.lake import open_table, read_table
+from sequences.schema import SPARSE_FEATURES, dense_feature_names
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_KEYS: tuple[str, ...] = ("seq_item_ids", "seq_categories", "seq_event_types")
+"""Sequence columns the model embeds (``seq_domains`` is not used), keys of ``Batch.sequence``."""
+
+HASH_NAMESPACE: dict[str, str] = {
+    **{name: name for name in SPARSE_FEATURES},
+    "item_id": "item",
+    "category": "category",
+    "seq_item_ids": "item",
+    "seq_categories": "category",
+    "seq_event_types": "event_type",
+}
+"""Hash namespace per column: a candidate and its history share ids (the target-aware attention needs it)."""
+
+NULL_ID = 0
+"""Embedding row of a null (or empty-string) id."""
+
+
+def hash_ids(values: pa.Array | pa.ChunkedArray, num_embeddings: int, namespace: str) -> np.ndarray:
+    """Hash strings to embedding rows, stable across processes.
+
+    Args:
+        values: (N,) strings, nulls allowed.
+        num_embeddings: table rows; ids land in ``[1, num_embeddings)``, null and "" map to 0.
+        namespace: salt of the hash (blake2b ``person``), so equal strings of different
+            columns can land on different rows.
+
+    Returns:
+        (N,) int64 ids.
+
+    Raises:
+        ValueError: ``num_embeddings`` < 2 (no room for a non-null row).
+        TypeError: ``values`` is not a string array.
+    """
+    if num_embeddings < 2:
+        raise ValueError(f"num_embeddings must be >= 2 (row 0 is the null id), got {num_embeddings}")
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        raise TypeError(f"hash_ids expects a string array, got {values.type}; cast the column to string first")
+    encoded = values.dictionary_encode()
+    person = namespace.encode()[:16]
+    rows = np.fromiter(
+        (
+            NULL_ID
+            if not s
+            else 1 + int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8, person=person).digest(), "little")
+            % (num_embeddings - 1)
+            for s in encoded.dictionary.to_pylist()
+        ),
+        dtype=np.int64,
+        count=len(encoded.dictionary),
+    )
+    indices = encoded.indices.to_numpy(zero_copy_only=False)
+    out = np.full(len(values), NULL_ID, dtype=np.int64)
+    valid = ~np.asarray(encoded.indices.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    out[valid] = rows[indices[valid].astype(np.int64)]
+    return out
+
+
+def signed_log1p(x: np.ndarray) -> np.ndarray:
+    """sign(x) * log1p(|x|) with NaN and ±inf mapped to 0; float64 in, float64 out, same shape."""
+    x = np.asarray(x, dtype=np.float64)
+    finite = np.isfinite(x)
+    safe = np.where(finite, x, 0.0)
+    return np.sign(safe) * np.log1p(np.abs(safe))
+
+
+@dataclass(frozen=True)
+class DenseNormalizer:
+    """Standardizes signed-log dense features with train-set statistics; cannot emit NaN or inf.
+
+    ``mean`` and ``std`` are (F,) float64; a constant feature gets std 1.
+    """
+
+    names: tuple[str, ...]
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, names: tuple[str, ...], raw: np.ndarray) -> DenseNormalizer:
+        """Statistics of ``raw`` (N, F) float64 (NaN for null) after :func:`signed_log1p`."""
+        logged = signed_log1p(raw)
+        if len(logged) == 0:
+            return cls(names, np.zeros(len(names)), np.ones(len(names)))
+        std = logged.std(axis=0)
+        return cls(names, logged.mean(axis=0), np.where(std > 1e-12, std, 1.0))
+
+    def transform(self, raw: np.ndarray) -> np.ndarray:
+        """(N, F) float64 raw values -> (N, F) float32 normalized, finite."""
+        return ((signed_log1p(raw) - self.mean) / self.std).astype(np.float32)
+
+    def to_dict(self) -> dict:
+        """JSON-able form, saved with checkpoints."""
+        return {"names": list(self.names), "mean": self.mean.tolist(), "std": self.std.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DenseNormalizer:
+        """Inverse of :meth:`to_dict`."""
+        return cls(tuple(d["names"]), np.asarray(d["mean"], dtype=np.float64), np.asarray(d["std"], dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One training batch.
+
+    Attributes:
+        sparse: KeyedJaggedTensor, keys = SPARSE_FEATURES, one id per key per example
+            (lengths all 1, values (S*B,) int64, key-major).
+        sequence: KeyedJaggedTensor, keys = SEQUENCE_KEYS, lengths = seq_length per key
+            (values (3*T,) int64, key-major), no padding.
+        dense: (B, F) float32, normalized.
+        labels: (B, 2) float32, columns (click, conversion).
+        domains: (B,) domain strings, for per-domain metrics.
+    """
+
+    sparse: KeyedJaggedTensor
+    sequence: KeyedJaggedTensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+    domains: list[str]
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return int(self.labels.shape[0])
+
+
+@dataclass(frozen=True)
+class EncodedExamples:
+    """A split with every column hashed and normalized, ready to slice into batches.
+
+    Attributes:
+        sparse_ids: (N, S) int64.
+        seq_values: SEQUENCE_KEYS -> (sum L_i,) int64, row i at ``seq_offsets[i]:seq_offsets[i+1]``.
+        seq_offsets: (N+1,) int64.
+        dense: (N, F) float32.
+        labels: (N, 2) float32.
+        domains: (N,) object array of str.
+    """
+
+    sparse_ids: np.ndarray
+    seq_values: dict[str, np.ndarray]
+    seq_offsets: np.ndarray
+    dense: np.ndarray
+    labels: np.ndarray
+    domains: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass(frozen=True)
+class ExamplesSplit:
+    """The temporal split of one examples version: train on every date but the last, eval on the last."""
+
+    examples_version: int
+    train: pa.Table
+    eval: pa.Table
+    train_dates: tuple[str, ...]
+    eval_date: str
+
+
+def latest_examples_version(lake: str | Path) -> int:
+    """Newest Delta version of ``examples``; raises FileNotFoundError if the table does not exist."""
+    dt = open_table(lake, "examples")
+    if dt is None:
+        raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
+    return dt.version()
+
+
+def temporal_split(table: pa.Table, examples_version: int) -> ExamplesSplit:
+    """Split by ``event_date``: the last date is eval, every earlier date is train.
+
+    Raises:
+        ValueError: fewer than 2 distinct dates (names the dates found).
+    """
+    dates = sorted(pc.unique(table["event_date"]).to_pylist())
+    if len(dates) < 2:
+        raise ValueError(
+            f"temporal split needs examples on >= 2 distinct event_date values, got {dates}; "
+            "build more days of examples before training"
+        )
+    eval_date = dates[-1]
+    is_eval = pc.equal(table["event_date"], eval_date)
+    return ExamplesSplit(
+        examples_version=examples_version,
+        train=table.filter(pc.invert(is_eval)),
+        eval=table.filter(is_eval),
+        train_dates=tuple(dates[:-1]),
+        eval_date=eval_date,
+    )
+
+
+def load_split(lake: str | Path, examples_version: int) -> ExamplesSplit:
+    """Read ``examples@examples_version`` and split it by date (see :func:`temporal_split`).
+
+    Raises:
+        FileNotFoundError: the table or version does not exist.
+        ValueError: fewer than 2 dates, or a missing required column.
+    """
+    table = read_table(lake, "examples", examples_version)
+    if table is None:
+        raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
+    required = ["event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]
+    missing = [c for c in required if c not in table.schema.names]
+    if missing:
+        raise ValueError(f"examples@{examples_version} lacks columns {missing}; expected the sequences/schema.py contract")
+    return temporal_split(table, examples_version)
+
+
+def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
+    if not names:
+        return np.zeros((table.num_rows, 0), dtype=np.float64)
+    cols = [table[n].cast(pa.float64()).to_numpy(zero_copy_only=False) for n in names]
+    return np.stack([np.asarray(c, dtype=np.float64) for c in cols], axis=1)
+
+
+def dense_names(table: pa.Table) -> tuple[str, ...]:
+    """The ``f_*`` columns of ``table`` in schema order."""
+    return tuple(dense_feature_names(table.schema))
+
+
+def fit_normalizer(train: pa.Table) -> DenseNormalizer:
+    """Fit dense statistics on the train split only (the eval day must not leak into them)."""
+    names = dense_names(train)
+    return DenseNormalizer.fit(names, _dense_raw(train, names))
+
+
+def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer) -> EncodedExamples:
+    """Hash, flatten and normalize a split.
+
+    Raises:
+        ValueError: a sequence column's list lengths disagree with ``seq_length``, or a dense
+            column of ``normalizer`` is missing.
+    """
+    missing = [n for n in normalizer.names if n not in table.schema.names]
+    if missing:
+        raise ValueError(f"dense features {missing} were in the train split but are missing here")
+    n = table.num_rows
+    sparse = np.stack(
+        [hash_ids(table[name], num_embeddings, HASH_NAMESPACE[name]) for name in SPARSE_FEATURES], axis=1
+    ) if n else np.zeros((0, len(SPARSE_FEATURES)), dtype=np.int64)
+    seq_length = table["seq_length"].to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(seq_length, out=offsets[1:])
+    seq_values: dict[str, np.ndarray] = {}
+    for key in SEQUENCE_KEYS:
+        column = table[key].combine_chunks() if n else pa.array([], pa.list_(pa.string()))
+        lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        if not np.array_equal(lengths, seq_length):
+            bad = int(np.flatnonzero(lengths != seq_length)[0])
+            raise ValueError(
+                f"{key} row {bad} has {lengths[bad]} elements but seq_length={seq_length[bad]}; "
+                "sequence columns must be aligned with seq_length (sequences/schema.py)"
+            )
+        seq_values[key] = hash_ids(pc.list_flatten(column), num_embeddings, HASH_NAMESPACE[key])
+    labels = np.stack(
+        [table[c].to_numpy(zero_copy_only=False).astype(np.float32) for c in ("label_click", "label_conversion")], axis=1
+    ) if n else np.zeros((0, 2), dtype=np.float32)
+    return EncodedExamples(
+        sparse_ids=sparse,
+        seq_values=seq_values,
+        seq_offsets=offsets,
+        dense=normalizer.transform(_dense_raw(table, normalizer.names)),
+        labels=labels,
+        domains=np.asarray(table["domain"].to_pylist(), dtype=object),
+    )
+
+
+def make_batch(data: EncodedExamples, rows: np.ndarray) -> Batch:
+    """Gather ``rows`` (B,) int64 of ``data`` into a :class:`Batch` without padding."""
+    rows = np.asarray(rows, dtype=np.int64)
+    starts = data.seq_offsets[rows]
+    lengths = data.seq_offsets[rows + 1] - starts
+    # Element j of the gathered values comes from position starts[row] + (j - first j of that row).
+    gather = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
+    sparse_ids = data.sparse_ids[rows]
+    sparse = KeyedJaggedTensor(
+        keys=list(SPARSE_FEATURES),
+        values=torch.from_numpy(np.ascontiguousarray(sparse_ids.T).reshape(-1)),
+        lengths=torch.ones(len(SPARSE_FEATURES) * len(rows), dtype=torch.int64),
+    )
+    sequence = KeyedJaggedTensor(
+        keys=list(SEQUENCE_KEYS),
+        values=torch.from_numpy(np.concatenate([data.seq_values[k][gather] for k in SEQUENCE_KEYS])),
+        lengths=torch.from_numpy(np.tile(lengths, len(SEQUENCE_KEYS))),
+    )
+    return Batch(
+        sparse=sparse,
+        sequence=sequence,
+        dense=torch.from_numpy(data.dense[rows]),
+        labels=torch.from_numpy(data.labels[rows]),
+        domains=[str(d) for d in data.domains[rows]],
+    )
+
+
+def iter_batches(data: EncodedExamples, batch_size: int, rng: np.random.Generator | None = None):
+    """Yield batches of ``batch_size`` (the last may be smaller); shuffled by ``rng`` when given."""
+    order = np.arange(len(data)) if rng is None else rng.permutation(len(data))
+    for start in range(0, len(order), batch_size):
+        yield make_batch(data, order[start : start + batch_size])
+
+
+def num_batches(data: EncodedExamples, batch_size: int) -> int:
+    """ceil(N / batch_size)."""
+    return -(-len(data) // batch_size)
