@@ -1,0 +1,215 @@
+"""Kafka record -> ``events`` row or ``dead_letter`` row: the only place raw bytes become Events.
+
+:func:`parse_record` is pure (the clock is passed in) and never raises on any message value:
+every record ends in exactly one of the two tables. Checks run in this order and the first that
+fails names the dead-letter reason:
+
+==============================  =============================================================
+reason                          meaning
+==============================  =============================================================
+``not_json``                    the value is not UTF-8 JSON
+``not_object``                  valid JSON, but not an object (a list, a string, ...)
+``unsupported_schema_version``  ``schema_version`` is not an int, or not a version we read
+                                (absent means the current version, as ``Event`` defaults it)
+``missing_field``               a required field is absent, null or an empty string (detail
+                                names every such field)
+``wrong_type``                  a field has another JSON type than declared (booleans are not
+                                ints; optional fields, when present and not null, too), or an
+                                int outside its column's range (int64 times, int32 position/age)
+``unknown_event_type``          ``event_type`` is not one of ``EVENT_TYPES``
+``unknown_domain``              ``domain`` is not one of the configured domains
+``future_event_time``           ``event_time_ms > now_ms + max_future_skew_ms``
+==============================  =============================================================
+
+Fields the schema does not know are ignored, so that producers can add fields before consumers
+read them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import apache_beam as beam
+
+from ingest.kafka_source import KafkaRecord
+from ingest.schema import EVENT_TYPES, OPTIONAL_FIELDS, REQUIRED_FIELDS, SCHEMA_VERSION
+
+GOOD = "good"
+"""Tag of ParseEvents' events-row output."""
+DEAD_LETTER = "dead_letter"
+"""Tag of ParseEvents' dead-letter-row output."""
+
+REASONS: tuple[str, ...] = (
+    "not_json",
+    "not_object",
+    "unsupported_schema_version",
+    "missing_field",
+    "wrong_type",
+    "unknown_event_type",
+    "unknown_domain",
+    "future_event_time",
+)
+"""Every dead-letter reason code :func:`parse_record` emits."""
+
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+_FIELD_TYPES: dict[str, tuple[type, tuple[int, int] | None]] = {
+    "event_id": (str, None),
+    "event_time_ms": (int, _INT64),
+    "user_id": (str, None),
+    "item_id": (str, None),
+    "domain": (str, None),
+    "event_type": (str, None),
+    "category": (str, None),
+    "position": (int, _INT32),
+    "ad_format": (str, None),
+    "age": (int, _INT32),
+    "gender": (str, None),
+    "location": (str, None),
+}
+_MS_PER_DAY = 86_400_000
+_EPOCH = dt.date(1970, 1, 1)
+
+Outcome = tuple[Literal["ok"], dict[str, Any]] | tuple[Literal["dead"], dict[str, Any]]
+
+
+def event_date(event_time_ms: int) -> str:
+    """UTC calendar date ``YYYY-MM-DD`` of a time in ms since epoch (integer arithmetic, exact).
+
+    Raises:
+        OverflowError: the date falls outside years 1..9999.
+    """
+    return (_EPOCH + dt.timedelta(days=event_time_ms // _MS_PER_DAY)).isoformat()
+
+
+def _type_error(name: str, value: Any) -> str | None:
+    """Why ``value`` does not fit field ``name``'s column, or None if it does."""
+    want, bounds = _FIELD_TYPES[name]
+    # bool is a subclass of int in Python, but true/false is not a number on the wire.
+    if not isinstance(value, want) or isinstance(value, bool):
+        return f"{name}: expected {want.__name__}, got {type(value).__name__} {value!r:.80}"
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        return f"{name}: expected an int in [{bounds[0]}, {bounds[1]}], got {value}"
+    return None
+
+
+def _dead(rec: KafkaRecord, reason: str, detail: str) -> tuple[Literal["dead"], dict[str, Any]]:
+    return "dead", {
+        "reason": reason,
+        "detail": detail,
+        "raw": rec.value,
+        "kafka_topic": rec.topic,
+        "kafka_partition": rec.partition,
+        "kafka_offset": rec.offset,
+        "created_ts_ms": rec.timestamp_ms,
+    }
+
+
+def parse_record(
+    rec: KafkaRecord, *, domains: Iterable[str], now_ms: int, max_future_skew_ms: int
+) -> Outcome:
+    """Validate one Kafka record against the Event schema.
+
+    Args:
+        rec: the record; ``rec.value`` is the JSON wire format of ``ingest.schema.Event``.
+        domains: known domains (``IngestConfig.domains``).
+        now_ms: the ingest clock, ms since epoch UTC (fixed per batch so that a rerun decides alike).
+        max_future_skew_ms: tolerated lead of event time over ``now_ms``, ms.
+
+    Returns:
+        ``("ok", row)`` with a row of ``EVENTS_TABLE_SCHEMA`` (Event fields, ``created_ts_ms`` =
+        the Kafka record timestamp, ``event_date`` = UTC date of ``event_time_ms``, Kafka
+        coordinates), or ``("dead", row)`` with a row of ``DEAD_LETTER_SCHEMA`` whose ``reason``
+        is one of :data:`REASONS` (see the module docstring).
+    """
+    try:
+        obj = json.loads(rec.value.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # ValueError covers bad UTF-8, bad JSON, ints too long to parse
+        return _dead(rec, "not_json", f"value is not UTF-8 JSON: {exc}"[:500])
+    if not isinstance(obj, dict):
+        return _dead(rec, "not_object", f"expected a JSON object, got {type(obj).__name__}")
+
+    version = obj.get("schema_version", SCHEMA_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version != SCHEMA_VERSION:
+        return _dead(rec, "unsupported_schema_version",
+                     f"schema_version: expected {SCHEMA_VERSION}, got {version!r:.80}; upgrade gemline to read it")
+
+    missing = [name for name in REQUIRED_FIELDS if obj.get(name) is None or obj.get(name) == ""]
+    if missing:
+        return _dead(rec, "missing_field", f"required field(s) absent, null or empty: {', '.join(missing)}")
+
+    for name in REQUIRED_FIELDS + OPTIONAL_FIELDS:
+        value = obj.get(name)
+        if value is None:
+            continue
+        problem = _type_error(name, value)
+        if problem is not None:
+            return _dead(rec, "wrong_type", problem)
+
+    if obj["event_type"] not in EVENT_TYPES:
+        return _dead(rec, "unknown_event_type", f"event_type: expected one of {EVENT_TYPES}, got {obj['event_type']!r:.80}")
+    domain_set = frozenset(domains)
+    if obj["domain"] not in domain_set:
+        return _dead(rec, "unknown_domain", f"domain: expected one of {sorted(domain_set)}, got {obj['domain']!r:.80}")
+    limit_ms = now_ms + max_future_skew_ms
+    if obj["event_time_ms"] > limit_ms:
+        return _dead(rec, "future_event_time",
+                     f"event_time_ms {obj['event_time_ms']} is after the ingest clock {now_ms} + skew "
+                     f"{max_future_skew_ms} = {limit_ms}")
+    try:
+        date = event_date(obj["event_time_ms"])
+    except OverflowError:
+        return _dead(rec, "wrong_type", f"event_time_ms: {obj['event_time_ms']} is outside years 1..9999")
+
+    row: dict[str, Any] = {name: obj.get(name) for name in REQUIRED_FIELDS + OPTIONAL_FIELDS}
+    row["schema_version"] = version
+    row["created_ts_ms"] = rec.timestamp_ms
+    row["event_date"] = date
+    row["kafka_topic"] = rec.topic
+    row["kafka_partition"] = rec.partition
+    row["kafka_offset"] = rec.offset
+    return "ok", row
+
+
+class _ParseFn(beam.DoFn):
+    def __init__(self, domains: tuple[str, ...], now_ms: int, max_future_skew_ms: int) -> None:
+        self._domains = frozenset(domains)
+        self._now_ms = now_ms
+        self._skew_ms = max_future_skew_ms
+
+    def process(self, rec: KafkaRecord) -> Iterator[Any]:
+        kind, row = parse_record(rec, domains=self._domains, now_ms=self._now_ms, max_future_skew_ms=self._skew_ms)
+        if kind == "ok":
+            yield row
+        else:
+            yield beam.pvalue.TaggedOutput(DEAD_LETTER, row)
+
+
+class ParseEvents(beam.PTransform):
+    """PCollection[KafkaRecord] -> tagged outputs ``good`` (events rows) and ``dead_letter`` rows.
+
+    Use as ``out = records | ParseEvents(...)``; then ``out.good`` / ``out.dead_letter`` (or
+    ``out[GOOD]`` / ``out[DEAD_LETTER]``). Each record lands in exactly one output; see
+    :func:`parse_record` for the rules and the reason codes.
+
+    Raises:
+        ValueError: no domains, or a negative skew.
+    """
+
+    def __init__(self, domains: Iterable[str], now_ms: int, max_future_skew_ms: int) -> None:
+        super().__init__()
+        self._domains = tuple(domains)
+        if not self._domains:
+            raise ValueError("ParseEvents: expected at least one domain, got none")
+        if max_future_skew_ms < 0:
+            raise ValueError(f"ParseEvents: expected max_future_skew_ms >= 0, got {max_future_skew_ms}")
+        self._now_ms = int(now_ms)
+        self._skew_ms = int(max_future_skew_ms)
+
+    def expand(self, records: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
+        return records | "Parse" >> beam.ParDo(_ParseFn(self._domains, self._now_ms, self._skew_ms)).with_outputs(
+            DEAD_LETTER, main=GOOD
+        )

@@ -1,0 +1,209 @@
+"""The ingest job end to end against the embedded broker: exactly once, restartable, recoverable."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pyarrow as pa
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+import gemline.lake as lake_mod
+from gemline.config import GemlineConfig
+from gemline.lake import commit_metadata, committed_version, read_table
+from ingest.broker import EmbeddedBroker
+from ingest.config import IngestConfig, KafkaConfig
+from ingest.kafka_source import OffsetRange, plan_snapshot
+from ingest.parse import event_date
+from ingest.pipeline import app_id_for, read_staged, run_ingest, staging_dir
+from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
+
+pytestmark = pytest.mark.integration
+
+NOW_MS = 1_750_000_000_000  # fixed ingest clock: 2025-06-15T15:06:40Z
+BASE_MS = 1_749_000_000_000  # events span < NOW_MS - BASE_MS (11.5 days at 2 h apart)
+PARTITIONS = 3
+_topic_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def broker():
+    with EmbeddedBroker() as b:
+        yield b
+
+
+@pytest.fixture
+def topic(broker) -> str:
+    name = f"events-{next(_topic_ids)}"
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    for fut in admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)]).values():
+        fut.result(timeout=30)
+    return name
+
+
+def _config(lake, topic: str) -> GemlineConfig:
+    return GemlineConfig(lake=str(lake), kafka=KafkaConfig(topic=topic, partitions=PARTITIONS), ingest=IngestConfig())
+
+
+def _produce(bootstrap: str, topic: str, values: list[tuple[bytes, bytes]]) -> None:
+    # One message per record batch: tansu's high watermark is (base offset of last batch) + 1.
+    producer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 1, "linger.ms": 0})
+    for key, value in values:
+        producer.produce(topic, key=key, value=value)
+        producer.flush(30)  # flushing each keeps the per-partition order = production order
+    assert producer.flush(30) == 0
+
+
+def _good(start: int, n: int) -> list[tuple[bytes, bytes]]:
+    out = []
+    for i in range(start, start + n):
+        ev = Event(event_id=f"e{i}", event_time_ms=BASE_MS + i * 7_200_000, user_id=f"u{i % 5}",
+                   item_id=f"i{i}", domain="facebook", event_type="impression", position=i % 4 + 1)
+        out.append((ev.key, ev.to_json()))
+    return out
+
+
+BAD = [
+    (b"u0", b"{not json"),
+    (b"u1", b'{"event_id":"x","event_time_ms":1,"user_id":"u","item_id":"i","domain":"facebook"}'),
+    (b"u2", Event(event_id="y", event_time_ms=BASE_MS, user_id="u2", item_id="i", domain="tiktok",
+                  event_type="click").to_json()),
+]
+
+
+def _coords(table: pa.Table | None) -> list[tuple[int, int]]:
+    if table is None:
+        return []
+    return list(zip(table["kafka_partition"].to_pylist(), table["kafka_offset"].to_pylist()))
+
+
+def _all_offsets(bootstrap: str, topic: str) -> set[tuple[int, int]]:
+    return {(r.partition, o) for r in plan_snapshot(bootstrap, topic, {}) for o in range(r.start, r.end)}
+
+
+def test_ingest_is_exactly_once_and_incremental(broker, topic, tmp_path):
+    cfg = _config(tmp_path / "lake", topic)
+    _produce(broker.bootstrap, topic, _good(0, 20) + BAD)
+
+    first = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert (first.batch_version, first.events_written, first.dead_letter_written, first.skipped) == (0, 20, 3, False)
+    events, dead = read_table(cfg.lake, "events"), read_table(cfg.lake, "dead_letter")
+    assert events.schema == EVENTS_TABLE_SCHEMA and dead.schema == DEAD_LETTER_SCHEMA
+    assert lake_mod.open_table(cfg.lake, "events").metadata().partition_columns == ["event_date"]
+    ev_keys, dead_keys = _coords(events), _coords(dead)
+    assert len(ev_keys) == len(set(ev_keys)) == 20 and len(dead_keys) == len(set(dead_keys)) == 3
+    assert set(ev_keys).isdisjoint(dead_keys)
+    assert set(ev_keys) | set(dead_keys) == _all_offsets(broker.bootstrap, topic)
+    assert sorted(events["event_id"].to_pylist()) == sorted(f"e{i}" for i in range(20))
+    assert sorted(dead["reason"].to_pylist()) == ["missing_field", "not_json", "unknown_domain"]
+    for row in events.to_pylist():
+        assert row["event_date"] == event_date(row["event_time_ms"])
+        assert row["kafka_topic"] == topic
+    assert not staging_dir(cfg.lake, 0).exists()
+    meta = commit_metadata(cfg.lake, "events", app_id_for(topic))
+    assert {int(p): e for p, e in meta["end_offsets"].items()} == {r.partition: r.end for r in first.offset_ranges}
+
+    second = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert second.skipped and (second.events_written, second.dead_letter_written) == (0, 0)
+    assert read_table(cfg.lake, "events").num_rows == 20
+    assert committed_version(cfg.lake, "events", app_id_for(topic)) == 0
+
+    _produce(broker.bootstrap, topic, _good(20, 7) + BAD[:1])
+    third = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert (third.batch_version, third.events_written, third.dead_letter_written) == (1, 7, 1)
+    assert all(r.start == prev.end for r, prev in zip(third.offset_ranges, first.offset_ranges))
+    events, dead = read_table(cfg.lake, "events"), read_table(cfg.lake, "dead_letter")
+    keys = _coords(events) + _coords(dead)
+    assert len(keys) == len(set(keys)) and set(keys) == _all_offsets(broker.bootstrap, topic)
+    assert sorted(events["event_id"].to_pylist()) == sorted(f"e{i}" for i in range(27))
+
+
+def _rows(table: pa.Table) -> list[dict]:
+    return sorted(table.to_pylist(), key=lambda r: (r["kafka_partition"], r["kafka_offset"]))
+
+
+def test_crash_between_commits_recovers_to_the_clean_result(broker, topic, tmp_path, monkeypatch):
+    msgs = _good(0, 12) + BAD
+    _produce(broker.bootstrap, topic, msgs)
+    clean_cfg = _config(tmp_path / "clean", topic)
+    run_ingest(clean_cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+
+    cfg = _config(tmp_path / "crashy", topic)
+    real_commit = lake_mod.commit_once
+    crashed = []
+
+    def commit_or_crash(lake, table, data, **kw):
+        if table == "events" and not crashed:
+            crashed.append(True)
+            raise OSError("simulated crash before the events commit")
+        return real_commit(lake, table, data, **kw)
+
+    monkeypatch.setattr("ingest.pipeline.commit_once", commit_or_crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert committed_version(cfg.lake, "dead_letter", app_id_for(topic)) == 0
+    assert committed_version(cfg.lake, "events", app_id_for(topic)) is None
+
+    # More messages arrive before the restart: the recovered batch must still end where the crashed one did,
+    # and use the crashed run's clock, not the new one.
+    _produce(broker.bootstrap, topic, _good(100, 4))
+    recovered = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS + 10**12)
+    assert recovered.recovered and recovered.batch_version == 0
+    assert (recovered.events_written, recovered.dead_letter_written) == (12, 0)
+    for table in ("events", "dead_letter"):
+        assert _rows(read_table(cfg.lake, table)) == _rows(read_table(clean_cfg.lake, table))
+
+    after = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert (after.batch_version, after.events_written, after.dead_letter_written, after.recovered) == (1, 4, 0, False)
+
+
+def test_all_dead_batch_still_advances_offsets(broker, topic, tmp_path):
+    cfg = _config(tmp_path / "lake", topic)
+    _produce(broker.bootstrap, topic, BAD)
+    res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert (res.events_written, res.dead_letter_written) == (0, 3)
+    assert read_table(cfg.lake, "events").num_rows == 0
+    assert run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
+
+
+def test_kafka_python_client_reads_the_same_records(broker, topic, tmp_path):
+    _produce(broker.bootstrap, topic, _good(0, 6) + BAD[:1])
+    a = run_ingest(_config(tmp_path / "a", topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    cfg_b = dataclasses.replace(_config(tmp_path / "b", topic),
+                                kafka=KafkaConfig(topic=topic, partitions=PARTITIONS, client="kafka-python"))
+    b = run_ingest(cfg_b, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert a.offset_ranges == b.offset_ranges
+    for table in ("events", "dead_letter"):
+        assert _rows(read_table(tmp_path / "a", table)) == _rows(read_table(tmp_path / "b", table))
+
+
+def test_plan_rejects_offsets_past_the_watermark(broker, topic):
+    _produce(broker.bootstrap, topic, _good(0, 2))
+    with pytest.raises(ValueError, match="past the high watermark"):
+        plan_snapshot(broker.bootstrap, topic, {0: 10_000})
+    with pytest.raises(ValueError, match="partitions \\[7\\]"):
+        plan_snapshot(broker.bootstrap, topic, {7: 0})
+    with pytest.raises(ValueError, match="not found"):
+        plan_snapshot(broker.bootstrap, "no-such-topic", {})
+
+
+def test_read_staged_drops_duplicate_coordinates(tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = [{"reason": "not_json", "detail": "d", "raw": b"x", "kafka_topic": "t", "kafka_partition": p,
+             "kafka_offset": o, "created_ts_ms": 5} for p, o in [(1, 3), (0, 2), (1, 3), (0, 1)]]
+    pq.write_table(pa.Table.from_pylist(rows[:2], schema=DEAD_LETTER_SCHEMA), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[2:], schema=DEAD_LETTER_SCHEMA), tmp_path / "b.parquet")
+    out = read_staged(tmp_path, DEAD_LETTER_SCHEMA)
+    assert _coords(out) == [(0, 1), (0, 2), (1, 3)]
+    assert read_staged(tmp_path / "missing", DEAD_LETTER_SCHEMA).num_rows == 0
+
+
+def test_offset_range_validates_and_round_trips():
+    r = OffsetRange("t", 2, 5, 9)
+    assert r.num_offsets == 4 and OffsetRange.from_dict(r.to_dict()) == r
+    for bad in [("t", -1, 0, 0), ("t", 0, -1, 0), ("t", 0, 5, 4)]:
+        with pytest.raises(ValueError, match="expected"):
+            OffsetRange(*bad)
