@@ -1,0 +1,176 @@
+"""Replaying dataset records into a Kafka topic, in event-time order, keyed by user.
+
+This is the "live traffic" of the demo and the integration tests: the records of a real dataset
+(:mod:`ingest.datasets`) are produced as if they happened now, oldest first. Events go out as
+``Event.to_json()`` keyed by ``Event.key`` (the user id, so that one user's events share a
+partition and keep their order); RawRecords go out with their own key and value, so that the
+ingest job dead-letters them.
+
+Replay is not idempotent at the Kafka level (Kafka has no such thing for a plain producer): a
+second replay appends the records again, and the ingest job drops the repeats by ``event_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from tqdm import tqdm
+
+from ingest.datasets import load_records
+from ingest.datasets.types import RawRecord, Record, event_time_sort_key
+from ingest.schema import Event
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    """What a replay produced."""
+
+    num_events: int
+    """Events produced (and acknowledged by the broker)."""
+    num_raw: int
+    """RawRecords (unmappable source rows) produced."""
+    topic: str
+    """Topic written to."""
+    partitions: int
+    """Partition count of the topic."""
+
+
+class DeliveryError(RuntimeError):
+    """The broker refused or lost a produced message."""
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> int:
+    """Create ``topic`` with ``partitions`` partitions unless it exists; return its partition count.
+
+    Uses ``confluent_kafka.admin.AdminClient.create_topics`` (replication factor 1) and treats
+    ``TOPIC_ALREADY_EXISTS`` as success.
+
+    Raises:
+        ValueError: ``partitions < 1``, or the topic exists with a different partition count
+            (delete it or pass its count).
+        KafkaException: the broker failed the request.
+    """
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
+                                  request_timeout=timeout_s)
+    try:
+        futures[topic].result(timeout=timeout_s)
+    except KafkaException as err:
+        if err.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise
+    metadata = admin.list_topics(topic=topic, timeout=timeout_s)
+    existing = len(metadata.topics[topic].partitions)
+    if existing != partitions:
+        raise ValueError(
+            f"topic {topic!r} exists with {existing} partitions, expected {partitions}; "
+            f"pass partitions={existing} or use another topic"
+        )
+    return existing
+
+
+def _key_value(record: Record) -> tuple[bytes, bytes]:
+    """The Kafka (key, value) of a record."""
+    if isinstance(record, Event):
+        return record.key, record.to_json()
+    if isinstance(record, RawRecord):
+        return record.key, record.value
+    raise TypeError(f"expected an Event or RawRecord, got {type(record).__name__}")
+
+
+def replay(
+    records: Iterable[Record],
+    *,
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    batch_messages: int = 1,
+    progress: bool = True,
+    flush_timeout_s: float = 60.0,
+) -> ReplayResult:
+    """Produce ``records`` to ``topic`` in event-time order, keyed by user id, and wait for acks.
+
+    Records are stably sorted by ``event_time_ms`` first (RawRecords last), so an already sorted
+    input (as from :func:`ingest.datasets.load_records`) keeps its order exactly.
+
+    Args:
+        records: Events and RawRecords.
+        bootstrap: ``HOST:PORT`` of the cluster.
+        topic: created with ``partitions`` partitions if missing.
+        partitions: partition count (must match an existing topic's).
+        batch_messages: librdkafka ``batch.num.messages``; keep 1 on tansu (its high watermark
+            counts batches, see :class:`ingest.config.KafkaConfig`).
+        progress: show a tqdm bar (messages).
+        flush_timeout_s: how long the final flush may wait for outstanding acks, seconds.
+
+    Returns:
+        counts of what was acknowledged.
+
+    Raises:
+        ValueError: bad ``partitions``/``batch_messages`` or a partition-count mismatch.
+        TypeError: a record is neither an Event nor a RawRecord.
+        DeliveryError: any message failed delivery, or acks were still missing after the flush.
+    """
+    if batch_messages < 1:
+        raise ValueError(f"batch_messages must be >= 1, got {batch_messages}")
+    ordered = sorted(records, key=event_time_sort_key)
+    messages = [_key_value(record) for record in ordered]  # type-checks every record before producing
+    num_partitions = ensure_topic(bootstrap, topic, partitions)
+    failures: list[str] = []
+
+    def on_delivery(err: KafkaError | None, msg: Message) -> None:
+        # Recorded, then raised from the main loop: an exception raised inside librdkafka's
+        # callback would surface at an arbitrary later poll.
+        if err is not None:
+            failures.append(f"{msg.topic()}[{msg.partition()}] key={msg.key()!r}: {err}")
+
+    def check() -> None:
+        if failures:
+            raise DeliveryError(f"{len(failures)} message(s) failed delivery; first: {failures[0]}")
+
+    producer = Producer({
+        "bootstrap.servers": bootstrap,
+        "batch.num.messages": batch_messages,
+        "linger.ms": 0,
+        "enable.idempotence": False,  # tansu 0.x does not implement producer ids
+    })
+    with tqdm(total=len(messages), unit="msg", desc=f"replay -> {topic}", disable=not progress) as bar:
+        for key, value in messages:
+            while True:
+                try:
+                    producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+                    break
+                except BufferError:  # local queue full: serve acks, then retry
+                    producer.poll(0.1)
+            producer.poll(0)
+            check()
+            bar.update(1)
+        remaining = producer.flush(flush_timeout_s)
+    check()
+    if remaining:
+        raise DeliveryError(f"{remaining} message(s) still unacknowledged after {flush_timeout_s}s flush")
+    num_events = sum(isinstance(record, Event) for record in ordered)
+    return ReplayResult(num_events=num_events, num_raw=len(ordered) - num_events, topic=topic,
+                        partitions=num_partitions)
+
+
+def replay_dataset(
+    name: str,
+    *,
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    path: str | None = None,
+    limit: int | None = None,
+    cache_dir: str | None = None,
+    batch_messages: int = 1,
+    progress: bool = True,
+) -> ReplayResult:
+    """:func:`ingest.datasets.load_records` then :func:`replay` (arguments and errors as there)."""
+    records = load_records(name, path=path, limit=limit, cache_dir=cache_dir)
+    return replay(records, bootstrap=bootstrap, topic=topic, partitions=partitions,
+                  batch_messages=batch_messages, progress=progress)
