@@ -17,6 +17,10 @@ class BuildConfig:
     """Attribution window of a click after its impression (ms)."""
     conversion_window_ms: int = 7 * MS_PER_DAY
     """Attribution window of a conversion after its impression (ms)."""
+    ctr_prior_clicks: float = 1.0
+    """Smoothed CTR pseudo-clicks a in (clicks + a) / (impressions + a + b)."""
+    ctr_prior_non_clicks: float = 1.0
+    """Smoothed CTR pseudo-non-clicks b in (clicks + a) / (impressions + a + b)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
@@ -24,3 +28,12 @@ class BuildConfig:
         for name in ("click_window_ms", "conversion_window_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"build.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ctr_prior_clicks", "ctr_prior_non_clicks"):
+            value = getattr(self, name)
+            if not (value >= 0.0 and value < float("inf")):
+                raise ValueError(f"build.{name} must be a finite number >= 0, got {value}")
+        if self.ctr_prior_clicks + self.ctr_prior_non_clicks <= 0.0:
+            raise ValueError(
+                "build.ctr_prior_clicks + build.ctr_prior_non_clicks must be > 0 "
+                f"(else the CTR of an unseen entity is 0/0), got {self.ctr_prior_clicks} + {self.ctr_prior_non_clicks}"
+            )

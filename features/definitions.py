@@ -1,0 +1,181 @@
+"""Feature definitions as code: windowed counters per (user, domain) and per (item, domain).
+
+In the spirit of Feast's feature views (https://docs.feast.dev, "Feature view"): each
+:class:`FeatureView` names its entity keys, its event timestamp (``event_ts_ms``: the newest
+event the row reflects) and created timestamp (``created_ts_ms``: when the newest of those events
+reached Kafka), a TTL and a typed Arrow schema.
+
+Counters, for window w in :data:`WINDOWS_MS` and a query time t (ms since epoch UTC), count the
+entity's events with event time in ``[t - w, t)`` (all-time: ``(-inf, t)``): strictly before t,
+so a value "as of t" never sees the event at t (point in time). For each window:
+
+- ``impressions_<w>``, ``clicks_<w>``, ``conversions_<w>``: counts (events);
+- ``ctr_<w>``: smoothed CTR ``(clicks + a) / (impressions + a + b)`` with a =
+  ``BuildConfig.ctr_prior_clicks`` and b = ``BuildConfig.ctr_prior_non_clicks`` (defaults 1 and 1:
+  a Beta(1, 1) prior, i.e. Laplace smoothing, so an entity with no history gets 0.5 and the
+  estimate moves toward clicks/impressions as impressions grow). A click is counted against the
+  window's impressions even if its impression fell just outside the window, so the raw ratio
+  may exceed 1 on small windows; the smoothing keeps it bounded for small counts only.
+
+Shape letters: n events of one entity, Q query times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+HOUR_MS = 3600 * 1000
+DAY_MS = 24 * HOUR_MS
+
+WINDOWS_MS: dict[str, int | None] = {"1h": HOUR_MS, "1d": DAY_MS, "7d": 7 * DAY_MS, "all": None}
+"""Counter windows, name -> length in ms (None: all time)."""
+
+COUNTED_TYPES: dict[str, str] = {"impressions": "impression", "clicks": "click", "conversions": "conversion"}
+"""Counter name -> the event_type it counts."""
+
+COUNTER_NAMES: tuple[str, ...] = tuple(
+    f"{name}_{window}" for window in WINDOWS_MS for name in (*COUNTED_TYPES, "ctr")
+)
+"""Every counter column, e.g. ``impressions_1h``, ``ctr_all``."""
+
+
+def smoothed_ctr(clicks: np.ndarray | float, impressions: np.ndarray | float, a: float, b: float) -> np.ndarray:
+    """``(clicks + a) / (impressions + a + b)`` as float64 (Beta(a, b) posterior mean of the CTR).
+
+    Raises:
+        ValueError: a < 0, b < 0 or a + b == 0.
+    """
+    if a < 0 or b < 0 or a + b <= 0:
+        raise ValueError(f"CTR prior needs a >= 0, b >= 0 and a + b > 0, got a={a}, b={b}")
+    return (np.asarray(clicks, dtype=np.float64) + a) / (np.asarray(impressions, dtype=np.float64) + a + b)
+
+
+class CounterIndex:
+    """Prefix counts of one entity's events, answering windowed counters as of any times.
+
+    Args:
+        times_ms: (n,) event times, ascending, ms since epoch UTC.
+        event_types: (n,) the events' types, aligned with ``times_ms``.
+
+    Raises:
+        ValueError: lengths differ or times are not ascending.
+    """
+
+    def __init__(self, times_ms: Sequence[int], event_types: Sequence[str]) -> None:
+        if len(times_ms) != len(event_types):
+            raise ValueError(f"times_ms has {len(times_ms)} entries but event_types has {len(event_types)}")
+        self.times_ms = np.asarray(times_ms, dtype=np.int64)
+        if self.times_ms.size and np.any(np.diff(self.times_ms) < 0):
+            raise ValueError("times_ms must be ascending; sort the events by (event_time_ms, event_id) first")
+        types = np.asarray(event_types, dtype=object)
+        # prefix[k][i] = number of events of kind k among the first i events; shape (n + 1,).
+        self._prefix = {
+            name: np.concatenate([[0], np.cumsum(types == event_type)]).astype(np.int64)
+            for name, event_type in COUNTED_TYPES.items()
+        }
+
+    def counts(self, name: str, query_ms: np.ndarray, window_ms: int | None) -> np.ndarray:
+        """(Q,) int64 counts of ``name`` events with time in [t - window, t) for each query t."""
+        prefix = self._prefix[name]
+        end = prefix[np.searchsorted(self.times_ms, query_ms, side="left")]
+        if window_ms is None:
+            return end
+        return end - prefix[np.searchsorted(self.times_ms, query_ms - window_ms, side="left")]
+
+    def as_of(self, query_ms: Sequence[int] | np.ndarray, *, a: float, b: float) -> dict[str, np.ndarray]:
+        """All :data:`COUNTER_NAMES` as of each query time: ``{name: (Q,) float64}``.
+
+        Args:
+            query_ms: (Q,) query times, ms since epoch UTC, any order.
+            a, b: CTR prior (see the module docstring).
+        """
+        query = np.asarray(query_ms, dtype=np.int64)
+        out: dict[str, np.ndarray] = {}
+        for window, window_ms in WINDOWS_MS.items():
+            for name in COUNTED_TYPES:
+                out[f"{name}_{window}"] = self.counts(name, query, window_ms).astype(np.float64)
+            out[f"ctr_{window}"] = smoothed_ctr(out[f"clicks_{window}"], out[f"impressions_{window}"], a, b)
+        return out
+
+
+def counters_as_of(
+    times_ms: Sequence[int], event_types: Sequence[str], t_ms: int, *, a: float, b: float
+) -> dict[str, float]:
+    """Every counter of one entity as of ``t_ms`` (events strictly before it), as Python floats."""
+    values = CounterIndex(times_ms, event_types).as_of([t_ms], a=a, b=b)
+    return {name: float(v[0]) for name, v in values.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeatureView:
+    """A feature table defined in code (after Feast's FeatureView)."""
+
+    name: str
+    """Table name under the lake root."""
+    entity_keys: tuple[str, ...]
+    """Columns identifying one row."""
+    timestamp_field: str
+    """Event time of the newest event the row reflects (ms since epoch UTC)."""
+    created_timestamp_field: str
+    """When that newest event was appended to Kafka (ms since epoch UTC)."""
+    ttl_ms: int | None
+    """How long a row stays valid for online lookup after its event time; None: forever."""
+    schema: pa.Schema
+    """Typed columns of the table."""
+
+
+def _counter_fields() -> list[pa.Field]:
+    return [
+        pa.field(name, pa.float64() if name.startswith("ctr_") else pa.int64(), nullable=False)
+        for name in COUNTER_NAMES
+    ]
+
+
+_TIME_FIELDS = [
+    pa.field("as_of_ms", pa.int64(), nullable=False),  # counters include events with time <= as_of_ms
+    pa.field("event_ts_ms", pa.int64(), nullable=False),
+    pa.field("created_ts_ms", pa.int64(), nullable=False),
+]
+
+USER_FEATURES = FeatureView(
+    name="features/user",
+    entity_keys=("user_id", "domain"),
+    timestamp_field="event_ts_ms",
+    created_timestamp_field="created_ts_ms",
+    ttl_ms=30 * DAY_MS,
+    schema=pa.schema(
+        [
+            pa.field("user_id", pa.string(), nullable=False),
+            pa.field("domain", pa.string(), nullable=False),
+            *_TIME_FIELDS,
+            *_counter_fields(),
+            # Static attributes: the latest non-null value among the user's events in any domain.
+            pa.field("age", pa.int32()),
+            pa.field("gender", pa.string()),
+            pa.field("location", pa.string()),
+        ]
+    ),
+)
+"""Per (user_id, domain) counters plus the user's static attributes."""
+
+ITEM_FEATURES = FeatureView(
+    name="features/item",
+    entity_keys=("item_id", "domain"),
+    timestamp_field="event_ts_ms",
+    created_timestamp_field="created_ts_ms",
+    ttl_ms=30 * DAY_MS,
+    schema=pa.schema(
+        [
+            pa.field("item_id", pa.string(), nullable=False),
+            pa.field("domain", pa.string(), nullable=False),
+            *_TIME_FIELDS,
+            *_counter_fields(),
+            pa.field("category", pa.string()),  # latest non-null category of the item
+        ]
+    ),
+)
+"""Per (item_id, domain) counters plus the item's latest category."""

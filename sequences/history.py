@@ -1,0 +1,151 @@
+"""Point-in-time behaviour sequences: a user's events strictly before a time ``t``.
+
+A :class:`Timeline` holds one entity's events deduplicated by ``event_id`` and sorted once by
+(event_time_ms, event_id) as aligned column lists; :meth:`Timeline.history_before` answers each
+query with one ``bisect`` (O(log n) plus the copy of at most ``max_seq_len`` elements), so all
+impressions of a user with n events cost O(n log n + I * max_seq_len) instead of O(I * n).
+
+Events are plain mappings with the :data:`ingest.schema.EVENT_ARROW_SCHEMA` fields (the rows
+``pyarrow.Table.to_pylist`` gives); times are ms since epoch UTC.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Event = Mapping[str, Any]
+
+_REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type")
+
+
+def sorted_unique_events(events: Iterable[Event]) -> list[Event]:
+    """Deduplicate by ``event_id`` (first copy in (event_time_ms, event_id) order wins) and sort.
+
+    Duplicates come from at-least-once delivery upstream; a copy is the same event, so which one
+    is kept does not change any result.
+
+    Raises:
+        ValueError: an event lacks a required field or has a non-integer ``event_time_ms``.
+    """
+    materialised = list(events)
+    for event in materialised:
+        missing = [name for name in _REQUIRED if event.get(name) is None]
+        if missing:
+            raise ValueError(
+                f"event {event.get('event_id')!r} lacks required fields {missing}; "
+                "expected rows of ingest.schema.EVENTS_TABLE_SCHEMA"
+            )
+        if not isinstance(event["event_time_ms"], int) or isinstance(event["event_time_ms"], bool):
+            raise TypeError(
+                f"event {event['event_id']!r}: event_time_ms must be int (ms since epoch UTC), "
+                f"got {type(event['event_time_ms']).__name__}"
+            )
+    materialised.sort(key=lambda e: (e["event_time_ms"], e["event_id"]))
+    seen: set[str] = set()
+    unique: list[Event] = []
+    for event in materialised:
+        if event["event_id"] not in seen:
+            seen.add(event["event_id"])
+            unique.append(event)
+    return unique
+
+
+@dataclass(frozen=True)
+class History:
+    """A behaviour sequence: aligned lists, time-ascending (oldest first), length L <= max_seq_len.
+
+    ``categories`` holds '' where the event had no category. ``truncated`` is the number of older
+    events cut to respect ``max_seq_len``.
+    """
+
+    item_ids: list[str]
+    categories: list[str]
+    event_types: list[str]
+    domains: list[str]
+    event_times_ms: list[int]
+    truncated: int
+
+    @property
+    def length(self) -> int:
+        """L, the number of events kept."""
+        return len(self.event_times_ms)
+
+
+class Timeline:
+    """One entity's events, deduplicated and sorted once, queried as of many times.
+
+    Args:
+        events: the entity's events in any order (duplicates allowed).
+
+    Raises:
+        ValueError / TypeError: as :func:`sorted_unique_events`.
+    """
+
+    def __init__(self, events: Iterable[Event]) -> None:
+        self.events: list[Event] = sorted_unique_events(events)
+        self.times_ms: list[int] = [e["event_time_ms"] for e in self.events]
+        self._item_ids = [e["item_id"] for e in self.events]
+        self._categories = [e.get("category") or "" for e in self.events]
+        self._event_types = [e["event_type"] for e in self.events]
+        self._domains = [e["domain"] for e in self.events]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def count_before(self, t_ms: int) -> int:
+        """Number of events with event_time_ms strictly < ``t_ms``."""
+        return bisect.bisect_left(self.times_ms, t_ms)
+
+    def history_before(self, t_ms: int, max_seq_len: int) -> History:
+        """The newest ``max_seq_len`` events with event_time_ms strictly < ``t_ms`` (point in time).
+
+        An event at exactly ``t_ms`` (the example itself, or anything simultaneous with it) is
+        excluded, so a sequence never contains the example or its future.
+
+        Raises:
+            ValueError: ``max_seq_len`` < 1.
+        """
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        end = self.count_before(t_ms)
+        start = max(0, end - max_seq_len)
+        return History(
+            item_ids=self._item_ids[start:end],
+            categories=self._categories[start:end],
+            event_types=self._event_types[start:end],
+            domains=self._domains[start:end],
+            event_times_ms=self.times_ms[start:end],
+            truncated=start,
+        )
+
+
+def history_before(events: Sequence[Event], t_ms: int, max_seq_len: int) -> History:
+    """One-off form of :meth:`Timeline.history_before` (builds the timeline each call)."""
+    return Timeline(events).history_before(t_ms, max_seq_len)
+
+
+def sequence_row(user_id: str, events: Iterable[Event], *, as_of_ms: int, max_seq_len: int) -> dict[str, Any]:
+    """The ``sequences`` row of one user: newest ``max_seq_len`` events with time <= ``as_of_ms``.
+
+    ``as_of_ms`` is inclusive here (it is the snapshot watermark, the newest event time, and
+    that event is known), unlike the strictly-before history of an example.
+
+    Returns:
+        a dict with the :data:`sequences.schema.SEQUENCES_SCHEMA` fields (empty lists, never
+        None, for a user without events before ``as_of_ms``).
+    """
+    history = Timeline(events).history_before(as_of_ms + 1, max_seq_len)
+    return {
+        "user_id": user_id,
+        "seq_item_ids": history.item_ids,
+        "seq_categories": history.categories,
+        "seq_event_types": history.event_types,
+        "seq_domains": history.domains,
+        "seq_event_time_ms": history.event_times_ms,
+        "seq_length": history.length,
+        "seq_truncated": history.truncated,
+        "as_of_ms": as_of_ms,
+    }

@@ -1,0 +1,275 @@
+"""The batch build: ``events`` -> ``examples``, ``sequences``, ``features/user``, ``features/item``.
+
+    events@v --ReadEvents--+--BuildExamples-------> _staging/build/<v>/examples/*.parquet
+                           +--BuildSequences------> _staging/build/<v>/sequences/*.parquet
+                           +--BuildFeatureTables--> _staging/build/<v>/features/{user,item}/*.parquet
+    then, on the driver, one idempotent Delta commit per table (app_id "build").
+
+BuildExamples joins item counters to the user's impressions: the item-keyed pass emits
+``(user_id, (example_id, f_item_*))`` and a CoGroupByKey on user_id brings them to the same
+per-user call that builds the sequence and labels, where they are looked up by example_id. Keying
+the join by user (not example_id) avoids shuffling the heavy example rows a second time.
+
+The snapshot's watermark is the largest event_time_ms of the events version read (ms since
+epoch UTC); it decides ``label_window_closed`` and the as-of time of sequences and feature tables.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from apache_beam.options.pipeline_options import PipelineOptions
+from tqdm import tqdm
+
+from features.definitions import ITEM_FEATURES, USER_FEATURES
+from features.pipeline import BuildFeatureTables
+from gemline.config import GemlineConfig
+from gemline.lake import commit_metadata, commit_once, committed_version, open_table, read_table
+from ingest.schema import EVENTS_TABLE_SCHEMA
+from sequences.config import BuildConfig
+from sequences.examples import EXAMPLES_SCHEMA, assemble_examples, item_features, rows_to_table
+from sequences.history import sequence_row
+from sequences.schema import SEQUENCES_SCHEMA
+
+APP_ID = "build"
+
+# Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
+_EVENT_COLUMNS = [f.name for f in EVENTS_TABLE_SCHEMA if not f.name.startswith("kafka_") and f.name != "event_date"]
+
+_ROWS_PER_FILE_BATCH = 5000
+
+
+def _user_key(event: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    return event["user_id"], event
+
+
+def _item_key(event: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    return event["item_id"], event
+
+
+def _item_side(keyed: tuple[str, Iterable[Mapping[str, Any]]], config: BuildConfig):
+    _, events = keyed
+    for user_id, example_id, dense in item_features(events, config):
+        yield user_id, (example_id, dense)
+
+
+def _assemble(keyed: tuple[str, Mapping[str, Iterable[Any]]], config: BuildConfig, watermark_ms: int):
+    _, grouped = keyed
+    return assemble_examples(grouped["events"], dict(grouped["item"]), config, watermark_ms)
+
+
+def _sequence(keyed: tuple[str, Iterable[Mapping[str, Any]]], *, as_of_ms: int, max_seq_len: int) -> dict[str, Any]:
+    user_id, events = keyed
+    return sequence_row(user_id, events, as_of_ms=as_of_ms, max_seq_len=max_seq_len)
+
+
+class BuildExamples(beam.PTransform):
+    """events (dict rows of EVENTS_TABLE_SCHEMA) -> ``examples`` rows (dicts of EXAMPLES_SCHEMA).
+
+    Args:
+        config: windows, max_seq_len, CTR prior.
+        watermark_ms: max event_time_ms of the snapshot (ms since epoch UTC).
+    """
+
+    def __init__(self, config: BuildConfig, *, watermark_ms: int) -> None:
+        super().__init__()
+        self._config = config
+        self._watermark_ms = watermark_ms
+
+    def expand(self, events: beam.PCollection) -> beam.PCollection:
+        item_dense = (
+            events
+            | "KeyByItem" >> beam.Map(_item_key)
+            | "GroupByItem" >> beam.GroupByKey()
+            | "ItemCounters" >> beam.FlatMap(_item_side, self._config)
+        )
+        by_user = events | "KeyByUser" >> beam.Map(_user_key)
+        return (
+            {"events": by_user, "item": item_dense}
+            | "JoinItemCountersOnUser" >> beam.CoGroupByKey()
+            | "AssembleExamples" >> beam.FlatMap(_assemble, self._config, self._watermark_ms)
+        )
+
+
+class BuildSequences(beam.PTransform):
+    """events -> ``sequences`` rows: per user, the newest ``max_seq_len`` events with time <= as_of_ms.
+
+    Args:
+        config: max_seq_len.
+        as_of_ms: the snapshot watermark (ms since epoch UTC), stored in each row's ``as_of_ms``.
+    """
+
+    def __init__(self, config: BuildConfig, *, as_of_ms: int) -> None:
+        super().__init__()
+        self._config = config
+        self._as_of_ms = as_of_ms
+
+    def expand(self, events: beam.PCollection) -> beam.PCollection:
+        return (
+            events
+            | "KeyByUser" >> beam.Map(_user_key)
+            | "GroupByUser" >> beam.GroupByKey()
+            | "SequenceRow"
+            >> beam.Map(_sequence, as_of_ms=self._as_of_ms, max_seq_len=self._config.max_seq_len)
+        )
+
+
+class _StageParquet(beam.PTransform):
+    """Rows -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
+
+    def __init__(self, directory: Path, schema: pa.Schema) -> None:
+        super().__init__()
+        self._directory = directory
+        self._schema = schema
+
+    def expand(self, rows: beam.PCollection) -> Any:
+        return (
+            rows
+            | "Batch" >> beam.BatchElements(min_batch_size=_ROWS_PER_FILE_BATCH, max_batch_size=_ROWS_PER_FILE_BATCH)
+            | "ToArrow" >> beam.Map(rows_to_table, self._schema)
+            | "WriteParquet"
+            >> beam.io.WriteToParquetBatched(
+                str(self._directory / "part"), schema=self._schema, file_name_suffix=".parquet"
+            )
+        )
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What one :func:`run_build` did. Percentiles are of ``seq_length`` over examples (events)."""
+
+    events_version: int
+    examples_version: int | None
+    num_examples: int
+    num_sequences: int
+    num_user_features: int
+    num_item_features: int
+    seq_length_p50: float | None
+    seq_length_p99: float | None
+    skipped: bool
+
+
+_OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
+    "examples": (EXAMPLES_SCHEMA, ["event_date"]),
+    "sequences": (SEQUENCES_SCHEMA, None),
+    USER_FEATURES.name: (USER_FEATURES.schema, None),
+    ITEM_FEATURES.name: (ITEM_FEATURES.schema, None),
+}
+
+
+def _built_from(lake: str, table: str) -> int | None:
+    meta = commit_metadata(lake, table, APP_ID)
+    return None if meta is None else meta.get("events_version")
+
+
+def _read_staged(directory: Path, schema: pa.Schema) -> pa.Table:
+    files = sorted(str(p) for p in directory.glob("*.parquet"))
+    if not files:
+        return schema.empty_table()
+    return ds.dataset(files, format="parquet").to_table().select(schema.names).cast(schema)
+
+
+def _result_from_lake(lake: str, events_version: int, *, skipped: bool) -> BuildResult:
+    def rows(table: str) -> int:
+        dt = open_table(lake, table)
+        return 0 if dt is None else dt.to_pyarrow_dataset().count_rows()
+
+    lengths = read_table(lake, "examples", columns=["seq_length"])
+    lengths_np = None if lengths is None else lengths.column("seq_length").to_numpy()
+    has = lengths_np is not None and lengths_np.size > 0
+    return BuildResult(
+        events_version=events_version,
+        examples_version=None if open_table(lake, "examples") is None else open_table(lake, "examples").version(),
+        num_examples=rows("examples"),
+        num_sequences=rows("sequences"),
+        num_user_features=rows(USER_FEATURES.name),
+        num_item_features=rows(ITEM_FEATURES.name),
+        seq_length_p50=float(np.percentile(lengths_np, 50)) if has else None,
+        seq_length_p99=float(np.percentile(lengths_np, 99)) if has else None,
+        skipped=skipped,
+    )
+
+
+def _check_events(events: pa.Table) -> None:
+    missing = [name for name in _EVENT_COLUMNS if name not in events.schema.names]
+    if missing:
+        raise ValueError(
+            f"events table lacks columns {missing}; expected ingest.schema.EVENTS_TABLE_SCHEMA "
+            f"(got {events.schema.names})"
+        )
+
+
+def run_build(
+    config: GemlineConfig, *, events_version: int | None = None, beam_args: list[str] | None = None
+) -> BuildResult:
+    """Build examples, sequences and feature tables from ``events`` at ``events_version``.
+
+    Reads ``events`` (latest version when None), runs the Beam pipeline (DirectRunner unless
+    ``beam_args`` say otherwise), stages Parquet under ``LAKE/_staging/build/<events_version>/``
+    and overwrites each output table in one Delta commit tagged (``"build"``, next version) with
+    metadata ``{"events_version": v}``. Restartable: a table already built from this events
+    version is not committed again, and when all are, the call returns ``skipped=True`` and
+    changes nothing.
+
+    Raises:
+        ValueError: there is no ``events`` table (run ingest first), or it lacks columns.
+    """
+    lake = config.lake
+    table = open_table(lake, "events", events_version)
+    if table is None:
+        raise ValueError(f"no events table under {lake!r}; run the ingest job first")
+    version = table.version()
+    pending = [name for name in _OUTPUTS if _built_from(lake, name) != version]
+    if not pending:
+        return _result_from_lake(lake, version, skipped=True)
+
+    events = table.to_pyarrow_dataset().to_table()
+    _check_events(events)
+    events = events.select(_EVENT_COLUMNS)
+    watermark_ms = int(pc.max(events.column("event_time_ms")).as_py() or 0)
+    staging = Path(lake) / "_staging" / APP_ID / str(version)
+    # A crashed earlier attempt may have left partial files: start the staging area afresh.
+    shutil.rmtree(staging, ignore_errors=True)
+
+    batches = events.to_batches(max_chunksize=20_000)
+    with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
+        rows = (
+            pipeline
+            | "ReadEvents" >> beam.Create(batches, reshuffle=False)
+            | "ToRows" >> beam.FlatMap(pa.RecordBatch.to_pylist)
+        )
+        outputs = {
+            "examples": rows | "BuildExamples" >> BuildExamples(config.build, watermark_ms=watermark_ms),
+            "sequences": rows | "BuildSequences" >> BuildSequences(config.build, as_of_ms=watermark_ms),
+        }
+        features = rows | "BuildFeatureTables" >> BuildFeatureTables(config.build, as_of_ms=watermark_ms)
+        outputs[USER_FEATURES.name] = features["user"]
+        outputs[ITEM_FEATURES.name] = features["item"]
+        for name, pcoll in outputs.items():
+            pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0])
+
+    for name in tqdm(pending, desc="commit build tables", unit="table"):
+        schema, partition_by = _OUTPUTS[name]
+        data = _read_staged(staging / name, schema)
+        last = committed_version(lake, name, APP_ID)
+        commit_once(
+            lake,
+            name,
+            data,
+            app_id=APP_ID,
+            version=0 if last is None else last + 1,
+            mode="overwrite",
+            partition_by=partition_by,
+            metadata={"events_version": version},
+        )
+    shutil.rmtree(staging, ignore_errors=True)
+    return _result_from_lake(lake, version, skipped=False)
