@@ -1,0 +1,129 @@
+"""validate_table end to end on small Delta tables: reports, quality rows and the gate's decision."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gemline.config import GemlineConfig
+from gemline.lake import commit_once, read_table
+from ingest.config import IngestConfig
+from sequences.config import BuildConfig
+from validation.config import ValidationConfig
+from validation.gate import gate_decision, release
+from validation.run import latest_report, validate_table
+
+T0 = 1_700_000_000_000
+NOW = T0 + 10 * 86_400_000
+
+
+def config(lake) -> GemlineConfig:
+    return GemlineConfig(
+        lake=str(lake),
+        ingest=IngestConfig(domains=("facebook", "instagram")),
+        build=BuildConfig(max_seq_len=4),
+        validation=ValidationConfig(min_label_rate=0.1, max_label_rate=0.9, min_event_time_ms=T0 - 1000),
+    )
+
+
+OFFSETS = {"offset_ranges": [[0, 0, 6]], "end_offsets": {"0": 6}}
+
+
+def test_events_pass_then_a_critical_failure_quarantines_until_released(tmp_path, events_table):
+    cfg = config(tmp_path)
+    commit_once(tmp_path, "events", events_table(6), app_id="ingest:gemline.events", version=0, metadata=OFFSETS)
+    commit_once(
+        tmp_path, "events", events_table(2, changes={0: {"event_id": "e6"}, 1: {"event_id": "e7", "event_type": "hover"}}),
+        app_id="ingest:gemline.events", version=1, metadata={"offset_ranges": [[0, 6, 8]], "end_offsets": {"0": 8}},
+    )
+
+    ok = validate_table(cfg, "events", 0, now_ms=NOW)
+    assert ok.passed and ok.failures == [] and ok.num_rows == 6 and ok.table_version == 0
+    assert gate_decision(tmp_path, "events", 0).allowed
+
+    bad = validate_table(cfg, "events", now_ms=NOW + 1)  # latest = version 1 (8 rows)
+    assert bad.table_version == 1 and bad.num_rows == 8 and not bad.passed
+    assert [f[:2] for f in bad.failures] == [("in_set:event_type", "critical")]
+    assert not gate_decision(tmp_path, "events", 1).allowed
+    assert "in_set:event_type" in gate_decision(tmp_path, "events", 1).reason
+
+    report = json.loads(bad.report_json.read_text())
+    assert report["verdict"] == "QUARANTINED" and report["table"] == "events" and report["table_version"] == 1
+    # the offsets of that very version's commit, not the newest one of the app
+    assert report["source"]["offset_ranges"] == [[0, 6, 8]]
+    assert report["code_version"]["gemline"] == "0.1.0" and report["code_version"]["git"]
+    by_name = {e["expectation"]: e for e in report["expectations"]}
+    assert by_name["in_set:event_type"] == {**by_name["in_set:event_type"], "severity": "critical", "success": False}
+    assert json.loads(ok.report_json.read_text())["source"]["offset_ranges"] == [[0, 0, 6]]
+
+    page = bad.report_html.read_text()
+    assert '<div id="verdict" class="verdict QUARANTINED">QUARANTINED</div>' in page
+    assert "data:image/png;base64," in page and "in_set:event_type" in page
+
+    # quality: one row per expectation per run
+    quality = read_table(tmp_path, "quality").to_pylist()
+    assert len(quality) == 2 * len(report["expectations"])
+    assert {r["report_path"] for r in quality} == {str(ok.report_json), str(bad.report_json)}
+
+    release(tmp_path, "events", 1, "hover is a new event type, accepted", now_ms=NOW + 2)
+    assert gate_decision(tmp_path, "events", 1).allowed
+    assert latest_report(tmp_path, "events") == ("QUARANTINED", bad.report_html)
+    assert latest_report(tmp_path, "events", 0) == ("PASSED", ok.report_html)
+
+
+def test_examples_warning_only_passes_the_gate(tmp_path, examples_table):
+    cfg = config(tmp_path)
+    # all facebook rows clicked: label rate 1.0 > 0.9 is a warning, not a quarantine
+    table = examples_table(8, changes={0: {"label_click": 1}, 4: {"label_click": 1}})
+    commit_once(tmp_path, "examples", table, app_id="build", version=0, mode="overwrite", metadata={"events_version": 3})
+    result = validate_table(cfg, "examples", now_ms=NOW)
+    assert result.passed
+    assert [f[:2] for f in result.failures] == [("label_rate:facebook", "warning")]
+    assert result.failures[0][2] == "1.0"
+    assert gate_decision(tmp_path, "examples", 0).allowed
+    report = json.loads(result.report_json.read_text())
+    assert report["verdict"] == "PASSED" and report["source"]["events_version"] == 3
+    page = result.report_html.read_text()
+    assert '<div id="verdict" class="verdict PASSED">PASSED</div>' in page
+    assert page.count("data:image/png;base64,") == 3  # seq length, click rate, per domain/day
+
+
+def test_examples_leakage_quarantines(tmp_path, examples_table):
+    cfg = config(tmp_path)
+    table = examples_table(8, changes={2: {"seq_event_time_ms": [T0, T0 + 2000]}})
+    commit_once(tmp_path, "examples", table, app_id="build", version=0, mode="overwrite", metadata={"events_version": 0})
+    result = validate_table(cfg, "examples", 0, now_ms=NOW)
+    assert not result.passed and [f[:2] for f in result.failures] == [("leakage", "critical")]
+    assert not gate_decision(tmp_path, "examples", 0).allowed
+
+
+def test_empty_table_is_quarantined_as_empty(tmp_path, events_table):
+    commit_once(tmp_path, "events", events_table(0), app_id="ingest:gemline.events", version=0)
+    result = validate_table(config(tmp_path), "events", now_ms=NOW)
+    assert [f[:2] for f in result.failures] == [("empty", "critical")]
+    assert not gate_decision(tmp_path, "events", 0).allowed
+    assert "QUARANTINED" in result.report_html.read_text()
+
+
+BAD_CALLS = [
+    ("features/user", None, "no quality suite"),
+    ("events", None, "does not exist"),
+]
+
+
+@pytest.mark.parametrize("table,version,message", BAD_CALLS)
+def test_bad_calls_raise_value_error(tmp_path, table, version, message):
+    with pytest.raises(ValueError, match=message):
+        validate_table(config(tmp_path), table, version, now_ms=NOW)
+
+
+def test_version_out_of_range_raises(tmp_path, events_table):
+    commit_once(tmp_path, "events", events_table(2), app_id="ingest:gemline.events", version=0)
+    with pytest.raises(ValueError, match=r"version must be in \[0, 0\], got 5"):
+        validate_table(config(tmp_path), "events", 5, now_ms=NOW)
+
+
+def test_latest_report_without_reports_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="gemline validate"):
+        latest_report(tmp_path, "events")

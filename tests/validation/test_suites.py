@@ -1,0 +1,173 @@
+"""Each check fails on an input built to fail it, and only that check (plus named companions)."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.schema import EVENTS_TABLE_SCHEMA
+from validation.suites import check_leakage, check_seq_lengths, validate_events, validate_examples
+
+T0 = 1_700_000_000_000
+
+
+def failed(results) -> dict[str, str]:
+    return {r.name: r.severity for r in results if not r.success}
+
+
+def test_valid_batches_pass_every_check(events_table, examples_table, bounds, example_bounds):
+    ev = validate_events(events_table(), **bounds)
+    ex = validate_examples(examples_table(), **example_bounds)
+    assert failed(ev) == {} and failed(ex) == {}
+    names = {r.name for r in ex}
+    assert {"empty", "leakage", "seq_length_matches_lists", "finite:f_user_clicks", "label_rate:facebook"} <= names
+    assert {"empty", "unique:event_id", "in_set:event_type", "schema_types"} <= {r.name for r in ev}
+
+
+EVENT_CASES = [
+    # (id, changes per row, expected failed checks)
+    ("unknown domain", {1: {"domain": "myspace"}}, {"in_set:domain": "critical"}),
+    # a set check lets nulls through: the not-null beside it must catch them
+    ("null domain", {1: {"domain": None}}, {"not_null:domain": "critical"}),
+    ("unknown event type", {2: {"event_type": "hover"}}, {"in_set:event_type": "critical"}),
+    ("null event type", {2: {"event_type": None}}, {"not_null:event_type": "critical"}),
+    ("event time before the sane range", {0: {"event_time_ms": 0}}, {"range:event_time_ms": "critical"}),
+    ("event time in the future", {0: {"event_time_ms": T0 + 365 * 86_400_000}}, {"range:event_time_ms": "critical"}),
+    ("duplicate event id", {3: {"event_id": "e0"}}, {"unique:event_id": "critical"}),
+    ("null user id", {4: {"user_id": None}}, {"not_null:user_id": "critical"}),
+]
+
+
+@pytest.mark.parametrize("changes,expected", [c[1:] for c in EVENT_CASES], ids=[c[0] for c in EVENT_CASES])
+def test_events_suite_names_the_failed_check(events_table, bounds, changes, expected):
+    assert failed(validate_events(events_table(changes=changes), **bounds)) == expected
+
+
+def test_events_unexpected_values_are_reported(events_table, bounds):
+    results = {r.name: r for r in validate_events(events_table(changes={1: {"domain": "myspace"}}), **bounds)}
+    assert results["in_set:domain"].details["unexpected_count"] == 1
+    assert results["in_set:domain"].details["partial_unexpected_list"] == ["myspace"]
+    assert results["in_set:domain"].observed.startswith("1 of 6 unexpected")
+
+
+def test_empty_batch_fails_as_empty(events_table, examples_table, bounds, example_bounds):
+    assert failed(validate_events(events_table(0), **bounds)) == {"empty": "critical"}
+    assert failed(validate_examples(examples_table(0), **example_bounds)) == {"empty": "critical"}
+
+
+def test_missing_column_fails_columns_and_its_checks_without_crashing(events_table, bounds):
+    table = events_table().drop_columns(["event_type"])
+    results = {r.name: r for r in validate_events(table, **bounds)}
+    assert not results["columns"].success
+    assert results["columns"].details["details"]["mismatched"]["missing"] == ["event_type"]
+    # the expectations on the missing column fail with GX's message; the others still ran and passed
+    assert not results["in_set:event_type"].success
+    assert "event_type" in results["in_set:event_type"].observed and results["in_set:event_type"].observed.startswith("error:")
+    assert results["unique:event_id"].success and results["in_set:domain"].success
+
+
+def test_wrong_arrow_type_fails_schema_types(events_table, bounds):
+    schema = EVENTS_TABLE_SCHEMA.set(EVENTS_TABLE_SCHEMA.get_field_index("kafka_offset"), pa.field("kafka_offset", pa.string()))
+    table = events_table(changes={i: {"kafka_offset": str(i)} for i in range(6)}, schema=schema)
+    results = {r.name: r for r in validate_events(table, **bounds)}
+    assert failed(results.values()) == {"schema_types": "critical"}
+    assert results["schema_types"].details["observed_value"] == {"kafka_offset": {"expected": "int64", "got": "string"}}
+
+
+def test_all_null_column_is_a_failed_check_not_a_crash(examples_table, example_bounds):
+    table = examples_table(changes={i: {"event_time_ms": None} for i in range(8)})
+    got = failed(validate_examples(table, **example_bounds))
+    assert got["not_null:event_time_ms"] == "critical"
+    # leakage can't be decided against a null time: not counted as leaked, the not-null check carries it
+    assert "leakage" not in got
+
+
+EXAMPLE_CASES = [
+    ("click label 2", {3: {"label_click": 2}}, {"in_set:label_click": "critical"}),
+    ("conversion label -1", {3: {"label_conversion": -1}}, {"in_set:label_conversion": "critical"}),
+    ("null click label", {3: {"label_click": None}}, {"not_null:label_click": "critical"}),
+    (
+        "sequence longer than max_seq_len",
+        {2: {"seq_item_ids": ["a"] * 5, "seq_categories": ["c"] * 5, "seq_event_types": ["click"] * 5,
+             "seq_domains": ["facebook"] * 5, "seq_event_time_ms": [T0 - 5] * 5, "seq_length": 5}},
+        {"range:seq_length": "critical"},
+    ),
+    ("seq_length disagrees with the lists", {2: {"seq_length": 1}}, {"seq_length_matches_lists": "critical"}),
+    ("one list shorter than the others", {2: {"seq_domains": ["facebook"]}}, {"seq_length_matches_lists": "critical"}),
+    # row 2 is at T0+2000 with history [T0+0, T0+1000]: an element at the example's own time leaks
+    ("leakage at the example time", {2: {"seq_event_time_ms": [T0, T0 + 2000]}}, {"leakage": "critical"}),
+    ("leakage after the example time", {2: {"seq_event_time_ms": [T0, T0 + 9000]}}, {"leakage": "critical"}),
+    ("NaN dense feature", {1: {"f_user_clicks": math.nan}}, {"finite:f_user_clicks": "critical"}),
+    ("inf dense feature", {1: {"f_user_clicks": -math.inf}}, {"finite:f_user_clicks": "critical"}),
+    ("unknown domain", {0: {"domain": "myspace"}}, {"in_set:domain": "critical", "label_rate:myspace": "warning"}),
+    ("null sequence list", {2: {"seq_item_ids": None}}, {"not_null:seq_item_ids": "critical", "seq_length_matches_lists": "critical"}),
+    # facebook rows are 0, 2, 4, 6 with clicks 0, 1, 0, 1: all clicks gives rate 1.0 > 0.9
+    ("click rate above max", {0: {"label_click": 1}, 4: {"label_click": 1}}, {"label_rate:facebook": "warning"}),
+    ("click rate below min", {3: {"label_click": 0}, 7: {"label_click": 0}}, {"label_rate:instagram": "warning"}),
+]
+
+
+@pytest.mark.parametrize("changes,expected", [c[1:] for c in EXAMPLE_CASES], ids=[c[0] for c in EXAMPLE_CASES])
+def test_examples_suite_names_the_failed_check(examples_table, example_bounds, changes, expected):
+    assert failed(validate_examples(examples_table(changes=changes), **example_bounds)) == expected
+
+
+def test_leakage_reports_the_leaking_example(examples_table, example_bounds):
+    table = examples_table(changes={5: {"seq_event_time_ms": [T0 + 5000, T0 + 6000]}})
+    leak = {r.name: r for r in validate_examples(table, **example_bounds)}["leakage"]
+    assert leak.details["unexpected_count"] == 1
+    assert leak.details["partial_unexpected_list"] == ["x5"]
+    assert leak.details["leaked_elements"] == 2
+
+
+def test_missing_sequence_column_fails_its_custom_checks_with_the_message(examples_table, example_bounds):
+    table = examples_table().drop_columns(["seq_event_time_ms"])
+    results = {r.name: r for r in validate_examples(table, **example_bounds)}
+    assert not results["leakage"].success and results["leakage"].observed.startswith("error: KeyError")
+    assert not results["columns"].success
+    assert results["in_set:label_click"].success and results["finite:f_user_clicks"].success
+
+
+# ---------------------------------------------------------------- custom checks against loop references
+
+histories = st.lists(
+    st.tuples(st.integers(0, 50), st.lists(st.integers(0, 60), max_size=5)), max_size=8
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(histories)
+def test_leakage_matches_a_loop(rows):
+    table = pa.table(
+        {
+            "example_id": [f"x{i}" for i in range(len(rows))],
+            "event_time_ms": pa.array([t for t, _ in rows], pa.int64()),
+            "seq_event_time_ms": pa.array([s for _, s in rows], pa.list_(pa.int64())),
+        }
+    )
+    got = check_leakage(table)
+    leaking = [f"x{i}" for i, (t, s) in enumerate(rows) if any(e >= t for e in s)]
+    assert got["success"] == (not leaking)
+    assert got["unexpected_count"] == len(leaking)
+    assert got["partial_unexpected_list"] == leaking[:5]
+    assert got["leaked_elements"] == sum(e >= t for t, s in rows for e in s)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(0, 4), min_size=5, max_size=5)), max_size=8))
+def test_seq_lengths_matches_a_loop(rows):
+    # each row: a seq_length and the lengths of the five list columns
+    names = ["seq_item_ids", "seq_categories", "seq_event_types", "seq_domains", "seq_event_time_ms"]
+    cols = {"seq_length": pa.array([n for n, _ in rows], pa.int32())}
+    for j, name in enumerate(names):
+        typ = pa.int64() if name == "seq_event_time_ms" else pa.string()
+        vals = [[0 if typ == pa.int64() else "a"] * lens[j] for _, lens in rows]
+        cols[name] = pa.array(vals, pa.list_(typ))
+    got = check_seq_lengths(pa.table(cols))
+    bad = [i for i, (n, lens) in enumerate(rows) if any(x != n for x in lens)]
+    assert got["unexpected_count"] == len(bad) and got["success"] == (not bad)
+    assert got["partial_unexpected_list"] == bad[:5]

@@ -1,0 +1,247 @@
+"""Per-batch quality reports: ``LAKE/_quality/<table>/<version>/report.json`` and ``report.html``.
+
+The JSON names the table, its Delta version, the verdict (PASSED / QUARANTINED: a critical check
+failed), every check with severity, success and observed value, the code version and the source of
+the data (the Kafka offset ranges of an ``events`` commit, the ``events_version`` of an
+``examples`` build), read from that Delta version's commit metadata.
+
+The HTML page is self-contained (inline CSS, plots as base64 PNG drawn with matplotlib's Agg
+backend) and shows the verdict at the top in large text.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import gemline
+from gemline.lake import open_table
+from validation.suites import CheckResult
+
+PASSED = "PASSED"
+QUARANTINED = "QUARANTINED"
+REPORT_DIR = "_quality"
+
+
+def verdict(results: Sequence[CheckResult]) -> str:
+    """QUARANTINED if any critical check failed, else PASSED (warnings never quarantine)."""
+    return QUARANTINED if any(r.severity == "critical" and not r.success for r in results) else PASSED
+
+
+def report_dir(lake: str | Path, table: str, table_version: int) -> Path:
+    """``LAKE/_quality/<table>/<version>/`` (``table`` may contain '/', e.g. ``features/user``)."""
+    return Path(lake) / REPORT_DIR / table / str(table_version)
+
+
+def code_version() -> dict[str, str]:
+    """``{"gemline": __version__, "git": HEAD commit or "unknown"}`` of the running code."""
+    repo = Path(gemline.__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10, check=True
+        )
+        sha = out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        sha = "unknown"
+    return {"gemline": gemline.__version__, "git": sha}
+
+
+def source_metadata(lake: str | Path, table: str, table_version: int) -> dict[str, Any] | None:
+    """The gemline custom metadata of the commit that made ``table_version`` (see ``gemline.lake.commit_once``).
+
+    Looks up that exact version in the Delta history rather than the app's newest commit, so a
+    report on an older version names that version's Kafka offset ranges / ``events_version``.
+    Returns None when the commit carries none (a table written outside ``commit_once``).
+    """
+    dt = open_table(lake, table)
+    if dt is None:
+        return None
+    for entry in dt.history():
+        if entry.get("version") == table_version and "gemline" in entry:
+            return json.loads(entry["gemline"])
+    return None
+
+
+def build_report(
+    *,
+    table: str,
+    table_version: int,
+    num_rows: int,
+    results: Sequence[CheckResult],
+    run_id: str,
+    run_ts_ms: int,
+    source: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The JSON-serialisable report of one validation run (``run_ts_ms``: ms since epoch UTC)."""
+    return {
+        "table": table,
+        "table_version": table_version,
+        "verdict": verdict(results),
+        "num_rows": num_rows,
+        "run_id": run_id,
+        "run_ts_ms": run_ts_ms,
+        "code_version": code_version(),
+        "source": source,
+        "expectations": [
+            {
+                "expectation": r.name,
+                "severity": r.severity,
+                "success": r.success,
+                "observed": r.observed,
+                "kind": r.kind,
+                "details": r.details,
+            }
+            for r in results
+        ],
+    }
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: the reports are written by batch jobs
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(6, 3))
+
+
+def plot_seq_length(data: pa.Table) -> str:
+    """Histogram of ``seq_length`` as a base64 PNG."""
+    fig, ax = _figure()
+    ax.hist(data.column("seq_length").drop_null().to_numpy(), bins=30)
+    ax.set_xlabel("seq_length (events)")
+    ax.set_ylabel("examples")
+    return _png(fig)
+
+
+def plot_label_rate(data: pa.Table) -> str:
+    """Click rate per domain (mean of ``label_click``) as a base64 PNG bar chart."""
+    grouped = data.group_by("domain").aggregate([("label_click", "mean")]).sort_by("domain")
+    fig, ax = _figure()
+    domains = [str(d) for d in grouped.column("domain").to_pylist()]
+    ax.bar(domains, grouped.column("label_click_mean").to_numpy(zero_copy_only=False))
+    ax.set_ylabel("click rate")
+    return _png(fig)
+
+
+def plot_per_domain_day(data: pa.Table) -> str:
+    """Rows per (event_date, domain) as a base64 PNG line chart, one line per domain."""
+    grouped = data.group_by(["event_date", "domain"]).aggregate([([], "count_all")]).sort_by("event_date")
+    fig, ax = _figure()
+    days = sorted(set(grouped.column("event_date").to_pylist()), key=str)
+    for domain in sorted(set(grouped.column("domain").to_pylist()), key=str):
+        sub = grouped.filter(pc.equal(grouped.column("domain"), domain)) if domain is not None else grouped.filter(
+            pc.is_null(grouped.column("domain"))
+        )
+        counts = dict(zip(sub.column("event_date").to_pylist(), sub.column("count_all").to_pylist()))
+        ax.plot([str(d) for d in days], [counts.get(d, 0) for d in days], marker="o", label=str(domain))
+    ax.set_ylabel("rows")
+    ax.legend(fontsize="small")
+    ax.tick_params(axis="x", labelrotation=45)
+    return _png(fig)
+
+
+PLOTS = {
+    "events": {"Events per domain and day": plot_per_domain_day},
+    "examples": {
+        "Sequence length": plot_seq_length,
+        "Click rate per domain": plot_label_rate,
+        "Examples per domain and day": plot_per_domain_day,
+    },
+}
+
+
+def draw_plots(table: str, data: pa.Table) -> dict[str, str]:
+    """Title -> base64 PNG, or title -> ``"unavailable: <reason>"`` when a plot cannot be drawn (bad data)."""
+    out = {}
+    for title, fn in PLOTS.get(table, {}).items():
+        try:
+            out[title] = fn(data) if data.num_rows else "unavailable: empty batch"
+        except Exception as exc:  # a broken plot must not hide the verdict
+            out[title] = f"unavailable: {type(exc).__name__}: {exc}"
+    return out
+
+
+# ---------------------------------------------------------------- HTML
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222}
+.verdict{font-size:3em;font-weight:bold;padding:.3em .6em;border-radius:.2em;display:inline-block}
+.PASSED{background:#d4f4d4;color:#145214}.QUARANTINED{background:#f8d0d0;color:#7a1010}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
+tr.fail.critical{background:#fbe3e3}tr.fail.warning{background:#fff4d6}
+.meta td:first-child{font-weight:bold}figure{display:inline-block;margin:.5em}
+"""
+
+
+def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
+    """The self-contained HTML page of a report (verdict first, in large text)."""
+    e = html.escape
+    v = report["verdict"]
+    rows = "".join(
+        f'<tr class="{"pass" if x["success"] else "fail"} {e(x["severity"])}"><td>{e(x["expectation"])}</td>'
+        f'<td>{e(x["severity"])}</td><td>{"pass" if x["success"] else "FAIL"}</td><td>{e(x["observed"])}</td></tr>'
+        for x in report["expectations"]
+    )
+    code = report["code_version"]
+    meta = {
+        "table": report["table"],
+        "Delta version": report["table_version"],
+        "rows": report["num_rows"],
+        "run": f'{report["run_id"]} at {report["run_ts_ms"]} ms',
+        "code": f'gemline {code["gemline"]}, git {code["git"]}',
+        "source": json.dumps(report["source"], sort_keys=True) if report["source"] else "not recorded",
+    }
+    meta_rows = "".join(f"<tr><td>{e(k)}</td><td>{e(str(val))}</td></tr>" for k, val in meta.items())
+    figures = "".join(
+        f'<figure><figcaption>{e(title)}</figcaption>'
+        + (f"<p>{e(png)}</p>" if png.startswith("unavailable") else f'<img alt="{e(title)}" src="data:image/png;base64,{png}">')
+        + "</figure>"
+        for title, png in plots.items()
+    )
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{e(report["table"])}@{report["table_version"]}: {v}</title>'
+        f"<style>{_CSS}</style></head><body>"
+        f'<div id="verdict" class="verdict {v}">{v}</div>'
+        f'<h1>{e(report["table"])} @ version {report["table_version"]}</h1>'
+        f'<table class="meta">{meta_rows}</table>'
+        f"<h2>Expectations</h2><table><tr><th>expectation</th><th>severity</th><th>result</th><th>observed</th></tr>{rows}</table>"
+        f"<h2>Plots</h2>{figures}</body></html>"
+    )
+
+
+def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.html`` (replacing an earlier run's) and return their paths."""
+    out = report_dir(lake, report["table"], report["table_version"])
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, html_path = out / "report.json", out / "report.html"
+    # Write to a temporary name then rename, so a reader never sees half a report.
+    for path, text in (
+        (json_path, json.dumps(report, indent=2, sort_keys=True)),
+        (html_path, render_html(report, draw_plots(report["table"], data))),
+    ):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return json_path, html_path

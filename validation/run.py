@@ -1,0 +1,154 @@
+"""Validate one Delta version of a table: suite, reports, ``quality`` rows; and find the latest report.
+
+    read table@version -> suite (validation.suites) -> report.json/html (validation.report)
+                       -> one quality row per check (validation.gate) -> QualityResult
+
+Validating the same version again appends a second run to ``quality``; the gate reads the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from gemline.config import GemlineConfig
+from gemline.lake import open_table, read_table
+from validation.gate import append_quality_rows
+from validation.report import PASSED, build_report, report_dir, source_metadata, write_report
+from validation.suites import CheckResult, validate_events, validate_examples
+
+VALIDATED_TABLES: tuple[str, ...] = ("events", "examples")
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """Outcome of one validation run of ``table@table_version``.
+
+    ``passed`` is True when no critical check failed; ``failures`` lists every failed check
+    (critical and warning) as (expectation, severity, observed).
+    """
+
+    table: str
+    table_version: int
+    passed: bool
+    num_rows: int
+    failures: list[tuple[str, str, str]]
+    report_json: Path
+    report_html: Path
+
+
+def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[CheckResult]:
+    bounds = dict(
+        domains=config.ingest.domains,
+        min_time_ms=config.validation.min_event_time_ms,
+        max_time_ms=now_ms + config.validation.max_future_skew_ms,
+    )
+    if table == "events":
+        return validate_events(data, **bounds)
+    return validate_examples(
+        data,
+        **bounds,
+        max_seq_len=config.build.max_seq_len,
+        min_label_rate=config.validation.min_label_rate,
+        max_label_rate=config.validation.max_label_rate,
+    )
+
+
+def validate_table(
+    config: GemlineConfig, table: str, version: int | None = None, *, now_ms: int | None = None
+) -> QualityResult:
+    """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
+
+    Args:
+        config: the pipeline config (lake root, domains, max_seq_len, validation bounds).
+        table: ``"events"`` or ``"examples"``.
+        version: Delta version to validate; None takes the latest.
+        now_ms: validation clock, ms since epoch UTC (upper bound of sane event times and the run's
+            timestamp in ``quality``); None reads the wall clock.
+
+    Returns:
+        The :class:`QualityResult`; its reports are under ``LAKE/_quality/<table>/<version>/``.
+
+    Raises:
+        ValueError: ``table`` has no suite, or the table (or that version) does not exist.
+    """
+    if table not in VALIDATED_TABLES:
+        raise ValueError(f"no quality suite for table {table!r}; expected one of {VALIDATED_TABLES}")
+    ts = int(time.time() * 1000) if now_ms is None else now_ms
+    dt = open_table(config.lake, table)
+    if dt is None:
+        raise ValueError(f"table {table!r} does not exist under lake {config.lake!r}; run the stage that writes it first")
+    latest = dt.version()
+    table_version = latest if version is None else version
+    if not 0 <= table_version <= latest:
+        raise ValueError(f"{table}: version must be in [0, {latest}], got {table_version}")
+
+    steps = tqdm(total=4, desc=f"validate {table}@{table_version}", unit="step")
+    data = read_table(config.lake, table, table_version)
+    steps.update()
+    results = _run_suite(config, table, data, ts)
+    steps.update()
+    run_id = f"{ts:013d}-{uuid.uuid4().hex[:8]}"
+    report = build_report(
+        table=table,
+        table_version=table_version,
+        num_rows=data.num_rows,
+        results=results,
+        run_id=run_id,
+        run_ts_ms=ts,
+        source=source_metadata(config.lake, table, table_version),
+    )
+    json_path, html_path = write_report(config.lake, report, data)
+    steps.update()
+    append_quality_rows(
+        config.lake,
+        [
+            {
+                "table": table,
+                "table_version": table_version,
+                "run_id": run_id,
+                "run_ts_ms": ts,
+                "expectation": r.name,
+                "severity": r.severity,
+                "success": r.success,
+                "observed": r.observed,
+                "report_path": str(json_path),
+            }
+            for r in results
+        ],
+    )
+    steps.update()
+    steps.close()
+    return QualityResult(
+        table=table,
+        table_version=table_version,
+        passed=report["verdict"] == PASSED,
+        num_rows=data.num_rows,
+        failures=[(r.name, r.severity, r.observed) for r in results if not r.success],
+        report_json=json_path,
+        report_html=html_path,
+    )
+
+
+def latest_report(lake: str | Path, table: str, version: int | None = None) -> tuple[str, Path]:
+    """(verdict, path of report.html) of the newest report of ``table`` (at ``version`` if given).
+
+    Raises:
+        FileNotFoundError: no report exists for that table (or version); validate it first.
+    """
+    if version is None:
+        root = Path(lake) / "_quality" / table
+        versions = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit() and (p / "report.json").is_file())
+        if not versions:
+            raise FileNotFoundError(f"no quality report for {table!r} under {root}; run `gemline validate --table {table}`")
+        version = versions[-1]
+    out = report_dir(lake, table, version)
+    if not (out / "report.json").is_file():
+        raise FileNotFoundError(f"no quality report for {table}@{version} at {out}; run `gemline validate --table {table} --version {version}`")
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    return report["verdict"], out / "report.html"

@@ -1,0 +1,365 @@
+"""Quality suites of the ``events`` and ``examples`` tables, built in code.
+
+Each suite is a list of named checks with a severity (``critical`` fails the batch and closes
+the gate; ``warning`` is reported only). Most checks are Great Expectations 1.x class-based
+expectations run on one ephemeral context per process, against a pandas dataframe batch
+(GX docs, "Connect to dataframe data" and "Create an Expectation"). What GX cannot express is
+computed here with pyarrow and reported in the same shape (:class:`CheckResult`):
+
+- ``schema_types``: Arrow column types against the table contract (pandas loses them);
+- ``seq_length_matches_lists``: ``seq_length`` equals the length of every sequence list;
+- ``leakage``: no element of ``seq_event_time_ms`` at or after the example's ``event_time_ms``
+  (a point-in-time join must only see the past);
+- ``finite:<f_*>``: dense features finite or null (pandas turns NaN into null, so GX can't tell).
+
+Shape letters: N rows in the batch, T = total number of sequence elements over the N rows.
+
+Any exception inside one check becomes a failed result carrying the exception message; the other
+checks still run. An empty batch fails the critical check ``empty``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ingest.schema import EVENT_TYPES, EVENTS_TABLE_SCHEMA
+from sequences.schema import EXAMPLES_BASE_SCHEMA, LABELS, SEQUENCE_FEATURES, dense_feature_names
+
+Severity = Literal["critical", "warning"]
+SEVERITIES: tuple[str, ...] = ("critical", "warning")
+SEQUENCE_TIME_COLUMN = "seq_event_time_ms"
+LIST_COLUMNS: tuple[str, ...] = (*SEQUENCE_FEATURES, SEQUENCE_TIME_COLUMN)
+_MAX_SAMPLES = 5
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Outcome of one named check on one batch.
+
+    ``observed`` is a short human-readable summary (the observed value, the unexpected count with
+    examples, or ``error: <message>`` when the check raised); ``details`` is the GX result dict
+    (``observed_value`` or ``element_count``/``unexpected_count``/``partial_unexpected_list``),
+    JSON-serialisable, for custom checks in the same keys.
+    """
+
+    name: str
+    severity: Severity
+    success: bool
+    observed: str
+    kind: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Custom:
+    name: str
+    severity: Severity
+    fn: Callable[[pa.Table], dict[str, Any]]
+    """Returns a GX-shaped result dict with an extra boolean key ``success``."""
+
+
+@functools.cache
+def _batch_definition():
+    """One ephemeral GX context, pandas data source and whole-dataframe batch definition per process.
+
+    GX is slow to import and to build contexts (seconds), so every validation reuses this one.
+    """
+    import great_expectations as gx
+
+    context = gx.get_context(mode="ephemeral")
+    asset = context.data_sources.add_pandas("gemline").add_dataframe_asset("batch")
+    return asset.add_batch_definition_whole_dataframe("whole")
+
+
+def _gxe():
+    import great_expectations.expectations as gxe
+
+    return gxe
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values from GX/numpy results (NaN and inf become strings so JSON stays valid)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def summarize(details: dict[str, Any]) -> str:
+    """One-line observed value of a GX-shaped result dict."""
+    if "observed_value" in details:
+        return json.dumps(_jsonable(details["observed_value"]))
+    if details.get("unexpected_count") == 0:
+        return f"0 of {details.get('element_count')} unexpected"
+    if "unexpected_count" in details:
+        sample = _jsonable(details.get("partial_unexpected_list", [])[:_MAX_SAMPLES])
+        return f"{details['unexpected_count']} of {details.get('element_count')} unexpected, e.g. {json.dumps(sample)}"
+    return json.dumps(_jsonable(details))
+
+
+def _error(name: str, severity: Severity, kind: str, message: str) -> CheckResult:
+    return CheckResult(name, severity, False, f"error: {message}", kind, {"exception_message": message})
+
+
+# ---------------------------------------------------------------- custom (pyarrow) checks
+
+
+def _rows_result(bad_rows: pa.Array, ids: pa.ChunkedArray | None, num_rows: int, extra: dict | None = None) -> dict:
+    """GX map-expectation shape from the indices of failing rows (sample labelled by id when given)."""
+    bad = sorted(set(bad_rows.to_pylist()))
+    sample = bad[:_MAX_SAMPLES] if ids is None else ids.take(pa.array(bad[:_MAX_SAMPLES], pa.int64())).to_pylist()
+    return {
+        "success": not bad,
+        "element_count": num_rows,
+        "unexpected_count": len(bad),
+        "partial_unexpected_list": sample,
+        **(extra or {}),
+    }
+
+
+def _ids(table: pa.Table) -> pa.ChunkedArray | None:
+    for name in ("example_id", "event_id"):
+        if name in table.column_names:
+            return table.column(name)
+    return None
+
+
+def check_schema_types(table: pa.Table, expected: pa.Schema) -> dict[str, Any]:
+    """Columns of ``expected`` present in ``table`` whose Arrow type differs (missing ones are ``columns``'s job)."""
+    mismatched = {
+        f.name: {"expected": str(f.type), "got": str(table.schema.field(f.name).type)}
+        for f in expected
+        if f.name in table.column_names and not table.schema.field(f.name).type.equals(f.type)
+    }
+    return {"success": not mismatched, "observed_value": mismatched or "all types match"}
+
+
+def check_leakage(table: pa.Table) -> dict[str, Any]:
+    """Rows with a sequence element at or after the row's own time (point-in-time violation).
+
+    Reads ``seq_event_time_ms`` list<int64> (N rows, T elements) and ``event_time_ms`` int64 (N,),
+    both ms since epoch UTC. An element equal to the example time counts as leakage: the contract
+    (``sequences/schema.py``) keeps only events strictly before the example.
+    """
+    seq = table.column(SEQUENCE_TIME_COLUMN).combine_chunks()
+    parents = pc.list_parent_indices(seq)
+    anchor = pc.take(table.column("event_time_ms").combine_chunks(), parents)
+    leaked = pc.fill_null(pc.greater_equal(pc.list_flatten(seq), anchor), False)
+    result = _rows_result(pc.filter(parents, leaked), _ids(table), table.num_rows)
+    result["leaked_elements"] = int(pc.sum(leaked).as_py() or 0)
+    return result
+
+
+def check_seq_lengths(table: pa.Table) -> dict[str, Any]:
+    """Rows whose ``seq_length`` differs from the length of any sequence list (null lists count as wrong)."""
+    seq_length = pc.cast(table.column("seq_length"), pa.int64())
+    wrong = pa.array([False] * table.num_rows, pa.bool_())
+    for name in LIST_COLUMNS:
+        lengths = pc.list_value_length(table.column(name))
+        differs = pc.fill_null(pc.not_equal(pc.cast(lengths, pa.int64()), seq_length), True)
+        wrong = pc.or_(wrong, differs.combine_chunks())
+    rows = pc.indices_nonzero(wrong)
+    return _rows_result(rows, _ids(table), table.num_rows)
+
+
+def check_finite(table: pa.Table, column: str) -> dict[str, Any]:
+    """Rows whose float column holds NaN or +-inf (null is allowed)."""
+    values = table.column(column)
+    if not pa.types.is_floating(values.type):
+        raise TypeError(f"{column}: expected a float64 dense feature, got {values.type}; cast it in the build")
+    bad = pc.invert(pc.fill_null(pc.is_finite(values), True)).combine_chunks()
+    return _rows_result(pc.indices_nonzero(bad), _ids(table), table.num_rows)
+
+
+def check_not_null(table: pa.Table, column: str) -> dict[str, Any]:
+    """Null count of a column GX does not see (list columns are kept out of the pandas batch)."""
+    nulls = pc.is_null(table.column(column)).combine_chunks()
+    return _rows_result(pc.indices_nonzero(nulls), _ids(table), table.num_rows)
+
+
+def _run_custom(check: _Custom, table: pa.Table) -> CheckResult:
+    kind = f"custom:{check.name.split(':')[0]}"
+    try:
+        details = _jsonable(check.fn(table))
+    except Exception as exc:  # a broken check must not hide the others: it fails with its message
+        return _error(check.name, check.severity, kind, f"{type(exc).__name__}: {exc}")
+    success = bool(details.pop("success"))
+    return CheckResult(check.name, check.severity, success, summarize(details), kind, details)
+
+
+# ---------------------------------------------------------------- GX expectations
+
+
+def _named(expectation, name: str, severity: Severity):
+    """Tag a GX expectation with our check name (in ``meta``) and GX's own ``severity`` field."""
+    kwargs = expectation.dict(exclude_unset=True, exclude={"meta", "severity"})
+    return type(expectation)(**kwargs, meta={"name": name}, severity=severity)
+
+
+def _common_gx(expected: pa.Schema, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int) -> list:
+    """Row count, columns, not-null on required scalar columns, domain set, event-time range."""
+    gxe = _gxe()
+    exps = [
+        _named(gxe.ExpectTableRowCountToBeBetween(min_value=1), "empty", "critical"),
+        _named(
+            gxe.ExpectTableColumnsToMatchSet(column_set=list(expected.names), exact_match=False), "columns", "critical"
+        ),
+    ]
+    for f in expected:
+        if not f.nullable and f.name not in LIST_COLUMNS:
+            exps.append(_named(gxe.ExpectColumnValuesToNotBeNull(column=f.name), f"not_null:{f.name}", "critical"))
+    exps.append(_named(gxe.ExpectColumnValuesToBeInSet(column="domain", value_set=list(domains)), "in_set:domain", "critical"))
+    exps.append(
+        _named(
+            gxe.ExpectColumnValuesToBeBetween(column="event_time_ms", min_value=min_time_ms, max_value=max_time_ms),
+            "range:event_time_ms",
+            "critical",
+        )
+    )
+    return exps
+
+
+def _run_gx(expectations: list, frame) -> list[CheckResult]:
+    """Validate ``expectations`` on one pandas batch; each raising expectation becomes a failed result."""
+    import great_expectations as gx
+
+    suite = gx.ExpectationSuite(name="gemline", expectations=expectations)
+    batch = _batch_definition().get_batch(batch_parameters={"dataframe": frame})
+    try:
+        return [_from_gx(r) for r in batch.validate(suite, result_format="SUMMARY").results]
+    except Exception:  # GX normally catches per expectation; if the run itself broke, isolate one by one
+        out = []
+        for exp in expectations:
+            try:
+                out.append(_from_gx(batch.validate(exp, result_format="SUMMARY")))
+            except Exception as exc:
+                severity = getattr(exp.severity, "value", exp.severity)
+                out.append(_error(exp.meta["name"], severity, exp.expectation_type, f"{type(exc).__name__}: {exc}"))
+        return out
+
+
+def _from_gx(result) -> CheckResult:
+    config = result.expectation_config
+    name = config.meta["name"]
+    severity = getattr(config.severity, "value", config.severity)
+    kind = config.type
+    info = result.exception_info or {}
+    messages = [info["exception_message"]] if info.get("raised_exception") else []
+    messages += [v["exception_message"] for v in info.values() if isinstance(v, dict) and v.get("raised_exception")]
+    if messages:
+        return _error(name, severity, kind, "; ".join(sorted(set(messages))))
+    details = _jsonable(dict(result.result))
+    return CheckResult(name, severity, bool(result.success), summarize(details), kind, details)
+
+
+def _frame(table: pa.Table):
+    """The batch as pandas (GX's pandas source). List columns come along for the column-set check
+    only: no GX expectation reads them (pandas nulls and numpy arrays mix badly); custom checks do."""
+    return table.to_pandas()
+
+
+def _order(results: list[CheckResult], names: list[str]) -> list[CheckResult]:
+    rank = {n: i for i, n in enumerate(names)}
+    return sorted(results, key=lambda r: rank[r.name])
+
+
+# ---------------------------------------------------------------- suites
+
+
+def validate_events(
+    table: pa.Table, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int
+) -> list[CheckResult]:
+    """Run the events suite on a batch of the ``events`` table (schema ``EVENTS_TABLE_SCHEMA``).
+
+    Args:
+        table: N rows; any columns (missing or mistyped ones fail ``columns`` / ``schema_types``).
+        domains: known domains (``config.ingest.domains``).
+        min_time_ms, max_time_ms: inclusive sane range of ``event_time_ms``, ms since epoch UTC.
+
+    Returns:
+        One result per check, in suite order. Never raises for bad data.
+    """
+    gxe = _gxe()
+    exps = _common_gx(EVENTS_TABLE_SCHEMA, domains=domains, min_time_ms=min_time_ms, max_time_ms=max_time_ms)
+    exps.append(_named(gxe.ExpectColumnValuesToBeInSet(column="event_type", value_set=list(EVENT_TYPES)), "in_set:event_type", "critical"))
+    exps.append(_named(gxe.ExpectColumnValuesToBeUnique(column="event_id"), "unique:event_id", "critical"))
+    custom = [_Custom("schema_types", "critical", lambda t: check_schema_types(t, EVENTS_TABLE_SCHEMA))]
+    names = [e.meta["name"] for e in exps] + [c.name for c in custom]
+    results = _run_gx(exps, _frame(table)) + [_run_custom(c, table) for c in custom]
+    return _order(results, names)
+
+
+def validate_examples(
+    table: pa.Table,
+    *,
+    domains: Sequence[str],
+    min_time_ms: int,
+    max_time_ms: int,
+    max_seq_len: int,
+    min_label_rate: float,
+    max_label_rate: float,
+) -> list[CheckResult]:
+    """Run the examples suite on a batch of the ``examples`` table (contract in ``sequences/schema.py``).
+
+    Besides the events-like checks: labels in {0, 1}; ``seq_length`` in [0, max_seq_len] and equal to
+    every list's length; no leakage; the click rate of each domain present in
+    [min_label_rate, max_label_rate] (warning, ``label_rate:<domain>``); every ``f_*`` finite or null.
+
+    Returns:
+        One result per check, in suite order. Never raises for bad data.
+    """
+    gxe = _gxe()
+    exps = _common_gx(EXAMPLES_BASE_SCHEMA, domains=domains, min_time_ms=min_time_ms, max_time_ms=max_time_ms)
+    exps.append(_named(gxe.ExpectColumnValuesToBeUnique(column="example_id"), "unique:example_id", "critical"))
+    for label in LABELS:
+        exps.append(_named(gxe.ExpectColumnValuesToBeInSet(column=label, value_set=[0, 1]), f"in_set:{label}", "critical"))
+    exps.append(
+        _named(
+            gxe.ExpectColumnValuesToBeBetween(column="seq_length", min_value=0, max_value=max_seq_len),
+            "range:seq_length",
+            "critical",
+        )
+    )
+    if "domain" in table.column_names and "label_click" in table.column_names:
+        for domain in sorted(d for d in pc.unique(table.column("domain")).to_pylist() if d is not None):
+            exps.append(
+                _named(
+                    gxe.ExpectColumnMeanToBeBetween(
+                        column="label_click",
+                        min_value=min_label_rate,
+                        max_value=max_label_rate,
+                        row_condition=f"domain=={domain!r}",
+                        condition_parser="pandas",
+                    ),
+                    f"label_rate:{domain}",
+                    "warning",
+                )
+            )
+    custom = [
+        _Custom("schema_types", "critical", lambda t: check_schema_types(t, EXAMPLES_BASE_SCHEMA)),
+        *[_Custom(f"not_null:{c}", "critical", functools.partial(check_not_null, column=c)) for c in LIST_COLUMNS],
+        _Custom("seq_length_matches_lists", "critical", check_seq_lengths),
+        _Custom("leakage", "critical", check_leakage),
+        *[_Custom(f"finite:{c}", "critical", functools.partial(check_finite, column=c)) for c in dense_feature_names(table.schema)],
+    ]
+    names = [e.meta["name"] for e in exps] + [c.name for c in custom]
+    results = _run_gx(exps, _frame(table)) + [_run_custom(c, table) for c in custom]
+    return _order(results, names)
