@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import zipfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ingest.datasets import DATASETS, iter_source_rows, load_records, movielens, openbandit, pypi, taobao
@@ -33,6 +34,11 @@ def taobao_records() -> list:
 @pytest.fixture(scope="session")
 def ml_cache(tmp_path_factory) -> Path:
     return movielens.fetch(tmp_path_factory.mktemp("ml-100k"))
+
+
+@pytest.fixture(scope="session")
+def ml_rows(ml_cache) -> list:
+    return list(iter_source_rows("movielens", cache_dir=ml_cache))
 
 
 @pytest.fixture(scope="session")
@@ -177,6 +183,26 @@ def test_registry_names():
     assert sorted(DATASETS) == ["movielens", "openbandit", "taobao"]
 
 
+_records = st.lists(
+    st.one_of(
+        st.builds(lambda n, t: Event(event_id=f"e{n}", event_time_ms=t, user_id="u", item_id="i", domain="taobao",
+                                     event_type="impression"), st.integers(0, 10**6), st.integers(0, 3)),
+        st.builds(lambda n: RawRecord(value=str(n).encode(), key=b"", reason_hint="r"), st.integers(0, 10**6)),
+    ),
+    max_size=30,
+)
+
+
+@given(_records)
+def test_sort_key_is_stable_with_raw_last(records):
+    ordered = sorted(records, key=event_time_sort_key)
+    events = [r for r in records if isinstance(r, Event)]
+    raws = [r for r in records if isinstance(r, RawRecord)]
+    # Reference: a stable bucket sort by time, then the raw records in input order.
+    expected = [e for t in sorted({e.event_time_ms for e in events}) for e in events if e.event_time_ms == t] + raws
+    assert [id(r) for r in ordered] == [id(r) for r in expected]
+
+
 # ---------------------------------------------------------------- small types and the PyPI cache
 
 
@@ -243,8 +269,8 @@ def test_default_cache_dir_is_under_home():
 # ---------------------------------------------------------------- MovieLens
 
 
-def test_movielens_hand_checked_rows(ml_cache):
-    rows = list(iter_source_rows("movielens", cache_dir=ml_cache))
+def test_movielens_hand_checked_rows(ml_rows):
+    rows = ml_rows
     assert len(rows) == 100_000
     # inter line 1: 196 242 3 881250949; user 196 = 49 M writer 55105; item 242 = Kolya, Comedy.
     assert rows[0] == [Event(event_id="ml100k:196:242:881250949:impression", event_time_ms=881_250_949_000,
@@ -260,9 +286,9 @@ def test_movielens_hand_checked_rows(ml_cache):
     assert rows[7][0].category == "Adventure" and rows[7][0].gender == "F"
 
 
-def test_movielens_counts_follow_ratings(ml_cache):
+def test_movielens_counts_follow_ratings(ml_cache, ml_rows):
     ratings = Counter(line.split("\t")[2] for line in (ml_cache / "ml-100k.inter").read_text().splitlines()[1:])
-    records = load_records("movielens", cache_dir=ml_cache)
+    records = sorted((r for row in ml_rows for r in row), key=event_time_sort_key)
     types = Counter(r.event_type for r in records)
     assert types == {"impression": sum(ratings.values()), "click": ratings["4"] + ratings["5"],
                      "conversion": ratings["5"]}
@@ -270,10 +296,13 @@ def test_movielens_counts_follow_ratings(ml_cache):
     assert [r.event_time_ms for r in records] == sorted(r.event_time_ms for r in records)
 
 
-def test_movielens_second_call_does_not_download(ml_cache, monkeypatch):
+def test_movielens_second_call_does_not_download(ml_cache, ml_rows, monkeypatch):
     monkeypatch.setattr(subprocess, "run", _no_download)
     assert movielens.fetch(ml_cache) == ml_cache
-    assert len(load_records("movielens", cache_dir=ml_cache, limit=3)) >= 3
+    limited = load_records("movielens", cache_dir=ml_cache, limit=8)
+    # limit counts rating rows: rows 6 and 8 bring their clicks/conversion along.
+    assert limited == sorted((r for row in ml_rows[:8] for r in row), key=event_time_sort_key)
+    assert Counter(r.event_type for r in limited) == {"impression": 8, "click": 2, "conversion": 1}
 
 
 @pytest.mark.parametrize(
@@ -310,15 +339,17 @@ def test_openbandit_hand_checked_click_round(obd_cache):
 
 
 def test_openbandit_all_campaigns_counts_and_ids(obd_cache):
-    for policy in openbandit.POLICIES:
-        rows = list(openbandit.read_rows(cache_dir=obd_cache, policy=policy))
-        records = [r for row in rows for r in row]
-        assert len(rows) == 30_000 and all(isinstance(r, Event) for r in records)
-        assert Counter(r.domain for r in records if r.event_type == "impression") == {
-            "obd_all": 10_000, "obd_men": 10_000, "obd_women": 10_000}
-        assert all(len(row) == 1 + (row[-1].event_type == "click") for row in rows)
-        assert len({r.event_id for r in records}) == len(records)
-        assert {r.position for r in records} == {1, 2, 3}
+    rows = list(openbandit.read_rows(cache_dir=obd_cache))
+    bts_rows = list(openbandit.read_rows(cache_dir=obd_cache, policy="bts", campaigns=("women",)))
+    records = [r for row in rows + bts_rows for r in row]
+    assert (len(rows), len(bts_rows)) == (30_000, 10_000) and all(isinstance(r, Event) for r in records)
+    assert Counter(r.domain for r in records if r.event_type == "impression") == {
+        "obd_all": 10_000, "obd_men": 10_000, "obd_women": 20_000}
+    assert all(len(row) == 1 + (row[-1].event_type == "click") for row in rows + bts_rows)
+    assert len({r.event_id for r in records}) == len(records)  # the policy is part of the id
+    assert {r.position for r in records} == {1, 2, 3}
+    clicks = sum(r.event_type == "click" for r in records)
+    assert 0 < clicks < len(rows) + len(bts_rows)
 
 
 @pytest.mark.parametrize(
@@ -326,7 +357,7 @@ def test_openbandit_all_campaigns_counts_and_ids(obd_cache):
     [({"policy": "greedy"}, "expected one of ('random', 'bts')"), ({"campaigns": ("kids",)}, "unknown ['kids']")],
 )
 def test_openbandit_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         next(openbandit.read_rows(cache_dir="/nonexistent", **kwargs))
 
 
