@@ -10,6 +10,7 @@ computed here with pyarrow and reported in the same shape (:class:`CheckResult`)
 - ``seq_length_matches_lists``: ``seq_length`` equals the length of every sequence list;
 - ``leakage``: no element of ``seq_event_time_ms`` at or after the example's ``event_time_ms``
   (a point-in-time join must only see the past);
+- ``seq_time_ascending``: every sequence oldest first, as the contract says;
 - ``finite:<f_*>``: dense features finite or null (pandas turns NaN into null, so GX can't tell).
 
 Shape letters: N rows in the batch, T = total number of sequence elements over the N rows.
@@ -73,8 +74,11 @@ def _batch_definition():
     GX is slow to import and to build contexts (seconds), so every validation reuses this one.
     """
     import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
 
     context = gx.get_context(mode="ephemeral")
+    # one bar per metric batch floods the logs; validate_table shows its own progress instead
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
     asset = context.data_sources.add_pandas("gemline").add_dataframe_asset("batch")
     return asset.add_batch_definition_whole_dataframe("whole")
 
@@ -166,6 +170,22 @@ def check_leakage(table: pa.Table) -> dict[str, Any]:
     result = _rows_result(pc.filter(parents, leaked), _ids(table), table.num_rows)
     result["leaked_elements"] = int(pc.sum(leaked).as_py() or 0)
     return result
+
+
+def check_seq_ascending(table: pa.Table) -> dict[str, Any]:
+    """Rows whose ``seq_event_time_ms`` is not time-ascending (oldest first, ties allowed), as the contract says.
+
+    The trainer's truncation to the newest ``max_seq_len`` events relies on that order.
+    """
+    seq = table.column(SEQUENCE_TIME_COLUMN).combine_chunks()
+    flat = pc.list_flatten(seq)
+    parents = pc.list_parent_indices(seq)
+    if len(flat) < 2:
+        return _rows_result(pa.array([], pa.int64()), _ids(table), table.num_rows)
+    same_row = pc.equal(parents.slice(1), parents.slice(0, len(parents) - 1))
+    descending = pc.less(flat.slice(1), flat.slice(0, len(flat) - 1))
+    bad = pc.fill_null(pc.and_(same_row, descending), False)
+    return _rows_result(pc.filter(parents.slice(1), bad), _ids(table), table.num_rows)
 
 
 def check_seq_lengths(table: pa.Table) -> dict[str, Any]:
@@ -358,6 +378,7 @@ def validate_examples(
         *[_Custom(f"not_null:{c}", "critical", functools.partial(check_not_null, column=c)) for c in LIST_COLUMNS],
         _Custom("seq_length_matches_lists", "critical", check_seq_lengths),
         _Custom("leakage", "critical", check_leakage),
+        _Custom("seq_time_ascending", "critical", check_seq_ascending),
         *[_Custom(f"finite:{c}", "critical", functools.partial(check_finite, column=c)) for c in dense_feature_names(table.schema)],
     ]
     names = [e.meta["name"] for e in exps] + [c.name for c in custom]

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.schema import EVENTS_TABLE_SCHEMA
-from validation.suites import check_leakage, check_seq_lengths, validate_events, validate_examples
+from validation.suites import check_leakage, check_seq_ascending, check_seq_lengths, validate_events, validate_examples
 
 T0 = 1_700_000_000_000
 
@@ -100,6 +100,7 @@ EXAMPLE_CASES = [
     ("one list shorter than the others", {2: {"seq_domains": ["facebook"]}}, {"seq_length_matches_lists": "critical"}),
     # row 2 is at T0+2000 with history [T0+0, T0+1000]: an element at the example's own time leaks
     ("leakage at the example time", {2: {"seq_event_time_ms": [T0, T0 + 2000]}}, {"leakage": "critical"}),
+    ("sequence not time-ascending", {2: {"seq_event_time_ms": [T0 + 1000, T0]}}, {"seq_time_ascending": "critical"}),
     ("leakage after the example time", {2: {"seq_event_time_ms": [T0, T0 + 9000]}}, {"leakage": "critical"}),
     ("NaN dense feature", {1: {"f_user_clicks": math.nan}}, {"finite:f_user_clicks": "critical"}),
     ("inf dense feature", {1: {"f_user_clicks": -math.inf}}, {"finite:f_user_clicks": "critical"}),
@@ -169,5 +170,20 @@ def test_seq_lengths_matches_a_loop(rows):
         cols[name] = pa.array(vals, pa.list_(typ))
     got = check_seq_lengths(pa.table(cols))
     bad = [i for i, (n, lens) in enumerate(rows) if any(x != n for x in lens)]
+    assert got["unexpected_count"] == len(bad) and got["success"] == (not bad)
+    assert got["partial_unexpected_list"] == bad[:5]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(histories)
+def test_seq_ascending_matches_a_loop(rows):
+    table = pa.table(
+        {
+            "example_id": [f"x{i}" for i in range(len(rows))],
+            "seq_event_time_ms": pa.array([s for _, s in rows], pa.list_(pa.int64())),
+        }
+    )
+    got = check_seq_ascending(table)
+    bad = [f"x{i}" for i, (_, s) in enumerate(rows) if any(b < a for a, b in zip(s, s[1:]))]
     assert got["unexpected_count"] == len(bad) and got["success"] == (not bad)
     assert got["partial_unexpected_list"] == bad[:5]
