@@ -1,0 +1,68 @@
+"""Feature-table rows as of a snapshot, and BuildFeatureTables on TestPipeline."""
+
+from __future__ import annotations
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing import test_pipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from features.definitions import DAY_MS, ITEM_FEATURES, USER_FEATURES
+from features.pipeline import BuildFeatureTables, item_feature_row, user_feature_rows
+from sequences.config import BuildConfig
+
+CONFIG = BuildConfig(ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0)
+T = 10 * DAY_MS
+
+
+def _events(make_event):
+    return [
+        make_event("e1", T - 2 * DAY_MS, "impression", age=30, gender="F", category="c1"),
+        make_event("e2", T - 2 * DAY_MS + 1, "click", location="zip1", category="c2"),
+        make_event("e3", T - 1, "impression", domain="d2", age=31, item="i2"),
+        make_event("e4", T, "click", domain="d2", item="i2"),  # at the watermark: counted
+        make_event("e5", T + 1, "impression", age=99, gender="X"),  # after the watermark: ignored
+        make_event("e6", T - 5, "impression", user="u2", category=None),
+    ]
+
+
+def test_user_rows_hand_checked(make_event):
+    rows = user_feature_rows("u1", [e for e in _events(make_event) if e["user_id"] == "u1"], as_of_ms=T,
+                             config=CONFIG)
+    assert [(r["domain"], r["event_ts_ms"], r["created_ts_ms"]) for r in rows] == [
+        ("d1", T - 2 * DAY_MS + 1, T - 2 * DAY_MS + 2), ("d2", T, T + 1)]
+    d1, d2 = rows
+    assert (d1["impressions_all"], d1["clicks_all"], d1["impressions_1d"], d1["impressions_7d"]) == (1, 1, 0, 1)
+    assert d1["ctr_7d"] == pytest.approx(2 / 3) and d1["ctr_1d"] == 0.5
+    assert (d2["impressions_1h"], d2["clicks_1h"], d2["ctr_1h"]) == (1, 1, pytest.approx(2 / 3))
+    # Latest non-null static attributes over all domains, up to the watermark.
+    assert (d1["age"], d1["gender"], d1["location"]) == (31, "F", "zip1") == (d2["age"], d2["gender"], d2["location"])
+    assert set(d1) == set(USER_FEATURES.schema.names)
+
+
+def test_item_row_and_empty_item(make_event):
+    events = [e for e in _events(make_event) if e["item_id"] == "i1" and e["domain"] == "d1"]
+    (row,) = item_feature_row(("i1", "d1"), events, as_of_ms=T, config=CONFIG)
+    assert (row["impressions_all"], row["clicks_all"], row["category"]) == (2, 1, "c2")
+    assert set(row) == set(ITEM_FEATURES.schema.names)
+    assert item_feature_row(("i1", "d1"), [make_event("late", T + 5, "impression")], as_of_ms=T, config=CONFIG) == []
+
+
+def test_missing_created_ts_raises(make_event):
+    with pytest.raises(ValueError, match="created_ts_ms must be an int"):
+        user_feature_rows("u1", [make_event("a", 1, "click", created_ts_ms=None)], as_of_ms=5, config=CONFIG)
+
+
+def test_build_feature_tables_transform(make_event):
+    with test_pipeline.TestPipeline() as p:
+        tables = p | beam.Create(_events(make_event)) | BuildFeatureTables(CONFIG, as_of_ms=T)
+        assert_that(
+            tables["user"] | "U" >> beam.Map(lambda r: (r["user_id"], r["domain"], r["impressions_all"])),
+            equal_to([("u1", "d1", 1), ("u1", "d2", 1), ("u2", "d1", 1)]),
+            label="users",
+        )
+        assert_that(
+            tables["item"] | "I" >> beam.Map(lambda r: (r["item_id"], r["domain"], r["impressions_all"], r["clicks_all"])),
+            equal_to([("i1", "d1", 2, 1), ("i2", "d2", 1, 1)]),
+            label="items",
+        )
