@@ -53,9 +53,13 @@ class IngestConfig:
     """An event time later than (ingest clock + this) is dead-lettered (reason future_event_time)."""
     runner: str = "DirectRunner"
     """Beam runner; any other Beam pipeline flag passes through the CLI untouched."""
+    read_timeout_s: float = 30.0
+    """Seconds a Kafka metadata request or a range read may go without progress before the run fails."""
 
     def __post_init__(self) -> None:
         if not self.domains:
             raise ValueError("ingest.domains must name at least one domain")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"ingest.read_timeout_s must be > 0, got {self.read_timeout_s}")
         if self.max_future_skew_ms < 0:
             raise ValueError(f"ingest.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")

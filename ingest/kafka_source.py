@@ -162,6 +162,9 @@ class ConfluentClient:
                 for msg in msgs:
                     if msg.error() is not None:
                         raise RuntimeError(f"{rng.topic}[{rng.partition}]: Kafka error {msg.error()}")
+                    # Guards against a message still queued from an earlier assignment or a re-fetch.
+                    if msg.topic() != rng.topic or msg.partition() != rng.partition or msg.offset() < next_offset:
+                        continue
                     if msg.offset() >= rng.end:
                         next_offset = rng.end
                         break
@@ -216,6 +219,8 @@ class KafkaPythonClient:
                     continue
                 deadline = time.monotonic() + self._timeout_s
                 for r in records:
+                    if r.offset < next_offset:
+                        continue
                     if r.offset >= rng.end:
                         next_offset = rng.end
                         break

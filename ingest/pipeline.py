@@ -18,6 +18,7 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
 
 Each commit is atomic and idempotent, and ``events`` moves the offsets only after
 ``dead_letter`` holds the same batch, so a crash anywhere loses no record and writes none twice.
+Run one ingest job per topic at a time: two concurrent runs would plan the same batch.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _P
                  app_id, batch_version, len(ranges))
         return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True)
 
-    ranges = tuple(plan_snapshot(bootstrap, topic, prev_ends, client=config.kafka.client))
+    ranges = tuple(plan_snapshot(bootstrap, topic, prev_ends, client=config.kafka.client,
+                                 timeout_s=config.ingest.read_timeout_s))
     ends = {**prev_ends, **{r.partition: r.end for r in ranges}}
     clock_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
     return _Plan(batch_version, ranges, ends, clock_ms, recovered=False)
@@ -208,7 +210,9 @@ def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, b
         parsed = (
             p
             | "Ranges" >> beam.Create(nonempty)
-            | "ReadKafka" >> ReadOffsetRanges(bootstrap=bootstrap, client=config.kafka.client)
+            | "ReadKafka" >> ReadOffsetRanges(
+                bootstrap=bootstrap, client=config.kafka.client, timeout_s=config.ingest.read_timeout_s
+            )
             | "ParseEvents" >> ParseEvents(config.ingest.domains, plan.now_ms, config.ingest.max_future_skew_ms)
         )
         _ = parsed[GOOD] | "StageEvents" >> StageRows(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import apache_beam as beam
 import pyarrow as pa
 import pytest
+from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -15,7 +18,7 @@ from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, committed_version, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
-from ingest.kafka_source import OffsetRange, plan_snapshot
+from ingest.kafka_source import KafkaRecord, OffsetRange, ReadOffsetRanges, plan_snapshot
 from ingest.parse import event_date
 from ingest.pipeline import app_id_for, read_staged, run_ingest, staging_dir
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
@@ -207,3 +210,22 @@ def test_offset_range_validates_and_round_trips():
     for bad in [("t", -1, 0, 0), ("t", 0, -1, 0), ("t", 0, 5, 4)]:
         with pytest.raises(ValueError, match="expected"):
             OffsetRange(*bad)
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_read_offset_ranges_emits_exactly_the_range(broker, topic, client):
+    msgs = [(f"k{i}".encode(), f"v{i}".encode()) for i in range(9)]
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "batch.num.messages": 1, "linger.ms": 0})
+    for i, (key, value) in enumerate(msgs):
+        producer.produce(topic, key=key, value=value, partition=i % 2, timestamp=1_000 + i)
+    assert producer.flush(30) == 0
+    # partition 0 holds v0 v2 v4 v6 v8 at offsets 0..4, partition 1 holds v1 v3 v5 v7 at 0..3
+    ranges = [OffsetRange(topic, 0, 1, 4), OffsetRange(topic, 1, 0, 2), OffsetRange(topic, 2, 0, 0)]
+    expected = [
+        KafkaRecord(topic, 0, 1, b"k2", b"v2", 1_002), KafkaRecord(topic, 0, 2, b"k4", b"v4", 1_004),
+        KafkaRecord(topic, 0, 3, b"k6", b"v6", 1_006), KafkaRecord(topic, 1, 0, b"k1", b"v1", 1_001),
+        KafkaRecord(topic, 1, 1, b"k3", b"v3", 1_003),
+    ]
+    with test_pipeline.TestPipeline() as p:
+        out = p | beam.Create(ranges) | ReadOffsetRanges(bootstrap=broker.bootstrap, client=client, timeout_s=20)
+        assert_that(out, equal_to(expected))
