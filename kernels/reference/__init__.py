@@ -1,0 +1,1 @@
+"""Pure PyTorch twins of the jagged kernels: the default backend and the test oracle."""
