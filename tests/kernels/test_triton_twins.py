@@ -22,7 +22,7 @@ from kernels.types import Jagged
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-HYP = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYP = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def run_both(fn, inputs: list[torch.Tensor], seed: int):
@@ -112,9 +112,17 @@ def test_softmax_edge_cases(lengths, dtype, heads, make_jagged):
 
 
 @DTYPES
-@pytest.mark.parametrize("window", [None, 1, 5, 20])
+@pytest.mark.parametrize("window", [None, 5])
 def test_causal_attention_edge_cases(lengths, dtype, window, make_jagged):
-    check_causal(make_jagged(lengths, (2, 8), dtype, seed=8), dtype, seed=9, window=window)
+    # One head here to keep the interpreter fast; the hypothesis test covers H=2.
+    check_causal(make_jagged(lengths, (1, 8), dtype, seed=8), dtype, seed=9, window=window)
+
+
+@pytest.mark.slow
+@DTYPES
+@pytest.mark.parametrize("window", [1, 20])
+def test_causal_attention_more_windows(lengths, dtype, window, make_jagged):
+    check_causal(make_jagged(lengths, (2, 8), dtype, seed=12), dtype, seed=13, window=window)
 
 
 @DTYPES
