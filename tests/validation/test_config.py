@@ -1,0 +1,27 @@
+"""ValidationConfig rejects bounds that make no sense, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from validation.config import ValidationConfig
+
+BAD = [
+    ({"min_label_rate": 0.5, "max_label_rate": 0.4}, "min_label_rate <= max_label_rate"),
+    ({"max_label_rate": 1.5}, "max_label_rate <= 1"),
+    ({"min_label_rate": -0.1}, "0 <= min_label_rate"),
+    ({"min_event_time_ms": -1}, "validation.min_event_time_ms must be >= 0, got -1"),
+    ({"max_future_skew_ms": -5}, "validation.max_future_skew_ms must be >= 0, got -5"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD)
+def test_bad_bounds_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ValidationConfig(**kwargs)
+
+
+def test_defaults_accept_every_dataset_era():
+    cfg = ValidationConfig()
+    assert cfg.min_event_time_ms == 631_152_000_000  # 1990-01-01T00:00:00Z: MovieLens starts in 1995
+    assert cfg.max_future_skew_ms == 86_400_000
