@@ -254,7 +254,10 @@ def plan_snapshot(
     client: ClientName = "confluent",
     timeout_s: float = 30.0,
 ) -> list[OffsetRange]:
-    """One bounded snapshot: per partition of ``topic``, ``[start_offsets[p] (0 if absent), high watermark)``.
+    """One bounded snapshot: per partition of ``topic``, ``[start_offsets[p], high watermark)``.
+
+    A partition absent from ``start_offsets`` was never ingested and starts at its low watermark
+    (0 unless retention already deleted its head, which then was never ours to read).
 
     Returns:
         One OffsetRange per partition, sorted by partition; empty ranges included.
@@ -276,7 +279,7 @@ def plan_snapshot(
                          f"(has {sorted(watermarks)}); was the topic recreated?")
     ranges = []
     for partition, (low, high) in watermarks.items():
-        start = start_offsets.get(partition, 0)
+        start = start_offsets.get(partition, low)
         if start > high:
             raise ValueError(f"{topic}[{partition}]: committed offset {start} is past the high watermark {high}; "
                              "was the topic recreated? Reset the lake or the offsets.")

@@ -4,7 +4,7 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
 ``app_id = "ingest:<topic>"`` and ``batch_version`` = the last events app-transaction version + 1:
 
 1. Plan. Start offsets are the ``end_offsets`` in the metadata of the app's last ``events``
-   commit (0 for a partition never seen); ends are the high watermarks now
+   commit (the low watermark, normally 0, for a partition never seen); ends are the high watermarks now
    (:func:`ingest.kafka_source.plan_snapshot`). If ``dead_letter`` already holds
    ``batch_version`` (a crash between the two commits), the ranges and the clock recorded in
    that commit are reused instead, so the rerun reads and decides exactly as the crashed run did.

@@ -14,13 +14,14 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import gemline.lake as lake_mod
+import ingest.kafka_source as kafka_source
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, committed_version, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_source import KafkaRecord, OffsetRange, ReadOffsetRanges, plan_snapshot
 from ingest.parse import event_date
-from ingest.pipeline import app_id_for, read_staged, run_ingest, staging_dir
+from ingest.pipeline import _check_batch, app_id_for, read_staged, run_ingest, staging_dir
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
 
 pytestmark = pytest.mark.integration
@@ -229,3 +230,68 @@ def test_read_offset_ranges_emits_exactly_the_range(broker, topic, client):
     with test_pipeline.TestPipeline() as p:
         out = p | beam.Create(ranges) | ReadOffsetRanges(bootstrap=broker.bootstrap, client=client, timeout_s=20)
         assert_that(out, equal_to(expected))
+
+
+def test_stale_staging_from_a_crashed_run_is_ignored(broker, topic, tmp_path):
+    cfg = _config(tmp_path / "lake", topic)
+    _produce(broker.bootstrap, topic, _good(0, 5))
+    stale = staging_dir(cfg.lake, 0) / "events"
+    stale.mkdir(parents=True)
+    (stale / "junk.parquet").write_bytes(b"half-written file of a run that died in the pipeline")
+    res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert res.events_written == 5 and read_table(cfg.lake, "events").num_rows == 5
+
+
+class _FakeClient:
+    def __init__(self, watermarks):
+        self._watermarks = watermarks
+
+    def end_offsets(self, topic):
+        return self._watermarks
+
+    def close(self):
+        pass
+
+
+PLAN_ERRORS = [
+    # (start offsets, expected message)
+    ({0: 2}, "below the low watermark 5"),
+    ({0: 6, 1: 4}, "past the high watermark 3"),
+    ({2: 0}, "partitions \\[2\\] the topic lacks"),
+]
+
+
+@pytest.mark.parametrize(("starts", "match"), PLAN_ERRORS)
+def test_plan_snapshot_rejects_offsets_the_topic_disagrees_with(monkeypatch, starts, match):
+    monkeypatch.setattr(kafka_source, "make_client", lambda *a, **k: _FakeClient({0: (5, 10), 1: (0, 3)}))
+    with pytest.raises(ValueError, match=match):
+        plan_snapshot("unused:1", "t", starts)
+
+
+def test_plan_snapshot_starts_at_committed_offsets(monkeypatch):
+    monkeypatch.setattr(kafka_source, "make_client", lambda *a, **k: _FakeClient({0: (5, 10), 1: (0, 3)}))
+    assert plan_snapshot("unused:1", "t", {}) == [OffsetRange("t", 0, 5, 10), OffsetRange("t", 1, 0, 3)]
+    assert plan_snapshot("unused:1", "t", {0: 7}) == [OffsetRange("t", 0, 7, 10), OffsetRange("t", 1, 0, 3)]
+    assert plan_snapshot("unused:1", "t", {0: 10, 1: 3}) == [OffsetRange("t", 0, 10, 10), OffsetRange("t", 1, 3, 3)]
+
+
+def _coord_table(schema, coords):
+    cols = {f.name: [None] * len(coords) for f in schema}
+    cols["kafka_partition"] = [p for p, _ in coords]
+    cols["kafka_offset"] = [o for _, o in coords]
+    return pa.table({k: cols[k] for k in ("kafka_partition", "kafka_offset")})
+
+
+CHECK_ERRORS = [
+    # (event coords, dead coords, expected message)
+    ([(0, 1)], [(0, 1)], "staged to both tables"),
+    ([(0, 5)], [], "outside the planned ranges"),
+    ([], [(3, 0)], "outside the planned ranges"),
+]
+
+
+@pytest.mark.parametrize(("ev", "dead", "match"), CHECK_ERRORS)
+def test_check_batch_catches_broken_invariants(ev, dead, match):
+    ranges = (OffsetRange("t", 0, 0, 5), OffsetRange("t", 1, 0, 2))
+    with pytest.raises(RuntimeError, match=match):
+        _check_batch(_coord_table(EVENTS_TABLE_SCHEMA, ev), _coord_table(DEAD_LETTER_SCHEMA, dead), ranges)
