@@ -17,7 +17,6 @@ the default, much faster) or kafka-python (pure Python).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -25,8 +24,6 @@ from typing import Any, Literal, Protocol
 
 import apache_beam as beam
 from tqdm import tqdm
-
-log = logging.getLogger(__name__)
 
 ClientName = Literal["confluent", "kafka-python"]
 
