@@ -127,3 +127,18 @@ def test_version_out_of_range_raises(tmp_path, events_table):
 def test_latest_report_without_reports_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="gemline validate"):
         latest_report(tmp_path, "events")
+
+
+def test_revalidation_appends_a_run_and_the_gate_reads_the_newest(tmp_path, events_table):
+    # the same version fails under a config without "instagram", then passes once it is known
+    commit_once(tmp_path, "events", events_table(4), app_id="ingest:gemline.events", version=0)
+    strict = GemlineConfig(lake=str(tmp_path), ingest=IngestConfig(domains=("facebook",)),
+                           validation=ValidationConfig(min_event_time_ms=T0 - 1000))
+    first = validate_table(strict, "events", now_ms=NOW)
+    assert [f[:2] for f in first.failures] == [("in_set:domain", "critical")]
+    assert not gate_decision(tmp_path, "events", 0).allowed
+    second = validate_table(config(tmp_path), "events", now_ms=NOW + 1)
+    assert second.passed and gate_decision(tmp_path, "events", 0).allowed
+    quality = read_table(tmp_path, "quality").to_pylist()
+    assert len({r["run_id"] for r in quality}) == 2
+    assert latest_report(tmp_path, "events")[0] == "PASSED"  # the report file holds the newest run

@@ -1,0 +1,55 @@
+"""Report building and HTML rendering, without GX: verdicts, escaping, plots that cannot be drawn."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from validation.report import build_report, draw_plots, render_html, verdict, write_report
+from validation.suites import CheckResult
+
+
+def check(name: str, severity: str, success: bool, observed: str = "0") -> CheckResult:
+    return CheckResult(name, severity, success, observed, "custom:test", {})
+
+
+VERDICTS = [
+    ([], "PASSED"),
+    ([check("a", "critical", True)], "PASSED"),
+    ([check("a", "critical", True), check("w", "warning", False)], "PASSED"),
+    ([check("a", "critical", False), check("w", "warning", True)], "QUARANTINED"),
+]
+
+
+@pytest.mark.parametrize("results,expected", VERDICTS)
+def test_verdict_is_quarantined_only_by_a_failed_critical(results, expected):
+    assert verdict(results) == expected
+
+
+def report_for(results) -> dict:
+    return build_report(
+        table="examples", table_version=7, num_rows=3, results=results, run_id="r1", run_ts_ms=123, source=None
+    )
+
+
+def test_html_escapes_observed_values_and_shows_verdict_first():
+    report = report_for([check("in_set:domain", "critical", False, '1 of 3 unexpected, e.g. ["<script>x</script>"]')])
+    page = render_html(report, {})
+    assert "<script>x</script>" not in page and "&lt;script&gt;" in page
+    body = page[page.index("<body>") :]
+    assert body.index('class="verdict QUARANTINED"') < body.index("<h1>")
+    assert "not recorded" in page  # no source metadata
+
+
+def test_plots_of_a_batch_missing_columns_are_marked_unavailable(tmp_path):
+    data = pa.table({"domain": ["facebook"], "event_date": ["2023-11-14"]})  # no seq_length, no label_click
+    plots = draw_plots("examples", data)
+    assert plots["Sequence length"].startswith("unavailable: KeyError")
+    assert plots["Click rate per domain"].startswith("unavailable:")
+    assert not plots["Examples per domain and day"].startswith("unavailable")
+    json_path, html_path = write_report(tmp_path, report_for([check("empty", "critical", True, "1")]), data)
+    assert json.loads(json_path.read_text())["verdict"] == "PASSED"
+    assert "unavailable: KeyError" in html_path.read_text()
+    assert json_path == tmp_path / "_quality" / "examples" / "7" / "report.json"
