@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from tqdm import tqdm
 
@@ -42,6 +42,20 @@ class DeliveryError(RuntimeError):
     """The broker refused or lost a produced message."""
 
 
+def _create_or_describe(bootstrap: str, topic: str, partitions: int, timeout_s: float) -> int:
+    """Create ``topic`` unless it exists; return its partition count as the broker reports it."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
+                                  request_timeout=timeout_s)
+    # exception() rather than result(): a raised-and-caught error would tie this frame (and the
+    # client's open connection) into a reference cycle that lives until the next gc pass.
+    error = futures[topic].exception(timeout=timeout_s)
+    if error is not None and error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+        raise error
+    metadata = admin.list_topics(topic=topic, timeout=timeout_s)
+    return len(metadata.topics[topic].partitions)
+
+
 def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> int:
     """Create ``topic`` with ``partitions`` partitions unless it exists; return its partition count.
 
@@ -55,16 +69,9 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: floa
     """
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
-                                  request_timeout=timeout_s)
-    try:
-        futures[topic].result(timeout=timeout_s)
-    except KafkaException as err:
-        if err.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise
-    metadata = admin.list_topics(topic=topic, timeout=timeout_s)
-    existing = len(metadata.topics[topic].partitions)
+    # The AdminClient lives in the helper's frame only, so it is closed on return: tansu waits for
+    # open client connections when it shuts down.
+    existing = _create_or_describe(bootstrap, topic, partitions, timeout_s)
     if existing != partitions:
         raise ValueError(
             f"topic {topic!r} exists with {existing} partitions, expected {partitions}; "
@@ -151,6 +158,8 @@ def replay(
             bar.update(1)
         remaining = producer.flush(flush_timeout_s)
     check()
+    if not remaining:
+        producer.close()  # release librdkafka's threads and sockets now rather than at garbage collection
     if remaining:
         raise DeliveryError(f"{remaining} message(s) still unacknowledged after {flush_timeout_s}s flush")
     num_events = sum(isinstance(record, Event) for record in ordered)
