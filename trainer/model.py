@@ -34,18 +34,28 @@ _SEQ_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "seq_ev
 
 
 def _segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """(B+1,) int64 offsets -> (T,) int64 row index of each element."""
-    lengths = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    """(B+1,) int64 offsets -> (T,) int64 row index of each element.
+
+    ``searchsorted`` rather than ``repeat_interleave``: the latter's parallel path stalls on a
+    busy CPU (measured ~25 ms vs 0.01 ms for B=64 on 2 shared cores).
+    """
+    positions = torch.arange(int(offsets[-1]), device=offsets.device)
+    return torch.searchsorted(offsets[1:], positions, right=True)
+
+
+def _segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row sums of jagged ``values`` (T, ...) -> (B, ...); empty rows give 0.
+
+    ``torch.segment_reduce`` rather than ``index_add``: on a busy 2-core CPU, index_add's
+    parallel scatter measured ~3000x slower for these sizes.
+    """
+    return torch.segment_reduce(values, "sum", offsets=offsets, axis=0, initial=0)
 
 
 def segment_mean_pool(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Mean of each jagged row: values (T, D), offsets (B+1,) int64 -> (B, D); empty rows give 0."""
-    num_rows = offsets.numel() - 1
-    seg = _segment_ids(offsets)
-    total = values.new_zeros(num_rows, values.shape[1]).index_add(0, seg, values)
     lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(values.dtype)
-    return total / lengths.unsqueeze(1)
+    return _segment_sum(values, offsets) / lengths.unsqueeze(1)
 
 
 def segment_softmax_pool(values: torch.Tensor, scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -59,14 +69,13 @@ def segment_softmax_pool(values: torch.Tensor, scores: torch.Tensor, offsets: to
     Returns:
         (B, D): ``sum_t softmax(scores of row i)_t * values_t``; an empty row gives zeros.
     """
-    num_rows = offsets.numel() - 1
     seg = _segment_ids(offsets)
     # The row max only stabilises exp(); it is a constant of the softmax, so no gradient through it.
-    row_max = scores.new_zeros(num_rows).scatter_reduce(0, seg, scores.detach(), "amax", include_self=False)
+    # Empty rows get -inf here but no element reads them.
+    row_max = torch.segment_reduce(scores.detach(), "max", offsets=offsets, axis=0)
     weights = torch.exp(scores - row_max[seg])
-    denom = scores.new_zeros(num_rows).index_add(0, seg, weights)
-    weights = weights / denom[seg]
-    return values.new_zeros(num_rows, values.shape[1]).index_add(0, seg, weights.unsqueeze(1) * values)
+    weights = weights / _segment_sum(weights, offsets)[seg]
+    return _segment_sum(weights.unsqueeze(1) * values, offsets)
 
 
 class TwoTaskRanker(nn.Module):

@@ -115,6 +115,18 @@ def run_training(config: GemlineConfig, *, examples_version: int | None = None, 
     tc = config.trainer
     version = latest_examples_version(config.lake) if examples_version is None else examples_version
     check_gate(config.lake, version)
+    previous_threads = torch.get_num_threads()
+    if tc.torch_threads is not None:
+        torch.set_num_threads(tc.torch_threads)
+    try:
+        return _train(config, version, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
+    """run_training after the gate allowed ``version``."""
+    tc = config.trainer
     split = load_split(config.lake, version)
 
     torch.manual_seed(tc.seed)

@@ -27,7 +27,7 @@ def synthetic_examples(dates: list[str], rows_per_date: int, seed: int) -> pa.Ta
             seq_cats = [CATEGORIES[int(c)] for c in rng.integers(0, len(CATEGORIES), length)]
             category = CATEGORIES[int(rng.integers(0, len(CATEGORIES)))]
             user_ctr = float(rng.beta(2, 8))
-            logit = -1.5 + 8.0 * (user_ctr - 0.2) + 2.0 * (category in seq_cats)
+            logit = -1.0 + 15.0 * (user_ctr - 0.2) + 2.5 * (category in seq_cats)
             click = int(rng.random() < 1 / (1 + np.exp(-logit)))
             conversion = int(click and rng.random() < 0.3 + 0.4 * (category in seq_cats))
             rows.append(
@@ -107,3 +107,9 @@ def make_lake(tmp_path):
         return str(lake), version
 
     return make
+
+
+@pytest.fixture
+def make_examples():
+    """Factory: ``make_examples(dates, rows_per_date, seed) -> pa.Table`` (see synthetic_examples)."""
+    return synthetic_examples

@@ -1,0 +1,106 @@
+"""Checkpoints are atomic, found by latest_checkpoint, and restore parameters, optimisers, step and RNG."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.checkpoint import TrainState, checkpoints_root, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+
+
+def make_model_and_optimizers(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
+    optimizers = {
+        "embeddings": torch.optim.Adagrad(model[0].parameters(), lr=0.1),
+        "dense": torch.optim.Adam(model[1].parameters(), lr=0.01),
+    }
+    return model, optimizers
+
+
+def train_steps(model, optimizers, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.randint(0, 10, (5,))).pow(2).mean()
+        for opt in optimizers.values():
+            opt.zero_grad()
+        loss.backward()
+        for opt in optimizers.values():
+            opt.step()
+
+
+def test_save_load_restores_everything(tmp_path):
+    model, optimizers = make_model_and_optimizers(seed=1)
+    train_steps(model, optimizers, 3)
+    rng = np.random.default_rng(5)
+    rng.random(4)
+    state = TrainState(step=3, examples_seen=15, examples_version=7, extra={"note": "x"})
+    path = save_checkpoint(tmp_path, state, model, optimizers, numpy_rng=rng, extra_files={"a.txt": b"hi"})
+    assert path == checkpoints_root(tmp_path) / "step-3" and (path / "a.txt").read_bytes() == b"hi"
+    expected_draws = (torch.rand(3), random.random(), np.random.rand(), rng.random())
+    train_steps(model, optimizers, 1)  # the saved model must not follow later changes
+    expected_after = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh, fresh_opts = make_model_and_optimizers(seed=2)
+    fresh_rng = np.random.default_rng(99)
+    restored = load_checkpoint(path, fresh, fresh_opts, numpy_rng=fresh_rng)
+    assert restored == state
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand(), fresh_rng.random()) == (
+        expected_draws[0].tolist(), *expected_draws[1:]
+    )
+    # Same optimiser state -> the next step lands on the same parameters as the uninterrupted run.
+    torch.manual_seed(0)
+    model_ref, opts_ref = make_model_and_optimizers(seed=2)
+    load_checkpoint(path, model_ref, opts_ref)
+    saved = torch.load(path / "state.pt", weights_only=False)["model"]
+    for name, tensor in fresh.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+    assert any(not torch.equal(expected_after[k], saved[k]) for k in saved)
+    torch.manual_seed(11)
+    train_steps(fresh, fresh_opts, 1)
+    torch.manual_seed(11)
+    train_steps(model_ref, opts_ref, 1)
+    for (name, a), b in zip(fresh.state_dict().items(), model_ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_latest_checkpoint_ignores_incomplete(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    model, optimizers = make_model_and_optimizers(seed=0)
+    for step in (2, 10):
+        save_checkpoint(tmp_path, TrainState(step=step, examples_seen=step, examples_version=0), model, optimizers)
+    root = checkpoints_root(tmp_path)
+    (root / ".tmp-step-50-abc").mkdir()  # a crashed save
+    (root / "step-40").mkdir()  # no meta.json: incomplete
+    assert latest_checkpoint(tmp_path) == root / "step-10"
+    assert read_state(root / "step-10").examples_seen == 10
+    # Saving the same step again replaces it atomically and leaves no temporary directory.
+    save_checkpoint(tmp_path, TrainState(step=10, examples_seen=99, examples_version=0), model, optimizers)
+    assert read_state(root / "step-10").examples_seen == 99
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step-50-abc", "step-10", "step-2", "step-40"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"step": -1}, ValueError, ">= 0"),
+        ({"extra_files": {"../x": b""}}, ValueError, "plain names"),
+        ({"extra_files": {"meta.json": b""}}, ValueError, "plain names"),
+    ],
+)
+def test_save_rejects(tmp_path, kwargs, error, message):
+    model, optimizers = make_model_and_optimizers(seed=0)
+    state = TrainState(step=kwargs.pop("step", 1), examples_seen=0, examples_version=0)
+    with pytest.raises(error, match=message):
+        save_checkpoint(tmp_path, state, model, optimizers, **kwargs)
+
+
+def test_load_rejects(tmp_path):
+    model, optimizers = make_model_and_optimizers(seed=0)
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "step-1", model, optimizers)
+    path = save_checkpoint(tmp_path, TrainState(step=1, examples_seen=0, examples_version=0), model, optimizers)
+    with pytest.raises(ValueError, match="optimisers"):
+        load_checkpoint(path, model, {"dense": optimizers["dense"]})

@@ -1,0 +1,82 @@
+"""End-to-end runs on small synthetic examples tables: the gate, learning, checkpoints, resume."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from gemline.config import load_config
+from trainer.checkpoint import latest_checkpoint, read_state
+from trainer.train import QuarantinedError, run_training
+
+# Learnable but small: 2 train days x 400 rows, batch 64 -> 13 steps per epoch.
+SMALL = {
+    "trainer.num_embeddings": "1000",
+    "trainer.batch_size": "64",
+    "trainer.epochs": "3",
+    "trainer.learning_rate": "0.01",
+    "trainer.embedding_learning_rate": "0.01",
+    "trainer.seed": "0",
+}
+
+
+def config(lake: str, **overrides):
+    return load_config(overrides={"lake": lake, **SMALL, **overrides})
+
+
+@pytest.mark.slow
+def test_learns_and_checkpoints(make_lake):
+    lake, version = make_lake(rows_per_date=400)
+    result = run_training(config(lake), progress=False)
+
+    assert (result.examples_version, result.train_examples, result.eval_examples) == (version, 800, 400)
+    assert result.eval_date == "2026-01-03"
+    assert result.steps == 3 * 13 == len(result.loss_curve)
+    assert all(math.isfinite(x) for x in result.loss_curve)
+    first, last = sum(result.loss_curve[:5]) / 5, sum(result.loss_curve[-5:]) / 5
+    assert last < first
+    click = result.metrics["click"]["overall"]
+    assert click["auc"] > 0.6, click
+    assert click["num_examples"] == 400 and 0 < click["base_rate"] < 1 and math.isfinite(click["ne"])
+    assert set(result.metrics["conversion"]["by_domain"]) == {"feed", "reels", "marketplace"}
+    assert sum(m["num_examples"] for m in result.metrics["click"]["by_domain"].values()) == 400
+
+    path = Path(result.checkpoint_path)
+    assert latest_checkpoint(lake) == path and path.name == f"step-{result.steps}"
+    assert (path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = read_state(path)
+    assert (state.step, state.examples_seen, state.examples_version) == (39, 3 * 800, version)
+
+
+@pytest.mark.slow
+def test_resume_continues_and_runs_are_deterministic(make_lake, tmp_path):
+    lake, _ = make_lake(rows_per_date=100)
+    first = run_training(config(lake, **{"trainer.epochs": "1"}), progress=False)
+    resumed = run_training(config(lake, **{"trainer.epochs": "1", "trainer.init_from": "latest"}), progress=False)
+    assert first.steps == 4 and resumed.steps == 8
+    assert read_state(resumed.checkpoint_path).examples_seen == 2 * 200
+    assert latest_checkpoint(lake).name == "step-8"
+    again = run_training(config(lake, **{"trainer.epochs": "1"}), progress=False)
+    assert again.loss_curve == first.loss_curve and again.steps == 4
+
+
+@pytest.mark.parametrize(("passed", "message"), [(False, "quarantined"), (None, "never validated")])
+def test_gate_refuses(make_lake, caplog, passed, message):
+    lake, version = make_lake(rows_per_date=10, passed=passed)
+    with pytest.raises(QuarantinedError, match=message):
+        run_training(config(lake), examples_version=version, progress=False)
+    assert message in caplog.text
+    assert latest_checkpoint(lake) is None
+
+
+def test_fewer_than_two_dates_is_rejected(make_lake):
+    lake, version = make_lake(dates=("2026-01-05",), rows_per_date=10)
+    with pytest.raises(ValueError, match=r"2026-01-05"):
+        run_training(config(lake), examples_version=version, progress=False)
+
+
+def test_missing_table(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no examples table"):
+        run_training(config(str(tmp_path / "lake")), progress=False)
