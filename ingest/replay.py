@@ -179,7 +179,10 @@ def replay_dataset(
     batch_messages: int = 1,
     progress: bool = True,
 ) -> ReplayResult:
-    """:func:`ingest.datasets.load_records` then :func:`replay` (arguments and errors as there)."""
-    records = load_records(name, path=path, limit=limit, cache_dir=cache_dir)
+    """:func:`ingest.datasets.load_records` then :func:`replay` (arguments and errors as there).
+
+    ``progress`` shows a bar for reading the source rows and one for producing.
+    """
+    records = load_records(name, path=path, limit=limit, cache_dir=cache_dir, progress=progress)
     return replay(records, bootstrap=bootstrap, topic=topic, partitions=partitions,
                   batch_messages=batch_messages, progress=progress)

@@ -12,6 +12,8 @@ import itertools
 import os
 from typing import Iterator
 
+from tqdm import tqdm
+
 from ingest.datasets import movielens, openbandit, taobao
 from ingest.datasets.types import RawRecord, Record, RowReader, event_time_sort_key, flatten
 
@@ -38,13 +40,14 @@ def iter_source_rows(name: str, *, path: str | os.PathLike | None = None,
 
 
 def load_records(name: str, *, path: str | os.PathLike | None = None, limit: int | None = None,
-                 cache_dir: str | os.PathLike | None = None) -> list[Record]:
+                 cache_dir: str | os.PathLike | None = None, progress: bool = False) -> list[Record]:
     """The records of the first ``limit`` source rows of a dataset, stably sorted by event time.
 
     ``limit`` counts source rows (a MovieLens rating, a Taobao log line, an Open Bandit round), so a
     row's impression is never separated from its click or conversion; None reads everything.
     Events are sorted by ``event_time_ms`` (ms since epoch UTC), ties keep source order, and
-    RawRecords (no reliable time) go last in source order.
+    RawRecords (no reliable time) go last in source order. ``progress`` shows a tqdm bar of source
+    rows read.
 
     Raises:
         ValueError: unknown name, bad path/cache_dir for the dataset, or ``limit < 0``.
@@ -56,6 +59,7 @@ def load_records(name: str, *, path: str | os.PathLike | None = None, limit: int
     rows = iter_source_rows(name, path=path, cache_dir=cache_dir)
     if limit is not None:
         rows = itertools.islice(rows, limit)
+    rows = tqdm(rows, total=limit, unit="row", desc=f"read {name}", disable=not progress)
     return sorted(flatten(rows), key=event_time_sort_key)
 
 
