@@ -105,11 +105,11 @@ def run_demo(
     if examples_quality.passed:
         console.rule("train (TorchRec) on all days but the last; evaluate on the last")
         trained = run_training(config, examples_version=built.examples_version)
-        click = trained.metrics["overall"]["click"]
+        click = trained.metrics["click"]["overall"]
         summary.update(
             auc=click["auc"], ne=click["ne"], calibration=click["calibration"], eval_date=trained.eval_date,
             train_examples=trained.train_examples, eval_examples=trained.eval_examples,
-            per_domain={d: m["click"] for d, m in trained.metrics.get("per_domain", {}).items()},
+            per_domain=trained.metrics["click"]["by_domain"],
             checkpoint=str(trained.checkpoint_path),
         )
     else:
