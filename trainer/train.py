@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import (
+    Batch,
     DenseNormalizer,
     EncodedExamples,
     encode_examples,
@@ -93,6 +95,23 @@ def check_gate(lake: str, examples_version: int) -> None:
     log.info("gate: %s", decision.reason)
 
 
+def train_step(model: TwoTaskRanker, optimizers: dict[str, torch.optim.Optimizer], batch: Batch) -> float | None:
+    """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
+
+    Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
+    """
+    logits = model(batch.sparse, batch.sequence, batch.dense)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(dim=0).sum()
+    for opt in optimizers.values():
+        opt.zero_grad()
+    if not torch.isfinite(loss):
+        return None
+    loss.backward()
+    for opt in optimizers.values():
+        opt.step()
+    return float(loss.item())
+
+
 def predict(model: TwoTaskRanker, data: EncodedExamples, batch_size: int) -> np.ndarray:
     """(N, 2) float64 probabilities (click, conversion) of every row of ``data``, in order."""
     model.eval()
@@ -164,27 +183,20 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         version, len(train), ",".join(split.train_dates), len(evaluation), split.eval_date,
     )
 
-    bce = torch.nn.BCEWithLogitsLoss()
     loss_curve: list[float] = []
     total = tc.epochs * num_batches(train, tc.batch_size)
     with tqdm(total=total, desc="train", unit="step", disable=not progress) as bar:
         for epoch in range(tc.epochs):
             for index, batch in enumerate(iter_batches(train, tc.batch_size, rng)):
-                logits = model(batch.sparse, batch.sequence, batch.dense)
-                loss = bce(logits[:, 0], batch.labels[:, 0]) + bce(logits[:, 1], batch.labels[:, 1])
-                for opt in optimizers.values():
-                    opt.zero_grad()
                 bar.update(1)
-                if not torch.isfinite(loss):
-                    log.warning("epoch %d batch %d: non-finite loss %s, step skipped", epoch, index, loss.item())
+                loss = train_step(model, optimizers, batch)
+                if loss is None:
+                    log.warning("epoch %d batch %d: non-finite loss, step skipped", epoch, index)
                     continue
-                loss.backward()
-                for opt in optimizers.values():
-                    opt.step()
                 step += 1
                 examples_seen += batch.batch_size
-                loss_curve.append(float(loss.item()))
-                bar.set_postfix(loss=f"{loss_curve[-1]:.4f}")
+                loss_curve.append(loss)
+                bar.set_postfix(loss=f"{loss:.4f}")
 
     probs = predict(model, evaluation, tc.batch_size)
     metrics = evaluate(evaluation.labels, probs, evaluation.domains)

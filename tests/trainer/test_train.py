@@ -80,3 +80,54 @@ def test_fewer_than_two_dates_is_rejected(make_lake):
 def test_missing_table(tmp_path):
     with pytest.raises(FileNotFoundError, match="no examples table"):
         run_training(config(str(tmp_path / "lake")), progress=False)
+
+
+def test_non_finite_loss_skips_the_step(make_examples):
+    import numpy as np
+    import torch
+
+    from trainer.data import encode_examples, fit_normalizer, make_batch
+    from trainer.model import TwoTaskRanker
+    from trainer.train import train_step
+
+    table = make_examples(["2026-01-01"], 8, 2)
+    batch = make_batch(encode_examples(table, 50, fit_normalizer(table)), np.arange(8))
+    torch.manual_seed(0)
+    model = TwoTaskRanker(num_embeddings=50, embedding_dim=4, num_dense=3, hidden_dims=(8,))
+    optimizers = {"all": torch.optim.Adam(model.parameters(), lr=0.1)}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    poisoned = type(batch)(batch.sparse, batch.sequence, torch.full_like(batch.dense, float("nan")), batch.labels, batch.domains)
+    assert train_step(model, optimizers, poisoned) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert optimizers["all"].state == {}
+    loss = train_step(model, optimizers, batch)
+    # Reference: mean BCE of each head, summed, at the parameters before the step.
+    fresh = TwoTaskRanker(num_embeddings=50, embedding_dim=4, num_dense=3, hidden_dims=(8,))
+    fresh.load_state_dict(before)
+    logits = fresh(batch.sparse, batch.sequence, batch.dense)
+    y = batch.labels
+    expected = -(y * torch.log(torch.sigmoid(logits)) + (1 - y) * torch.log(1 - torch.sigmoid(logits))).mean(dim=0).sum()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+GOLDEN = Path(__file__).parent / "data" / "tiny_loss_curve.json"
+
+
+def tiny_run(make_lake):
+    lake, _ = make_lake(rows_per_date=60, seed=3)
+    return run_training(config(lake, **{"trainer.epochs": "1", "trainer.batch_size": "32"}), progress=False)
+
+
+def test_tiny_run_reproduces_checked_in_losses(make_lake):
+    """Guards refactors that must not change the maths.
+
+    If the maths changes on purpose, copy the loss curve printed in the failure message into
+    ``data/tiny_loss_curve.json`` and say why in the commit message.
+    """
+    import json
+
+    result = tiny_run(make_lake)
+    golden = json.loads(GOLDEN.read_text())
+    assert result.steps == golden["steps"]
+    assert result.loss_curve == pytest.approx(golden["loss_curve"], rel=1e-4), result.loss_curve
