@@ -187,3 +187,31 @@ def test_seq_ascending_matches_a_loop(rows):
     bad = [f"x{i}" for i, (_, s) in enumerate(rows) if any(b < a for a, b in zip(s, s[1:]))]
     assert got["unexpected_count"] == len(bad) and got["success"] == (not bad)
     assert got["partial_unexpected_list"] == bad[:5]
+
+
+def test_a_suite_run_that_raises_falls_back_to_one_expectation_at_a_time(monkeypatch, events_table, bounds):
+    import great_expectations as gx
+
+    from validation import suites
+
+    real = suites._batch_definition()
+
+    class FlakyBatch:
+        """Raises on whole-suite runs and on the event-type set check; delegates the rest to GX."""
+
+        def __init__(self, batch):
+            self.batch = batch
+
+        def validate(self, expect, result_format):
+            if isinstance(expect, gx.ExpectationSuite) or expect.meta["name"] == "in_set:event_type":
+                raise RuntimeError("boom")
+            return self.batch.validate(expect, result_format=result_format)
+
+    class FlakyDefinition:
+        def get_batch(self, batch_parameters):
+            return FlakyBatch(real.get_batch(batch_parameters=batch_parameters))
+
+    monkeypatch.setattr(suites, "_batch_definition", FlakyDefinition)
+    results = {r.name: r for r in validate_events(events_table(changes={1: {"domain": "myspace"}}), **bounds)}
+    assert results["in_set:event_type"].observed == "error: RuntimeError: boom"
+    assert failed(results.values()) == {"in_set:event_type": "critical", "in_set:domain": "critical"}
