@@ -2,6 +2,7 @@
 
     gemline broker [--port P]
     gemline replay --dataset NAME [--path FILE] [--limit N] [--bootstrap HOST:PORT]
+    gemline generate [--rate EVENTS_PER_S] [--set generate.num_users=N ...] [--bootstrap HOST:PORT]
     gemline ingest [--bootstrap HOST:PORT] [beam pipeline flags ...]
     gemline build [beam pipeline flags ...]
     gemline validate --table T [--version V]
@@ -76,6 +77,19 @@ def cmd_replay(args: argparse.Namespace, extra: list[str]) -> int:
         batch_messages=config.kafka.producer_batch_messages,
     )
     print(json.dumps(result.__dict__ if hasattr(result, "__dict__") else str(result), default=str))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from ingest.generate import generate_records, stream_records
+
+    config = _config(args)
+    records = generate_records(config.generate)
+    produced = stream_records(
+        records, bootstrap=_require_bootstrap(config), topic=config.kafka.topic, partitions=config.kafka.partitions,
+        rate_per_s=args.rate, batch_messages=config.kafka.producer_batch_messages,
+    )
+    print(json.dumps({"produced": produced, "topic": config.kafka.topic, "seed": config.generate.seed}))
     return 0
 
 
@@ -161,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="input file (taobao)")
     p.add_argument("--limit", type=int, help="first N source records only")
     p.set_defaults(func=cmd_replay, passthrough=False)
+
+    p = sub.add_parser("generate", help="produce synthetic three-domain traffic (config section [generate])")
+    _common(p)
+    _kafka_flags(p)
+    p.add_argument("--rate", type=float, default=None, help="target events/s (default: as fast as possible)")
+    p.set_defaults(func=cmd_generate, passthrough=False)
 
     p = sub.add_parser("ingest", help="Kafka -> events / dead_letter (one bounded snapshot, exactly once)")
     _common(p)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.config import IngestConfig, KafkaConfig
+from ingest.generate import GenerateConfig
 from sequences.config import BuildConfig
 from trainer.config import TrainerConfig
 from validation.config import ValidationConfig
@@ -40,6 +41,8 @@ class GemlineConfig:
     """Quality suites and the gate."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Model and optimisation."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    """Synthetic traffic (`gemline generate`)."""
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

@@ -1,0 +1,45 @@
+"""The CLI: flags reach the config, bad flags exit 2, and generate -> ingest loses nothing."""
+
+import pytest
+
+from gemline.cli import main
+from gemline.lake import read_table
+from ingest.broker import EmbeddedBroker
+from ingest.datasets.types import RawRecord
+from ingest.generate import GenerateConfig, generate_records
+
+
+def test_bad_override_exits_2(capsys, tmp_path):
+    assert main(["build", "--lake", str(tmp_path), "--set", "build.max_seq_len=abc"]) == 2
+    assert "build.max_seq_len: expected int" in capsys.readouterr().err
+
+
+def test_kafka_commands_need_a_cluster(tmp_path):
+    with pytest.raises(SystemExit, match="--bootstrap"):
+        main(["ingest", "--lake", str(tmp_path)])
+
+
+def test_unknown_flags_rejected_where_nothing_passes_through():
+    with pytest.raises(SystemExit):
+        main(["train", "--runner", "DirectRunner"])
+
+
+@pytest.mark.integration
+def test_generate_then_ingest_twice(tmp_path):
+    sets = ["--set", "generate.num_users=40", "--set", "generate.num_ads=20", "--set", "generate.days=1",
+            "--set", "generate.bad_rate=0.05", "--set", "generate.seed=3"]
+    expected = generate_records(GenerateConfig(num_users=40, num_ads=20, days=1.0, bad_rate=0.05, seed=3))
+    num_bad = sum(isinstance(r, RawRecord) for r in expected)
+    assert num_bad > 0
+    with EmbeddedBroker() as broker:
+        common = ["--lake", str(tmp_path), "--bootstrap", broker.bootstrap, "--topic", "syn"]
+        assert main(["generate", *common, *sets]) == 0
+        assert main(["ingest", *common]) == 0
+        events = read_table(tmp_path, "events")
+        dead = read_table(tmp_path, "dead_letter")
+        assert events.num_rows == len(expected) - num_bad
+        assert dead.num_rows == num_bad
+        assert sorted(events["event_id"].to_pylist()) == sorted(r.event_id for r in expected if not isinstance(r, RawRecord))
+        assert main(["ingest", *common]) == 0  # nothing new: nothing added
+        assert read_table(tmp_path, "events").num_rows == events.num_rows
+        assert read_table(tmp_path, "dead_letter").num_rows == num_bad
