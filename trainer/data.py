@@ -243,8 +243,13 @@ def load_split(lake: str | Path, examples_version: int) -> ExamplesSplit:
 
 
 def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
+    """(N, F) float64 of the named columns, null -> NaN; raises TypeError on a non-numeric column."""
     if not names:
         return np.zeros((table.num_rows, 0), dtype=np.float64)
+    for n in names:
+        kind = table.schema.field(n).type
+        if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
+            raise TypeError(f"dense feature {n} must be float64 (sequences/schema.py), got {kind}")
     cols = [table[n].cast(pa.float64()).to_numpy(zero_copy_only=False) for n in names]
     return np.stack([np.asarray(c, dtype=np.float64) for c in cols], axis=1)
 

@@ -39,31 +39,25 @@ def test_save_load_restores_everything(tmp_path):
     state = TrainState(step=3, examples_seen=15, examples_version=7, extra={"note": "x"})
     path = save_checkpoint(tmp_path, state, model, optimizers, numpy_rng=rng, extra_files={"a.txt": b"hi"})
     assert path == checkpoints_root(tmp_path) / "step-3" and (path / "a.txt").read_bytes() == b"hi"
-    expected_draws = (torch.rand(3), random.random(), np.random.rand(), rng.random())
-    train_steps(model, optimizers, 1)  # the saved model must not follow later changes
-    expected_after = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_params = {k: v.clone() for k, v in model.state_dict().items()}
+    # The uninterrupted run: its next RNG draws and its next step.
+    expected_draws = (torch.rand(3).tolist(), random.random(), np.random.rand(), rng.random())
+    torch.manual_seed(11)
+    train_steps(model, optimizers, 1)
 
     fresh, fresh_opts = make_model_and_optimizers(seed=2)
     fresh_rng = np.random.default_rng(99)
+    assert not torch.equal(fresh[1].weight, saved_params["1.weight"])
     restored = load_checkpoint(path, fresh, fresh_opts, numpy_rng=fresh_rng)
     assert restored == state
-    assert (torch.rand(3).tolist(), random.random(), np.random.rand(), fresh_rng.random()) == (
-        expected_draws[0].tolist(), *expected_draws[1:]
-    )
-    # Same optimiser state -> the next step lands on the same parameters as the uninterrupted run.
-    torch.manual_seed(0)
-    model_ref, opts_ref = make_model_and_optimizers(seed=2)
-    load_checkpoint(path, model_ref, opts_ref)
-    saved = torch.load(path / "state.pt", weights_only=False)["model"]
     for name, tensor in fresh.state_dict().items():
-        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
-    assert any(not torch.equal(expected_after[k], saved[k]) for k in saved)
+        assert torch.equal(tensor, saved_params[name]), name
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand(), fresh_rng.random()) == expected_draws
+    # Same optimiser state (Adam moments, Adagrad sums) -> the resumed step lands on the same parameters.
     torch.manual_seed(11)
     train_steps(fresh, fresh_opts, 1)
-    torch.manual_seed(11)
-    train_steps(model_ref, opts_ref, 1)
-    for (name, a), b in zip(fresh.state_dict().items(), model_ref.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
 
 
 def test_latest_checkpoint_ignores_incomplete(tmp_path):

@@ -136,3 +136,10 @@ def test_misaligned_sequence_is_rejected(make_examples):
     table = pa.Table.from_pylist(rows, schema=make_examples(["2026-01-01"], 1, 0).schema)
     with pytest.raises(ValueError, match=r"seq_categories row 0 has 1 elements but seq_length=2"):
         encode_examples(table, N, fit_normalizer(table))
+
+
+def test_non_numeric_dense_feature_is_rejected(make_examples):
+    table = make_examples(["2026-01-01"], 3, 0)
+    table = table.append_column("f_bad", pa.array(["x", "y", "z"]))
+    with pytest.raises(TypeError, match="f_bad must be float64"):
+        fit_normalizer(table)
