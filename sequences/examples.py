@@ -128,13 +128,23 @@ def item_features(item_events: Iterable[Event], config: BuildConfig) -> list[tup
     return [(e["user_id"], e["event_id"], dense[e["event_id"]]) for e in events if e["event_id"] in dense]
 
 
+def _list_column(values: pa.Array, offsets: np.ndarray, index: np.ndarray, list_type: pa.DataType) -> pa.Array:
+    """list<T> column whose row i is ``values[index[offsets[i]:offsets[i+1]]]``."""
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values.take(pa.array(index)), type=list_type)
+
+
 def assemble_examples(
     user_events: Iterable[Event],
     item_dense: Mapping[str, Mapping[str, float]],
     config: BuildConfig,
     watermark_ms: int,
-) -> list[dict[str, Any]]:
-    """One ``examples`` row (dict with the :data:`EXAMPLES_SCHEMA` fields) per impression of a user.
+) -> pa.Table:
+    """The ``examples`` rows (a table of exactly :data:`EXAMPLES_SCHEMA`) of one user's impressions.
+
+    Row order follows the impressions' (event_time_ms, event_id). The sequence columns are sliced
+    from the user's sorted timeline with one vectorised gather (Q impressions with histories of
+    length L_i give T = sum L_i list values), so the cost is O(n log n + T) with no per-value
+    Python work.
 
     Args:
         user_events: all events of one user (any order, duplicates ok).
@@ -146,6 +156,15 @@ def assemble_examples(
             the events are malformed (see :func:`sequences.history.sorted_unique_events`).
     """
     timeline = Timeline(user_events)
+    impressions = [e for e in timeline.events if e["event_type"] in IMPRESSION_TYPES]
+    if not impressions:
+        return EXAMPLES_SCHEMA.empty_table()
+    missing = [e["event_id"] for e in impressions if e["event_id"] not in item_dense]
+    if missing:
+        raise ValueError(
+            f"no item features for impressions {missing[:3]!r} ({len(missing)} in all); "
+            "item_dense must come from item_features over the same events"
+        )
     labels = label_impressions(
         timeline.events,
         click_window_ms=config.click_window_ms,
@@ -153,46 +172,45 @@ def assemble_examples(
         watermark_ms=watermark_ms,
     )
     user_dense = _dense_per_impression(timeline.events, USER_DENSE, config)
+    times = np.fromiter((e["event_time_ms"] for e in impressions), dtype=np.int64, count=len(impressions))
+    start, end = timeline.history_bounds(times, config.max_seq_len)
+    lengths = end - start
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # Index of every list value in the timeline: row i contributes start[i], ..., end[i] - 1.
+    index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+
     dates: dict[int, str] = {}
-    rows: list[dict[str, Any]] = []
-    for event in timeline.events:
-        if event["event_type"] not in IMPRESSION_TYPES:
-            continue
-        example_id = event["event_id"]
-        if example_id not in item_dense:
-            raise ValueError(
-                f"no item features for impression {example_id!r} (item {event['item_id']!r}); "
-                "item_dense must come from item_features over the same events"
-            )
-        t_ms = event["event_time_ms"]
-        history = timeline.history_before(t_ms, config.max_seq_len)
-        label = labels[example_id]
-        row: dict[str, Any] = {
-            "example_id": example_id,
-            "event_time_ms": t_ms,
-            "event_date": _utc_date(t_ms, dates),
-        }
-        for name in SPARSE_FEATURES:
-            row[name] = _as_str(event.get(name))
-        row.update(
-            seq_item_ids=history.item_ids,
-            seq_categories=history.categories,
-            seq_event_types=history.event_types,
-            seq_domains=history.domains,
-            seq_event_time_ms=history.event_times_ms,
-            seq_length=history.length,
-            seq_truncated=history.truncated,
-            label_click=label.label_click,
-            label_conversion=label.label_conversion,
-            click_latency_ms=label.click_latency_ms,
-            conversion_latency_ms=label.conversion_latency_ms,
-            label_window_closed=label.label_window_closed,
-        )
-        row.update(user_dense[example_id])
-        row.update(item_dense[example_id])
-        row["f_seq_length"] = float(history.length)
-        rows.append(row)
-    return rows
+    ids = [e["event_id"] for e in impressions]
+    columns: dict[str, Any] = {
+        "example_id": ids,
+        "event_time_ms": times,
+        "event_date": [_utc_date(int(t), dates) for t in times],
+        **{name: [_as_str(e.get(name)) for e in impressions] for name in SPARSE_FEATURES},
+    }
+    list_str = EXAMPLES_SCHEMA.field("seq_item_ids").type
+    for column, values in (
+        ("seq_item_ids", timeline.item_ids),
+        ("seq_categories", timeline.categories),
+        ("seq_event_types", timeline.event_types),
+        ("seq_domains", timeline.domains),
+    ):
+        columns[column] = _list_column(pa.array(values, pa.string()), offsets, index, list_str)
+    columns["seq_event_time_ms"] = _list_column(
+        pa.array(timeline.times_ms, pa.int64()), offsets, index, EXAMPLES_SCHEMA.field("seq_event_time_ms").type
+    )
+    columns["seq_length"] = lengths
+    columns["seq_truncated"] = start
+    for field in ("label_click", "label_conversion", "click_latency_ms", "conversion_latency_ms",
+                  "label_window_closed"):
+        columns[field] = [getattr(labels[i], field) for i in ids]
+    for name in USER_DENSE:
+        columns[name] = [user_dense[i][name] for i in ids]
+    for name in ITEM_DENSE:
+        columns[name] = [item_dense[i][name] for i in ids]
+    columns["f_seq_length"] = lengths.astype(np.float64)
+    arrays = [pa.array(columns[f.name], f.type) if not isinstance(columns[f.name], pa.Array) else columns[f.name]
+              for f in EXAMPLES_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=EXAMPLES_SCHEMA)
 
 
 def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:

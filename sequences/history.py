@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 Event = Mapping[str, Any]
 
 _REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type")
@@ -77,6 +79,9 @@ class History:
 class Timeline:
     """One entity's events, deduplicated and sorted once, queried as of many times.
 
+    Attributes ``events``, ``times_ms``, ``item_ids``, ``categories`` ('' for None),
+    ``event_types`` and ``domains`` are aligned (n,) lists in (event_time_ms, event_id) order.
+
     Args:
         events: the entity's events in any order (duplicates allowed).
 
@@ -87,10 +92,10 @@ class Timeline:
     def __init__(self, events: Iterable[Event]) -> None:
         self.events: list[Event] = sorted_unique_events(events)
         self.times_ms: list[int] = [e["event_time_ms"] for e in self.events]
-        self._item_ids = [e["item_id"] for e in self.events]
-        self._categories = [e.get("category") or "" for e in self.events]
-        self._event_types = [e["event_type"] for e in self.events]
-        self._domains = [e["domain"] for e in self.events]
+        self.item_ids = [e["item_id"] for e in self.events]
+        self.categories = [e.get("category") or "" for e in self.events]
+        self.event_types = [e["event_type"] for e in self.events]
+        self.domains = [e["domain"] for e in self.events]
 
     def __len__(self) -> int:
         return len(self.events)
@@ -98,6 +103,20 @@ class Timeline:
     def count_before(self, t_ms: int) -> int:
         """Number of events with event_time_ms strictly < ``t_ms``."""
         return bisect.bisect_left(self.times_ms, t_ms)
+
+    def history_bounds(self, t_ms: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised :meth:`history_before`: for Q query times, (start, end) index arrays.
+
+        The history of query i is ``self.events[start[i]:end[i]]``; both are (Q,) int64 and
+        ``start[i]`` is also that history's ``truncated`` count.
+
+        Raises:
+            ValueError: ``max_seq_len`` < 1.
+        """
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        end = np.searchsorted(np.asarray(self.times_ms, dtype=np.int64), np.asarray(t_ms, dtype=np.int64), side="left")
+        return np.maximum(0, end - max_seq_len), end
 
     def history_before(self, t_ms: int, max_seq_len: int) -> History:
         """The newest ``max_seq_len`` events with event_time_ms strictly < ``t_ms`` (point in time).
@@ -113,10 +132,10 @@ class Timeline:
         end = self.count_before(t_ms)
         start = max(0, end - max_seq_len)
         return History(
-            item_ids=self._item_ids[start:end],
-            categories=self._categories[start:end],
-            event_types=self._event_types[start:end],
-            domains=self._domains[start:end],
+            item_ids=self.item_ids[start:end],
+            categories=self.categories[start:end],
+            event_types=self.event_types[start:end],
+            domains=self.domains[start:end],
             event_times_ms=self.times_ms[start:end],
             truncated=start,
         )

@@ -46,6 +46,7 @@ APP_ID = "build"
 _EVENT_COLUMNS = [f.name for f in EVENTS_TABLE_SCHEMA if not f.name.startswith("kafka_") and f.name != "event_date"]
 
 _ROWS_PER_FILE_BATCH = 5000
+_TABLES_PER_FILE_BATCH = 64
 
 
 def _user_key(event: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
@@ -64,7 +65,8 @@ def _item_side(keyed: tuple[str, Iterable[Mapping[str, Any]]], config: BuildConf
 
 def _assemble(keyed: tuple[str, Mapping[str, Iterable[Any]]], config: BuildConfig, watermark_ms: int):
     _, grouped = keyed
-    return assemble_examples(grouped["events"], dict(grouped["item"]), config, watermark_ms)
+    table = assemble_examples(grouped["events"], dict(grouped["item"]), config, watermark_ms)
+    return [table] if table.num_rows else []
 
 
 def _sequence(keyed: tuple[str, Iterable[Mapping[str, Any]]], *, as_of_ms: int, max_seq_len: int) -> dict[str, Any]:
@@ -73,7 +75,11 @@ def _sequence(keyed: tuple[str, Iterable[Mapping[str, Any]]], *, as_of_ms: int, 
 
 
 class BuildExamples(beam.PTransform):
-    """events (dict rows of EVENTS_TABLE_SCHEMA) -> ``examples`` rows (dicts of EXAMPLES_SCHEMA).
+    """events (dict rows of EVENTS_TABLE_SCHEMA) -> ``pyarrow.Table`` s of EXAMPLES_SCHEMA, one per user.
+
+    Tables rather than row dicts because a user's examples share one timeline: their sequence
+    columns are gathered from it in one vectorised step (see
+    :func:`sequences.examples.assemble_examples`); ``Table.to_pylist()`` gives rows.
 
     Args:
         config: windows, max_seq_len, CTR prior.
@@ -123,19 +129,26 @@ class BuildSequences(beam.PTransform):
         )
 
 
-class _StageParquet(beam.PTransform):
-    """Rows -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
+def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    return pa.concat_tables(tables).cast(schema)
 
-    def __init__(self, directory: Path, schema: pa.Schema) -> None:
+
+class _StageParquet(beam.PTransform):
+    """Rows (dicts) or Arrow tables -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
+
+    def __init__(self, directory: Path, schema: pa.Schema, *, elements: str) -> None:
         super().__init__()
         self._directory = directory
         self._schema = schema
+        self._elements = elements
 
-    def expand(self, rows: beam.PCollection) -> Any:
+    def expand(self, pcoll: beam.PCollection) -> Any:
+        to_arrow = rows_to_table if self._elements == "rows" else _concat
+        size = _ROWS_PER_FILE_BATCH if self._elements == "rows" else _TABLES_PER_FILE_BATCH
         return (
-            rows
-            | "Batch" >> beam.BatchElements(min_batch_size=_ROWS_PER_FILE_BATCH, max_batch_size=_ROWS_PER_FILE_BATCH)
-            | "ToArrow" >> beam.Map(rows_to_table, self._schema)
+            pcoll
+            | "Batch" >> beam.BatchElements(min_batch_size=size, max_batch_size=size)
+            | "ToArrow" >> beam.Map(to_arrow, self._schema)
             | "WriteParquet"
             >> beam.io.WriteToParquetBatched(
                 str(self._directory / "part"), schema=self._schema, file_name_suffix=".parquet"
@@ -199,13 +212,20 @@ def _result_from_lake(lake: str, events_version: int, *, skipped: bool) -> Build
     )
 
 
-def _check_events(events: pa.Table) -> None:
-    missing = [name for name in _EVENT_COLUMNS if name not in events.schema.names]
+def _check_events(names: list[str]) -> None:
+    missing = [name for name in _EVENT_COLUMNS if name not in names]
     if missing:
         raise ValueError(
-            f"events table lacks columns {missing}; expected ingest.schema.EVENTS_TABLE_SCHEMA "
-            f"(got {events.schema.names})"
+            f"events table lacks columns {missing}; expected ingest.schema.EVENTS_TABLE_SCHEMA (got {names})"
         )
+
+
+def _read_event_rows(_: Any, lake: str, version: int):
+    """Yield the ``events`` rows at ``version`` as dicts (inside the pipeline, so no data is pickled
+    into the pipeline graph: ``beam.Create`` of the rows cost a minute of bz2 compression)."""
+    events = read_table(lake, "events", version, columns=_EVENT_COLUMNS)
+    for batch in events.to_batches(max_chunksize=10_000):
+        yield from batch.to_pylist()
 
 
 def run_build(
@@ -232,20 +252,18 @@ def run_build(
     if not pending:
         return _result_from_lake(lake, version, skipped=True)
 
-    events = table.to_pyarrow_dataset().to_table()
-    _check_events(events)
-    events = events.select(_EVENT_COLUMNS)
-    watermark_ms = int(pc.max(events.column("event_time_ms")).as_py() or 0)
+    _check_events(table.to_pyarrow_dataset().schema.names)
+    times = read_table(lake, "events", version, columns=["event_time_ms"]).column("event_time_ms")
+    watermark_ms = int(pc.max(times).as_py() or 0)
     staging = Path(lake) / "_staging" / APP_ID / str(version)
     # A crashed earlier attempt may have left partial files: start the staging area afresh.
     shutil.rmtree(staging, ignore_errors=True)
 
-    batches = events.to_batches(max_chunksize=20_000)
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
         rows = (
             pipeline
-            | "ReadEvents" >> beam.Create(batches, reshuffle=False)
-            | "ToRows" >> beam.FlatMap(pa.RecordBatch.to_pylist)
+            | "Start" >> beam.Create([version])
+            | "ReadEvents" >> beam.FlatMap(_read_event_rows, lake, version)
         )
         outputs = {
             "examples": rows | "BuildExamples" >> BuildExamples(config.build, watermark_ms=watermark_ms),
@@ -255,7 +273,8 @@ def run_build(
         outputs[USER_FEATURES.name] = features["user"]
         outputs[ITEM_FEATURES.name] = features["item"]
         for name, pcoll in outputs.items():
-            pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0])
+            elements = "tables" if name == "examples" else "rows"
+            pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0], elements=elements)
 
     for name in tqdm(pending, desc="commit build tables", unit="table"):
         schema, partition_by = _OUTPUTS[name]

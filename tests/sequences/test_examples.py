@@ -24,7 +24,9 @@ def _both_passes(events, config=CONFIG, watermark_ms=None):
             item_dense[example_id] = dense
     rows = []
     for user in sorted({e["user_id"] for e in events}):
-        rows += assemble_examples([e for e in events if e["user_id"] == user], item_dense, config, watermark_ms)
+        table = assemble_examples([e for e in events if e["user_id"] == user], item_dense, config, watermark_ms)
+        assert table.schema == EXAMPLES_SCHEMA
+        rows += table.to_pylist()
     return rows
 
 
@@ -75,10 +77,12 @@ def test_all_empty_lists_keep_declared_types(make_event):
     table = rows_to_table(rows, EXAMPLES_SCHEMA)
     assert table.schema == EXAMPLES_SCHEMA
     assert table.column("seq_item_ids").to_pylist() == [[]]
+    no_impressions = assemble_examples([make_event("c", T0, "click")], {}, CONFIG, T0)
+    assert no_impressions.num_rows == 0 and no_impressions.schema == EXAMPLES_SCHEMA
 
 
 def test_missing_item_features_raise(make_event):
-    with pytest.raises(ValueError, match="no item features for impression 'x'"):
+    with pytest.raises(ValueError, match=r"no item features for impressions \['x'\]"):
         assemble_examples([make_event("x", T0, "impression")], {}, CONFIG, T0)
 
 

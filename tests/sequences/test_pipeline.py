@@ -38,7 +38,7 @@ def test_build_examples_transform(make_event):
     with test_pipeline.TestPipeline() as p:
         rows = p | beam.Create(_events(make_event)) | BuildExamples(CONFIG, watermark_ms=2_000)
         assert_that(
-            rows | beam.Map(_summary),
+            rows | beam.FlatMap(pa.Table.to_pylist) | beam.Map(_summary),
             equal_to([
                 ("a_imp1", "u1", (), 1, 0.0, True),
                 ("b_imp1", "u2", (), 0, 1.0, False),  # u1's earlier impression of i1 counts for the item;
