@@ -13,9 +13,10 @@ so a value "as of t" never sees the event at t (point in time). For each window:
 - ``ctr_<w>``: smoothed CTR ``(clicks + a) / (impressions + a + b)`` with a =
   ``BuildConfig.ctr_prior_clicks`` and b = ``BuildConfig.ctr_prior_non_clicks`` (defaults 1 and 1:
   a Beta(1, 1) prior, i.e. Laplace smoothing, so an entity with no history gets 0.5 and the
-  estimate moves toward clicks/impressions as impressions grow). A click is counted against the
-  window's impressions even if its impression fell just outside the window, so the raw ratio
-  may exceed 1 on small windows; the smoothing keeps it bounded for small counts only.
+  estimate moves toward clicks/impressions as impressions grow). Clicks and impressions are
+  counted independently in the window (a click whose impression fell just before the window still
+  counts), so on short windows the ratio can exceed 1; that is the signal "clicks outnumber fresh
+  impressions", not an error.
 
 Shape letters: n events of one entity, Q query times.
 """

@@ -8,6 +8,8 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 import apache_beam as beam
+from deltalake import write_deltalake
+
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, commit_once, open_table, read_table
 from ingest.schema import EVENTS_TABLE_SCHEMA
@@ -96,3 +98,25 @@ def test_run_build_end_to_end_then_skip(tmp_path, make_event):
 def test_run_build_without_events_table_raises(tmp_path):
     with pytest.raises(ValueError, match="no events table"):
         run_build(GemlineConfig(lake=str(tmp_path / "lake")))
+
+
+def test_run_build_rejects_events_without_required_columns(tmp_path, make_event):
+    lake = str(tmp_path / "lake")
+    row = make_event("a", 1, "impression")
+    del row["created_ts_ms"]
+    write_deltalake(f"{lake}/events", pa.Table.from_pylist([row]))
+    with pytest.raises(ValueError, match=r"events table lacks columns \['created_ts_ms'\]"):
+        run_build(GemlineConfig(lake=lake))
+
+
+@pytest.mark.slow
+def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, make_event):
+    lake = str(tmp_path / "lake")
+    _write_events(lake, [make_event("c", 5, "click"), make_event("v", 9, "engagement", user="u2")], version=0)
+    result = run_build(GemlineConfig(lake=lake, build=CONFIG))
+    assert (result.num_examples, result.num_sequences, result.seq_length_p50) == (0, 2, None)
+    examples = read_table(lake, "examples")
+    assert examples.num_rows == 0
+    assert {f.name: f.type for f in examples.schema} == {f.name: f.type for f in EXAMPLES_SCHEMA}
+    sequences = {r["user_id"]: r for r in read_table(lake, "sequences").to_pylist()}
+    assert sequences["u2"]["seq_event_time_ms"] == [9] and sequences["u2"]["as_of_ms"] == 9
