@@ -159,6 +159,34 @@ class Batch:
         return int(self.labels.shape[0])
 
 
+def validate_batch(batch: Batch, num_dense: int) -> None:
+    """Check a batch against the layout :class:`Batch` documents; run it where batches enter the model.
+
+    Raises:
+        ValueError: wrong keys, a sparse feature without exactly one id per example, sequence keys
+            with different lengths, or a dense/labels/domains shape that disagrees with B.
+    """
+    num_rows = batch.batch_size
+    if batch.sparse.keys() != list(SPARSE_FEATURES):
+        raise ValueError(f"sparse keys must be {list(SPARSE_FEATURES)}, got {batch.sparse.keys()}")
+    if batch.sparse.lengths().numel() != len(SPARSE_FEATURES) * num_rows or bool(torch.any(batch.sparse.lengths() != 1)):
+        raise ValueError(f"sparse features need exactly one id per example for B={num_rows}, got lengths {batch.sparse.lengths().tolist()}")
+    if batch.sequence.keys() != list(SEQUENCE_KEYS):
+        raise ValueError(f"sequence keys must be {list(SEQUENCE_KEYS)}, got {batch.sequence.keys()}")
+    lengths = batch.sequence.lengths()
+    if lengths.numel() != len(SEQUENCE_KEYS) * num_rows:
+        raise ValueError(f"sequence lengths must have {len(SEQUENCE_KEYS)}*B={len(SEQUENCE_KEYS) * num_rows} entries, got {lengths.numel()}")
+    per_key = lengths.view(len(SEQUENCE_KEYS), num_rows)
+    if bool(torch.any(per_key != per_key[0])):
+        raise ValueError("sequence keys must share one length per example (aligned histories), got different lengths")
+    if tuple(batch.dense.shape) != (num_rows, num_dense) or batch.dense.dtype != torch.float32:
+        raise ValueError(f"dense must be ({num_rows}, {num_dense}) float32, got {tuple(batch.dense.shape)} {batch.dense.dtype}")
+    if tuple(batch.labels.shape) != (num_rows, 2):
+        raise ValueError(f"labels must be ({num_rows}, 2), got {tuple(batch.labels.shape)}")
+    if len(batch.domains) != num_rows:
+        raise ValueError(f"domains must have B={num_rows} entries, got {len(batch.domains)}")
+
+
 @dataclass(frozen=True)
 class EncodedExamples:
     """A split with every column hashed and normalized, ready to slice into batches.
@@ -226,7 +254,9 @@ def temporal_split(table: pa.Table, examples_version: int) -> ExamplesSplit:
 
 
 def load_split(lake: str | Path, examples_version: int) -> ExamplesSplit:
-    """Read ``examples@examples_version`` and split it by date (see :func:`temporal_split`).
+    """Read ``examples@examples_version``, order rows by (event_time_ms, example_id), split by date.
+
+    See :func:`temporal_split`.
 
     Raises:
         FileNotFoundError: the table or version does not exist.
@@ -235,10 +265,12 @@ def load_split(lake: str | Path, examples_version: int) -> ExamplesSplit:
     table = read_table(lake, "examples", examples_version)
     if table is None:
         raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
-    required = ["event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]
+    required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]
     missing = [c for c in required if c not in table.schema.names]
     if missing:
         raise ValueError(f"examples@{examples_version} lacks columns {missing}; expected the sequences/schema.py contract")
+    # Delta's file order is not stable across reads; a fixed row order makes a seeded run reproducible.
+    table = table.sort_by([("event_time_ms", "ascending"), ("example_id", "ascending")])
     return temporal_split(table, examples_version)
 
 

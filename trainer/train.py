@@ -30,6 +30,7 @@ from trainer.data import (
     latest_examples_version,
     load_split,
     num_batches,
+    validate_batch,
 )
 from trainer.metrics import evaluate
 from trainer.model import TwoTaskRanker
@@ -99,7 +100,11 @@ def train_step(model: TwoTaskRanker, optimizers: dict[str, torch.optim.Optimizer
     """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
 
     Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
+
+    Raises:
+        ValueError: the batch breaks the :class:`trainer.data.Batch` layout.
     """
+    validate_batch(batch, model.num_dense)
     logits = model(batch.sparse, batch.sequence, batch.dense)
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(dim=0).sum()
     for opt in optimizers.values():

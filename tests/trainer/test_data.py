@@ -7,8 +7,10 @@ import hashlib
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torchrec import KeyedJaggedTensor
 
 from sequences.schema import SPARSE_FEATURES
 from trainer.data import (
@@ -20,6 +22,7 @@ from trainer.data import (
     make_batch,
     signed_log1p,
     temporal_split,
+    validate_batch,
 )
 
 N = 1000
@@ -143,3 +146,35 @@ def test_non_numeric_dense_feature_is_rejected(make_examples):
     table = table.append_column("f_bad", pa.array(["x", "y", "z"]))
     with pytest.raises(TypeError, match="f_bad must be float64"):
         fit_normalizer(table)
+
+
+def _replace(batch, **changes):
+    import dataclasses
+
+    return dataclasses.replace(batch, **changes)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda b: {"dense": b.dense[:, :2]}, r"dense must be \(3, 3\) float32, got \(3, 2\)"),
+        (lambda b: {"dense": b.dense.double()}, "float32"),
+        (lambda b: {"labels": b.labels[:, :1]}, r"labels must be \(3, 2\), got \(3, 1\)"),
+        (lambda b: {"domains": b.domains[:1]}, "domains must have B=3"),
+        (
+            lambda b: {"sequence": KeyedJaggedTensor(keys=list(SEQUENCE_KEYS), values=torch.arange(7), lengths=torch.tensor([2, 0, 1, 2, 0, 1, 1, 0, 0]))},
+            "share one length",
+        ),
+        (
+            lambda b: {"sparse": KeyedJaggedTensor(keys=["user_id"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))},
+            "sparse keys",
+        ),
+    ],
+    ids=["dense-width", "dense-dtype", "labels", "domains", "misaligned-seq", "sparse-keys"],
+)
+def test_validate_batch_rejects(make_examples, change, message):
+    table = three_example_table(make_examples)
+    batch = make_batch(encode_examples(table, N, fit_normalizer(table)), np.array([0, 1, 2]))
+    validate_batch(batch, 3)
+    with pytest.raises(ValueError, match=message):
+        validate_batch(_replace(batch, **change(batch)), 3)
