@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import apache_beam as beam
 import pyarrow as pa
 import pytest
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
-
-import apache_beam as beam
 from deltalake import write_deltalake
 
 from gemline.config import GemlineConfig

@@ -1,0 +1,28 @@
+"""BuildConfig: the CTR prior fields reject bad values and load from --set overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemline.config import load_config
+from sequences.config import BuildConfig
+
+
+@pytest.mark.parametrize(
+    ("message", "kwargs"),
+    [
+        ("build.ctr_prior_clicks must be a finite number >= 0, got -1.0", {"ctr_prior_clicks": -1.0}),
+        ("build.ctr_prior_non_clicks must be a finite number >= 0, got inf", {"ctr_prior_non_clicks": float("inf")}),
+        ("build.ctr_prior_clicks must be a finite number >= 0, got nan", {"ctr_prior_clicks": float("nan")}),
+        ("must be > 0 .else the CTR of an unseen entity is 0/0", {"ctr_prior_clicks": 0.0, "ctr_prior_non_clicks": 0.0}),
+        ("build.max_seq_len must be >= 1, got 0", {"max_seq_len": 0}),
+    ],
+)
+def test_invalid_build_config(message, kwargs):
+    with pytest.raises(ValueError, match=message):
+        BuildConfig(**kwargs)
+
+
+def test_prior_from_overrides():
+    config = load_config(overrides={"build.ctr_prior_clicks": "2", "build.ctr_prior_non_clicks": "18.5"})
+    assert (config.build.ctr_prior_clicks, config.build.ctr_prior_non_clicks) == (2.0, 18.5)
