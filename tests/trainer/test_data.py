@@ -178,3 +178,30 @@ def test_validate_batch_rejects(make_examples, change, message):
     validate_batch(batch, 3)
     with pytest.raises(ValueError, match=message):
         validate_batch(_replace(batch, **change(batch)), 3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=12), st.randoms(use_true_random=False))
+def test_make_batch_gathers_any_rows(lengths, random):
+    """For any histories (empty ones included) and any row order, the KJT equals the per-row slices."""
+    from trainer.data import EncodedExamples
+
+    n = len(lengths)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(offsets[-1])
+    data = EncodedExamples(
+        sparse_ids=np.arange(n * len(SPARSE_FEATURES), dtype=np.int64).reshape(n, len(SPARSE_FEATURES)),
+        seq_values={k: np.arange(total, dtype=np.int64) + 1000 * j for j, k in enumerate(SEQUENCE_KEYS)},
+        seq_offsets=offsets,
+        dense=np.zeros((n, 2), dtype=np.float32),
+        labels=np.zeros((n, 2), dtype=np.float32),
+        domains=np.array(["d"] * n, dtype=object),
+    )
+    rows = np.array(random.sample(range(n), k=random.randint(0, n)), dtype=np.int64)
+    batch = make_batch(data, rows)
+    validate_batch(batch, 2)
+    for j, key in enumerate(SEQUENCE_KEYS):
+        expected = [v for r in rows for v in range(offsets[r] + 1000 * j, offsets[r + 1] + 1000 * j)]
+        assert batch.sequence[key].values().tolist() == expected
+        assert batch.sequence[key].lengths().tolist() == [lengths[r] for r in rows]
+    assert batch.sparse["item_id"].values().tolist() == data.sparse_ids[rows, SPARSE_FEATURES.index("item_id")].tolist()
