@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import apache_beam as beam
 import numpy as np
@@ -136,7 +136,7 @@ def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
 class _StageParquet(beam.PTransform):
     """Rows (dicts) or Arrow tables -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
 
-    def __init__(self, directory: Path, schema: pa.Schema, *, elements: str) -> None:
+    def __init__(self, directory: Path, schema: pa.Schema, *, elements: Literal["rows", "tables"]) -> None:
         super().__init__()
         self._directory = directory
         self._schema = schema
@@ -196,12 +196,14 @@ def _result_from_lake(lake: str, events_version: int, *, skipped: bool) -> Build
         dt = open_table(lake, table)
         return 0 if dt is None else dt.to_pyarrow_dataset().count_rows()
 
-    lengths = read_table(lake, "examples", columns=["seq_length"])
-    lengths_np = None if lengths is None else lengths.column("seq_length").to_numpy()
-    has = lengths_np is not None and lengths_np.size > 0
+    examples = open_table(lake, "examples")
+    lengths_np = np.zeros(0) if examples is None else (
+        examples.to_pyarrow_dataset().to_table(columns=["seq_length"]).column("seq_length").to_numpy()
+    )
+    has = lengths_np.size > 0
     return BuildResult(
         events_version=events_version,
-        examples_version=None if open_table(lake, "examples") is None else open_table(lake, "examples").version(),
+        examples_version=None if examples is None else examples.version(),
         num_examples=rows("examples"),
         num_sequences=rows("sequences"),
         num_user_features=rows(USER_FEATURES.name),
@@ -236,7 +238,7 @@ def run_build(
     Reads ``events`` (latest version when None), runs the Beam pipeline (DirectRunner unless
     ``beam_args`` say otherwise), stages Parquet under ``LAKE/_staging/build/<events_version>/``
     and overwrites each output table in one Delta commit tagged (``"build"``, next version) with
-    metadata ``{"events_version": v}``. Restartable: a table already built from this events
+    metadata ``{"events_version": v, "watermark_ms": w}`` (w: the snapshot's newest event time). Restartable: a table already built from this events
     version is not committed again, and when all are, the call returns ``skipped=True`` and
     changes nothing.
 
@@ -254,7 +256,9 @@ def run_build(
 
     _check_events(table.to_pyarrow_dataset().schema.names)
     times = read_table(lake, "events", version, columns=["event_time_ms"]).column("event_time_ms")
-    watermark_ms = int(pc.max(times).as_py() or 0)
+    newest_ms = pc.max(times).as_py()
+    # An empty snapshot has no event time; the epoch makes every as-of output empty, as it should be.
+    watermark_ms = 0 if newest_ms is None else int(newest_ms)
     staging = Path(lake) / "_staging" / APP_ID / str(version)
     # A crashed earlier attempt may have left partial files: start the staging area afresh.
     shutil.rmtree(staging, ignore_errors=True)
@@ -288,7 +292,7 @@ def run_build(
             version=0 if last is None else last + 1,
             mode="overwrite",
             partition_by=partition_by,
-            metadata={"events_version": version},
+            metadata={"events_version": version, "watermark_ms": watermark_ms},
         )
     shutil.rmtree(staging, ignore_errors=True)
     return _result_from_lake(lake, version, skipped=False)
