@@ -27,7 +27,9 @@ class TrainerConfig:
     hidden_dims: tuple[int, ...] = (64, 32)
     """Widths of the shared MLP layers under the click and conversion heads."""
     init_from: Literal["scratch", "latest"] = "scratch"
-    """Start from fresh parameters, or resume model, optimisers, step and RNG from the lake's latest checkpoint."""
+    """Start from fresh parameters, or from the lake's latest checkpoint (model, optimisers, step, RNG; an unfinished run on the same version continues where it stopped)."""
+    checkpoint_every_steps: int | None = None
+    """Also checkpoint every this many steps, so a crashed run resumed with init_from=latest loses at most that many; None: only at the end."""
     torch_threads: int | None = 1
     """Torch intra-op threads during run_training (restored after); None keeps torch's default of one per core.
 
@@ -46,6 +48,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.embedding_learning_rate must be > 0 or none, got {self.embedding_learning_rate}")
         if not self.hidden_dims or any(width < 1 for width in self.hidden_dims):
             raise ValueError(f"trainer.hidden_dims must be a non-empty tuple of widths >= 1, got {self.hidden_dims}")
+        if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
+            raise ValueError(f"trainer.checkpoint_every_steps must be >= 1 or none, got {self.checkpoint_every_steps}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"trainer.torch_threads must be >= 1 or none, got {self.torch_threads}")
         if self.init_from not in ("scratch", "latest"):

@@ -27,6 +27,7 @@ from trainer.data import (
     encode_examples,
     fit_normalizer,
     iter_batches,
+    make_batch,
     latest_examples_version,
     load_split,
     num_batches,
@@ -148,13 +149,41 @@ def run_training(config: GemlineConfig, *, examples_version: int | None = None, 
         torch.set_num_threads(previous_threads)
 
 
+def epoch_order(num_rows: int, seed: int, examples_version: int, epoch: int) -> np.ndarray:
+    """(num_rows,) int64 permutation of an epoch, a pure function of its arguments.
+
+    Deriving it from (seed, version, epoch) instead of one running generator lets a run resumed
+    mid-epoch rebuild the exact order it was following.
+    """
+    return np.random.default_rng([seed, examples_version, epoch]).permutation(num_rows)
+
+
+@dataclass(frozen=True)
+class _Position:
+    """Where a run is: the next batch to train is batch ``batch`` of epoch ``epoch``."""
+
+    epoch: int
+    batch: int
+
+
+def _run_record(position: _Position, epochs: int, finished: bool) -> dict:
+    return {"epoch": position.epoch, "batch": position.batch, "epochs": epochs, "finished": finished}
+
+
+def _resume_position(state: TrainState, version: int, epochs: int) -> _Position:
+    """Continue an unfinished run of the same version and epoch count; otherwise start at epoch 0."""
+    run = state.extra.get("run")
+    if run and not run["finished"] and state.examples_version == version and run["epochs"] == epochs:
+        return _Position(run["epoch"], run["batch"])
+    return _Position(0, 0)
+
+
 def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
     """run_training after the gate allowed ``version``."""
     tc = config.trainer
     split = load_split(config.lake, version)
 
     torch.manual_seed(tc.seed)
-    rng = np.random.default_rng(tc.seed)
     resume_from = latest_checkpoint(config.lake) if tc.init_from == "latest" else None
     normalizer = fit_normalizer(split.train)
     model = TwoTaskRanker(
@@ -167,10 +196,11 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
     }
-    step, examples_seen = 0, 0
+    step, examples_seen, start = 0, 0, _Position(0, 0)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizers, numpy_rng=rng)
+        state = load_checkpoint(resume_from, model, optimizers)
         step, examples_seen = state.step, state.examples_seen
+        start = _resume_position(state, version, tc.epochs)
         # Keep the statistics the resumed weights were trained with, so inputs mean the same thing.
         saved = DenseNormalizer.from_dict(state.extra["normalizer"])
         if saved.names != normalizer.names:
@@ -179,7 +209,7 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
                 f"{normalizer.names}; use trainer.init_from=scratch"
             )
         normalizer = saved
-        log.info("resumed from %s at step %d", resume_from, step)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, step, start.epoch, start.batch)
 
     train = encode_examples(split.train, tc.num_embeddings, normalizer)
     evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
@@ -188,11 +218,23 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         version, len(train), ",".join(split.train_dates), len(evaluation), split.eval_date,
     )
 
+    def checkpoint(position: _Position, finished: bool, extra: dict | None = None, files: dict | None = None) -> str:
+        state = TrainState(
+            step=step,
+            examples_seen=examples_seen,
+            examples_version=version,
+            extra={"normalizer": normalizer.to_dict(), "run": _run_record(position, tc.epochs, finished), **(extra or {})},
+        )
+        return str(save_checkpoint(config.lake, state, model, optimizers, extra_files=files))
+
     loss_curve: list[float] = []
-    total = tc.epochs * num_batches(train, tc.batch_size)
-    with tqdm(total=total, desc="train", unit="step", disable=not progress) as bar:
-        for epoch in range(tc.epochs):
-            for index, batch in enumerate(iter_batches(train, tc.batch_size, rng)):
+    per_epoch = num_batches(train, tc.batch_size)
+    with tqdm(total=tc.epochs * per_epoch, initial=start.epoch * per_epoch + start.batch, desc="train", unit="step", disable=not progress) as bar:
+        for epoch in range(start.epoch, tc.epochs):
+            order = epoch_order(len(train), tc.seed, version, epoch)
+            first = start.batch if epoch == start.epoch else 0
+            for index in range(first, per_epoch):
+                batch = make_batch(train, order[index * tc.batch_size : (index + 1) * tc.batch_size])
                 bar.update(1)
                 loss = train_step(model, optimizers, batch)
                 if loss is None:
@@ -202,19 +244,18 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
                 examples_seen += batch.batch_size
                 loss_curve.append(loss)
                 bar.set_postfix(loss=f"{loss:.4f}")
+                if tc.checkpoint_every_steps is not None and step % tc.checkpoint_every_steps == 0:
+                    checkpoint(_Position(epoch, index + 1), finished=False)
 
     probs = predict(model, evaluation, tc.batch_size)
     metrics = evaluate(evaluation.labels, probs, evaluation.domains)
     overall = {task: metrics[task]["overall"] for task in metrics}
     log.info("eval %s: %s", split.eval_date, overall)
-    state = TrainState(
-        step=step,
-        examples_seen=examples_seen,
-        examples_version=version,
-        extra={"normalizer": normalizer.to_dict(), "eval_date": split.eval_date, "metrics": _json_safe(metrics)},
-    )
-    path = save_checkpoint(
-        config.lake, state, model, optimizers, numpy_rng=rng, extra_files={"loss_curve.png": _loss_curve_png(loss_curve)}
+    path = checkpoint(
+        _Position(tc.epochs, 0),
+        finished=True,
+        extra={"eval_date": split.eval_date, "metrics": _json_safe(metrics)},
+        files={"loss_curve.png": _loss_curve_png(loss_curve)},
     )
     return TrainResult(
         examples_version=version,
@@ -222,7 +263,7 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         eval_examples=len(evaluation),
         eval_date=split.eval_date,
         metrics=metrics,
-        checkpoint_path=str(path),
+        checkpoint_path=path,
         steps=step,
         loss_curve=loss_curve,
     )

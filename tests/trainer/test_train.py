@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+import trainer.train as train_module
 from gemline.config import load_config
 from trainer.checkpoint import latest_checkpoint, read_state
-from trainer.train import QuarantinedError, run_training
+from trainer.data import encode_examples, fit_normalizer, make_batch
+from trainer.model import TwoTaskRanker
+from trainer.train import QuarantinedError, run_training, train_step
 
 # Learnable but small: 2 train days x 400 rows, batch 64 -> 13 steps per epoch.
 SMALL = {
@@ -83,13 +90,6 @@ def test_missing_table(tmp_path):
 
 
 def test_non_finite_loss_skips_the_step(make_examples):
-    import numpy as np
-    import torch
-
-    from trainer.data import encode_examples, fit_normalizer, make_batch
-    from trainer.model import TwoTaskRanker
-    from trainer.train import train_step
-
     table = make_examples(["2026-01-01"], 8, 2)
     batch = make_batch(encode_examples(table, 50, fit_normalizer(table)), np.arange(8))
     torch.manual_seed(0)
@@ -125,9 +125,41 @@ def test_tiny_run_reproduces_checked_in_losses(make_lake):
     If the maths changes on purpose, copy the loss curve printed in the failure message into
     ``data/tiny_loss_curve.json`` and say why in the commit message.
     """
-    import json
-
     result = tiny_run(make_lake)
     golden = json.loads(GOLDEN.read_text())
     assert result.steps == golden["steps"]
     assert result.loss_curve == pytest.approx(golden["loss_curve"], rel=1e-4), result.loss_curve
+
+
+@pytest.mark.slow
+def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeypatch):
+    """A run that dies mid-epoch and is resumed ends where an uninterrupted run ends, bit for bit."""
+    settings = {"trainer.epochs": "2", "trainer.batch_size": "32", "trainer.checkpoint_every_steps": "3"}
+    lake, _ = make_lake(rows_per_date=50)  # 100 train rows -> 4 batches per epoch, 8 steps
+    uninterrupted = run_training(config(lake, **settings), progress=False)
+
+    other = str(tmp_path / "other")
+    shutil.copytree(Path(lake) / "examples", Path(other) / "examples")
+    shutil.copytree(Path(lake) / "quality", Path(other) / "quality")
+    real_step, calls = train_module.train_step, []
+
+    def dies_at_step_5(*args):
+        if len(calls) == 5:
+            raise RuntimeError("simulated crash")
+        calls.append(1)
+        return real_step(*args)
+
+    monkeypatch.setattr(train_module, "train_step", dies_at_step_5)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_training(config(other, **settings), progress=False)
+    monkeypatch.setattr(train_module, "train_step", real_step)
+    assert latest_checkpoint(other).name == "step-3"  # steps 4-5 were lost with the crash
+
+    resumed = run_training(config(other, **settings, **{"trainer.init_from": "latest"}), progress=False)
+    assert resumed.steps == uninterrupted.steps == 8
+    assert resumed.loss_curve == uninterrupted.loss_curve[3:]
+    assert read_state(resumed.checkpoint_path).examples_seen == read_state(uninterrupted.checkpoint_path).examples_seen == 200
+    ours = torch.load(Path(resumed.checkpoint_path) / "state.pt", weights_only=False)["model"]
+    theirs = torch.load(Path(uninterrupted.checkpoint_path) / "state.pt", weights_only=False)["model"]
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert resumed.metrics == uninterrupted.metrics
