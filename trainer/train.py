@@ -4,6 +4,11 @@ Optimisers: Adagrad on the embedding tables (rows are touched sparsely, Adagrad'
 size suits that; Duchi et al. 2011), Adam on the rest. On CPU everything is one process; with
 TorchRec sharding the tables would be sharded first and the dense part wrapped after, in that
 order, but this trainer does neither.
+
+Restarts: with ``trainer.init_from = "latest"`` a run continues from the newest checkpoint. If
+that checkpoint is an unfinished run on the same examples version and epoch count (written every
+``trainer.checkpoint_every_steps``), it continues at the next batch and ends with the same
+parameters as an uninterrupted run; otherwise it warm-starts and trains every epoch.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ from trainer.data import (
     encode_examples,
     fit_normalizer,
     iter_batches,
-    make_batch,
     latest_examples_version,
     load_split,
+    make_batch,
     num_batches,
     validate_batch,
 )
