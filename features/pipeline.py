@@ -1,7 +1,9 @@
 """Beam transform building the ``features/user`` and ``features/item`` tables as of a snapshot.
 
-    events --KeyByUser-------GroupByUser-------UserFeatureRows--> features/user rows (per domain)
-           \\-KeyByItemDomain--GroupByItemDomain--ItemFeatureRow--> features/item rows
+    events --GroupByEntity(user_id)--UserFeatureRows--> features/user rows, one per (user, domain)
+           \\-GroupByEntity(item_id)--ItemFeatureRows--> features/item rows, one per (item, domain)
+
+The groups are shared with the example and sequence build (one shuffle per entity key).
 
 Rows follow :data:`features.definitions.USER_FEATURES` / :data:`ITEM_FEATURES`; counters count
 events with time <= ``as_of_ms`` (the snapshot watermark), i.e. strictly before as_of_ms + 1.
@@ -77,34 +79,69 @@ def user_feature_rows(
     return rows
 
 
-def item_feature_row(
-    key: tuple[str, str], events: Iterable[Event], *, as_of_ms: int, config: BuildConfig
+def item_feature_rows(
+    item_id: str, events: Iterable[Event], *, as_of_ms: int, config: BuildConfig
 ) -> list[dict[str, Any]]:
-    """The ``features/item`` row of one (item_id, domain), or [] if it has no event <= as_of_ms."""
+    """``features/item`` rows of one item: one per domain it has events in (time <= as_of_ms).
+
+    ``category`` is the item's latest non-null category in that domain.
+
+    Raises:
+        ValueError: an event lacks ``created_ts_ms`` or a required field.
+    """
     visible = _visible(events, as_of_ms)
-    if not visible:
-        return []
-    item_id, domain = key
-    return [
-        {"item_id": item_id, "domain": domain, "as_of_ms": as_of_ms, **_times(visible),
-         **_counters(visible, as_of_ms, config), "category": _latest_non_null(visible, "category")}
-    ]
+    rows = []
+    for domain in sorted({e["domain"] for e in visible}):
+        in_domain = [e for e in visible if e["domain"] == domain]
+        rows.append(
+            {"item_id": item_id, "domain": domain, "as_of_ms": as_of_ms, **_times(in_domain),
+             **_counters(in_domain, as_of_ms, config), "category": _latest_non_null(in_domain, "category")}
+        )
+    return rows
 
 
-def _user_key(event: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
-    return event["user_id"], event
+def _key_by(event: Mapping[str, Any], field: str) -> tuple[str, Mapping[str, Any]]:
+    return event[field], event
 
 
-def _item_domain_key(event: Mapping[str, Any]) -> tuple[tuple[str, str], Mapping[str, Any]]:
-    return (event["item_id"], event["domain"]), event
+def _sorted_group(keyed: tuple[str, Iterable[Event]]) -> tuple[str, list[Event]]:
+    key, events = keyed
+    return key, sorted_unique_events(events)
 
 
 def _apply_keyed(keyed: tuple[Any, Iterable[Event]], fn, **kwargs: Any) -> list[dict[str, Any]]:
     return fn(*keyed, **kwargs)
 
 
+class GroupByEntity(beam.PTransform):
+    """events (dict rows) -> ``(entity key, events)`` with each group deduplicated by event_id and
+    sorted by (event_time_ms, event_id), so every per-entity step downstream shares one shuffle.
+
+    Args:
+        field: the entity key column, ``"user_id"`` or ``"item_id"``.
+
+    Raises:
+        ValueError: ``field`` is not an entity key of the events.
+    """
+
+    def __init__(self, field: str) -> None:
+        super().__init__()
+        if field not in ("user_id", "item_id"):
+            raise ValueError(f"GroupByEntity groups by 'user_id' or 'item_id', got {field!r}")
+        self._field = field
+
+    def expand(self, events: beam.PCollection) -> beam.PCollection:
+        return (
+            events
+            | "KeyByEntity" >> beam.Map(_key_by, self._field)
+            | "GroupByKey" >> beam.GroupByKey()
+            | "SortAndDedupe" >> beam.Map(_sorted_group)
+        )
+
+
 class BuildFeatureTables(beam.PTransform):
-    """events (dict rows of EVENTS_TABLE_SCHEMA) -> ``{"user": rows, "item": rows}`` as of a snapshot.
+    """``{"by_user": ..., "by_item": ...}`` (outputs of :class:`GroupByEntity`) ->
+    ``{"user": features/user rows, "item": features/item rows}`` as of a snapshot.
 
     Args:
         config: the build config (CTR prior).
@@ -116,19 +153,11 @@ class BuildFeatureTables(beam.PTransform):
         self._config = config
         self._as_of_ms = as_of_ms
 
-    def expand(self, events: beam.PCollection) -> dict[str, beam.PCollection]:
-        user = (
-            events
-            | "KeyByUser" >> beam.Map(_user_key)
-            | "GroupByUser" >> beam.GroupByKey()
-            | "UserFeatureRows"
-            >> beam.FlatMap(_apply_keyed, user_feature_rows, as_of_ms=self._as_of_ms, config=self._config)
+    def expand(self, grouped: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
+        user = grouped["by_user"] | "UserFeatureRows" >> beam.FlatMap(
+            _apply_keyed, user_feature_rows, as_of_ms=self._as_of_ms, config=self._config
         )
-        item = (
-            events
-            | "KeyByItemDomain" >> beam.Map(_item_domain_key)
-            | "GroupByItemDomain" >> beam.GroupByKey()
-            | "ItemFeatureRow"
-            >> beam.FlatMap(_apply_keyed, item_feature_row, as_of_ms=self._as_of_ms, config=self._config)
+        item = grouped["by_item"] | "ItemFeatureRows" >> beam.FlatMap(
+            _apply_keyed, item_feature_rows, as_of_ms=self._as_of_ms, config=self._config
         )
         return {"user": user, "item": item}

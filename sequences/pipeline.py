@@ -1,14 +1,16 @@
 """The batch build: ``events`` -> ``examples``, ``sequences``, ``features/user``, ``features/item``.
 
-    events@v --ReadEvents--+--BuildExamples-------> _staging/build/<v>/examples/*.parquet
-                           +--BuildSequences------> _staging/build/<v>/sequences/*.parquet
-                           +--BuildFeatureTables--> _staging/build/<v>/features/{user,item}/*.parquet
+    events@v --ReadEvents--+--GroupByUser--+--BuildExamples------> _staging/build/<v>/examples/
+                           +--GroupByItem--+--BuildSequences-----> _staging/build/<v>/sequences/
+                                           +--BuildFeatureTables-> _staging/build/<v>/features/{user,item}/
     then, on the driver, one idempotent Delta commit per table (app_id "build").
 
-BuildExamples joins item counters to the user's impressions: the item-keyed pass emits
-``(user_id, (example_id, f_item_*))`` and a CoGroupByKey on user_id brings them to the same
-per-user call that builds the sequence and labels, where they are looked up by example_id. Keying
-the join by user (not example_id) avoids shuffling the heavy example rows a second time.
+The events are shuffled twice only (by user and by item); every per-entity step reads those
+groups. BuildExamples joins item counters to the user's impressions: the item-keyed pass emits
+``(user_id, (example_id, f_item_*))``, read by the per-user call as a multimap side input and
+looked up by example_id. Keying the join by user (not example_id) means the heavy example rows,
+built last, are never shuffled. (A first version with one GroupByKey/CoGroupByKey per transform,
+five event shuffles, took ~35% longer on 175K events.)
 
 The snapshot's watermark is the largest event_time_ms of the events version read (ms since
 epoch UTC); it decides ``label_window_closed`` and the as-of time of sequences and feature tables.
@@ -31,7 +33,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from tqdm import tqdm
 
 from features.definitions import ITEM_FEATURES, USER_FEATURES
-from features.pipeline import BuildFeatureTables
+from features.pipeline import BuildFeatureTables, GroupByEntity
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, commit_once, committed_version, open_table, read_table
 from ingest.schema import EVENTS_TABLE_SCHEMA
@@ -49,23 +51,20 @@ _ROWS_PER_FILE_BATCH = 5000
 _TABLES_PER_FILE_BATCH = 64
 
 
-def _user_key(event: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
-    return event["user_id"], event
-
-
-def _item_key(event: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
-    return event["item_id"], event
-
-
 def _item_side(keyed: tuple[str, Iterable[Mapping[str, Any]]], config: BuildConfig):
     _, events = keyed
     for user_id, example_id, dense in item_features(events, config):
         yield user_id, (example_id, dense)
 
 
-def _assemble(keyed: tuple[str, Mapping[str, Iterable[Any]]], config: BuildConfig, watermark_ms: int):
-    _, grouped = keyed
-    table = assemble_examples(grouped["events"], dict(grouped["item"]), config, watermark_ms)
+def _assemble(
+    keyed: tuple[str, Iterable[Mapping[str, Any]]],
+    config: BuildConfig,
+    watermark_ms: int,
+    item_by_user: Mapping[str, Iterable[tuple[str, dict[str, float]]]],
+):
+    user_id, events = keyed
+    table = assemble_examples(events, dict(item_by_user[user_id]), config, watermark_ms)
     return [table] if table.num_rows else []
 
 
@@ -75,7 +74,11 @@ def _sequence(keyed: tuple[str, Iterable[Mapping[str, Any]]], *, as_of_ms: int, 
 
 
 class BuildExamples(beam.PTransform):
-    """events (dict rows of EVENTS_TABLE_SCHEMA) -> ``pyarrow.Table`` s of EXAMPLES_SCHEMA, one per user.
+    """``{"by_user": ..., "by_item": ...}`` (outputs of :class:`features.pipeline.GroupByEntity`)
+    -> ``pyarrow.Table`` s of EXAMPLES_SCHEMA, one per user with impressions.
+
+    The item pass emits ``(user_id, (example_id, f_item_*))``; the user pass reads them as a
+    multimap side input keyed by user_id and joins them to its impressions on example_id.
 
     Tables rather than row dicts because a user's examples share one timeline: their sequence
     columns are gathered from it in one vectorised step (see
@@ -91,23 +94,16 @@ class BuildExamples(beam.PTransform):
         self._config = config
         self._watermark_ms = watermark_ms
 
-    def expand(self, events: beam.PCollection) -> beam.PCollection:
-        item_dense = (
-            events
-            | "KeyByItem" >> beam.Map(_item_key)
-            | "GroupByItem" >> beam.GroupByKey()
-            | "ItemCounters" >> beam.FlatMap(_item_side, self._config)
-        )
-        by_user = events | "KeyByUser" >> beam.Map(_user_key)
-        return (
-            {"events": by_user, "item": item_dense}
-            | "JoinItemCountersOnUser" >> beam.CoGroupByKey()
-            | "AssembleExamples" >> beam.FlatMap(_assemble, self._config, self._watermark_ms)
+    def expand(self, grouped: dict[str, beam.PCollection]) -> beam.PCollection:
+        item_dense = grouped["by_item"] | "ItemCounters" >> beam.FlatMap(_item_side, self._config)
+        return grouped["by_user"] | "AssembleExamples" >> beam.FlatMap(
+            _assemble, self._config, self._watermark_ms, beam.pvalue.AsMultiMap(item_dense)
         )
 
 
 class BuildSequences(beam.PTransform):
-    """events -> ``sequences`` rows: per user, the newest ``max_seq_len`` events with time <= as_of_ms.
+    """``(user_id, events)`` groups (:class:`features.pipeline.GroupByEntity`) -> ``sequences`` rows:
+    per user, the newest ``max_seq_len`` events with time <= as_of_ms.
 
     Args:
         config: max_seq_len.
@@ -119,11 +115,9 @@ class BuildSequences(beam.PTransform):
         self._config = config
         self._as_of_ms = as_of_ms
 
-    def expand(self, events: beam.PCollection) -> beam.PCollection:
+    def expand(self, by_user: beam.PCollection) -> beam.PCollection:
         return (
-            events
-            | "KeyByUser" >> beam.Map(_user_key)
-            | "GroupByUser" >> beam.GroupByKey()
+            by_user
             | "SequenceRow"
             >> beam.Map(_sequence, as_of_ms=self._as_of_ms, max_seq_len=self._config.max_seq_len)
         )
@@ -269,11 +263,15 @@ def run_build(
             | "Start" >> beam.Create([version])
             | "ReadEvents" >> beam.FlatMap(_read_event_rows, lake, version)
         )
-        outputs = {
-            "examples": rows | "BuildExamples" >> BuildExamples(config.build, watermark_ms=watermark_ms),
-            "sequences": rows | "BuildSequences" >> BuildSequences(config.build, as_of_ms=watermark_ms),
+        grouped = {
+            "by_user": rows | "GroupByUser" >> GroupByEntity("user_id"),
+            "by_item": rows | "GroupByItem" >> GroupByEntity("item_id"),
         }
-        features = rows | "BuildFeatureTables" >> BuildFeatureTables(config.build, as_of_ms=watermark_ms)
+        outputs = {
+            "examples": grouped | "BuildExamples" >> BuildExamples(config.build, watermark_ms=watermark_ms),
+            "sequences": grouped["by_user"] | "BuildSequences" >> BuildSequences(config.build, as_of_ms=watermark_ms),
+        }
+        features = grouped | "BuildFeatureTables" >> BuildFeatureTables(config.build, as_of_ms=watermark_ms)
         outputs[USER_FEATURES.name] = features["user"]
         outputs[ITEM_FEATURES.name] = features["item"]
         for name, pcoll in outputs.items():

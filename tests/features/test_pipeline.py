@@ -8,7 +8,7 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from features.definitions import DAY_MS, ITEM_FEATURES, USER_FEATURES
-from features.pipeline import BuildFeatureTables, item_feature_row, user_feature_rows
+from features.pipeline import BuildFeatureTables, GroupByEntity, item_feature_rows, user_feature_rows
 from sequences.config import BuildConfig
 
 CONFIG = BuildConfig(ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0)
@@ -40,12 +40,14 @@ def test_user_rows_hand_checked(make_event):
     assert set(d1) == set(USER_FEATURES.schema.names)
 
 
-def test_item_row_and_empty_item(make_event):
-    events = [e for e in _events(make_event) if e["item_id"] == "i1" and e["domain"] == "d1"]
-    (row,) = item_feature_row(("i1", "d1"), events, as_of_ms=T, config=CONFIG)
-    assert (row["impressions_all"], row["clicks_all"], row["category"]) == (2, 1, "c2")
-    assert set(row) == set(ITEM_FEATURES.schema.names)
-    assert item_feature_row(("i1", "d1"), [make_event("late", T + 5, "impression")], as_of_ms=T, config=CONFIG) == []
+def test_item_rows_per_domain_and_empty_item(make_event):
+    events = [e for e in _events(make_event) if e["item_id"] == "i1"] + [
+        make_event("e7", T - 3, "conversion", domain="d3", category="c3")]
+    rows = item_feature_rows("i1", events, as_of_ms=T, config=CONFIG)
+    assert [(r["domain"], r["impressions_all"], r["clicks_all"], r["conversions_all"], r["category"])
+            for r in rows] == [("d1", 2, 1, 0, "c2"), ("d3", 0, 0, 1, "c3")]
+    assert set(rows[0]) == set(ITEM_FEATURES.schema.names)
+    assert item_feature_rows("i1", [make_event("late", T + 5, "impression")], as_of_ms=T, config=CONFIG) == []
 
 
 def test_missing_created_ts_raises(make_event):
@@ -55,14 +57,30 @@ def test_missing_created_ts_raises(make_event):
 
 def test_build_feature_tables_transform(make_event):
     with test_pipeline.TestPipeline() as p:
-        tables = p | beam.Create(_events(make_event)) | BuildFeatureTables(CONFIG, as_of_ms=T)
+        events = p | beam.Create(_events(make_event))
+        grouped = {"by_user": events | "U" >> GroupByEntity("user_id"), "by_item": events | "I" >> GroupByEntity("item_id")}
+        tables = grouped | BuildFeatureTables(CONFIG, as_of_ms=T)
         assert_that(
-            tables["user"] | "U" >> beam.Map(lambda r: (r["user_id"], r["domain"], r["impressions_all"])),
+            tables["user"] | "UserSummary" >> beam.Map(lambda r: (r["user_id"], r["domain"], r["impressions_all"])),
             equal_to([("u1", "d1", 1), ("u1", "d2", 1), ("u2", "d1", 1)]),
             label="users",
         )
         assert_that(
-            tables["item"] | "I" >> beam.Map(lambda r: (r["item_id"], r["domain"], r["impressions_all"], r["clicks_all"])),
+            tables["item"] | "ItemSummary" >> beam.Map(lambda r: (r["item_id"], r["domain"], r["impressions_all"], r["clicks_all"])),
             equal_to([("i1", "d1", 2, 1), ("i2", "d2", 1, 1)]),
             label="items",
         )
+
+
+def test_group_by_entity_sorts_and_dedupes(make_event):
+    with test_pipeline.TestPipeline() as p:
+        events = [make_event("b", 5, "click"), make_event("a", 5, "impression"), make_event("b", 5, "click"),
+                  make_event("c", 1, "click", user="u2")]
+        groups = p | beam.Create(events) | GroupByEntity("user_id")
+        assert_that(groups | beam.MapTuple(lambda k, evs: (k, [e["event_id"] for e in evs])),
+                    equal_to([("u1", ["a", "b"]), ("u2", ["c"])]))
+
+
+def test_group_by_entity_rejects_other_keys():
+    with pytest.raises(ValueError, match="groups by 'user_id' or 'item_id', got 'domain'"):
+        GroupByEntity("domain")

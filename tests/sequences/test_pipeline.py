@@ -9,6 +9,7 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 from deltalake import write_deltalake
 
+from features.pipeline import GroupByEntity
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, commit_once, open_table, read_table
 from ingest.schema import EVENTS_TABLE_SCHEMA
@@ -37,7 +38,9 @@ def _summary(row):
 
 def test_build_examples_transform(make_event):
     with test_pipeline.TestPipeline() as p:
-        rows = p | beam.Create(_events(make_event)) | BuildExamples(CONFIG, watermark_ms=2_000)
+        events = p | beam.Create(_events(make_event))
+        grouped = {"by_user": events | "U" >> GroupByEntity("user_id"), "by_item": events | "I" >> GroupByEntity("item_id")}
+        rows = grouped | BuildExamples(CONFIG, watermark_ms=2_000)
         assert_that(
             rows | beam.FlatMap(pa.Table.to_pylist) | beam.Map(_summary),
             equal_to([
@@ -51,7 +54,7 @@ def test_build_examples_transform(make_event):
 
 def test_build_sequences_transform(make_event):
     with test_pipeline.TestPipeline() as p:
-        rows = p | beam.Create(_events(make_event)) | BuildSequences(CONFIG, as_of_ms=1_300)
+        rows = p | beam.Create(_events(make_event)) | GroupByEntity("user_id") | BuildSequences(CONFIG, as_of_ms=1_300)
         assert_that(
             rows | beam.Map(lambda r: (r["user_id"], tuple(r["seq_item_ids"]), r["seq_truncated"], r["as_of_ms"])),
             equal_to([("u1", ("i1", "i2", "i3"), 1, 1_300), ("u2", ("i1",), 0, 1_300)]),
