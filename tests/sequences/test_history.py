@@ -84,3 +84,5 @@ def test_matches_brute_force(times, t, n):
     assert got.item_ids == ["i" + eid[1:] for _, eid in before][-n:]
     assert got.truncated == max(0, len(before) - n)
     assert all(x < t for x in got.event_times_ms)
+    start, end = Timeline(events).history_bounds([t, t], n)
+    assert (start.tolist(), end.tolist()) == ([got.truncated] * 2, [got.truncated + got.length] * 2)
