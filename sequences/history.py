@@ -4,6 +4,8 @@ A :class:`Timeline` holds one entity's events deduplicated by ``event_id`` and s
 (event_time_ms, event_id) as aligned column lists; :meth:`Timeline.history_before` answers each
 query with one ``bisect`` (O(log n) plus the copy of at most ``max_seq_len`` elements), so all
 impressions of a user with n events cost O(n log n + I * max_seq_len) instead of O(I * n).
+:meth:`Timeline.history_bounds` is the vectorised form (one ``numpy.searchsorted`` for all I
+query times) that :func:`sequences.examples.assemble_examples` gathers Arrow list columns with.
 
 Events are plain mappings with the :data:`ingest.schema.EVENT_ARROW_SCHEMA` fields (the rows
 ``pyarrow.Table.to_pylist`` gives); times are ms since epoch UTC.
