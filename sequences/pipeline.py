@@ -220,8 +220,10 @@ def _read_event_rows(_: Any, lake: str, version: int):
     """Yield the ``events`` rows at ``version`` as dicts (inside the pipeline, so no data is pickled
     into the pipeline graph: ``beam.Create`` of the rows cost a minute of bz2 compression)."""
     events = read_table(lake, "events", version, columns=_EVENT_COLUMNS)
-    for batch in events.to_batches(max_chunksize=10_000):
-        yield from batch.to_pylist()
+    with tqdm(total=events.num_rows, desc=f"read events@{version}", unit="event") as progress:
+        for batch in events.to_batches(max_chunksize=10_000):
+            yield from batch.to_pylist()
+            progress.update(batch.num_rows)
 
 
 def run_build(
