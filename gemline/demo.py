@@ -132,7 +132,9 @@ def _quality_line(console: Console, result: Any) -> dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4f}"
+    return str(value)
 
 
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:
