@@ -1,28 +1,48 @@
-"""A bounded Kafka source for Beam's Python SDK: plan one snapshot of offset ranges, then read them.
+"""A Kafka source for Beam's Python SDK: a splittable DoFn over (topic, partition, offset range).
 
 Beam's ``ReadFromKafka`` is a Java cross-language transform (it needs a JVM expansion service),
-so the ingest job reads Kafka itself, in two steps:
+so gemline reads Kafka itself, at the pipeline edge only:
 
 1. :func:`plan_snapshot` (on the driver) fixes, per partition, the half-open range
    ``[start, end)`` where ``start`` comes from the lake (the last committed end offset) and
    ``end`` is the partition's high watermark seen now. Fixing the ends up front makes the read
    bounded and repeatable: the same ranges always yield the same records.
-2. :class:`ReadOffsetRanges` (in the pipeline) reads each range with a consumer that is
-   ``assign``-ed to the start offset and never commits to a consumer group: the lake, not
-   Kafka, is the source of truth for what has been consumed.
+2. :class:`ReadOffsetRanges` (bounded) and :class:`ReadFromKafkaPartitions` (unbounded) both run
+   :class:`ReadPartitionFn`, a splittable DoFn (SDF) whose restriction is an offset range claimed
+   through Beam's ``OffsetRestrictionTracker``: ``[start, end)`` for an :class:`OffsetRange`
+   element, ``[start, inf)`` for a :class:`PartitionStart` element. The unbounded read polls,
+   defers its remainder when a poll returns nothing (``tracker.defer_remainder``) and reports a
+   per-partition event-time watermark through its own watermark estimator; a partition idle for
+   longer than ``idle_timeout_s`` stops holding the watermark back (it advances to the wall clock).
+   All progress lives in the restriction and the estimator state, which the runner checkpoints,
+   so the same code is correct on portable runners (no driver-side or global state).
+
+Consumers are ``assign``-ed and never commit to a consumer group: the lake, not Kafka, is the
+source of truth for what has been consumed.
 
 Both clients go through the small :class:`KafkaClient` interface: confluent-kafka (librdkafka;
-the default, much faster) or kafka-python (pure Python).
+the default, much faster, every codec built in) or kafka-python (pure Python; snappy, lz4 and
+zstd need extra Python modules, probed before a read starts: :func:`missing_codecs`).
+
+Source: Beam programming guide, "Splittable DoFns" (sections 12.1-12.4: restrictions, trackers,
+watermark estimation, user-initiated checkpoints); the Kafka fetch semantics of librdkafka /
+kafka-python.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 import apache_beam as beam
+from apache_beam.io.restriction_trackers import OffsetRange as BeamOffsetRange
+from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
+from apache_beam.io.watermark_estimators import WatermarkEstimator
+from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
+from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
 from tqdm import tqdm
 
 ClientName = Literal["confluent", "kafka-python"]
@@ -79,6 +99,59 @@ class KafkaRecord:
     timestamp_ms: int
 
 
+@dataclass(frozen=True)
+class PartitionStart:
+    """Unbounded read of one topic partition from offset ``start`` on (restriction ``[start, inf)``).
+
+    Raises:
+        ValueError: a negative partition or offset.
+    """
+
+    topic: str
+    partition: int
+    start: int
+
+    def __post_init__(self) -> None:
+        if self.partition < 0 or self.start < 0:
+            raise ValueError(f"PartitionStart: expected partition >= 0 and start >= 0, got {self}")
+
+
+CODECS: tuple[str, ...] = ("gzip", "snappy", "lz4", "zstd")
+"""Kafka record-batch compression codecs (``compression.type`` of a producer or topic)."""
+
+_KAFKA_PYTHON_CODEC_MODULES = {"gzip": "gzip (stdlib)", "snappy": "python-snappy or cramjam",
+                               "lz4": "lz4", "zstd": "zstandard"}
+
+
+def missing_codecs(client: "ClientName") -> tuple[str, ...]:
+    """Codecs of :data:`CODECS` that ``client`` cannot decode in this interpreter, in CODECS order.
+
+    confluent-kafka's wheels ship librdkafka with every codec built in; kafka-python decodes in
+    Python and needs one module per codec (its ``kafka.codec.has_*`` probes).
+
+    Raises:
+        ValueError: an unknown client name.
+    """
+    if client == "confluent":
+        return ()
+    if client == "kafka-python":
+        from kafka import codec
+
+        have = {"gzip": codec.has_gzip(), "snappy": codec.has_snappy(), "lz4": codec.has_lz4(),
+                "zstd": codec.has_zstd()}
+        return tuple(c for c in CODECS if not have[c])
+    raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
+
+
+def _codec_error(rng_desc: str, exc: Exception) -> ValueError:
+    missing = missing_codecs("kafka-python")
+    hints = ", ".join(f"{c} (pip install {_KAFKA_PYTHON_CODEC_MODULES[c]})" for c in missing)
+    return ValueError(
+        f"{rng_desc}: kafka-python cannot decode the records ({exc}); codecs missing here: {hints or 'none'}. "
+        "Install the codec module or use kafka.client='confluent' (all codecs built in)."
+    )
+
+
 class KafkaClient(Protocol):
     """What the source needs from a Kafka client library."""
 
@@ -91,7 +164,23 @@ class KafkaClient(Protocol):
         ...
 
     def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
-        """The records with offsets in ``[rng.start, rng.end)``, in offset order."""
+        """The records with offsets in ``[rng.start, rng.end)``, in offset order.
+
+        Raises:
+            TimeoutError: no progress within the client's timeout.
+            ValueError: the records use a compression codec the client cannot decode.
+        """
+        ...
+
+    def fetch(self, topic: str, partition: int, offset: int, *, max_records: int,
+              timeout_s: float) -> list[KafkaRecord]:
+        """Up to ``max_records`` records of one partition from ``offset`` on, in offset order;
+        empty when none arrived within ``timeout_s`` (the unbounded read's poll).
+
+        Raises:
+            RuntimeError: a Kafka error (e.g. ``offset`` out of range).
+            ValueError: the records use a compression codec the client cannot decode.
+        """
         ...
 
     def close(self) -> None:
@@ -119,6 +208,7 @@ class ConfluentClient:
         from confluent_kafka import Consumer
 
         self._timeout_s = timeout_s
+        self._position: tuple[str, int, int] | None = None  # (topic, partition, next offset) assigned
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -170,6 +260,26 @@ class ConfluentClient:
                     yield KafkaRecord(rng.topic, rng.partition, msg.offset(), msg.key(), msg.value() or b"", ts)
         finally:
             self._consumer.unassign()
+            self._position = None
+
+    def fetch(self, topic: str, partition: int, offset: int, *, max_records: int,
+              timeout_s: float) -> list[KafkaRecord]:
+        from confluent_kafka import TopicPartition
+
+        # Re-assigning drops librdkafka's prefetched queue, so keep the assignment while polls continue.
+        if self._position != (topic, partition, offset):
+            self._consumer.assign([TopicPartition(topic, partition, offset)])
+        out: list[KafkaRecord] = []
+        for msg in self._consumer.consume(num_messages=max_records, timeout=timeout_s):
+            if msg.error() is not None:
+                self._position = None
+                raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()} at offset >= {offset}")
+            if msg.topic() != topic or msg.partition() != partition or msg.offset() < offset:
+                continue
+            _, ts = msg.timestamp()
+            out.append(KafkaRecord(topic, partition, msg.offset(), msg.key(), msg.value() or b"", ts))
+        self._position = (topic, partition, out[-1].offset + 1 if out else offset)
+        return out
 
     def close(self) -> None:
         self._consumer.close()
@@ -182,6 +292,7 @@ class KafkaPythonClient:
         from kafka import KafkaConsumer
 
         self._timeout_s = timeout_s
+        self._position: tuple[str, int, int] | None = None
         self._consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                                        request_timeout_ms=int(timeout_s * 1000) + 1000)
 
@@ -209,8 +320,8 @@ class KafkaPythonClient:
             next_offset = rng.start
             deadline = time.monotonic() + self._timeout_s
             while next_offset < rng.end:
-                batch = self._consumer.poll(timeout_ms=500, max_records=min(10_000, rng.end - next_offset))
-                records = batch.get(tp, [])
+                records = self._poll(tp, 0.5, min(10_000, rng.end - next_offset),
+                                     f"{rng.topic}[{rng.partition}] [{rng.start}, {rng.end})")
                 if not records:
                     _check_progress(rng, next_offset, deadline)
                     continue
@@ -225,6 +336,29 @@ class KafkaPythonClient:
                     yield KafkaRecord(rng.topic, rng.partition, r.offset, r.key, r.value or b"", r.timestamp)
         finally:
             self._consumer.unsubscribe()
+            self._position = None
+
+    def _poll(self, tp: Any, timeout_s: float, max_records: int, desc: str) -> list[Any]:
+        from kafka.errors import UnsupportedCodecError
+
+        try:
+            return self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records).get(tp, [])
+        except UnsupportedCodecError as exc:
+            raise _codec_error(desc, exc) from exc
+
+    def fetch(self, topic: str, partition: int, offset: int, *, max_records: int,
+              timeout_s: float) -> list[KafkaRecord]:
+        from kafka import TopicPartition
+
+        tp = TopicPartition(topic, partition)
+        if self._position != (topic, partition, offset):
+            self._consumer.assign([tp])
+            self._consumer.seek(tp, offset)
+        records = self._poll(tp, timeout_s, max_records, f"{topic}[{partition}] from {offset}")
+        out = [KafkaRecord(topic, partition, r.offset, r.key, r.value or b"", r.timestamp)
+               for r in records if r.offset >= offset]
+        self._position = (topic, partition, out[-1].offset + 1 if out else offset)
+        return out
 
     def close(self) -> None:
         self._consumer.close()
@@ -260,7 +394,8 @@ def plan_snapshot(
         One OffsetRange per partition, sorted by partition; empty ranges included.
 
     Raises:
-        ValueError: the topic does not exist; a start offset lies past the high watermark (the
+        ValueError: the topic does not exist; the client cannot decode the topic's codec
+            (kafka-python without e.g. ``lz4``: probed with :func:`probe_ranges`); a start offset lies past the high watermark (the
             topic was recreated or the lake belongs to another cluster) or below the low watermark
             (retention deleted records that were never ingested). Either way the lake and the
             topic disagree: a person must decide (reset the lake or move the offsets).
@@ -268,8 +403,32 @@ def plan_snapshot(
     kc = make_client(client, bootstrap, timeout_s=timeout_s)
     try:
         watermarks = kc.end_offsets(topic)
+        ranges = _ranges_from(topic, start_offsets, watermarks)
+        if missing_codecs(client):
+            probe_ranges(kc, ranges, timeout_s=timeout_s)
     finally:
         kc.close()
+    return ranges
+
+
+def probe_ranges(kc: KafkaClient, ranges: list[OffsetRange], *, timeout_s: float) -> None:
+    """Decode the first record of each non-empty range, so that a codec the client lacks fails
+    the job before it starts instead of mid-pipeline (never "healthy, reading nothing").
+
+    Raises:
+        ValueError: a record batch uses a codec the client cannot decode (the message names it).
+        TimeoutError: no record arrived within ``timeout_s`` for a range that should have one.
+    """
+    for rng in ranges:
+        if rng.num_offsets == 0:
+            continue
+        deadline = time.monotonic() + timeout_s
+        while not kc.fetch(rng.topic, rng.partition, rng.start, max_records=1, timeout_s=0.5):
+            _check_progress(rng, rng.start, deadline)
+
+
+def _ranges_from(topic: str, start_offsets: dict[int, int],
+                 watermarks: dict[int, tuple[int, int]]) -> list[OffsetRange]:
     unknown = sorted(set(start_offsets) - set(watermarks))
     if unknown:
         raise ValueError(f"topic {topic!r}: lake has offsets for partitions {unknown} the topic lacks "
@@ -287,23 +446,236 @@ def plan_snapshot(
     return ranges
 
 
-class _ReadRangeFn(beam.DoFn):
-    """Reads one OffsetRange per element; one client per DoFn instance."""
+# ---------------------------------------------------------------------------------------------
+# The splittable DoFn
+# ---------------------------------------------------------------------------------------------
 
-    def __init__(self, client: ClientName, bootstrap: str, timeout_s: float) -> None:
+UNBOUNDED_END = sys.maxsize
+"""Stop offset standing for "no end" in an unbounded restriction ``[start, UNBOUNDED_END)``."""
+
+
+class _UnboundedOffsetTracker(OffsetRestrictionTracker):
+    """An OffsetRestrictionTracker that tells the runner its restriction ``[start, inf)`` is unbounded."""
+
+    def is_bounded(self) -> bool:
+        return self.current_restriction().stop != UNBOUNDED_END
+
+
+class KafkaRestrictionProvider(RestrictionProvider):
+    """Restrictions of :class:`ReadPartitionFn`: Beam ``OffsetRange(start, stop)`` over Kafka offsets.
+
+    An :class:`OffsetRange` element gives ``[start, end)`` (bounded); a :class:`PartitionStart`
+    gives ``[start, UNBOUNDED_END)``. The initial restriction is not split: one consumer reads one
+    partition sequentially, and the runner can still split dynamically (``try_split``).
+
+    Raises:
+        TypeError: an element of another type.
+    """
+
+    def initial_restriction(self, element: OffsetRange | PartitionStart) -> BeamOffsetRange:
+        if isinstance(element, OffsetRange):
+            return BeamOffsetRange(element.start, element.end)
+        if isinstance(element, PartitionStart):
+            return BeamOffsetRange(element.start, UNBOUNDED_END)
+        raise TypeError(f"Kafka read: expected OffsetRange or PartitionStart elements, got {type(element).__name__}")
+
+    def create_tracker(self, restriction: BeamOffsetRange) -> OffsetRestrictionTracker:
+        if restriction.stop == UNBOUNDED_END:
+            return _UnboundedOffsetTracker(restriction)
+        return OffsetRestrictionTracker(restriction)
+
+    def restriction_size(self, element: Any, restriction: BeamOffsetRange) -> int:
+        return restriction.size()
+
+    def truncate(self, element: Any, restriction: BeamOffsetRange) -> BeamOffsetRange | None:
+        # On drain an unbounded read stops where it is; a bounded one finishes its range.
+        return None if restriction.stop == UNBOUNDED_END else restriction
+
+
+@dataclass(frozen=True)
+class WatermarkState:
+    """Per-partition watermark estimator state, checkpointed with the restriction.
+
+    ``watermark_ms`` is the event-time watermark (ms since epoch UTC; None = not yet known, i.e.
+    Beam's minimum timestamp); ``last_data_ms`` the wall-clock time the partition last returned
+    records (None before the first poll).
+    """
+
+    watermark_ms: int | None
+    last_data_ms: int | None
+
+
+def advance_watermark(state: WatermarkState, record_ts_ms: list[int], now_ms: int, *, idle_timeout_ms: int,
+                      max_out_of_order_ms: int) -> WatermarkState:
+    """The estimator state after one poll that returned records with timestamps ``record_ts_ms``.
+
+    Records: the watermark becomes ``max(record_ts_ms) - max_out_of_order_ms`` (record timestamps
+    of one partition are close to ordered: log-append or producer time). No records: once the
+    partition has been idle for ``idle_timeout_ms`` of wall clock it stops holding the watermark,
+    which moves to ``now_ms - max_out_of_order_ms``: a record arriving later with an older
+    timestamp is then late, the usual price of idleness detection (Flink's
+    ``WatermarkStrategy.withIdleness`` makes the same trade). The watermark never decreases;
+    timestamps < 0 (Kafka's "no timestamp") do not move it.
+
+    Args:
+        record_ts_ms: record timestamps, ms since epoch UTC; empty for an empty poll.
+        now_ms: wall clock, ms since epoch UTC (passed in so that the function is pure).
+
+    Raises:
+        ValueError: a negative timeout or out-of-order bound.
+    """
+    if idle_timeout_ms < 0 or max_out_of_order_ms < 0:
+        raise ValueError(f"advance_watermark: expected idle_timeout_ms >= 0 and max_out_of_order_ms >= 0, got "
+                         f"{idle_timeout_ms} and {max_out_of_order_ms}")
+    old = state.watermark_ms
+    valid = [t for t in record_ts_ms if t >= 0]
+    if record_ts_ms:
+        candidate = max(valid) - max_out_of_order_ms if valid else old
+        new = candidate if old is None or (candidate is not None and candidate > old) else old
+        return WatermarkState(new, now_ms)
+    if state.last_data_ms is None:
+        return WatermarkState(old, now_ms)  # first poll: the idle clock starts now
+    if now_ms - state.last_data_ms >= idle_timeout_ms:
+        candidate = now_ms - max_out_of_order_ms
+        return WatermarkState(candidate if old is None or candidate > old else old, state.last_data_ms)
+    return state
+
+
+def _to_timestamp(ms: int | None) -> Timestamp:
+    return MIN_TIMESTAMP if ms is None else Timestamp(micros=ms * 1000)
+
+
+class PartitionWatermarkEstimator(WatermarkEstimator):
+    """Watermark estimator of one partition's read; the SDF sets its state with :func:`advance_watermark`."""
+
+    def __init__(self, state: WatermarkState) -> None:
+        self._state = state
+
+    def observe_timestamp(self, timestamp: Timestamp) -> None:
+        pass  # the watermark follows the partition, not individual outputs
+
+    def current_watermark(self) -> Timestamp:
+        return _to_timestamp(self._state.watermark_ms)
+
+    def get_estimator_state(self) -> WatermarkState:
+        return self._state
+
+    @property
+    def state(self) -> WatermarkState:
+        """The current :class:`WatermarkState`."""
+        return self._state
+
+    def set_state(self, state: WatermarkState) -> None:
+        """Replace the state (the watermark must not go back; :func:`advance_watermark` ensures it)."""
+        self._state = state
+
+
+class PartitionWatermarkProvider(WatermarkEstimatorProvider):
+    """Creates :class:`PartitionWatermarkEstimator`; the initial state knows nothing yet."""
+
+    def initial_estimator_state(self, element: Any, restriction: BeamOffsetRange) -> WatermarkState:
+        return WatermarkState(None, None)
+
+    def create_watermark_estimator(self, estimator_state: WatermarkState) -> PartitionWatermarkEstimator:
+        return PartitionWatermarkEstimator(estimator_state)
+
+
+@dataclass(frozen=True)
+class PollSettings:
+    """How the unbounded read polls (times in seconds; see ``ingest.streaming.StreamingConfig``)."""
+
+    poll_timeout_s: float = 1.0
+    max_records_per_poll: int = 10_000
+    resume_delay_s: float = 0.5
+    idle_timeout_s: float = 30.0
+    max_out_of_order_ms: int = 0
+    finish_when_idle_s: float | None = None
+    """End the unbounded read of a partition once idle this long (backfills, tests); None: never."""
+
+    def __post_init__(self) -> None:
+        for name in ("poll_timeout_s", "resume_delay_s", "idle_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"PollSettings.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.max_records_per_poll < 1:
+            raise ValueError(f"PollSettings.max_records_per_poll: expected >= 1, got {self.max_records_per_poll}")
+        if self.finish_when_idle_s is not None and not self.finish_when_idle_s > 0:
+            raise ValueError(f"PollSettings.finish_when_idle_s: expected > 0 or None, got {self.finish_when_idle_s}")
+
+
+class ReadPartitionFn(beam.DoFn):
+    """Splittable DoFn: OffsetRange | PartitionStart -> KafkaRecord, each offset claimed once.
+
+    Bounded (:class:`OffsetRange`): reads ``[start, end)`` and emits records with the element's
+    timestamp (the batch ingest does not window). Unbounded (:class:`PartitionStart`): one poll per
+    call; records are emitted at their Kafka timestamp (ms -> Beam seconds), then the remainder is
+    deferred (sooner after data, ``resume_delay_s`` after an empty poll), and the partition's
+    watermark is advanced with :func:`advance_watermark`.
+
+    One client per DoFn instance (``setup``/``teardown``). The wall clock is ``clock`` (seconds,
+    like ``time.time``), injectable for tests.
+    """
+
+    def __init__(self, client: ClientName, bootstrap: str, timeout_s: float,
+                 poll: PollSettings | None = None, clock: Callable[[], float] = time.time) -> None:
         self._client_name = client
         self._bootstrap = bootstrap
         self._timeout_s = timeout_s
+        self._poll = poll or PollSettings()
+        self._clock = clock
         self._client: KafkaClient | None = None
 
     def setup(self) -> None:
         self._client = make_client(self._client_name, self._bootstrap, timeout_s=self._timeout_s)
 
-    def process(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
+    def process(
+        self,
+        element: OffsetRange | PartitionStart,
+        tracker: OffsetRestrictionTracker = beam.DoFn.RestrictionParam(KafkaRestrictionProvider()),
+        watermark: PartitionWatermarkEstimator = beam.DoFn.WatermarkEstimatorParam(PartitionWatermarkProvider()),
+    ) -> Iterator[Any]:
         assert self._client is not None, "setup() not called"
+        if isinstance(element, OffsetRange):
+            yield from self._read_bounded(element, tracker)
+        else:
+            yield from self._poll_once(element, tracker, watermark)
+
+    def _read_bounded(self, element: OffsetRange, tracker: OffsetRestrictionTracker) -> Iterator[KafkaRecord]:
+        assert self._client is not None
+        rest = tracker.current_restriction()
+        rng = OffsetRange(element.topic, element.partition, rest.start, rest.stop)
         desc = f"read {rng.topic}[{rng.partition}]"
-        yield from tqdm(self._client.read_range(rng), total=rng.num_offsets, desc=desc, unit="rec",
-                        leave=False, disable=None)
+        records = self._client.read_range(rng)
+        try:
+            for rec in tqdm(records, total=rng.num_offsets, desc=desc, unit="rec", leave=False, disable=None):
+                if not tracker.try_claim(rec.offset):
+                    return  # the runner split the range: the rest belongs to the residual
+                yield rec
+        finally:
+            records.close()
+        # Gaps at the end of the range (compaction) must still count as done.
+        tracker.try_claim(tracker.current_restriction().stop)
+
+    def _poll_once(self, element: PartitionStart, tracker: OffsetRestrictionTracker,
+                   watermark: PartitionWatermarkEstimator) -> Iterator[Any]:
+        assert self._client is not None
+        settings = self._poll
+        start = tracker.current_restriction().start
+        records = self._client.fetch(element.topic, element.partition, start,
+                                     max_records=settings.max_records_per_poll, timeout_s=settings.poll_timeout_s)
+        now_ms = int(self._clock() * 1000)
+        before = watermark.state
+        for rec in records:
+            if not tracker.try_claim(rec.offset):
+                break
+            yield beam.window.TimestampedValue(rec, max(rec.timestamp_ms, 0) / 1000.0)
+        watermark.set_state(advance_watermark(
+            before, [r.timestamp_ms for r in records], now_ms,
+            idle_timeout_ms=int(settings.idle_timeout_s * 1000), max_out_of_order_ms=settings.max_out_of_order_ms))
+        if not records and settings.finish_when_idle_s is not None and before.last_data_ms is not None \
+                and now_ms - before.last_data_ms >= settings.finish_when_idle_s * 1000:
+            tracker.try_claim(UNBOUNDED_END)  # claims nothing; marks the restriction done
+            return
+        tracker.defer_remainder(Duration.of(0 if records else settings.resume_delay_s))
 
     def teardown(self) -> None:
         if self._client is not None:
@@ -312,11 +684,12 @@ class _ReadRangeFn(beam.DoFn):
 
 
 class ReadOffsetRanges(beam.PTransform):
-    """PCollection[OffsetRange] -> PCollection[KafkaRecord], every offset of every range once.
+    """PCollection[OffsetRange] -> PCollection[KafkaRecord], every offset of every range once (bounded).
 
-    A Reshuffle follows the read so that parsing is spread across workers (one range is one
-    element, so without it a partition's records would stay in one bundle) and a downstream
-    retry replays the checkpointed records instead of re-reading Kafka.
+    A wrapper over :class:`ReadPartitionFn`. A Reshuffle follows the read so that parsing is
+    spread across workers (one range is one element, so without it a partition's records would
+    stay in one bundle) and a downstream retry replays the checkpointed records instead of
+    re-reading Kafka.
     """
 
     def __init__(self, *, bootstrap: str, client: ClientName = "confluent", timeout_s: float = 30.0) -> None:
@@ -328,6 +701,25 @@ class ReadOffsetRanges(beam.PTransform):
     def expand(self, ranges: beam.PCollection) -> beam.PCollection:
         return (
             ranges
-            | "ReadRange" >> beam.ParDo(_ReadRangeFn(self._client, self._bootstrap, self._timeout_s))
+            | "ReadRange" >> beam.ParDo(ReadPartitionFn(self._client, self._bootstrap, self._timeout_s))
             | "Reshuffle" >> beam.Reshuffle()
         )
+
+
+class ReadFromKafkaPartitions(beam.PTransform):
+    """PCollection[PartitionStart] -> unbounded PCollection[KafkaRecord] timestamped by Kafka time.
+
+    Each element is read from its start offset on, forever (or until idle for
+    ``poll.finish_when_idle_s``), with a per-partition event-time watermark (see
+    :class:`ReadPartitionFn`). Written for portable streaming runners; on the Python
+    DirectRunner it runs with ``finish_when_idle_s`` set (tests) since that runner has no way to
+    stop an unbounded read other than cancelling the pipeline.
+    """
+
+    def __init__(self, *, bootstrap: str, client: ClientName = "confluent", timeout_s: float = 30.0,
+                 poll: PollSettings | None = None, clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        self._fn = ReadPartitionFn(client, bootstrap, timeout_s, poll, clock)
+
+    def expand(self, starts: beam.PCollection) -> beam.PCollection:
+        return starts | "PollPartitions" >> beam.ParDo(self._fn)
