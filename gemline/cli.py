@@ -3,7 +3,7 @@
     gemline broker [--port P]
     gemline replay --dataset NAME [--path FILE] [--limit N] [--bootstrap HOST:PORT]
     gemline generate [--rate EVENTS_PER_S] [--set generate.num_users=N ...] [--bootstrap HOST:PORT]
-    gemline ingest [--bootstrap HOST:PORT] [beam pipeline flags ...]
+    gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N]] [beam flags ...]
     gemline build [beam pipeline flags ...]
     gemline validate --table T [--version V]
     gemline report [--table T] [--version V]
@@ -97,8 +97,26 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     from ingest.pipeline import run_ingest
 
     config = _config(args)
+    if args.streaming:
+        return _ingest_streaming(args, config, extra)
     result = run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra)
     print(_as_json(result))
+    return 0
+
+
+def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: list[str]) -> int:
+    import threading
+
+    from ingest.streaming import StreamingConfig, install_stop_signals, run_streaming
+
+    streaming = StreamingConfig(commit_interval_s=args.commit_interval_s, max_batches=args.max_batches)
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
+    try:
+        summary = run_streaming(config, streaming, bootstrap=_require_bootstrap(config), stop=stop, beam_args=extra)
+    finally:
+        restore()
+    print(_as_json(summary))
     return 0
 
 
@@ -185,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ingest", help="Kafka -> events / dead_letter (one bounded snapshot, exactly once)")
     _common(p)
     _kafka_flags(p)
+    p.add_argument("--streaming", action="store_true",
+                   help="run until SIGINT/SIGTERM, one exactly-once micro-batch per --commit-interval-s")
+    p.add_argument("--commit-interval-s", type=float, default=5.0, help="streaming: seconds between micro-batches")
+    p.add_argument("--max-batches", type=int, default=None, help="streaming: stop after N micro-batches (tests)")
     p.set_defaults(func=cmd_ingest, passthrough=True)
 
     p = sub.add_parser("build", help="events -> sequences, features, examples")

@@ -560,11 +560,6 @@ class PartitionWatermarkEstimator(WatermarkEstimator):
     def get_estimator_state(self) -> WatermarkState:
         return self._state
 
-    @property
-    def state(self) -> WatermarkState:
-        """The current :class:`WatermarkState`."""
-        return self._state
-
     def set_state(self, state: WatermarkState) -> None:
         """Replace the state (the watermark must not go back; :func:`advance_watermark` ensures it)."""
         self._state = state
@@ -623,9 +618,13 @@ class ReadPartitionFn(beam.DoFn):
         self._poll = poll or PollSettings()
         self._clock = clock
         self._client: KafkaClient | None = None
+        # One consumer per polled partition: switching one consumer's assignment between partitions
+        # would drop its prefetched records on every poll.
+        self._pollers: dict[tuple[str, int], KafkaClient] = {}
 
     def setup(self) -> None:
         self._client = make_client(self._client_name, self._bootstrap, timeout_s=self._timeout_s)
+        self._pollers = {}
 
     def process(
         self,
@@ -660,14 +659,17 @@ class ReadPartitionFn(beam.DoFn):
         assert self._client is not None
         settings = self._poll
         start = tracker.current_restriction().start
-        records = self._client.fetch(element.topic, element.partition, start,
+        key = (element.topic, element.partition)
+        if key not in self._pollers:
+            self._pollers[key] = make_client(self._client_name, self._bootstrap, timeout_s=self._timeout_s)
+        records = self._pollers[key].fetch(element.topic, element.partition, start,
                                      max_records=settings.max_records_per_poll, timeout_s=settings.poll_timeout_s)
         now_ms = int(self._clock() * 1000)
-        before = watermark.state
+        before = watermark.get_estimator_state()
         for rec in records:
             if not tracker.try_claim(rec.offset):
                 break
-            yield beam.window.TimestampedValue(rec, max(rec.timestamp_ms, 0) / 1000.0)
+            yield beam.window.TimestampedValue(rec, Timestamp(micros=max(rec.timestamp_ms, 0) * 1000))
         watermark.set_state(advance_watermark(
             before, [r.timestamp_ms for r in records], now_ms,
             idle_timeout_ms=int(settings.idle_timeout_s * 1000), max_out_of_order_ms=settings.max_out_of_order_ms))
@@ -678,6 +680,9 @@ class ReadPartitionFn(beam.DoFn):
         tracker.defer_remainder(Duration.of(0 if records else settings.resume_delay_s))
 
     def teardown(self) -> None:
+        for poller in self._pollers.values():
+            poller.close()
+        self._pollers = {}
         if self._client is not None:
             self._client.close()
             self._client = None

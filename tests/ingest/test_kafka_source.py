@@ -1,0 +1,262 @@
+"""The splittable Kafka source: restrictions, watermarks, splits, unbounded reads, codecs, clients."""
+
+from __future__ import annotations
+
+import itertools
+
+import apache_beam as beam
+import pytest
+from apache_beam.io.restriction_trackers import OffsetRange as BeamOffsetRange
+from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
+from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+from apache_beam.utils.timestamp import MIN_TIMESTAMP, Timestamp
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.broker import EmbeddedBroker
+from ingest.kafka_source import (
+    CODECS,
+    UNBOUNDED_END,
+    KafkaRecord,
+    KafkaRestrictionProvider,
+    OffsetRange,
+    PartitionStart,
+    PartitionWatermarkEstimator,
+    PollSettings,
+    ReadFromKafkaPartitions,
+    ReadOffsetRanges,
+    ReadPartitionFn,
+    WatermarkState,
+    advance_watermark,
+    make_client,
+    missing_codecs,
+    plan_snapshot,
+)
+
+_topic_ids = itertools.count()
+
+
+# ---- pure parts -----------------------------------------------------------------------------
+
+WM_CASES = [
+    # (state, record timestamps, now_ms, idle_timeout_ms, max_out_of_order_ms, expected)
+    (WatermarkState(None, None), [5, 9, 7], 100, 50, 0, WatermarkState(9, 100)),
+    (WatermarkState(None, None), [5, 9, 7], 100, 50, 4, WatermarkState(5, 100)),
+    (WatermarkState(20, 90), [5, 9], 100, 50, 0, WatermarkState(20, 100)),  # never goes back
+    (WatermarkState(20, 90), [-1], 100, 50, 0, WatermarkState(20, 100)),  # "no timestamp" records
+    (WatermarkState(None, None), [], 100, 50, 0, WatermarkState(None, 100)),  # first poll starts the idle clock
+    (WatermarkState(20, 90), [], 139, 50, 0, WatermarkState(20, 90)),  # idle 49 ms < 50: holds
+    (WatermarkState(20, 90), [], 140, 50, 0, WatermarkState(140, 90)),  # idle 50 ms: moves to the wall clock
+    (WatermarkState(20, 90), [], 140, 50, 30, WatermarkState(110, 90)),
+    (WatermarkState(500, 90), [], 140, 50, 0, WatermarkState(500, 90)),  # wall clock behind: keeps 500
+]
+
+
+@pytest.mark.parametrize(("state", "ts", "now", "idle", "ooo", "expected"), WM_CASES)
+def test_advance_watermark_hand_checked(state, ts, now, idle, ooo, expected):
+    assert advance_watermark(state, ts, now, idle_timeout_ms=idle, max_out_of_order_ms=ooo) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(-1, 10**6), max_size=5), st.integers(0, 10**4)), max_size=20),
+       st.integers(0, 500), st.integers(0, 100))
+def test_watermark_is_monotone_and_never_passes_a_record(polls, idle, ooo):
+    state, now = WatermarkState(None, None), 0
+    for ts, step in polls:
+        now += step
+        new = advance_watermark(state, ts, now, idle_timeout_ms=idle, max_out_of_order_ms=ooo)
+        if state.watermark_ms is not None:
+            assert new.watermark_ms >= state.watermark_ms
+        valid = [t for t in ts if t >= 0]
+        if valid and (state.watermark_ms is None or state.watermark_ms <= max(valid) - ooo):
+            assert new.watermark_ms == max(valid) - ooo  # the newest record minus the bound, not past it
+        state = new
+
+
+def test_advance_watermark_rejects_negative_bounds():
+    with pytest.raises(ValueError, match="expected idle_timeout_ms >= 0"):
+        advance_watermark(WatermarkState(None, None), [], 0, idle_timeout_ms=-1, max_out_of_order_ms=0)
+
+
+def test_estimator_reports_state_as_beam_timestamps():
+    est = PartitionWatermarkEstimator(WatermarkState(None, None))
+    assert est.current_watermark() == MIN_TIMESTAMP
+    est.set_state(WatermarkState(1_750_000_000_123, 5))
+    assert est.current_watermark() == Timestamp(micros=1_750_000_000_123_000)
+    assert est.get_estimator_state() == WatermarkState(1_750_000_000_123, 5)
+
+
+def test_restrictions_bounded_and_unbounded():
+    prov = KafkaRestrictionProvider()
+    bounded = prov.initial_restriction(OffsetRange("t", 0, 3, 8))
+    assert (bounded.start, bounded.stop) == (3, 8) and prov.create_tracker(bounded).is_bounded()
+    unbounded = prov.initial_restriction(PartitionStart("t", 1, 4))
+    assert (unbounded.start, unbounded.stop) == (4, UNBOUNDED_END)
+    assert not prov.create_tracker(unbounded).is_bounded()
+    assert prov.truncate(None, unbounded) is None and prov.truncate(None, bounded) is bounded
+    with pytest.raises(TypeError, match="expected OffsetRange or PartitionStart elements, got tuple"):
+        prov.initial_restriction(("t", 0, 3))
+
+
+BAD_SETTINGS = [
+    ({"poll_timeout_s": -1}, "poll_timeout_s: expected >= 0"),
+    ({"max_records_per_poll": 0}, "max_records_per_poll: expected >= 1"),
+    ({"finish_when_idle_s": 0}, "finish_when_idle_s: expected > 0 or None"),
+    ({"idle_timeout_s": float("nan")}, "idle_timeout_s: expected >= 0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), BAD_SETTINGS)
+def test_poll_settings_reject_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PollSettings(**kwargs)
+
+
+def test_partition_start_validates():
+    with pytest.raises(ValueError, match="expected partition >= 0 and start >= 0"):
+        PartitionStart("t", 0, -3)
+
+
+class _ListClient:
+    """A KafkaClient over an in-memory partition log (offset -> value), gaps allowed."""
+
+    def __init__(self, log: dict[int, bytes]):
+        self.log = log
+
+    def read_range(self, rng):
+        for off in sorted(self.log):
+            if rng.start <= off < rng.end:
+                yield KafkaRecord(rng.topic, rng.partition, off, None, self.log[off], 1000 + off)
+
+    def close(self):
+        pass
+
+
+def _bounded_fn(log):
+    fn = ReadPartitionFn("confluent", "unused:1", 1.0)
+    fn._client = _ListClient(log)  # setup() would connect to a broker
+    return fn
+
+
+def test_bounded_read_stops_at_a_dynamic_split():
+    fn = _bounded_fn({o: f"v{o}".encode() for o in range(10)})
+    tracker = OffsetRestrictionTracker(BeamOffsetRange(2, 10))
+    out = []
+    for rec in fn._read_bounded(OffsetRange("t", 0, 2, 10), tracker):
+        out.append(rec.offset)
+        if rec.offset == 4:
+            primary, residual = tracker.try_split(0.5)  # the runner hands [7, 10) to another worker
+            assert (primary.stop, residual.start, residual.stop) == (7, 7, 10)
+    assert out == [2, 3, 4, 5, 6]
+    tracker.check_done()
+
+
+def test_bounded_read_with_a_gap_at_the_end_is_done():
+    fn = _bounded_fn({0: b"a", 1: b"b", 4: b"c"})  # offsets 5..7 compacted away
+    tracker = OffsetRestrictionTracker(BeamOffsetRange(0, 8))
+    assert [r.offset for r in fn._read_bounded(OffsetRange("t", 0, 0, 8), tracker)] == [0, 1, 4]
+    tracker.check_done()
+
+
+def test_missing_codecs():
+    assert missing_codecs("confluent") == ()
+    from kafka import codec
+
+    expected = tuple(c for c, ok in zip(CODECS, (codec.has_gzip(), codec.has_snappy(), codec.has_lz4(),
+                                                   codec.has_zstd())) if not ok)
+    assert missing_codecs("kafka-python") == expected
+    with pytest.raises(ValueError, match="expected 'confluent' or 'kafka-python', got 'rdkafka'"):
+        missing_codecs("rdkafka")
+
+
+# ---- against the embedded broker ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def broker():
+    with EmbeddedBroker() as b:
+        yield b
+
+
+def _topic(broker, partitions: int) -> str:
+    name = f"src-{next(_topic_ids)}"
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    for fut in admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]).values():
+        fut.result(timeout=30)
+    return name
+
+
+def _produce(bootstrap, topic, n, *, partitions, compression="none"):
+    producer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 1, "linger.ms": 0,
+                         "compression.type": compression})
+    for i in range(n):
+        producer.produce(topic, key=f"k{i}".encode(), value=f"value-{i}-".encode() * 8, partition=i % partitions,
+                         timestamp=1_000 + i)
+    assert producer.flush(30) == 0
+    # partition p holds messages p, p+P, p+2P, ... at offsets 0, 1, 2, ...
+    return [KafkaRecord(topic, i % partitions, i // partitions, f"k{i}".encode(), f"value-{i}-".encode() * 8,
+                        1_000 + i) for i in range(n)]
+
+
+@pytest.mark.integration
+def test_unbounded_read_emits_every_record_once_at_its_kafka_time(broker):
+    topic = _topic(broker, 2)
+    records = _produce(broker.bootstrap, topic, 9, partitions=2)
+    starts = [PartitionStart(topic, 0, 0), PartitionStart(topic, 1, 2)]
+    expected = [(r.partition, r.offset, r.value, r.timestamp_ms) for r in records
+                if r.partition == 0 or r.offset >= 2]
+    poll = PollSettings(poll_timeout_s=0.2, resume_delay_s=0.05, finish_when_idle_s=2.0)
+    with test_pipeline.TestPipeline() as p:
+        out = (
+            p
+            | beam.Create(starts)
+            | ReadFromKafkaPartitions(bootstrap=broker.bootstrap, poll=poll)
+            | beam.Map(lambda r, ts=beam.DoFn.TimestampParam: (r.partition, r.offset, r.value, ts.micros // 1000))
+        )
+        assert_that(out, equal_to(expected))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("codec", CODECS)
+def test_compressed_topics_read_back_with_both_clients(broker, codec):
+    topic = _topic(broker, 2)
+    records = _produce(broker.bootstrap, topic, 8, partitions=2, compression=codec)
+    ranges = plan_snapshot(broker.bootstrap, topic, {}, client="confluent", timeout_s=20)
+    assert [r.num_offsets for r in ranges] == [4, 4]
+    with test_pipeline.TestPipeline() as p:
+        out = p | beam.Create(ranges) | ReadOffsetRanges(bootstrap=broker.bootstrap, client="confluent", timeout_s=20)
+        assert_that(out, equal_to(records))
+
+    if codec in missing_codecs("kafka-python"):
+        # Fails at start, naming the codec, instead of timing out or reading nothing.
+        with pytest.raises(ValueError, match=f"codecs missing here: .*{codec} \\(pip install"):
+            plan_snapshot(broker.bootstrap, topic, {}, client="kafka-python", timeout_s=20)
+        return
+    assert plan_snapshot(broker.bootstrap, topic, {}, client="kafka-python", timeout_s=20) == ranges
+    kc = make_client("kafka-python", broker.bootstrap, timeout_s=20)
+    try:
+        got = [rec for rng in ranges for rec in kc.read_range(rng)]
+    finally:
+        kc.close()
+    assert sorted(got, key=lambda r: (r.partition, r.offset)) == sorted(records, key=lambda r: (r.partition, r.offset))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_fetch_polls_forward_and_returns_empty_at_the_end(broker, client):
+    topic = _topic(broker, 1)
+    records = _produce(broker.bootstrap, topic, 5, partitions=1)
+    kc = make_client(client, broker.bootstrap, timeout_s=20)
+    try:
+        got: list[KafkaRecord] = []
+        for _ in range(50):  # bounded number of polls, no wall-clock condition
+            batch = kc.fetch(topic, 0, len(got) + 1, max_records=2, timeout_s=0.5)
+            got.extend(batch)
+            if len(got) == 4:
+                break
+        assert got == records[1:]
+        assert kc.fetch(topic, 0, 5, max_records=2, timeout_s=0.3) == []
+    finally:
+        kc.close()
