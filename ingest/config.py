@@ -55,6 +55,17 @@ class IngestConfig:
     """Beam runner; any other Beam pipeline flag passes through the CLI untouched."""
     read_timeout_s: float = 30.0
     """Seconds a Kafka metadata request or a range read may go without progress before the run fails."""
+    retention_days: int | None = None
+    """Events older than (ingest clock - this) are dead-lettered (expired_event_time); None keeps any age,
+    the default because the public datasets replayed here are decades old."""
+    dedup_window_ms: int = 24 * 3600 * 1000
+    """A second delivery of an event_id within this event-time distance of a kept copy (same batch or
+    committed) is dropped and counted."""
+    allowed_lateness_ms: int = 24 * 3600 * 1000
+    """Events more than this behind their partition's ingest watermark go to late_events. One day: the
+    replays are in event-time order per partition, and generated traffic is seconds apart."""
+    batch_max_records: int = 10_000
+    """Kafka messages per Arrow record batch, the element the parse step works on."""
 
     def __post_init__(self) -> None:
         if not self.domains:
@@ -63,3 +74,16 @@ class IngestConfig:
             raise ValueError(f"ingest.read_timeout_s must be > 0, got {self.read_timeout_s}")
         if self.max_future_skew_ms < 0:
             raise ValueError(f"ingest.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")
+        if self.retention_days is not None and self.retention_days < 1:
+            raise ValueError(f"ingest.retention_days must be >= 1 or None (no limit), got {self.retention_days}")
+        if self.dedup_window_ms < 0:
+            raise ValueError(f"ingest.dedup_window_ms must be >= 0, got {self.dedup_window_ms}")
+        if self.allowed_lateness_ms < 0:
+            raise ValueError(f"ingest.allowed_lateness_ms must be >= 0, got {self.allowed_lateness_ms}")
+        if self.batch_max_records < 1:
+            raise ValueError(f"ingest.batch_max_records must be >= 1, got {self.batch_max_records}")
+
+    @property
+    def retention_ms(self) -> int | None:
+        """``retention_days`` in ms, or None."""
+        return None if self.retention_days is None else self.retention_days * 86_400_000

@@ -14,12 +14,29 @@ reason                          meaning
 ``missing_field``               a required field is absent, null or an empty string (detail
                                 names every such field)
 ``wrong_type``                  a field has another JSON type than declared (booleans are not
-                                ints; optional fields, when present and not null, too), or an
-                                int outside its column's range (int64 times, int32 position/age)
+                                ints; optional fields, when present and not null, too), an
+                                int outside its column's range (int64 times, int32 position/age),
+                                an event time that is no ISO-8601 string, or one outside years
+                                1..9999
 ``unknown_event_type``          ``event_type`` is not one of ``EVENT_TYPES``
 ``unknown_domain``              ``domain`` is not one of the configured domains
-``future_event_time``           ``event_time_ms > now_ms + max_future_skew_ms``
+``future_event_time``           event time ``> now_ms + max_future_skew_ms``
+``expired_event_time``          event time ``< now_ms - retention_ms`` (only when a retention
+                                is configured)
 ==============================  =============================================================
+
+Event time (wire field ``event_time_ms``) is normalised to UTC microseconds (``event_time_us``;
+``event_time_ms = floor(event_time_us / 1000)``). Accepted forms:
+
+* a JSON integer whose unit is decided by magnitude (:func:`event_time_to_us`):
+  ``|v| < 1e11`` seconds, ``1e11 <= |v| < 1e14`` milliseconds, ``|v| >= 1e14`` microseconds.
+  1e11 s is the year 5138 and 1e11 ms is 1973-03-03, so every time from March 1973 to the year
+  5138 is read right in any unit; an earlier time in ms or us is misread (as s or ms): send those
+  as ISO strings.
+* an ISO-8601 string as :meth:`datetime.datetime.fromisoformat` reads it (``Z`` or an offset;
+  a naive time is UTC by rule, since producers log UTC; digits past microseconds are cut).
+
+JSON floats are rejected (``wrong_type``): a float cannot hold a microsecond time exactly.
 
 Fields the schema does not know are ignored, so that producers can add fields before consumers
 read them.
@@ -51,6 +68,7 @@ REASONS: tuple[str, ...] = (
     "unknown_event_type",
     "unknown_domain",
     "future_event_time",
+    "expired_event_time",
 )
 """Every dead-letter reason code :func:`parse_record` emits."""
 
@@ -72,6 +90,17 @@ _FIELD_TYPES: dict[str, tuple[type, tuple[int, int] | None]] = {
 }
 _MS_PER_DAY = 86_400_000
 _EPOCH = dt.date(1970, 1, 1)
+_EPOCH_UTC = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+_ONE_US = dt.timedelta(microseconds=1)
+
+SECONDS_BELOW = 10**11
+"""An integer event time with ``|v|`` below this is in seconds (1e11 s = year 5138)."""
+MILLIS_BELOW = 10**14
+"""... else below this in milliseconds (1e14 ms = year 5138); from here on in microseconds."""
+MIN_EVENT_TIME_US = (dt.datetime(1, 1, 1, tzinfo=dt.timezone.utc) - _EPOCH_UTC) // _ONE_US
+"""0001-01-01T00:00:00Z in us since epoch: the earliest time a Delta date partition can name."""
+MAX_EVENT_TIME_US = (dt.datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=dt.timezone.utc) - _EPOCH_UTC) // _ONE_US
+"""9999-12-31T23:59:59.999999Z in us since epoch."""
 
 Outcome = tuple[Literal["ok"], dict[str, Any]] | tuple[Literal["dead"], dict[str, Any]]
 
@@ -83,6 +112,46 @@ def event_date(event_time_ms: int) -> str:
         OverflowError: the date falls outside years 1..9999.
     """
     return (_EPOCH + dt.timedelta(days=event_time_ms // _MS_PER_DAY)).isoformat()
+
+
+def event_time_to_us(value: Any) -> int:
+    """Normalise a wire event time to microseconds since epoch UTC (rules in the module docstring).
+
+    Args:
+        value: a Python int (not bool) in seconds, ms or us, decided by magnitude, or an ISO-8601 str.
+
+    Returns:
+        int microseconds since 1970-01-01T00:00:00Z, within ``[MIN_EVENT_TIME_US, MAX_EVENT_TIME_US]``.
+
+    Raises:
+        ValueError: anything else, or a time outside years 1..9999; the message is the dead-letter detail.
+    """
+    if isinstance(value, str):
+        try:
+            parsed = dt.datetime.fromisoformat(value)
+        except ValueError as exc:
+            raise ValueError(f"event_time_ms: expected an int or an ISO-8601 string, got str {value!r:.80} ({exc})")
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=dt.timezone.utc)
+        try:
+            us = (parsed - _EPOCH_UTC) // _ONE_US
+        except OverflowError:
+            us = MIN_EVENT_TIME_US - 1
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(f"event_time_ms: expected an int in [{_INT64[0]}, {_INT64[1]}], got {value}")
+        if -SECONDS_BELOW < value < SECONDS_BELOW:
+            us = value * 1_000_000
+        elif -MILLIS_BELOW < value < MILLIS_BELOW:
+            us = value * 1_000
+        else:
+            us = value
+    else:
+        raise ValueError(f"event_time_ms: expected an int or an ISO-8601 string, got {type(value).__name__} "
+                         f"{value!r:.80}")
+    if not MIN_EVENT_TIME_US <= us <= MAX_EVENT_TIME_US:
+        raise ValueError(f"event_time_ms: {value!r:.80} is outside years 1..9999")
+    return us
 
 
 def _type_error(name: str, value: Any) -> str | None:
@@ -109,7 +178,12 @@ def _dead(rec: KafkaRecord, reason: str, detail: str) -> tuple[Literal["dead"], 
 
 
 def parse_record(
-    rec: KafkaRecord, *, domains: Iterable[str], now_ms: int, max_future_skew_ms: int
+    rec: KafkaRecord,
+    *,
+    domains: Iterable[str],
+    now_ms: int,
+    max_future_skew_ms: int,
+    retention_ms: int | None = None,
 ) -> Outcome:
     """Validate one Kafka record against the Event schema.
 
@@ -118,11 +192,12 @@ def parse_record(
         domains: known domains (``IngestConfig.domains``).
         now_ms: the ingest clock, ms since epoch UTC (fixed per batch so that a rerun decides alike).
         max_future_skew_ms: tolerated lead of event time over ``now_ms``, ms.
+        retention_ms: oldest accepted event time, as a lag behind ``now_ms`` in ms; None accepts any age.
 
     Returns:
         ``("ok", row)`` with a row of ``EVENTS_TABLE_SCHEMA`` (Event fields, ``created_ts_ms`` =
         the Kafka record timestamp, ``event_date`` = UTC date of ``event_time_ms``, Kafka
-        coordinates), or ``("dead", row)`` with a row of ``DEAD_LETTER_SCHEMA`` whose ``reason``
+        coordinates, ``event_time_us``), or ``("dead", row)`` with a row of ``DEAD_LETTER_SCHEMA`` whose ``reason``
         is one of :data:`REASONS` (see the module docstring).
     """
     try:
@@ -141,9 +216,16 @@ def parse_record(
     if missing:
         return _dead(rec, "missing_field", f"required field(s) absent, null or empty: {', '.join(missing)}")
 
+    time_us = 0
     for name in REQUIRED_FIELDS + OPTIONAL_FIELDS:
         value = obj.get(name)
         if value is None:
+            continue
+        if name == "event_time_ms":
+            try:
+                time_us = event_time_to_us(value)
+            except ValueError as exc:
+                return _dead(rec, "wrong_type", str(exc))
             continue
         problem = _type_error(name, value)
         if problem is not None:
@@ -154,34 +236,47 @@ def parse_record(
     domain_set = frozenset(domains)
     if obj["domain"] not in domain_set:
         return _dead(rec, "unknown_domain", f"domain: expected one of {sorted(domain_set)}, got {obj['domain']!r:.80}")
+    time_ms = time_us // 1000
     limit_ms = now_ms + max_future_skew_ms
-    if obj["event_time_ms"] > limit_ms:
-        return _dead(rec, "future_event_time",
-                     f"event_time_ms {obj['event_time_ms']} is after the ingest clock {now_ms} + skew "
-                     f"{max_future_skew_ms} = {limit_ms}")
-    try:
-        date = event_date(obj["event_time_ms"])
-    except OverflowError:
-        return _dead(rec, "wrong_type", f"event_time_ms: {obj['event_time_ms']} is outside years 1..9999")
+    if time_us > limit_ms * 1000:
+        return _dead(rec, "future_event_time", future_detail(time_us, now_ms, max_future_skew_ms))
+    if retention_ms is not None and time_us < (now_ms - retention_ms) * 1000:
+        return _dead(rec, "expired_event_time", expired_detail(time_us, now_ms, retention_ms))
 
     row: dict[str, Any] = {name: obj.get(name) for name in REQUIRED_FIELDS + OPTIONAL_FIELDS}
+    row["event_time_ms"] = time_ms
     row["schema_version"] = version
     row["created_ts_ms"] = rec.timestamp_ms
-    row["event_date"] = date
+    row["event_date"] = event_date(time_ms)
     row["kafka_topic"] = rec.topic
     row["kafka_partition"] = rec.partition
     row["kafka_offset"] = rec.offset
+    row["event_time_us"] = time_us
     return "ok", row
 
 
+def future_detail(time_us: int, now_ms: int, skew_ms: int) -> str:
+    """Dead-letter detail of ``future_event_time`` (shared with the vectorised parser)."""
+    return (f"event time {time_us} us is after the ingest clock {now_ms} ms + skew {skew_ms} ms = "
+            f"{now_ms + skew_ms} ms")
+
+
+def expired_detail(time_us: int, now_ms: int, retention_ms: int) -> str:
+    """Dead-letter detail of ``expired_event_time`` (shared with the vectorised parser)."""
+    return (f"event time {time_us} us is before the ingest clock {now_ms} ms - retention {retention_ms} ms = "
+            f"{now_ms - retention_ms} ms")
+
+
 class _ParseFn(beam.DoFn):
-    def __init__(self, domains: tuple[str, ...], now_ms: int, max_future_skew_ms: int) -> None:
+    def __init__(self, domains: tuple[str, ...], now_ms: int, max_future_skew_ms: int, retention_ms: int | None) -> None:
         self._domains = frozenset(domains)
         self._now_ms = now_ms
         self._skew_ms = max_future_skew_ms
+        self._retention_ms = retention_ms
 
     def process(self, rec: KafkaRecord) -> Iterator[Any]:
-        kind, row = parse_record(rec, domains=self._domains, now_ms=self._now_ms, max_future_skew_ms=self._skew_ms)
+        kind, row = parse_record(rec, domains=self._domains, now_ms=self._now_ms, max_future_skew_ms=self._skew_ms,
+                                 retention_ms=self._retention_ms)
         if kind == "ok":
             yield row
         else:
@@ -199,7 +294,8 @@ class ParseEvents(beam.PTransform):
         ValueError: no domains, or a negative skew.
     """
 
-    def __init__(self, domains: Iterable[str], now_ms: int, max_future_skew_ms: int) -> None:
+    def __init__(self, domains: Iterable[str], now_ms: int, max_future_skew_ms: int,
+                 retention_ms: int | None = None) -> None:
         super().__init__()
         self._domains = tuple(domains)
         if not self._domains:
@@ -208,8 +304,11 @@ class ParseEvents(beam.PTransform):
             raise ValueError(f"ParseEvents: expected max_future_skew_ms >= 0, got {max_future_skew_ms}")
         self._now_ms = int(now_ms)
         self._skew_ms = int(max_future_skew_ms)
+        if retention_ms is not None and retention_ms < 0:
+            raise ValueError(f"ParseEvents: expected retention_ms >= 0 or None, got {retention_ms}")
+        self._retention_ms = retention_ms
 
     def expand(self, records: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
-        return records | "Parse" >> beam.ParDo(_ParseFn(self._domains, self._now_ms, self._skew_ms)).with_outputs(
+        return records | "Parse" >> beam.ParDo(_ParseFn(self._domains, self._now_ms, self._skew_ms, self._retention_ms)).with_outputs(
             DEAD_LETTER, main=GOOD
         )

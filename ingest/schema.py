@@ -3,6 +3,9 @@
 Wire format: one JSON object per Kafka message, keyed by ``user_id`` (UTF-8), with the fields of
 :class:`Event`. Times are integers in ms since the epoch, UTC.
 
+The ``event_time_ms`` wire field also accepts seconds, microseconds and ISO-8601 strings; ingest
+normalises them (``ingest.parse``).
+
 Version history:
     1  first version.
 """
@@ -101,9 +104,21 @@ EVENTS_TABLE_SCHEMA = pa.schema(
         pa.field("kafka_topic", pa.string(), nullable=False),
         pa.field("kafka_partition", pa.int32(), nullable=False),
         pa.field("kafka_offset", pa.int64(), nullable=False),
+        # Event time normalised to UTC microseconds (event_time_ms = floor(us / 1000)). Ingest always
+        # fills it; nullable only because events tables written before it existed lack it.
+        pa.field("event_time_us", pa.int64()),
     ]
 )
 """Arrow schema of the ``events`` Delta table (partitioned by ``event_date``)."""
+
+LATE_EVENTS_SCHEMA = pa.schema(
+    list(EVENTS_TABLE_SCHEMA)
+    + [
+        pa.field("watermark_ms", pa.int64(), nullable=False),  # ingest watermark of the partition, ms since epoch
+        pa.field("lateness_ms", pa.int64(), nullable=False),  # watermark_ms - event_time_ms, > allowed lateness
+    ]
+)
+"""Arrow schema of the ``late_events`` Delta table: events rows behind the ingest watermark."""
 
 DEAD_LETTER_SCHEMA = pa.schema(
     [

@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.kafka_source import KafkaRecord
-from ingest.parse import DEAD_LETTER, GOOD, REASONS, ParseEvents, event_date, parse_record
+from ingest.parse import DEAD_LETTER, GOOD, REASONS, ParseEvents, event_date, event_time_to_us, parse_record
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENT_TYPES, EVENTS_TABLE_SCHEMA, Event
 
 NOW_MS = 1_700_000_000_000  # 2023-11-14T22:13:20Z
 SKEW_MS = 60_000
 DOMAINS = ("facebook", "instagram")
 TS_MS = 1_700_000_123_456  # Kafka record timestamp
+RETENTION_MS = 86_400_000
 
 
 def _rec(value: bytes, offset: int = 7) -> KafkaRecord:
@@ -36,8 +37,9 @@ def _obj(**over) -> dict:
     return {k: v for k, v in base.items() if v is not _DROP}
 
 
-def _parse(value: bytes):
-    return parse_record(_rec(value), domains=DOMAINS, now_ms=NOW_MS, max_future_skew_ms=SKEW_MS)
+def _parse(value: bytes, retention_ms: int | None = RETENTION_MS):
+    return parse_record(_rec(value), domains=DOMAINS, now_ms=NOW_MS, max_future_skew_ms=SKEW_MS,
+                        retention_ms=retention_ms)
 
 
 def _j(obj) -> bytes:
@@ -60,11 +62,14 @@ DEAD_CASES = [
     ("missing_field", "user_id", _j(_obj(user_id=None))),
     ("missing_field", "item_id", _j(_obj(item_id=""))),
     ("missing_field", "event_time_ms, domain", _j(_obj(event_time_ms=_DROP, domain=None))),
-    ("wrong_type", "event_time_ms: expected int, got str", _j(_obj(event_time_ms="1700000000000"))),
-    ("wrong_type", "event_time_ms: expected int, got float", _j(_obj(event_time_ms=1.7e12))),
-    ("wrong_type", "event_time_ms: expected int, got bool", _j(_obj(event_time_ms=True))),
+    ("wrong_type", "expected an int or an ISO-8601 string, got str '1700000000000'", _j(_obj(event_time_ms="1700000000000"))),
+    ("wrong_type", "got str 'yesterday'", _j(_obj(event_time_ms="yesterday"))),
+    ("wrong_type", "expected an int or an ISO-8601 string, got float", _j(_obj(event_time_ms=1.7e12))),
+    ("wrong_type", "expected an int or an ISO-8601 string, got bool", _j(_obj(event_time_ms=True))),
     ("wrong_type", "event_time_ms: expected an int in", _j(_obj(event_time_ms=-(2**64)))),
-    ("wrong_type", "outside years", _j(_obj(event_time_ms=-(2**62)))),
+    ("wrong_type", "outside years", _j(_obj(event_time_ms=-(2**62)))),  # us: year -144,000
+    ("wrong_type", "outside years", _j(_obj(event_time_ms=2**62))),  # us: year 148,000
+    ("wrong_type", "outside years", _j(_obj(event_time_ms="0001-01-01T00:00:00+01:00"))),
     ("wrong_type", "user_id: expected str, got int", _j(_obj(user_id=17))),
     ("wrong_type", "domain: expected str, got list", _j(_obj(domain=["facebook"]))),
     ("wrong_type", "position: expected int, got bool", _j(_obj(position=False))),
@@ -76,6 +81,12 @@ DEAD_CASES = [
     ("unknown_domain", "got 'tiktok'", _j(_obj(domain="tiktok"))),
     ("unknown_domain", "got 'Facebook'", _j(_obj(domain="Facebook"))),
     ("future_event_time", "after the ingest clock", _j(_obj(event_time_ms=NOW_MS + SKEW_MS + 1))),
+    ("future_event_time", "after the ingest clock", _j(_obj(event_time_ms=(NOW_MS + SKEW_MS) * 1000 + 1))),  # us
+    ("future_event_time", "after the ingest clock", _j(_obj(event_time_ms=(NOW_MS + SKEW_MS) // 1000 + 1))),  # s
+    ("future_event_time", "after the ingest clock", _j(_obj(event_time_ms="2023-11-14T22:14:20.000001Z"))),
+    ("future_event_time", "after the ingest clock", _j(_obj(event_time_ms="2023-11-14T23:14:20.000001+01:00"))),
+    ("expired_event_time", "before the ingest clock", _j(_obj(event_time_ms=NOW_MS - RETENTION_MS - 1))),
+    ("expired_event_time", "before the ingest clock", _j(_obj(event_time_ms="2023-11-13 22:13:19.999999"))),
 ]
 
 
@@ -104,36 +115,73 @@ def test_valid_row_is_hand_checked():
         "domain": "facebook", "event_type": "impression", "category": "shoes", "position": 3,
         "ad_format": "story", "age": 41, "gender": "f", "location": "10115", "schema_version": 1,
         "created_ts_ms": TS_MS, "event_date": "2023-11-14", "kafka_topic": "t", "kafka_partition": 2,
-        "kafka_offset": 7,
+        "kafka_offset": 7, "event_time_us": 1_700_000_000_000_000,
     }
     assert list(row) == EVENTS_TABLE_SCHEMA.names
 
 
 @pytest.mark.parametrize(
-    ("obj", "date"),
+    ("obj", "date", "us"),
     [
-        (_obj(event_time_ms=0), "1970-01-01"),
-        (_obj(event_time_ms=-1), "1969-12-31"),  # floor division: the last ms of 1969
-        (_obj(event_time_ms=86_399_999), "1970-01-01"),
-        (_obj(event_time_ms=86_400_000), "1970-01-02"),
-        (_obj(event_time_ms=951_782_400_000), "2000-02-29"),  # leap day 00:00:00Z
-        (_obj(event_time_ms=NOW_MS + SKEW_MS), "2023-11-14"),  # exactly at the skew limit is allowed
-        (_obj(schema_version=_DROP), "2023-11-14"),  # absent version = current, as Event defaults it
-        (_obj(position=None, age=None, category=None), "2023-11-14"),  # null optionals are fine
+        (_obj(event_time_ms=0), "1970-01-01", 0),
+        (_obj(event_time_ms=-1), "1969-12-31", -1_000_000),  # seconds by magnitude; floor to the last day of 1969
+        (_obj(event_time_ms=86_399), "1970-01-01", 86_399_000_000),  # seconds
+        (_obj(event_time_ms=86_400), "1970-01-02", 86_400_000_000),
+        (_obj(event_time_ms=100_000_000_000), "1973-03-03", 100_000_000_000_000),  # the first read as ms
+        (_obj(event_time_ms=951_782_400_000), "2000-02-29", 951_782_400_000_000),  # ms, leap day 00:00:00Z
+        (_obj(event_time_ms=100_000_000_000_000), "1973-03-03", 100_000_000_000_000),  # the first read as us
+        (_obj(event_time_ms=951_782_400_000_001), "2000-02-29", 951_782_400_000_001),  # us
+        (_obj(event_time_ms=-951_782_400_000_001), "1939-11-03", -951_782_400_000_001),  # us, before 1970
+        (_obj(event_time_ms="2000-02-29T00:00:00Z"), "2000-02-29", 951_782_400_000_000),
+        (_obj(event_time_ms="2000-02-29T01:00:00.000001+01:00"), "2000-02-29", 951_782_400_000_001),
+        (_obj(event_time_ms="2000-02-28T23:59:59.999999"), "2000-02-28", 951_782_399_999_999),  # naive = UTC
+        (_obj(event_time_ms="2000-02-29"), "2000-02-29", 951_782_400_000_000),
+        (_obj(event_time_ms=NOW_MS + SKEW_MS), "2023-11-14", (NOW_MS + SKEW_MS) * 1000),  # at the limit is allowed
+        (_obj(schema_version=_DROP), "2023-11-14", (NOW_MS - 1000) * 1000),  # absent version = current
+        (_obj(position=None, age=None, category=None), "2023-11-14", (NOW_MS - 1000) * 1000),  # null optionals
     ],
 )
-def test_valid_rows_dates(obj, date):
-    kind, row = _parse(_j(obj))
+def test_valid_rows_dates(obj, date, us):
+    kind, row = _parse(_j(obj), retention_ms=None)
     assert kind == "ok", row
     assert row["event_date"] == date
+    assert row["event_time_us"] == us and row["event_time_ms"] == us // 1000
     assert row["created_ts_ms"] == TS_MS and row["schema_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "us"),
+    [
+        (99_999_999_999, 99_999_999_999 * 10**6),  # the largest value read as seconds (year 5138)
+        (-99_999_999_999, None),  # seconds too, so year -1199: out of range
+        (100_000_000_000, 10**14),  # the smallest read as ms (1973-03-03)
+        (-100_000_000_000, -(10**14)),
+        (99_999_999_999_999, 99_999_999_999_999_000),  # the largest read as ms
+        (100_000_000_000_000, 10**14),  # the smallest read as us
+        (253_402_300_799_999_999, 253_402_300_799_999_999),  # 9999-12-31T23:59:59.999999Z
+        (253_402_300_800_000_000, None),
+        ("9999-12-31T23:59:59.999999", 253_402_300_799_999_999),
+        ("0001-01-01T00:00:00Z", -62_135_596_800_000_000),
+    ],
+)
+def test_unit_rule_boundaries(value, us):
+    if us is None:
+        with pytest.raises(ValueError, match="outside years"):
+            event_time_to_us(value)
+    else:
+        assert event_time_to_us(value) == us
+
+
+def test_retention_boundary_is_inclusive():
+    kind, row = _parse(_j(_obj(event_time_ms=NOW_MS - RETENTION_MS)))
+    assert kind == "ok" and row["event_time_us"] == (NOW_MS - RETENTION_MS) * 1000
 
 
 _text = st.text(min_size=1, max_size=8)
 _events = st.builds(
     Event,
     event_id=_text, user_id=_text, item_id=_text,
-    event_time_ms=st.integers(-(2**40), NOW_MS + SKEW_MS),
+    event_time_ms=st.integers(10**11, NOW_MS + SKEW_MS),  # the ms band of the unit rule
     domain=st.sampled_from(DOMAINS), event_type=st.sampled_from(EVENT_TYPES),
     category=st.none() | _text, position=st.none() | st.integers(-(2**31), 2**31 - 1),
     ad_format=st.none() | _text, age=st.none() | st.integers(0, 130), gender=st.none() | _text,
@@ -144,10 +192,11 @@ _events = st.builds(
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(_events)
 def test_valid_events_round_trip(ev):
-    kind, row = _parse(ev.to_json())
+    kind, row = _parse(ev.to_json(), retention_ms=None)
     assert kind == "ok", row
     assert {k: row[k] for k in Event.__dataclass_fields__} == ev.__dict__
     assert row["event_date"] == event_date(ev.event_time_ms)
+    assert row["event_time_us"] == ev.event_time_ms * 1000
     pa.Table.from_pylist([row], schema=EVENTS_TABLE_SCHEMA)
 
 
@@ -173,7 +222,7 @@ def test_event_date_matches_datetime():
 
 
 def test_parse_events_transform_tags_both_outputs():
-    good = _rec(_j(_obj(event_id="g1", event_time_ms=86_400_000)), offset=1)
+    good = _rec(_j(_obj(event_id="g1", event_time_ms=86_400)), offset=1)  # seconds by the unit rule
     bad_json = _rec(b"nope", offset=2)
     bad_domain = _rec(_j(_obj(domain="tiktok")), offset=3)
     with test_pipeline.TestPipeline() as p:
@@ -184,7 +233,7 @@ def test_parse_events_transform_tags_both_outputs():
                     equal_to([("not_json", 2), ("unknown_domain", 3)]), label="CheckDead")
 
 
-@pytest.mark.parametrize(("domains", "skew", "match"), [((), 0, "at least one domain"), (DOMAINS, -1, "skew_ms >= 0")])
-def test_parse_events_rejects_bad_arguments(domains, skew, match):
+@pytest.mark.parametrize(("domains", "skew", "retention", "match"), [((), 0, None, "at least one domain"), (DOMAINS, -1, None, "skew_ms >= 0"), (DOMAINS, 0, -1, "retention_ms >= 0")])
+def test_parse_events_rejects_bad_arguments(domains, skew, retention, match):
     with pytest.raises(ValueError, match=match):
-        ParseEvents(domains, NOW_MS, skew)
+        ParseEvents(domains, NOW_MS, skew, retention)

@@ -1,0 +1,365 @@
+"""Vectorised twin of :func:`ingest.parse.parse_record`: one Arrow batch of Kafka messages -> events + dead letter.
+
+Shape letters: N messages in a batch, G of them good, D = N - G dead.
+
+The element that moves through the ingest pipeline is a ``pyarrow.RecordBatch`` of
+:data:`RECORDS_SCHEMA` (topic, partition, offset, key, value, timestamp_ms), not one Python object
+per message. :func:`parse_batch` decodes the JSON values with polars (``Series.str.json_decode``,
+simd-json) and validates them column by column, and must give *exactly* the rows and reasons
+:func:`ingest.parse.parse_record` gives message by message (tested on tables of cases and with
+hypothesis). The reference decides whenever the two JSON readers could disagree, so those messages
+take the scalar path:
+
+* a bad message of any kind: the vectorised checks only find *that* a row is bad; its reason and
+  detail come from the reference, so both paths word them identically (bad rows are rare);
+* values polars reads differently from Python's ``json``: invalid UTF-8, not starting with ``{``
+  or ending with ``}``, ``true``/``false`` anywhere (polars reads ``true`` as 1 in an int
+  column), ``NaN``/``Infinity``, ``\\uD800``-style surrogates, a known key given twice (polars
+  keeps the first, ``json`` the last), a non-string JSON value in a string field (polars would
+  turn 17 into "17");
+* a chunk polars cannot decode, or decodes to a type other than the declared one (a float, an ISO
+  string time): it is split in halves until the halves decode, down to chunks of
+  :data:`LEAF_ROWS`, which go to the reference.
+
+Still not handled by the fast path: JSON keys spelled with escapes (``"event\\u005fid"``) that
+duplicate a plain key; both readers take *a* value, maybe not the same one.
+
+:class:`BatchRecords` turns ``KafkaRecord`` elements into record batches (and passes batches
+through), so the pipeline accepts either element type from ``ReadOffsetRanges``;
+:class:`ParseBatches` applies :func:`parse_batch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+
+from ingest.kafka_source import KafkaRecord
+from ingest.parse import (
+    DEAD_LETTER,
+    GOOD,
+    MAX_EVENT_TIME_US,
+    MILLIS_BELOW,
+    MIN_EVENT_TIME_US,
+    SECONDS_BELOW,
+    parse_record,
+)
+from ingest.schema import DEAD_LETTER_SCHEMA, EVENT_TYPES, EVENTS_TABLE_SCHEMA, REQUIRED_FIELDS, SCHEMA_VERSION
+
+RECORDS_SCHEMA = pa.schema(
+    [
+        pa.field("topic", pa.string(), nullable=False),
+        pa.field("partition", pa.int32(), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("key", pa.binary()),
+        pa.field("value", pa.binary(), nullable=False),
+        pa.field("timestamp_ms", pa.int64(), nullable=False),
+    ]
+)
+"""Arrow schema of a batch of Kafka messages (the fields of :class:`KafkaRecord`)."""
+
+LEAF_ROWS = 32
+"""A chunk this small that polars cannot decode as declared goes to the reference row by row."""
+
+_STRING_FIELDS = ("event_id", "user_id", "item_id", "domain", "event_type", "category", "ad_format", "gender",
+                  "location")
+_INT_FIELDS = ("event_time_ms", "position", "age", "schema_version")
+_INT32 = (-(2**31), 2**31 - 1)
+# One object per line, no control characters: Arrow's reader frames rows by newlines and skips blank lines.
+_FRAMED = r"^ *\{[^\x00-\x1f]*\} *$"
+_DECLARED = pa.schema([pa.field(n, pa.string()) for n in _STRING_FIELDS] + [pa.field(n, pa.int64()) for n in _INT_FIELDS])
+_PARSE_OPTIONS = pajson.ParseOptions(explicit_schema=_DECLARED, unexpected_field_behavior="ignore")
+_READ_OPTIONS = pajson.ReadOptions(use_threads=False, block_size=1 << 26)
+
+
+def records_to_batch(records: Sequence[KafkaRecord]) -> pa.RecordBatch:
+    """``records`` (N of them) as one RecordBatch of :data:`RECORDS_SCHEMA`, in the given order."""
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([r.topic for r in records], pa.string()),
+            pa.array([r.partition for r in records], pa.int32()),
+            pa.array([r.offset for r in records], pa.int64()),
+            pa.array([r.key for r in records], pa.binary()),
+            pa.array([r.value for r in records], pa.binary()),
+            pa.array([r.timestamp_ms for r in records], pa.int64()),
+        ],
+        schema=RECORDS_SCHEMA,
+    )
+
+
+def _check_records(batch: pa.RecordBatch) -> None:
+    if not batch.schema.equals(RECORDS_SCHEMA, check_metadata=False):
+        raise TypeError(f"parse_batch: expected a RecordBatch of ingest.vectorized.RECORDS_SCHEMA {RECORDS_SCHEMA}, "
+                        f"got {batch.schema}; build it with records_to_batch")
+
+
+def _record(cols: dict[str, list[Any]], i: int) -> KafkaRecord:
+    return KafkaRecord(cols["topic"][i], cols["partition"][i], cols["offset"][i], cols["key"][i], cols["value"][i],
+                       cols["timestamp_ms"][i])
+
+
+def _utf8(values: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """Values as strings (invalid ones null) and the mask of invalid UTF-8 rows."""
+    try:
+        return values.cast(pa.string()), np.zeros(len(values), dtype=bool)
+    except pa.ArrowInvalid:
+        good = []
+        for v in values.to_pylist():
+            try:
+                good.append(v.decode("utf-8"))
+            except UnicodeDecodeError:
+                good.append(None)
+        strings = pa.array(good, pa.string())
+        return strings, strings.is_null().to_numpy(zero_copy_only=False)
+
+
+def _suspicious(strings: pa.Array) -> np.ndarray:
+    """Rows the two JSON readers might read differently (see the module docstring)."""
+    framed = pc.match_substring_regex(strings, _FRAMED)
+    return pc.invert(framed).fill_null(True).to_numpy(zero_copy_only=False)
+
+
+def _joined_lines(strings: pa.Array) -> pa.Buffer:
+    """The N strings as one buffer of newline-terminated lines, without a Python object per row."""
+    lines = pc.binary_join_element_wise(strings, pa.scalar("", pa.string()), "\n")
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset: lines.offset + len(lines) + 1]
+    return lines.buffers()[2][int(offsets[0]): int(offsets[-1])]
+
+
+def _decode(strings: pa.Array, rows: np.ndarray, slow: np.ndarray) -> list[tuple[np.ndarray, pl.DataFrame]]:
+    """Decode ``strings[rows]``; return (rows, frame) parts, marking in ``slow`` what must go to the reference."""
+    if len(rows) == 0:
+        return []
+    try:
+        table = pajson.read_json(pa.BufferReader(_joined_lines(strings.take(pa.array(rows)))),
+                                 read_options=_READ_OPTIONS, parse_options=_PARSE_OPTIONS)
+        ok = table.num_rows == len(rows)  # ``{..}{..}`` on one line reads as two rows
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        ok = False
+    if ok:
+        return [(rows, pl.from_arrow(table))]
+    if len(rows) <= LEAF_ROWS:
+        slow[rows] = True
+        return []
+    half = len(rows) // 2
+    return _decode(strings, rows[:half], slow) + _decode(strings, rows[half:], slow)
+
+
+def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:
+    if name in frame.columns:
+        return frame[name].cast(dtype)
+    return pl.Series(name, [None] * frame.height, dtype=dtype)
+
+
+def _to_us(ms_or_other: np.ndarray) -> np.ndarray:
+    """The unit rule of :func:`ingest.parse.event_time_to_us` on int64 values (overflow only in unused branches)."""
+    v = ms_or_other
+    with np.errstate(over="ignore"):
+        seconds = (v > -SECONDS_BELOW) & (v < SECONDS_BELOW)
+        millis = ~seconds & (v > -MILLIS_BELOW) & (v < MILLIS_BELOW)
+        return np.where(seconds, v * 1_000_000, np.where(millis, v * 1_000, v))
+
+
+def _validate(frame: pl.DataFrame, domains: frozenset[str], now_ms: int, skew_ms: int,
+              retention_ms: int | None) -> tuple[np.ndarray, dict[str, pl.Series]]:
+    """Good-row mask (G of the frame's rows) and the typed columns, the checks of parse_record in bulk."""
+    cols = {name: _column(frame, name, pl.String) for name in _STRING_FIELDS}
+    cols.update({name: _column(frame, name, pl.Int64) for name in _INT_FIELDS})
+    good = (cols["schema_version"].is_null() | (cols["schema_version"] == SCHEMA_VERSION)).fill_null(False)
+    for name in REQUIRED_FIELDS:
+        col = cols[name]
+        good &= col.is_not_null() & ((col != "") if col.dtype == pl.String else True)
+    for name in ("position", "age"):
+        col = cols[name]
+        good &= (col.is_null() | ((col >= _INT32[0]) & (col <= _INT32[1]))).fill_null(False)
+    good &= cols["event_type"].is_in(list(EVENT_TYPES)).fill_null(False)
+    good &= cols["domain"].is_in(sorted(domains)).fill_null(False)
+    good_np = good.fill_null(False).to_numpy().copy()
+    us = _to_us(cols["event_time_ms"].fill_null(0).to_numpy())
+    good_np &= (us >= MIN_EVENT_TIME_US) & (us <= MAX_EVENT_TIME_US)
+    good_np &= us <= (now_ms + skew_ms) * 1000
+    if retention_ms is not None:
+        good_np &= us >= (now_ms - retention_ms) * 1000
+    cols["event_time_us"] = pl.Series("event_time_us", us, dtype=pl.Int64)
+    return good_np, cols
+
+
+def _events_table(cols: dict[str, pl.Series], keep: np.ndarray, meta: pa.RecordBatch, rows: np.ndarray) -> pa.Table:
+    """EVENTS_TABLE_SCHEMA rows for the frame rows ``keep`` whose batch rows are ``rows[keep]``."""
+    take = pa.array(rows[keep])
+    mask = pl.Series(keep)
+    us = cols["event_time_us"].filter(mask).to_numpy()
+    ms = np.floor_divide(us, 1000)
+    days = np.floor_divide(ms, 86_400_000).astype("int32")
+    dates = pa.array(days, pa.date32()).cast(pa.string())
+    arrays: dict[str, pa.Array] = {}
+    for field in EVENTS_TABLE_SCHEMA:
+        name = field.name
+        if name == "event_time_ms":
+            arrays[name] = pa.array(ms, pa.int64())
+        elif name == "event_time_us":
+            arrays[name] = pa.array(us, pa.int64())
+        elif name == "schema_version":
+            arrays[name] = pa.array(np.full(len(us), SCHEMA_VERSION, dtype=np.int32))
+        elif name == "event_date":
+            arrays[name] = dates
+        elif name in cols:
+            arrays[name] = cols[name].filter(mask).to_arrow().cast(field.type)
+        else:
+            source = {"created_ts_ms": "timestamp_ms", "kafka_topic": "topic", "kafka_partition": "partition",
+                      "kafka_offset": "offset"}[name]
+            arrays[name] = meta.column(source).take(take)
+    return pa.Table.from_arrays([arrays[f.name] for f in EVENTS_TABLE_SCHEMA], schema=EVENTS_TABLE_SCHEMA)
+
+
+def parse_batch(
+    batch: pa.RecordBatch,
+    *,
+    domains: Iterable[str],
+    now_ms: int,
+    max_future_skew_ms: int,
+    retention_ms: int | None = None,
+) -> tuple[pa.Table, pa.Table]:
+    """Validate N Kafka messages at once; same rules, rows and reasons as :func:`ingest.parse.parse_record`.
+
+    Args:
+        batch: N messages, a RecordBatch of :data:`RECORDS_SCHEMA`.
+        domains, now_ms, max_future_skew_ms, retention_ms: as for ``parse_record`` (ms since epoch UTC, ms).
+
+    Returns:
+        ``(events, dead)``: G rows of ``EVENTS_TABLE_SCHEMA`` and N - G rows of ``DEAD_LETTER_SCHEMA``,
+        each in batch order; every message lands in exactly one.
+
+    Raises:
+        TypeError: ``batch`` is not of :data:`RECORDS_SCHEMA`.
+    """
+    _check_records(batch)
+    domain_set = frozenset(domains)
+    n = batch.num_rows
+    if n == 0:
+        return EVENTS_TABLE_SCHEMA.empty_table(), DEAD_LETTER_SCHEMA.empty_table()
+    strings, slow = _utf8(batch.column("value"))
+    slow |= _suspicious(strings)
+    parts = _decode(strings, np.flatnonzero(~slow), slow)
+
+    fast_tables, fast_index = [], []
+    for rows, frame in parts:
+        good, cols = _validate(frame, domain_set, now_ms, max_future_skew_ms, retention_ms)
+        slow[rows[~good]] = True
+        if good.any():
+            fast_tables.append(_events_table(cols, good, batch, rows))
+            fast_index.append(rows[good])
+
+    slow_rows = np.flatnonzero(slow)
+    meta = {name: batch.column(name).take(pa.array(slow_rows)).to_pylist() for name in RECORDS_SCHEMA.names}
+    ok_rows, ok_index, dead_rows = [], [], []
+    for j, i in enumerate(slow_rows):
+        kind, row = parse_record(_record(meta, j), domains=domain_set, now_ms=now_ms,
+                                 max_future_skew_ms=max_future_skew_ms, retention_ms=retention_ms)
+        if kind == "ok":
+            ok_rows.append(row)
+            ok_index.append(i)
+        else:
+            dead_rows.append(row)
+
+    events = pa.concat_tables(fast_tables + [pa.Table.from_pylist(ok_rows, schema=EVENTS_TABLE_SCHEMA)])
+    order = np.argsort(np.concatenate(fast_index + [np.asarray(ok_index, dtype=np.int64)]), kind="stable")
+    events = events.take(pa.array(order)) if events.num_rows else events
+    dead = pa.Table.from_pylist(dead_rows, schema=DEAD_LETTER_SCHEMA)
+    return events, dead
+
+
+class _BatchFn(beam.DoFn):
+    """Buffers KafkaRecords per (topic, partition) within a bundle; emits a batch per ``max_records``."""
+
+    def __init__(self, max_records: int) -> None:
+        self._max = max_records
+        self._buffers: dict[tuple[str, int], list[KafkaRecord]] = {}
+
+    def start_bundle(self) -> None:
+        self._buffers = {}
+
+    def process(self, element: Any) -> Iterator[pa.RecordBatch]:
+        if isinstance(element, pa.RecordBatch):
+            yield element
+            return
+        if not isinstance(element, KafkaRecord):
+            raise TypeError(f"BatchRecords: expected KafkaRecord or pyarrow.RecordBatch elements, "
+                            f"got {type(element).__name__}")
+        buf = self._buffers.setdefault((element.topic, element.partition), [])
+        buf.append(element)
+        if len(buf) >= self._max:
+            yield records_to_batch(sorted(buf, key=lambda r: r.offset))
+            buf.clear()
+
+    def finish_bundle(self) -> Iterator[beam.utils.windowed_value.WindowedValue]:
+        for buf in self._buffers.values():
+            if buf:
+                yield beam.utils.windowed_value.WindowedValue(
+                    records_to_batch(sorted(buf, key=lambda r: r.offset)), beam.utils.timestamp.MIN_TIMESTAMP,
+                    [beam.transforms.window.GlobalWindow()])
+        self._buffers = {}
+
+
+class BatchRecords(beam.PTransform):
+    """PCollection[KafkaRecord | RecordBatch] -> PCollection[RecordBatch of RECORDS_SCHEMA].
+
+    Records are grouped per (topic, partition) within a bundle, sorted by offset, at most
+    ``max_records`` per batch; RecordBatch elements (a source that already batches) pass through.
+
+    Raises:
+        ValueError: ``max_records < 1``.
+    """
+
+    def __init__(self, max_records: int = 10_000) -> None:
+        super().__init__()
+        if max_records < 1:
+            raise ValueError(f"BatchRecords: expected max_records >= 1, got {max_records}")
+        self._max = max_records
+
+    def expand(self, records: beam.PCollection) -> beam.PCollection:
+        return records | "Batch" >> beam.ParDo(_BatchFn(self._max))
+
+
+class _ParseBatchFn(beam.DoFn):
+    def __init__(self, domains: tuple[str, ...], now_ms: int, skew_ms: int, retention_ms: int | None) -> None:
+        self._args = dict(domains=domains, now_ms=now_ms, max_future_skew_ms=skew_ms, retention_ms=retention_ms)
+
+    def process(self, batch: pa.RecordBatch) -> Iterator[Any]:
+        events, dead = parse_batch(batch, **self._args)
+        if events.num_rows:
+            yield events
+        if dead.num_rows:
+            yield beam.pvalue.TaggedOutput(DEAD_LETTER, dead)
+
+
+class ParseBatches(beam.PTransform):
+    """PCollection[RecordBatch] -> tagged ``good`` (events pa.Table) and ``dead_letter`` (pa.Table) outputs.
+
+    The batch twin of :class:`ingest.parse.ParseEvents` (same arguments, same rules; see :func:`parse_batch`).
+
+    Raises:
+        ValueError: no domains, a negative skew or retention.
+    """
+
+    def __init__(self, domains: Iterable[str], now_ms: int, max_future_skew_ms: int,
+                 retention_ms: int | None = None) -> None:
+        super().__init__()
+        self._domains = tuple(domains)
+        if not self._domains:
+            raise ValueError("ParseBatches: expected at least one domain, got none")
+        if max_future_skew_ms < 0:
+            raise ValueError(f"ParseBatches: expected max_future_skew_ms >= 0, got {max_future_skew_ms}")
+        if retention_ms is not None and retention_ms < 0:
+            raise ValueError(f"ParseBatches: expected retention_ms >= 0 or None, got {retention_ms}")
+        self._fn = _ParseBatchFn(self._domains, int(now_ms), int(max_future_skew_ms), retention_ms)
+
+    def expand(self, batches: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
+        return batches | "ParseBatch" >> beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main=GOOD)

@@ -1,0 +1,214 @@
+"""parse_batch against its reference twin parse_record: same rows, same reasons, on cases and hypothesis batches."""
+
+from __future__ import annotations
+
+import json
+
+import apache_beam as beam
+import pyarrow as pa
+import pytest
+from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.kafka_source import KafkaRecord
+from ingest.parse import DEAD_LETTER, GOOD, REASONS, parse_record
+from ingest.schema import DEAD_LETTER_SCHEMA, EVENT_TYPES, EVENTS_TABLE_SCHEMA
+from ingest.vectorized import LEAF_ROWS, BatchRecords, ParseBatches, parse_batch, records_to_batch
+
+NOW_MS = 1_700_000_000_000
+SKEW_MS = 60_000
+RETENTION_MS = 30 * 86_400_000
+DOMAINS = ("facebook", "instagram")
+_DROP = object()
+
+
+def _obj(i: int = 0, **over) -> dict:
+    base = {"event_id": f"e{i}", "event_time_ms": NOW_MS - 1000 * i, "user_id": f"u{i % 3}", "item_id": f"i{i}",
+            "domain": DOMAINS[i % 2], "event_type": EVENT_TYPES[i % 4], "category": "c", "position": i, "age": None,
+            "schema_version": 1}
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not _DROP}
+
+
+def _j(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _records(values: list[bytes]) -> list[KafkaRecord]:
+    return [KafkaRecord("t", i % 3, 100 + i, None if i % 2 else b"k", v, NOW_MS + i) for i, v in enumerate(values)]
+
+
+def _reference(records: list[KafkaRecord]) -> tuple[list[dict], list[dict]]:
+    good, dead = [], []
+    for rec in records:
+        kind, row = parse_record(rec, domains=DOMAINS, now_ms=NOW_MS, max_future_skew_ms=SKEW_MS,
+                                 retention_ms=RETENTION_MS)
+        (good if kind == "ok" else dead).append(row)
+    return good, dead
+
+
+def _vectorized(records: list[KafkaRecord]) -> tuple[list[dict], list[dict]]:
+    events, dead = parse_batch(records_to_batch(records), domains=DOMAINS, now_ms=NOW_MS, max_future_skew_ms=SKEW_MS,
+                               retention_ms=RETENTION_MS)
+    assert events.schema == EVENTS_TABLE_SCHEMA and dead.schema == DEAD_LETTER_SCHEMA
+    return events.to_pylist(), dead.to_pylist()
+
+
+def _check_twins(values: list[bytes]) -> tuple[list[dict], list[dict]]:
+    records = _records(values)
+    good, dead = _vectorized(records)
+    ref_good, ref_dead = _reference(records)
+    assert good == ref_good
+    assert dead == ref_dead
+    assert len(good) + len(dead) == len(values)
+    return good, dead
+
+
+BAD_CASES = [
+    # (reason, value): one bad message among good ones
+    ("not_json", b"{oops"),
+    ("not_json", b""),
+    ("not_json", b"\xff\xfe{}"),
+    ("not_json", b'{"event_id": "x"} trailing'),
+    ("not_json", b"{\"event_id\": 1,}"),
+    ("missing_field", b"{\"event_id\": NaN}"),  # Python json reads NaN; polars cannot
+    ("not_object", b"[1, 2]"),
+    ("not_object", b"null"),
+    ("unsupported_schema_version", _j(_obj(schema_version=2))),
+    ("unsupported_schema_version", _j(_obj(schema_version=True))),
+    ("missing_field", _j(_obj(event_id=_DROP))),
+    ("missing_field", _j(_obj(user_id=None))),
+    ("missing_field", _j(_obj(item_id=""))),
+    ("wrong_type", _j(_obj(event_time_ms="not a time"))),
+    ("wrong_type", _j(_obj(event_time_ms=1.7e12))),
+    ("wrong_type", _j(_obj(event_time_ms=True))),
+    ("wrong_type", _j(_obj(event_time_ms=2**62))),
+    ("wrong_type", _j(_obj(event_time_ms=2**64))),
+    ("wrong_type", _j(_obj(user_id=17))),
+    ("wrong_type", _j(_obj(domain=["facebook"]))),
+    ("wrong_type", _j(_obj(category={"a": 1}))),
+    ("wrong_type", _j(_obj(position=False))),
+    ("wrong_type", _j(_obj(position=2**31))),
+    ("wrong_type", _j(_obj(age="33"))),
+    ("unknown_event_type", _j(_obj(event_type="purchase"))),
+    ("unknown_domain", _j(_obj(domain="tiktok"))),
+    ("future_event_time", _j(_obj(event_time_ms=NOW_MS + SKEW_MS + 1))),
+    ("future_event_time", _j(_obj(event_time_ms=(NOW_MS + SKEW_MS) * 1000 + 1))),
+    ("expired_event_time", _j(_obj(event_time_ms=NOW_MS - RETENTION_MS - 1))),
+    ("expired_event_time", _j(_obj(event_time_ms="2000-01-01T00:00:00+05:00"))),
+]
+
+
+@pytest.mark.parametrize(("reason", "value"), BAD_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CASES)])
+def test_bad_message_reason_and_good_rows_kept(reason, value):
+    goods = [_j(_obj(i)) for i in range(6)]
+    good, dead = _check_twins(goods[:3] + [value] + goods[3:])
+    assert [(d["reason"], d["kafka_offset"], d["raw"]) for d in dead] == [(reason, 103, value)]
+    assert [g["event_id"] for g in good] == [f"e{i}" for i in range(6)]
+
+
+def test_every_reason_has_a_batch_case():
+    assert {c[0] for c in BAD_CASES} == set(REASONS)
+
+
+@pytest.mark.parametrize(
+    ("value", "us"),
+    [
+        (_j(_obj(event_time_ms=1_699_999_999)), 1_699_999_999_000_000),  # seconds
+        (_j(_obj(event_time_ms=1_699_999_999_123)), 1_699_999_999_123_000),  # ms
+        (_j(_obj(event_time_ms=1_699_999_999_123_456)), 1_699_999_999_123_456),  # us
+        (_j(_obj(event_time_ms="2023-11-14T22:13:19.5Z")), 1_699_999_999_500_000),
+        (_j(_obj(event_time_ms="2023-11-14T23:13:19.5+01:00")), 1_699_999_999_500_000),
+        (_j(_obj(event_time_ms="2023-11-14T22:13:19.5")), 1_699_999_999_500_000),  # naive = UTC
+    ],
+)
+def test_time_units_normalised(value, us):
+    good, dead = _check_twins([value, _j(_obj(1))])
+    assert not dead
+    assert (good[0]["event_time_us"], good[0]["event_time_ms"], good[0]["event_date"]) == (us, us // 1000, "2023-11-14")
+
+
+def test_hand_checked_batch_rows():
+    good, dead = _check_twins([_j(_obj(0, position=3, age=41, gender="f", extra={"x": [1]})), b"{"])
+    assert good == [{
+        "event_id": "e0", "event_time_ms": NOW_MS, "user_id": "u0", "item_id": "i0", "domain": "facebook",
+        "event_type": "impression", "category": "c", "position": 3, "ad_format": None, "age": 41, "gender": "f",
+        "location": None, "schema_version": 1, "created_ts_ms": NOW_MS, "event_date": "2023-11-14",
+        "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": 100, "event_time_us": NOW_MS * 1000,
+    }]
+    assert [d["reason"] for d in dead] == ["not_json"]
+
+
+def test_empty_batch_and_wrong_schema():
+    events, dead = parse_batch(records_to_batch([]), domains=DOMAINS, now_ms=NOW_MS, max_future_skew_ms=0)
+    assert events.num_rows == 0 and dead.num_rows == 0
+    with pytest.raises(TypeError, match="RECORDS_SCHEMA"):
+        parse_batch(pa.record_batch({"value": [b"{}"]}), domains=DOMAINS, now_ms=NOW_MS, max_future_skew_ms=0)
+
+
+def test_large_batch_with_scattered_bad_rows_bisects_to_the_same_answer():
+    values = [_j(_obj(i)) for i in range(10 * LEAF_ROWS)]
+    for i in range(0, len(values), 37):
+        values[i] = _j(_obj(i, event_time_ms=1.5))  # a float time makes polars decode the chunk as Float64
+    good, dead = _check_twins(values)
+    assert len(dead) == len(range(0, len(values), 37))
+
+
+_scalar = st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats(allow_nan=False) | st.text(max_size=6)
+_field_value = {
+    "event_id": st.text(max_size=4) | _scalar,
+    "event_time_ms": st.integers(-(2**63), 2**63) | st.integers(10**11, NOW_MS + 2 * SKEW_MS) | _scalar
+    | st.datetimes().map(lambda d: d.isoformat()),
+    "user_id": st.text(min_size=1, max_size=4),
+    "item_id": st.text(max_size=4) | _scalar,
+    "domain": st.sampled_from(DOMAINS + ("tiktok",)) | _scalar,
+    "event_type": st.sampled_from(EVENT_TYPES + ("x",)),
+    "position": st.integers(-(2**32), 2**32) | _scalar,
+    "age": st.none() | st.integers(0, 130),
+    "schema_version": st.sampled_from([1, 2]) | _scalar,
+    "gender": st.none() | st.text(max_size=3),
+}
+_message = st.fixed_dictionaries({}, optional=_field_value).map(_j)
+_valid = st.builds(lambda i, t: _j(_obj(i, event_time_ms=t)), st.integers(0, 50), st.integers(10**11, NOW_MS))
+_garbage = st.binary(max_size=24) | st.text(max_size=24).map(str.encode)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(_valid | _message | _garbage, max_size=80))
+def test_twins_agree_on_any_batch(values):
+    _check_twins(values)
+
+
+def test_batch_records_and_parse_batches_in_a_pipeline():
+    values = [_j(_obj(i)) for i in range(5)] + [b"nope", _j(_obj(9, domain="tiktok"))]
+    records = _records(values)
+    with test_pipeline.TestPipeline() as p:
+        batches = (p | "Records" >> beam.Create(records[:4])
+                   | "Batch" >> BatchRecords(max_records=2))
+        ready = p | "Ready" >> beam.Create([records_to_batch(records[4:])])  # a batch passes through untouched
+        out = ((batches, ready | "Pass" >> BatchRecords()) | beam.Flatten()
+               | ParseBatches(DOMAINS, NOW_MS, SKEW_MS, RETENTION_MS))
+        good = out[GOOD] | "GoodRows" >> beam.FlatMap(lambda t: [(r["event_id"], r["kafka_offset"]) for r in t.to_pylist()])
+        dead = out[DEAD_LETTER] | "DeadRows" >> beam.FlatMap(lambda t: [(r["reason"], r["kafka_offset"]) for r in t.to_pylist()])
+        assert_that(good, equal_to([(f"e{i}", 100 + i) for i in range(5)]), label="CheckGood")
+        assert_that(dead, equal_to([("not_json", 105), ("unknown_domain", 106)]), label="CheckDead")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(domains=(), now_ms=0, max_future_skew_ms=0), "at least one domain"),
+    (dict(domains=DOMAINS, now_ms=0, max_future_skew_ms=-1), "max_future_skew_ms >= 0"),
+    (dict(domains=DOMAINS, now_ms=0, max_future_skew_ms=0, retention_ms=-5), "retention_ms >= 0"),
+])
+def test_parse_batches_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParseBatches(**kwargs)
+
+
+def test_batch_records_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_records >= 1"):
+        BatchRecords(0)
+    with pytest.raises(Exception, match="expected KafkaRecord or pyarrow.RecordBatch"):
+        with test_pipeline.TestPipeline() as p:
+            _ = p | beam.Create([{"value": b"{}"}]) | BatchRecords()
