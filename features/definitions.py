@@ -23,7 +23,7 @@ Shape letters: n events of one entity, Q query times.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,13 +66,19 @@ class CounterIndex:
         ValueError: lengths differ or times are not ascending.
     """
 
-    def __init__(self, times_ms: Sequence[int], event_types: Sequence[str]) -> None:
+    def __init__(
+        self, times_ms: Sequence[int], event_types: Sequence[str], created_ms: Sequence[int] | None = None
+    ) -> None:
         if len(times_ms) != len(event_types):
             raise ValueError(f"times_ms has {len(times_ms)} entries but event_types has {len(event_types)}")
         self.times_ms = np.asarray(times_ms, dtype=np.int64)
         if self.times_ms.size and np.any(np.diff(self.times_ms) < 0):
             raise ValueError("times_ms must be ascending; sort the events by (event_time_ms, event_id) first")
         types = np.asarray(event_types, dtype=object)
+        self._types = types
+        self.created_ms = None if created_ms is None else np.asarray(created_ms, dtype=np.int64)
+        if self.created_ms is not None and self.created_ms.shape != self.times_ms.shape:
+            raise ValueError(f"created_ms has {self.created_ms.size} entries but times_ms has {self.times_ms.size}")
         # prefix[k][i] = number of events of kind k among the first i events; shape (n + 1,).
         self._prefix = {
             name: np.concatenate([[0], np.cumsum(types == event_type)]).astype(np.int64)
@@ -87,18 +93,47 @@ class CounterIndex:
             return end
         return end - prefix[np.searchsorted(self.times_ms, query_ms - window_ms, side="left")]
 
-    def as_of(self, query_ms: Sequence[int] | np.ndarray, *, a: float, b: float) -> dict[str, np.ndarray]:
+    def _masked_counts(self, name: str, t_ms: int, c_ms: int, window_ms: int | None) -> int:
+        keep = (self.times_ms < t_ms) & (self.created_ms <= c_ms) & (self._types == COUNTED_TYPES[name])
+        if window_ms is not None:
+            keep &= self.times_ms >= t_ms - window_ms
+        return int(keep.sum())
+
+    def as_of(
+        self,
+        query_ms: Sequence[int] | np.ndarray,
+        *,
+        a: float,
+        b: float,
+        query_created_ms: Sequence[int] | np.ndarray | None = None,
+        prior_counts: Mapping[str, int] | None = None,
+    ) -> dict[str, np.ndarray]:
         """All :data:`COUNTER_NAMES` as of each query time: ``{name: (Q,) float64}``.
 
         Args:
             query_ms: (Q,) query times, ms since epoch UTC, any order.
             a, b: CTR prior (see the module docstring).
+            query_created_ms: (Q,) append times of the queries; when given (and the index has
+                ``created_ms``), an event counts only if also appended at or before it (point in
+                time against backfills).
+            prior_counts: ``{"impressions"|"clicks"|"conversions": n}`` of older events no longer
+                held (the build state's evicted counts), added to the all-time counters.
         """
         query = np.asarray(query_ms, dtype=np.int64)
         out: dict[str, np.ndarray] = {}
+        slow = np.zeros(query.size, dtype=bool)
+        if query_created_ms is not None and self.created_ms is not None and self.times_ms.size:
+            q_c = np.asarray(query_created_ms, dtype=np.int64)
+            prefix_max = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(self.created_ms)])
+            slow = prefix_max[np.searchsorted(self.times_ms, query, side="left")] > q_c
         for window, window_ms in WINDOWS_MS.items():
             for name in COUNTED_TYPES:
-                out[f"{name}_{window}"] = self.counts(name, query, window_ms).astype(np.float64)
+                counts = self.counts(name, query, window_ms)
+                for i in np.flatnonzero(slow):
+                    counts[i] = self._masked_counts(name, int(query[i]), int(q_c[i]), window_ms)
+                if window_ms is None and prior_counts:
+                    counts = counts + int(prior_counts.get(name, 0))
+                out[f"{name}_{window}"] = counts.astype(np.float64)
             out[f"ctr_{window}"] = smoothed_ctr(out[f"clicks_{window}"], out[f"impressions_{window}"], a, b)
         return out
 
@@ -127,6 +162,8 @@ class FeatureView:
     """How long a row stays valid for online lookup after its event time; None: forever."""
     schema: pa.Schema
     """Typed columns of the table."""
+    partition_by: tuple[str, ...] = ("domain", "event_date")
+    """Delta partition columns."""
 
 
 def _counter_fields() -> list[pa.Field]:
@@ -140,6 +177,7 @@ _TIME_FIELDS = [
     pa.field("as_of_ms", pa.int64(), nullable=False),  # counters include events with time <= as_of_ms
     pa.field("event_ts_ms", pa.int64(), nullable=False),
     pa.field("created_ts_ms", pa.int64(), nullable=False),
+    pa.field("event_date", pa.string(), nullable=False),  # YYYY-MM-DD (UTC) of event_ts_ms; partition column
 ]
 
 USER_FEATURES = FeatureView(
@@ -161,7 +199,7 @@ USER_FEATURES = FeatureView(
         ]
     ),
 )
-"""Per (user_id, domain) counters plus the user's static attributes."""
+"""Per (user_id, domain) counters plus the user's static attributes (latest non-null within the TTL)."""
 
 ITEM_FEATURES = FeatureView(
     name="features/item",
@@ -180,3 +218,24 @@ ITEM_FEATURES = FeatureView(
     ),
 )
 """Per (item_id, domain) counters plus the item's latest category."""
+
+USER_CATEGORY_FEATURES = FeatureView(
+    name="features/user_category",
+    entity_keys=("user_id", "domain", "category"),
+    timestamp_field="event_ts_ms",
+    created_timestamp_field="created_ts_ms",
+    ttl_ms=30 * DAY_MS,
+    schema=pa.schema(
+        [
+            pa.field("user_id", pa.string(), nullable=False),
+            pa.field("domain", pa.string(), nullable=False),
+            pa.field("category", pa.string(), nullable=False),
+            *_TIME_FIELDS,
+            *_counter_fields(),
+        ]
+    ),
+)
+"""Per (user_id, domain, category) counters (events without a category are not counted here)."""
+
+FEATURE_VIEWS: tuple[FeatureView, ...] = (USER_FEATURES, ITEM_FEATURES, USER_CATEGORY_FEATURES)
+"""Every feature table the build writes."""

@@ -90,7 +90,7 @@ def run_demo(
     reports["events"] = _quality_line(console, events_quality)
 
     console.rule("build (Beam): sequences, features, examples")
-    built = run_build(config, beam_args=beam_args)
+    built = run_build(config, beam_args=beam_args, final=True)  # a bounded replay: close every window
     summary["examples"] = built.num_examples
     summary["seq_len_p50"] = built.seq_length_p50
     summary["seq_len_p99"] = built.seq_length_p99

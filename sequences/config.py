@@ -21,8 +21,25 @@ class BuildConfig:
     """Smoothed CTR pseudo-clicks a in (clicks + a) / (impressions + a + b)."""
     ctr_prior_non_clicks: float = 1.0
     """Smoothed CTR pseudo-non-clicks b in (clicks + a) / (impressions + a + b)."""
+    window_overrides: tuple[str, ...] = ()
+    """Per-domain attribution windows, ``"DOMAIN:click|conversion:MS"`` entries (others: the defaults)."""
+    max_same_domain_seq_len: int | None = None
+    """Newest N kept of the example's-domain-only sequence; None: ``max_seq_len``."""
+    state_lookback_ms: int = 30 * MS_PER_DAY
+    """How far behind the watermark raw events stay in the build state (ms); >= every window and TTL."""
 
     def __post_init__(self) -> None:
+        for entry in self.window_overrides:
+            _parse_override(entry)
+        if self.max_same_domain_seq_len is not None and self.max_same_domain_seq_len < 1:
+            raise ValueError(f"build.max_same_domain_seq_len must be >= 1 or None, got {self.max_same_domain_seq_len}")
+        longest = max([self.click_window_ms, self.conversion_window_ms, 7 * MS_PER_DAY]
+                      + [_parse_override(e)[2] for e in self.window_overrides])
+        if self.state_lookback_ms < longest:
+            raise ValueError(
+                f"build.state_lookback_ms must be >= the longest attribution or feature window ({longest} ms), "
+                f"got {self.state_lookback_ms}; raise it so pending impressions and 7 d counters stay in the state"
+            )
         if self.max_seq_len < 1:
             raise ValueError(f"build.max_seq_len must be >= 1, got {self.max_seq_len}")
         for name in ("click_window_ms", "conversion_window_ms"):
@@ -37,3 +54,35 @@ class BuildConfig:
                 "build.ctr_prior_clicks + build.ctr_prior_non_clicks must be > 0 "
                 f"(else the CTR of an unseen entity is 0/0), got {self.ctr_prior_clicks} + {self.ctr_prior_non_clicks}"
             )
+
+    @property
+    def same_domain_seq_len(self) -> int:
+        """N of the same-domain sequence (``max_same_domain_seq_len`` or ``max_seq_len``)."""
+        return self.max_seq_len if self.max_same_domain_seq_len is None else self.max_same_domain_seq_len
+
+    def window_ms(self, domain: str, label: str) -> int:
+        """Attribution window (ms) of ``label`` ("click" or "conversion") after an impression in ``domain``."""
+        for entry in self.window_overrides:
+            o_domain, o_label, ms = _parse_override(entry)
+            if (o_domain, o_label) == (domain, label):
+                return ms
+        return self.click_window_ms if label == "click" else self.conversion_window_ms
+
+    def close_delay_ms(self, domain: str) -> int:
+        """How long after an impression in ``domain`` its labels are final: the longest of its windows."""
+        return max(self.window_ms(domain, "click"), self.window_ms(domain, "conversion"))
+
+
+def _parse_override(entry: str) -> tuple[str, str, int]:
+    parts = entry.split(":")
+    if len(parts) != 3 or parts[1] not in ("click", "conversion") or not parts[0]:
+        raise ValueError(
+            f"build.window_overrides entries must look like 'DOMAIN:click:MS' or 'DOMAIN:conversion:MS', got {entry!r}"
+        )
+    try:
+        ms = int(parts[2])
+    except ValueError:
+        raise ValueError(f"build.window_overrides {entry!r}: window must be an integer of ms, got {parts[2]!r}") from None
+    if ms <= 0:
+        raise ValueError(f"build.window_overrides {entry!r}: window must be > 0 ms, got {ms}")
+    return parts[0], parts[1], ms

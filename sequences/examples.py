@@ -39,8 +39,8 @@ import pyarrow as pa
 from features.definitions import CounterIndex
 from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
-from sequences.history import Event, Timeline, sorted_unique_events
-from sequences.labels import label_impressions
+from sequences.history import Event, point_in_time_gather, sorted_unique_events
+from sequences.labels import CLICK, CONVERSION, _first_in_window
 from sequences.schema import EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
 
 USER_DENSE: dict[str, str] = {
@@ -85,27 +85,52 @@ def _as_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def _impressions_by_domain(events: list[Event]) -> dict[str, list[Event]]:
-    by_domain: dict[str, list[Event]] = defaultdict(list)
-    for event in events:
-        if event["event_type"] in IMPRESSION_TYPES:
-            by_domain[event["domain"]].append(event)
-    return by_domain
+LABEL_COLUMNS: tuple[str, ...] = (
+    "label_click", "label_conversion", "click_latency_ms", "conversion_latency_ms", "label_window_closed",
+    "published_watermark_ms",
+)
+"""Columns filled at publication (the rest are fixed when the impression is first seen)."""
+
+PENDING_SCHEMA = pa.schema([f for f in EXAMPLES_SCHEMA if f.name not in LABEL_COLUMNS])
+"""An example waiting for its attribution windows to close: everything but the labels."""
+
+_CONTEXT_FIELDS = ("event_id", "event_time_ms", "created_ts_ms", "user_id", "item_id", "domain", "event_type",
+                   "category")
+
+
+def _created(event: Event) -> int:
+    value = event.get("created_ts_ms")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(
+            f"event {event.get('event_id')!r}: created_ts_ms must be an int (Kafka append time, ms since epoch "
+            f"UTC), got {value!r}; events rows need EVENTS_TABLE_SCHEMA's created_ts_ms"
+        )
+    return value
 
 
 def _dense_per_impression(
-    events: list[Event], mapping: Mapping[str, str], config: BuildConfig
+    events: list[Event],
+    impressions: list[Event],
+    mapping: Mapping[str, str],
+    config: BuildConfig,
+    prior_counts: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """``{impression event_id: {f_name: value}}``; counters per domain over sorted ``events``."""
+    """``{impression event_id: {f_name: value}}``: counters per domain over sorted ``events`` as of
+    each impression (event time < t and appended at or before the impression)."""
     out: dict[str, dict[str, float]] = {}
-    impressions = _impressions_by_domain(events)
-    for domain, domain_impressions in impressions.items():
+    by_domain: dict[str, list[Event]] = defaultdict(list)
+    for event in impressions:
+        by_domain[event["domain"]].append(event)
+    for domain, domain_impressions in by_domain.items():
         in_domain = [e for e in events if e["domain"] == domain]
-        index = CounterIndex([e["event_time_ms"] for e in in_domain], [e["event_type"] for e in in_domain])
+        index = CounterIndex([e["event_time_ms"] for e in in_domain], [e["event_type"] for e in in_domain],
+                             [_created(e) for e in in_domain])
         values = index.as_of(
             np.fromiter((e["event_time_ms"] for e in domain_impressions), dtype=np.int64, count=len(domain_impressions)),
             a=config.ctr_prior_clicks,
             b=config.ctr_prior_non_clicks,
+            query_created_ms=[_created(e) for e in domain_impressions],
+            prior_counts=(prior_counts or {}).get((domain, "")),
         )
         columns = {f_name: values[counter].tolist() for f_name, counter in mapping.items()}
         for i, event in enumerate(domain_impressions):
@@ -113,24 +138,177 @@ def _dense_per_impression(
     return out
 
 
-def item_features(item_events: Iterable[Event], config: BuildConfig) -> list[tuple[str, str, dict[str, float]]]:
-    """Item counters (:data:`ITEM_DENSE`) as of each impression of one item.
+def item_features(
+    item_events: Iterable[Event],
+    config: BuildConfig,
+    prior_counts: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
+) -> list[tuple[str, str, dict[str, float]]]:
+    """Item counters (:data:`ITEM_DENSE`) as of each impression of one item (point in time).
 
     Args:
         item_events: every user's events on one item_id (any domains, any order, duplicates ok).
+        prior_counts: ``{(domain, ""): {"impressions": n, ...}}`` evicted from the build state,
+            added to the all-time counters.
 
     Returns:
         ``[(user_id, example_id, {f_item_*: float})]``, one per impression, keyed for the join
         with the impression's user.
     """
     events = sorted_unique_events(item_events)
-    dense = _dense_per_impression(events, ITEM_DENSE, config)
-    return [(e["user_id"], e["event_id"], dense[e["event_id"]]) for e in events if e["event_id"] in dense]
+    impressions = [e for e in events if e["event_type"] in IMPRESSION_TYPES]
+    dense = _dense_per_impression(events, impressions, ITEM_DENSE, config, prior_counts)
+    return [(e["user_id"], e["event_id"], dense[e["event_id"]]) for e in impressions]
 
 
 def _list_column(values: pa.Array, offsets: np.ndarray, index: np.ndarray, list_type: pa.DataType) -> pa.Array:
     """list<T> column whose row i is ``values[index[offsets[i]:offsets[i+1]]]``."""
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values.take(pa.array(index)), type=list_type)
+
+
+def _gather(candidates: list[Event], impressions: list[Event], max_len: int, prior_cut: np.ndarray,
+            prefix: str) -> dict[str, Any]:
+    """Sequence columns (``seq_*`` or ``seq_same_domain_*``) of Q impressions from sorted candidates."""
+    times = np.fromiter((e["event_time_ms"] for e in candidates), dtype=np.int64, count=len(candidates))
+    created = np.fromiter((_created(e) for e in candidates), dtype=np.int64, count=len(candidates))
+    q_t = np.fromiter((e["event_time_ms"] for e in impressions), dtype=np.int64, count=len(impressions))
+    q_c = np.fromiter((_created(e) for e in impressions), dtype=np.int64, count=len(impressions))
+    index, lengths, visible = point_in_time_gather(times, created, q_t, q_c, max_len)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    list_str = pa.list_(pa.string())
+    list_i64 = pa.list_(pa.int64())
+    out: dict[str, Any] = {}
+    for name, values in (("item_ids", [e["item_id"] for e in candidates]),
+                         ("categories", [e.get("category") or "" for e in candidates]),
+                         ("event_types", [e["event_type"] for e in candidates]),
+                         ("domains", [e["domain"] for e in candidates])):
+        if prefix == "seq_same_domain_" and name == "domains":
+            continue
+        out[f"{prefix}{name}"] = _list_column(pa.array(values, pa.string()), offsets, index, list_str)
+    out[f"{prefix}event_time_ms"] = _list_column(pa.array(times, pa.int64()), offsets, index, list_i64)
+    deltas = np.repeat(q_t, lengths) - times[index]
+    out[f"{prefix}time_delta_ms"] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()),
+                                                             pa.array(deltas, pa.int64()), type=list_i64)
+    out[f"{prefix}length"] = lengths
+    out[f"{prefix}truncated"] = prior_cut + visible - lengths
+    return out
+
+
+def _take_rows(columns: dict[str, Any], order: np.ndarray) -> dict[str, Any]:
+    return {k: (v.take(pa.array(order)) if isinstance(v, pa.Array) else np.asarray(v)[order]) for k, v in columns.items()}
+
+
+def pending_examples(
+    *,
+    fresh_impressions: list[Event],
+    cross_candidates: list[Event],
+    cross_prior_cut: int,
+    domain_candidates: Mapping[str, list[Event]],
+    domain_prior_cut: Mapping[str, int],
+    counter_events: list[Event],
+    prior_counts: Mapping[tuple[str, str], Mapping[str, int]] | None,
+    item_dense: Mapping[str, Mapping[str, float]],
+    config: BuildConfig,
+) -> pa.Table:
+    """Point-in-time sequence and features of one user's new impressions (:data:`PENDING_SCHEMA`).
+
+    Every sequence element and counter input of an impression at time t appended at c has event
+    time < t and append time <= c. Rows follow the impressions' (event_time_ms, event_id).
+
+    Args:
+        fresh_impressions: the user's impressions first seen in this build, sorted.
+        cross_candidates: sorted, unique events the cross-domain sequence is cut from (the stored
+            sequence plus the new events); ``cross_prior_cut`` older events were already cut.
+        domain_candidates / domain_prior_cut: the same per domain.
+        counter_events: sorted, unique events (the buffer plus the new events) for the user counters;
+            ``prior_counts`` ``{(domain, ""): counts}`` adds the evicted ones to all-time counters.
+        item_dense: ``{example_id: {f_item_*: float}}`` from :func:`item_features`.
+
+    Raises:
+        ValueError: an impression has no entry in ``item_dense``, or an event lacks created_ts_ms.
+    """
+    impressions = fresh_impressions
+    if not impressions:
+        return PENDING_SCHEMA.empty_table()
+    missing = [e["event_id"] for e in impressions if e["event_id"] not in item_dense]
+    if missing:
+        raise ValueError(
+            f"no item features for impressions {missing[:3]!r} ({len(missing)} in all); "
+            "item_dense must come from item_features over the same events"
+        )
+    user_dense = _dense_per_impression(counter_events, impressions, USER_DENSE, config, prior_counts)
+    columns: dict[str, Any] = _gather(cross_candidates, impressions, config.max_seq_len,
+                                      np.full(len(impressions), cross_prior_cut, dtype=np.int64), "seq_")
+    # Same-domain sequences are gathered per domain, then put back in impression order.
+    same: dict[str, list[Any]] = {}
+    positions: list[int] = []
+    parts: list[dict[str, Any]] = []
+    for domain in sorted({e["domain"] for e in impressions}):
+        rows = [i for i, e in enumerate(impressions) if e["domain"] == domain]
+        group = [impressions[i] for i in rows]
+        parts.append(_gather(domain_candidates.get(domain, []), group, config.same_domain_seq_len,
+                             np.full(len(group), domain_prior_cut.get(domain, 0), dtype=np.int64), "seq_same_domain_"))
+        positions += rows
+    order = np.argsort(np.asarray(positions, dtype=np.int64), kind="stable")
+    for name in parts[0]:
+        merged = (pa.concat_arrays([p[name] for p in parts]) if isinstance(parts[0][name], pa.Array)
+                  else np.concatenate([p[name] for p in parts]))
+        same[name] = merged
+    columns.update(_take_rows(same, order))
+
+    dates: dict[int, str] = {}
+    ids = [e["event_id"] for e in impressions]
+    times = [e["event_time_ms"] for e in impressions]
+    columns.update({
+        "example_id": ids,
+        "event_time_ms": times,
+        "event_date": [_utc_date(int(t), dates) for t in times],
+        "created_ts_ms": [_created(e) for e in impressions],
+        **{name: [_as_str(e.get(name)) for e in impressions] for name in SPARSE_FEATURES},
+    })
+    for name in USER_DENSE:
+        columns[name] = [user_dense[i][name] for i in ids]
+    for name in ITEM_DENSE:
+        columns[name] = [item_dense[i][name] for i in ids]
+    columns["f_seq_length"] = np.asarray(columns["seq_length"], dtype=np.float64)
+    arrays = [columns[f.name] if isinstance(columns[f.name], pa.Array) else pa.array(columns[f.name], f.type)
+              for f in PENDING_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
+
+
+def attach_labels(
+    pending: pa.Table, events: list[Event], config: BuildConfig, watermark_ms: int, close_ms: int
+) -> pa.Table:
+    """Publish pending examples: join click and conversion labels by event time (:mod:`sequences.labels`,
+    windows per domain from ``config.window_ms``) and return a table of :data:`EXAMPLES_SCHEMA`.
+
+    Args:
+        pending: rows of :data:`PENDING_SCHEMA` of one user.
+        events: that user's sorted, unique events covering every label window of ``pending``.
+        watermark_ms: newest event time of the snapshot; ``label_window_closed`` is
+            ``t + longest window <= watermark_ms`` (False only for windows closed by ``final``).
+        close_ms: windows are treated as closed up to here (``published_watermark_ms``).
+    """
+    label_times: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for event in events:
+        if event["event_type"] in (CLICK, CONVERSION):
+            label_times[(event["event_type"], event["item_id"], event["domain"])].append(event["event_time_ms"])
+    for times in label_times.values():
+        times.sort()
+    cols = {name: [] for name in LABEL_COLUMNS}
+    for t, item, domain in zip(pending.column("event_time_ms").to_pylist(), pending.column("item_id").to_pylist(),
+                               pending.column("domain").to_pylist(), strict=True):
+        click = _first_in_window(label_times.get((CLICK, item, domain), []), t, config.window_ms(domain, CLICK))
+        conversion = _first_in_window(label_times.get((CONVERSION, item, domain), []), t,
+                                      config.window_ms(domain, CONVERSION))
+        cols["label_click"].append(int(click is not None))
+        cols["label_conversion"].append(int(conversion is not None))
+        cols["click_latency_ms"].append(click)
+        cols["conversion_latency_ms"].append(conversion)
+        cols["label_window_closed"].append(t + config.close_delay_ms(domain) <= watermark_ms)
+        cols["published_watermark_ms"].append(close_ms)
+    arrays = [pending.column(f.name) if f.name in PENDING_SCHEMA.names else pa.array(cols[f.name], f.type)
+              for f in EXAMPLES_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=EXAMPLES_SCHEMA)
 
 
 def assemble_examples(
@@ -139,12 +317,11 @@ def assemble_examples(
     config: BuildConfig,
     watermark_ms: int,
 ) -> pa.Table:
-    """The ``examples`` rows (a table of exactly :data:`EXAMPLES_SCHEMA`) of one user's impressions.
+    """Every impression of one user as an example (a table of exactly :data:`EXAMPLES_SCHEMA`),
+    labelled with the events given, whether or not its windows have closed (a from-scratch,
+    stateless build; :func:`sequences.incremental.build_user` is the publishing one).
 
-    Row order follows the impressions' (event_time_ms, event_id). The sequence columns are sliced
-    from the user's sorted timeline with one vectorised gather (Q impressions with histories of
-    length L_i give T = sum L_i list values), so the cost is O(n log n + T) with no per-value
-    Python work.
+    Row order follows the impressions' (event_time_ms, event_id).
 
     Args:
         user_events: all events of one user (any order, duplicates ok).
@@ -152,65 +329,22 @@ def assemble_examples(
         watermark_ms: max event_time_ms of the snapshot (ms since epoch UTC).
 
     Raises:
-        ValueError: an impression has no entry in ``item_dense`` (the item pass missed it), or
-            the events are malformed (see :func:`sequences.history.sorted_unique_events`).
+        ValueError: an impression has no entry in ``item_dense``, or malformed events.
     """
-    timeline = Timeline(user_events)
-    impressions = [e for e in timeline.events if e["event_type"] in IMPRESSION_TYPES]
-    if not impressions:
-        return EXAMPLES_SCHEMA.empty_table()
-    missing = [e["event_id"] for e in impressions if e["event_id"] not in item_dense]
-    if missing:
-        raise ValueError(
-            f"no item features for impressions {missing[:3]!r} ({len(missing)} in all); "
-            "item_dense must come from item_features over the same events"
-        )
-    labels = label_impressions(
-        timeline.events,
-        click_window_ms=config.click_window_ms,
-        conversion_window_ms=config.conversion_window_ms,
-        watermark_ms=watermark_ms,
+    events = sorted_unique_events(user_events)
+    impressions = [e for e in events if e["event_type"] in IMPRESSION_TYPES]
+    pending = pending_examples(
+        fresh_impressions=impressions,
+        cross_candidates=events,
+        cross_prior_cut=0,
+        domain_candidates={d: [e for e in events if e["domain"] == d] for d in {e["domain"] for e in impressions}},
+        domain_prior_cut={},
+        counter_events=events,
+        prior_counts=None,
+        item_dense=item_dense,
+        config=config,
     )
-    user_dense = _dense_per_impression(timeline.events, USER_DENSE, config)
-    times = np.fromiter((e["event_time_ms"] for e in impressions), dtype=np.int64, count=len(impressions))
-    start, end = timeline.history_bounds(times, config.max_seq_len)
-    lengths = end - start
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    # Index of every list value in the timeline: row i contributes start[i], ..., end[i] - 1.
-    index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
-
-    dates: dict[int, str] = {}
-    ids = [e["event_id"] for e in impressions]
-    columns: dict[str, Any] = {
-        "example_id": ids,
-        "event_time_ms": times,
-        "event_date": [_utc_date(int(t), dates) for t in times],
-        **{name: [_as_str(e.get(name)) for e in impressions] for name in SPARSE_FEATURES},
-    }
-    list_str = EXAMPLES_SCHEMA.field("seq_item_ids").type
-    for column, values in (
-        ("seq_item_ids", timeline.item_ids),
-        ("seq_categories", timeline.categories),
-        ("seq_event_types", timeline.event_types),
-        ("seq_domains", timeline.domains),
-    ):
-        columns[column] = _list_column(pa.array(values, pa.string()), offsets, index, list_str)
-    columns["seq_event_time_ms"] = _list_column(
-        pa.array(timeline.times_ms, pa.int64()), offsets, index, EXAMPLES_SCHEMA.field("seq_event_time_ms").type
-    )
-    columns["seq_length"] = lengths
-    columns["seq_truncated"] = start
-    for field in ("label_click", "label_conversion", "click_latency_ms", "conversion_latency_ms",
-                  "label_window_closed"):
-        columns[field] = [getattr(labels[i], field) for i in ids]
-    for name in USER_DENSE:
-        columns[name] = [user_dense[i][name] for i in ids]
-    for name in ITEM_DENSE:
-        columns[name] = [item_dense[i][name] for i in ids]
-    columns["f_seq_length"] = lengths.astype(np.float64)
-    arrays = [pa.array(columns[f.name], f.type) if not isinstance(columns[f.name], pa.Array) else columns[f.name]
-              for f in EXAMPLES_SCHEMA]
-    return pa.Table.from_arrays(arrays, schema=EXAMPLES_SCHEMA)
+    return attach_labels(pending, events, config, watermark_ms, watermark_ms)
 
 
 def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:

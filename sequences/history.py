@@ -143,6 +143,56 @@ class Timeline:
         )
 
 
+def point_in_time_gather(
+    times_ms: np.ndarray, created_ms: np.ndarray, query_ms: np.ndarray, query_created_ms: np.ndarray, max_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For Q queries, the newest ``max_len`` events visible to each: event time strictly before the
+    query time AND Kafka append time (``created_ts_ms``) at or before the query's.
+
+    The second condition keeps a backfilled old event (old event time, late append) out of an
+    example that was served before it was written. Append times have ms resolution, so an event
+    appended in the same ms as the impression counts as known.
+
+    Args:
+        times_ms: (n,) int64 event times, ascending (ms since epoch UTC).
+        created_ms: (n,) int64 append times aligned with ``times_ms``.
+        query_ms, query_created_ms: (Q,) int64 example times and append times.
+        max_len: N >= 1.
+
+    Returns:
+        ``(index, lengths, visible)``: index (T,) int64 positions into the n events, row i's
+        history is ``index[offsets[i]:offsets[i+1]]`` (time-ascending, offsets = cumsum of
+        lengths); lengths (Q,) int64 L_i <= N; visible (Q,) int64 events visible before cutting,
+        so ``visible - lengths`` is the number cut.
+
+    Cost: one ``searchsorted``; queries whose prefix was all appended before them (the usual case
+    when the log is in time order) are gathered vectorised, the others with one mask each.
+    """
+    times = np.asarray(times_ms, dtype=np.int64)
+    created = np.asarray(created_ms, dtype=np.int64)
+    q_t = np.asarray(query_ms, dtype=np.int64)
+    q_c = np.asarray(query_created_ms, dtype=np.int64)
+    end = np.searchsorted(times, q_t, side="left")
+    prefix_max = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(created)]) if created.size else (
+        np.full(1, np.iinfo(np.int64).min))
+    fast = prefix_max[end] <= q_c
+    pieces: list[np.ndarray] = []
+    lengths = np.zeros(q_t.size, dtype=np.int64)
+    visible = np.zeros(q_t.size, dtype=np.int64)
+    for i in range(q_t.size):
+        if fast[i]:
+            idx = np.arange(max(0, end[i] - max_len), end[i], dtype=np.int64)
+            visible[i] = end[i]
+        else:
+            hits = np.flatnonzero(created[: end[i]] <= q_c[i])
+            visible[i] = hits.size
+            idx = hits[-max_len:].astype(np.int64)
+        lengths[i] = idx.size
+        pieces.append(idx)
+    index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return index, lengths, visible
+
+
 def history_before(events: Sequence[Event], t_ms: int, max_seq_len: int) -> History:
     """One-off form of :meth:`Timeline.history_before` (builds the timeline each call)."""
     return Timeline(events).history_before(t_ms, max_seq_len)

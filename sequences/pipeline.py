@@ -1,23 +1,32 @@
-"""The batch build: ``events`` -> ``examples``, ``sequences``, ``features/user``, ``features/item``.
+"""The incremental build: new ``events`` rows + build state -> ``examples`` (appended), ``sequences``,
+``sequences_by_domain``, ``features/{user,item,user_category}`` and the state (overwritten).
 
-    events@v --ReadEvents--+--GroupByUser--+--BuildExamples------> _staging/build/<v>/examples/
-                           +--GroupByItem--+--BuildSequences-----> _staging/build/<v>/sequences/
-                                           +--BuildFeatureTables-> _staging/build/<v>/features/{user,item}/
-    then, on the driver, one idempotent Delta commit per table (app_id "build").
+    events@v_old..v  --ReadNewEvents--+                         +--> examples (append, once per impression)
+    state@k (buffer, sequences,       +--CoGroupByKey(user)--BuildUser--> sequences, sequences_by_domain,
+      evicted counts, pending)        |        ^ item dense              features/user, features/user_category,
+                                      +--CoGroupByKey(item)--BuildItem   buffer, evicted, pending
+                                                                 +--> features/item, evicted
 
-The events are shuffled twice only (by user and by item); every per-entity step reads those
-groups. BuildExamples joins item counters to the user's impressions: the item-keyed pass emits
-``(user_id, (example_id, f_item_*))``, read by the per-user call as a multimap side input and
-looked up by example_id. Keying the join by user (not example_id) means the heavy example rows,
-built last, are never shuffled. (A first version with one GroupByKey/CoGroupByKey per transform,
-five event shuffles, took ~35% longer on 175K events.)
+The per-entity logic is :mod:`sequences.incremental` (pure functions). New events are the rows of
+the Parquet files the events table gained since the last built version (the table is append-only;
+if a version in between rewrote files, e.g. a compaction, the rows are found by Kafka offset
+instead). Nothing older than the state is reread.
 
-The snapshot's watermark is the largest event_time_ms of the events version read (ms since
-epoch UTC); it decides ``label_window_closed`` and the as-of time of sequences and feature tables.
+Publishing: an impression becomes an example once its attribution windows (per domain,
+``BuildConfig.window_ms``) have closed by the *close point*: the events watermark (newest event
+time, ms since epoch UTC), or later when the caller closes windows explicitly (``final=True`` or
+``close_windows_at``), as the demo does at the end of a bounded replay so the last day is
+published. Examples are appended exactly once and never rewritten; a backfill of old events
+changes no published example.
+
+Restartable: every table's commit carries the app transaction ("build", k) and the examples
+commit goes last, so it marks a complete build; a crashed build k reruns from the state tables as
+they were at build k - 1 (time travel), and the commits already made are skipped.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,99 +41,154 @@ import pyarrow.dataset as ds
 from apache_beam.options.pipeline_options import PipelineOptions
 from tqdm import tqdm
 
-from features.definitions import ITEM_FEATURES, USER_FEATURES
-from features.pipeline import BuildFeatureTables, GroupByEntity
+from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
+from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, commit_once, committed_version, open_table, read_table
-from ingest.schema import EVENTS_TABLE_SCHEMA
+from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
-from sequences.examples import EXAMPLES_SCHEMA, assemble_examples, item_features, rows_to_table
-from sequences.history import sequence_row
-from sequences.schema import SEQUENCES_SCHEMA
+from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, rows_to_table
+from sequences.incremental import EVICTED_SCHEMA, build_item, build_user
+from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 
 APP_ID = "build"
 
 # Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
-_EVENT_COLUMNS = [f.name for f in EVENTS_TABLE_SCHEMA if not f.name.startswith("kafka_") and f.name != "event_date"]
+APP_ID = "build"
+STATE_PREFIX = "_build_state"
+
+# Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
+_EVENT_COLUMNS = [*EVENT_ARROW_SCHEMA.names, "created_ts_ms"]
+_EVENT_SCHEMA = pa.schema([*EVENT_ARROW_SCHEMA, pa.field("created_ts_ms", pa.int64(), nullable=False)])
 
 _ROWS_PER_FILE_BATCH = 5000
 _TABLES_PER_FILE_BATCH = 64
 
+_OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
+    "sequences": (SEQUENCES_SCHEMA, None),
+    "sequences_by_domain": (SEQUENCES_BY_DOMAIN_SCHEMA, None),
+    USER_FEATURES.name: (USER_FEATURES.schema, list(USER_FEATURES.partition_by)),
+    ITEM_FEATURES.name: (ITEM_FEATURES.schema, list(ITEM_FEATURES.partition_by)),
+    USER_CATEGORY_FEATURES.name: (USER_CATEGORY_FEATURES.schema, list(USER_CATEGORY_FEATURES.partition_by)),
+    f"{STATE_PREFIX}/buffer": (_EVENT_SCHEMA, None),
+    f"{STATE_PREFIX}/evicted": (EVICTED_SCHEMA, None),
+    f"{STATE_PREFIX}/pending": (PENDING_SCHEMA, None),
+    "examples": (EXAMPLES_SCHEMA, ["event_date"]),  # last: its commit marks the build complete
+}
+"""Every table the build writes, its schema and partition columns, in commit order."""
 
-def _item_side(keyed: tuple[str, Iterable[Mapping[str, Any]]], config: BuildConfig):
-    _, events = keyed
-    for user_id, example_id, dense in item_features(events, config):
-        yield user_id, (example_id, dense)
-
-
-def _assemble(
-    keyed: tuple[str, Iterable[Mapping[str, Any]]],
-    config: BuildConfig,
-    watermark_ms: int,
-    item_by_user: Mapping[str, Iterable[tuple[str, dict[str, float]]]],
-):
-    user_id, events = keyed
-    table = assemble_examples(events, dict(item_by_user[user_id]), config, watermark_ms)
-    return [table] if table.num_rows else []
+_TABLE_OUTPUTS = ("examples", f"{STATE_PREFIX}/pending")
 
 
-def _sequence(keyed: tuple[str, Iterable[Mapping[str, Any]]], *, as_of_ms: int, max_seq_len: int) -> dict[str, Any]:
-    user_id, events = keyed
-    return sequence_row(user_id, events, as_of_ms=as_of_ms, max_seq_len=max_seq_len)
+def _user_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
+               item_dense: Mapping[str, Iterable[tuple[str, dict[str, float]]]]):
+    user_id, groups = keyed
+    seq = list(groups["seq"])
+    pending = list(groups["pending"])
+    out = build_user(
+        user_id,
+        stored_seq=seq[0] if seq else None,
+        stored_domain_seqs=list(groups["dseq"]),
+        buffer=groups["buffer"],
+        new=groups["new"],
+        evicted=groups["evicted"],
+        pending=pa.Table.from_pylist(pending, schema=PENDING_SCHEMA),
+        item_dense=dict(item_dense[user_id]),
+        config=config,
+        watermark_ms=watermark_ms,
+        old_close_ms=old_close_ms,
+        close_ms=close_ms,
+    )
+    yield beam.pvalue.TaggedOutput("sequences", out["sequence"])
+    for name, key in (("sequences_by_domain", "domain_sequences"), (f"{STATE_PREFIX}/buffer", "buffer"),
+                      (f"{STATE_PREFIX}/evicted", "evicted"), (USER_FEATURES.name, "user_features"),
+                      (USER_CATEGORY_FEATURES.name, "user_category_features")):
+        for row in out[key]:
+            yield beam.pvalue.TaggedOutput(name, row)
+    for name, key in (("examples", "examples"), (f"{STATE_PREFIX}/pending", "pending")):
+        if out[key].num_rows:
+            yield beam.pvalue.TaggedOutput(name, out[key])
 
 
-class BuildExamples(beam.PTransform):
-    """``{"by_user": ..., "by_item": ...}`` (outputs of :class:`features.pipeline.GroupByEntity`)
-    -> ``pyarrow.Table`` s of EXAMPLES_SCHEMA, one per user with impressions.
+def _item_step(keyed, config: BuildConfig, watermark_ms: int):
+    item_id, groups = keyed
+    out = build_item(item_id, buffer=groups["buffer"], new=groups["new"], evicted=groups["evicted"],
+                     config=config, watermark_ms=watermark_ms)
+    for user_id, example_id, dense in out["dense"]:
+        yield beam.pvalue.TaggedOutput("dense", (user_id, (example_id, dense)))
+    for row in out["evicted"]:
+        yield beam.pvalue.TaggedOutput(f"{STATE_PREFIX}/evicted", row)
+    for row in out["item_features"]:
+        yield beam.pvalue.TaggedOutput(ITEM_FEATURES.name, row)
 
-    The item pass emits ``(user_id, (example_id, f_item_*))``; the user pass reads them as a
-    multimap side input keyed by user_id and joins them to its impressions on example_id.
 
-    Tables rather than row dicts because a user's examples share one timeline: their sequence
-    columns are gathered from it in one vectorised step (see
-    :func:`sequences.examples.assemble_examples`); ``Table.to_pylist()`` gives rows.
+def _key(row: Mapping[str, Any], field: str) -> tuple[str, Mapping[str, Any]]:
+    return row[field], row
+
+
+class BuildIncrement(beam.PTransform):
+    """One build step on Beam: ``{"new", "buffer", "seq", "dseq", "evicted", "pending"}`` PCollections
+    of dict rows -> ``{table name: PCollection}`` for every table of :data:`_OUTPUTS` (rows, or
+    ``pyarrow.Table`` s for ``examples`` and the pending state).
+
+    Two shuffles: a CoGroupByKey by user_id (the user's state and events) and one by item_id
+    (item counters); the item pass's counters reach the user pass as a multimap side input keyed
+    by user_id, so the heavy example rows are never shuffled.
 
     Args:
-        config: windows, max_seq_len, CTR prior.
-        watermark_ms: max event_time_ms of the snapshot (ms since epoch UTC).
+        config: windows, sequence lengths, CTR prior, state lookback.
+        watermark_ms: newest event time after this batch (ms since epoch UTC).
+        old_close_ms / close_ms: windows closed up to these times before / after this build.
     """
 
-    def __init__(self, config: BuildConfig, *, watermark_ms: int) -> None:
+    def __init__(self, config: BuildConfig, *, watermark_ms: int, old_close_ms: int | None, close_ms: int) -> None:
         super().__init__()
         self._config = config
         self._watermark_ms = watermark_ms
+        self._old_close_ms = old_close_ms
+        self._close_ms = close_ms
 
-    def expand(self, grouped: dict[str, beam.PCollection]) -> beam.PCollection:
-        item_dense = grouped["by_item"] | "ItemCounters" >> beam.FlatMap(_item_side, self._config)
-        return grouped["by_user"] | "AssembleExamples" >> beam.FlatMap(
-            _assemble, self._config, self._watermark_ms, beam.pvalue.AsMultiMap(item_dense)
+    def expand(self, inputs: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
+        evicted = inputs["evicted"]
+        by_item = {
+            "buffer": inputs["buffer"] | "BufferByItem" >> beam.Map(_key, "item_id"),
+            "new": inputs["new"] | "NewByItem" >> beam.Map(_key, "item_id"),
+            "evicted": evicted | "ItemEvicted" >> beam.Filter(lambda r: r["entity"] == "item")
+            | "EvictedByItem" >> beam.Map(_key, "key"),
+        }
+        item_tags = ["dense", f"{STATE_PREFIX}/evicted", ITEM_FEATURES.name]
+        item_out = (
+            by_item
+            | "GroupByItem" >> beam.CoGroupByKey()
+            | "BuildItem" >> beam.FlatMap(_item_step, self._config, self._watermark_ms).with_outputs(*item_tags)
         )
-
-
-class BuildSequences(beam.PTransform):
-    """``(user_id, events)`` groups (:class:`features.pipeline.GroupByEntity`) -> ``sequences`` rows:
-    per user, the newest ``max_seq_len`` events with time <= as_of_ms.
-
-    Args:
-        config: max_seq_len.
-        as_of_ms: the snapshot watermark (ms since epoch UTC), stored in each row's ``as_of_ms``.
-    """
-
-    def __init__(self, config: BuildConfig, *, as_of_ms: int) -> None:
-        super().__init__()
-        self._config = config
-        self._as_of_ms = as_of_ms
-
-    def expand(self, by_user: beam.PCollection) -> beam.PCollection:
-        return (
+        by_user = {
+            "seq": inputs["seq"] | "SeqByUser" >> beam.Map(_key, "user_id"),
+            "dseq": inputs["dseq"] | "DomainSeqByUser" >> beam.Map(_key, "user_id"),
+            "buffer": inputs["buffer"] | "BufferByUser" >> beam.Map(_key, "user_id"),
+            "new": inputs["new"] | "NewByUser" >> beam.Map(_key, "user_id"),
+            "evicted": evicted | "UserEvicted" >> beam.Filter(lambda r: r["entity"] != "item")
+            | "EvictedByUser" >> beam.Map(_key, "key"),
+            "pending": inputs["pending"] | "PendingByUser" >> beam.Map(_key, "user_id"),
+        }
+        user_tags = [name for name in _OUTPUTS if name != ITEM_FEATURES.name]
+        user_out = (
             by_user
-            | "SequenceRow"
-            >> beam.Map(_sequence, as_of_ms=self._as_of_ms, max_seq_len=self._config.max_seq_len)
+            | "GroupByUser" >> beam.CoGroupByKey()
+            | "BuildUser" >> beam.FlatMap(
+                _user_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms,
+                beam.pvalue.AsMultiMap(item_out["dense"])).with_outputs(*user_tags)
         )
+        outputs = {name: user_out[name] for name in user_tags if name != f"{STATE_PREFIX}/evicted"}
+        outputs[ITEM_FEATURES.name] = item_out[ITEM_FEATURES.name]
+        outputs[f"{STATE_PREFIX}/evicted"] = (
+            (user_out[f"{STATE_PREFIX}/evicted"], item_out[f"{STATE_PREFIX}/evicted"]) | "AllEvicted" >> beam.Flatten()
+        )
+        return outputs
 
 
 def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
-    return pa.concat_tables(tables).cast(schema)
+    return pa.concat_tables([t.select(schema.names).cast(schema) for t in tables])
 
 
 class _StageParquet(beam.PTransform):
@@ -152,7 +216,7 @@ class _StageParquet(beam.PTransform):
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What one :func:`run_build` did. Percentiles are of ``seq_length`` over examples (events)."""
+    """What one :func:`run_build` did. Percentiles are of ``seq_length`` over all examples (events)."""
 
     events_version: int
     examples_version: int | None
@@ -163,19 +227,14 @@ class BuildResult:
     seq_length_p50: float | None
     seq_length_p99: float | None
     skipped: bool
-
-
-_OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
-    "examples": (EXAMPLES_SCHEMA, ["event_date"]),
-    "sequences": (SEQUENCES_SCHEMA, None),
-    USER_FEATURES.name: (USER_FEATURES.schema, None),
-    ITEM_FEATURES.name: (ITEM_FEATURES.schema, None),
-}
-
-
-def _built_from(lake: str, table: str) -> int | None:
-    meta = commit_metadata(lake, table, APP_ID)
-    return None if meta is None else meta.get("events_version")
+    num_published: int = 0
+    """Examples appended by this call."""
+    num_pending: int = 0
+    """Impressions waiting for their windows to close after this call."""
+    watermark_ms: int | None = None
+    """Newest event time built so far (ms since epoch UTC)."""
+    close_ms: int | None = None
+    """Attribution windows are closed up to here (ms since epoch UTC)."""
 
 
 def _read_staged(directory: Path, schema: pa.Schema) -> pa.Table:
@@ -185,26 +244,32 @@ def _read_staged(directory: Path, schema: pa.Schema) -> pa.Table:
     return ds.dataset(files, format="parquet").to_table().select(schema.names).cast(schema)
 
 
-def _result_from_lake(lake: str, events_version: int, *, skipped: bool) -> BuildResult:
-    def rows(table: str) -> int:
-        dt = open_table(lake, table)
-        return 0 if dt is None else dt.to_pyarrow_dataset().count_rows()
+def _rows(lake: str, table: str) -> int:
+    dt = open_table(lake, table)
+    return 0 if dt is None else dt.to_pyarrow_dataset().count_rows()
 
+
+def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0) -> BuildResult:
     examples = open_table(lake, "examples")
     lengths_np = np.zeros(0) if examples is None else (
         examples.to_pyarrow_dataset().to_table(columns=["seq_length"]).column("seq_length").to_numpy()
     )
     has = lengths_np.size > 0
+    meta = commit_metadata(lake, "examples", APP_ID) or {}
     return BuildResult(
         events_version=events_version,
         examples_version=None if examples is None else examples.version(),
-        num_examples=rows("examples"),
-        num_sequences=rows("sequences"),
-        num_user_features=rows(USER_FEATURES.name),
-        num_item_features=rows(ITEM_FEATURES.name),
+        num_examples=_rows(lake, "examples"),
+        num_sequences=_rows(lake, "sequences"),
+        num_user_features=_rows(lake, USER_FEATURES.name),
+        num_item_features=_rows(lake, ITEM_FEATURES.name),
         seq_length_p50=float(np.percentile(lengths_np, 50)) if has else None,
         seq_length_p99=float(np.percentile(lengths_np, 99)) if has else None,
         skipped=skipped,
+        num_published=published,
+        num_pending=_rows(lake, f"{STATE_PREFIX}/pending"),
+        watermark_ms=meta.get("watermark_ms"),
+        close_ms=meta.get("close_ms"),
     )
 
 
@@ -216,83 +281,165 @@ def _check_events(names: list[str]) -> None:
         )
 
 
-def _read_event_rows(_: Any, lake: str, version: int):
-    """Yield the ``events`` rows at ``version`` as dicts (inside the pipeline, so no data is pickled
-    into the pipeline graph: ``beam.Create`` of the rows cost a minute of bz2 compression)."""
-    events = read_table(lake, "events", version, columns=_EVENT_COLUMNS)
-    with tqdm(total=events.num_rows, desc=f"read events@{version}", unit="event") as progress:
-        for batch in events.to_batches(max_chunksize=10_000):
+def _table_at_build(lake: str, table: str, build: int | None) -> pa.Table | None:
+    """``table`` as the build with app-transaction version ``build`` left it (None: before any)."""
+    if build is None:
+        return None
+    dt = open_table(lake, table)
+    if dt is None:
+        return None
+    for entry in dt.history():
+        raw = entry.get("gemline")
+        meta = json.loads(raw) if raw else {}
+        if meta.get("app_id") == APP_ID and meta.get("build") == build:
+            return read_table(lake, table, entry["version"])
+    raise ValueError(f"{table}: no commit of build {build} in its history; was the table vacuumed past it?")
+
+
+def new_event_rows(lake: str, old_version: int | None, version: int) -> pa.Table:
+    """Rows the append-only ``events`` table gained from ``old_version`` (exclusive; None: from
+    nothing) to ``version`` (inclusive), columns :data:`_EVENT_COLUMNS`.
+
+    Reads only the Parquet files added in between. When a version in between was not a plain
+    append (a compaction rewrites files), falls back to Kafka coordinates: rows whose
+    (topic, partition, offset) is past the old version's last offset per partition.
+    """
+    new = open_table(lake, "events", version)
+    if old_version is None:
+        return read_table(lake, "events", version, columns=_EVENT_COLUMNS)
+    old = open_table(lake, "events", old_version)
+    appends_only = all(
+        entry.get("operation") in ("WRITE", "CREATE TABLE")
+        and entry.get("operationParameters", {}).get("mode", "Append") == "Append"
+        for entry in new.history(version - old_version)
+    )
+    if appends_only:
+        files = sorted(set(new.file_uris()) - set(old.file_uris()))
+        if not files:
+            return _EVENT_SCHEMA.empty_table()
+        return ds.dataset(files, format="parquet").to_table(columns=_EVENT_COLUMNS)
+    coords = ["kafka_topic", "kafka_partition", "kafka_offset"]
+    seen = old.to_pyarrow_dataset().to_table(columns=coords).group_by(coords[:2]).aggregate([("kafka_offset", "max")])
+    rows = new.to_pyarrow_dataset().to_table(columns=[*_EVENT_COLUMNS, *coords])
+    joined = rows.join(seen, coords[:2], join_type="left outer")
+    last = pc.fill_null(joined.column("kafka_offset_max"), -1)
+    return joined.filter(pc.greater(joined.column("kafka_offset"), last)).select(_EVENT_COLUMNS)
+
+
+def _emit_rows(_: Any, table: pa.Table | None, desc: str):
+    if table is None:
+        return
+    with tqdm(total=table.num_rows, desc=desc, unit="row", disable=table.num_rows < 50_000) as progress:
+        for batch in table.to_batches(max_chunksize=10_000):
             yield from batch.to_pylist()
             progress.update(batch.num_rows)
 
 
-def run_build(
-    config: GemlineConfig, *, events_version: int | None = None, beam_args: list[str] | None = None
-) -> BuildResult:
-    """Build examples, sequences and feature tables from ``events`` at ``events_version``.
+def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | None, final: bool,
+                 close_windows_at: int | None) -> int:
+    close = watermark_ms if old_close_ms is None else max(old_close_ms, watermark_ms)
+    if close_windows_at is not None:
+        close = max(close, close_windows_at)
+    if final:
+        domains = {entry.split(":")[0] for entry in config.window_overrides}
+        longest = max([config.close_delay_ms(d) for d in domains] + [config.close_delay_ms("")])
+        close = max(close, watermark_ms + longest)
+    return close
 
-    Reads ``events`` (latest version when None), runs the Beam pipeline (DirectRunner unless
-    ``beam_args`` say otherwise), stages Parquet under ``LAKE/_staging/build/<events_version>/``
-    and overwrites each output table in one Delta commit tagged (``"build"``, next version) with
-    metadata ``{"events_version": v, "watermark_ms": w}`` (w: the snapshot's newest event time). Restartable: a table already built from this events
-    version is not committed again, and when all are, the call returns ``skipped=True`` and
-    changes nothing.
+
+def run_build(
+    config: GemlineConfig,
+    *,
+    events_version: int | None = None,
+    beam_args: list[str] | None = None,
+    final: bool = False,
+    close_windows_at: int | None = None,
+) -> BuildResult:
+    """Build the events gained since the last build into examples, sequences, features and state.
+
+    Reads ``events`` at ``events_version`` (latest when None) but only the rows added since the last
+    built version (:func:`new_event_rows`), merges them with the build state in one Beam pipeline
+    (DirectRunner unless ``beam_args`` say otherwise), stages Parquet under
+    ``LAKE/_staging/build/<events_version>/`` and commits each table once, tagged ("build", k) with
+    metadata ``{"events_version", "watermark_ms", "close_ms"}``; ``examples`` is appended last.
+
+    Windows close by the watermark (the newest event time seen); impressions whose windows are
+    still open wait in the state for a later build. At the end of a bounded snapshot (a replayed
+    dataset), pass ``final=True`` to close every window now (``watermark + longest window``) or
+    ``close_windows_at`` (ms since epoch UTC) to close them up to a time; the affected examples get
+    ``label_window_closed=False``. The close point never moves back, so later builds still publish
+    each impression exactly once.
+
+    Restartable: a build of an already-built events version returns ``skipped=True`` and changes
+    nothing; a crashed build is redone from the state of the previous one.
 
     Raises:
-        ValueError: there is no ``events`` table (run ingest first), or it lacks columns.
+        ValueError: no ``events`` table (run ingest first), missing columns, an ``events_version``
+            older than the last built one, or ``close_windows_at`` < 0.
     """
     lake = config.lake
     table = open_table(lake, "events", events_version)
     if table is None:
         raise ValueError(f"no events table under {lake!r}; run the ingest job first")
+    if close_windows_at is not None and close_windows_at < 0:
+        raise ValueError(f"close_windows_at must be ms since epoch UTC (>= 0), got {close_windows_at}")
     version = table.version()
-    pending = [name for name in _OUTPUTS if _built_from(lake, name) != version]
-    if not pending:
-        return _result_from_lake(lake, version, skipped=True)
-
+    meta = commit_metadata(lake, "examples", APP_ID) or {}
+    old_version = meta.get("events_version")
+    if old_version is not None and version < old_version:
+        raise ValueError(f"events_version {version} is older than the last built version {old_version}; "
+                         "examples are append-only, so the build cannot go back")
+    old_close = meta.get("close_ms")
+    if old_version == version:
+        wants_close = final or (close_windows_at is not None and close_windows_at > (old_close or 0))
+        if not wants_close:
+            return _result_from_lake(lake, version, skipped=True)
     _check_events(table.to_pyarrow_dataset().schema.names)
-    times = read_table(lake, "events", version, columns=["event_time_ms"]).column("event_time_ms")
-    newest_ms = pc.max(times).as_py()
-    # An empty snapshot has no event time; the epoch makes every as-of output empty, as it should be.
-    watermark_ms = 0 if newest_ms is None else int(newest_ms)
+    new = new_event_rows(lake, old_version, version)
+    newest = pc.max(new.column("event_time_ms")).as_py() if new.num_rows else None
+    old_watermark = meta.get("watermark_ms")
+    # An empty first snapshot has no event time: the epoch makes every as-of output empty.
+    watermark_ms = max(x for x in (old_watermark, newest, 0) if x is not None)
+    close_ms = _close_point(config.build, watermark_ms, old_close, final, close_windows_at)
+    last_build = meta.get("build")
+    build = 0 if last_build is None else last_build + 1
+    state = {name: _table_at_build(lake, name, last_build) for name in
+             ("sequences", "sequences_by_domain", f"{STATE_PREFIX}/buffer", f"{STATE_PREFIX}/evicted",
+              f"{STATE_PREFIX}/pending")}
     staging = Path(lake) / "_staging" / APP_ID / str(version)
     # A crashed earlier attempt may have left partial files: start the staging area afresh.
     shutil.rmtree(staging, ignore_errors=True)
 
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
-        rows = (
-            pipeline
-            | "Start" >> beam.Create([version])
-            | "ReadEvents" >> beam.FlatMap(_read_event_rows, lake, version)
-        )
-        grouped = {
-            "by_user": rows | "GroupByUser" >> GroupByEntity("user_id"),
-            "by_item": rows | "GroupByItem" >> GroupByEntity("item_id"),
+        start = pipeline | "Start" >> beam.Create([None])
+        inputs = {
+            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_rows, new, f"new events@{version}"),
+            "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/buffer"], "buffer"),
+            "seq": start | "ReadSequences" >> beam.FlatMap(_emit_rows, state["sequences"], "sequences"),
+            "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_rows, state["sequences_by_domain"], "dseq"),
+            "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/evicted"], "evicted"),
+            "pending": start | "ReadPending" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/pending"], "pending"),
         }
-        outputs = {
-            "examples": grouped | "BuildExamples" >> BuildExamples(config.build, watermark_ms=watermark_ms),
-            "sequences": grouped["by_user"] | "BuildSequences" >> BuildSequences(config.build, as_of_ms=watermark_ms),
-        }
-        features = grouped | "BuildFeatureTables" >> BuildFeatureTables(config.build, as_of_ms=watermark_ms)
-        outputs[USER_FEATURES.name] = features["user"]
-        outputs[ITEM_FEATURES.name] = features["item"]
+        outputs = inputs | "BuildIncrement" >> BuildIncrement(
+            config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms)
         for name, pcoll in outputs.items():
-            elements = "tables" if name == "examples" else "rows"
+            elements = "tables" if name in _TABLE_OUTPUTS else "rows"
             pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0], elements=elements)
 
-    for name in tqdm(pending, desc="commit build tables", unit="table"):
+    published = 0
+    for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):
         schema, partition_by = _OUTPUTS[name]
         data = _read_staged(staging / name, schema)
+        if name == "examples":
+            published = data.num_rows
+        if (commit_metadata(lake, name, APP_ID) or {}).get("build") == build:
+            continue  # committed before a crash: the rerun computed the same rows
         last = committed_version(lake, name, APP_ID)
         commit_once(
-            lake,
-            name,
-            data,
-            app_id=APP_ID,
-            version=0 if last is None else last + 1,
-            mode="overwrite",
+            lake, name, data, app_id=APP_ID, version=0 if last is None else last + 1,
+            mode="append" if name == "examples" else "overwrite",
             partition_by=partition_by,
-            metadata={"events_version": version, "watermark_ms": watermark_ms},
+            metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
         )
     shutil.rmtree(staging, ignore_errors=True)
-    return _result_from_lake(lake, version, skipped=False)
+    return _result_from_lake(lake, version, skipped=False, published=published)

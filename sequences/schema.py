@@ -14,7 +14,13 @@ The ``examples`` table is the contract with validation and the trainer:
 - labels: ``label_click`` and ``label_conversion`` (int32 0/1) from later events of the same user
   and item within the attribution windows; ``click_latency_ms`` / ``conversion_latency_ms``
   (null when unlabelled); ``label_window_closed`` (bool: the conversion window ended before the
-  snapshot's watermark, i.e. the labels are final).
+  snapshot's watermark, i.e. the labels are final);
+- added by the incremental build: the same-domain sequence ``seq_same_domain_*`` (only events of
+  the example's domain, truncated separately to ``build.same_domain_seq_len``), the time deltas
+  ``seq_time_delta_ms`` / ``seq_same_domain_time_delta_ms`` (example time - element time, ms, > 0),
+  ``created_ts_ms`` (Kafka append time of the impression; every sequence element and feature
+  input was appended at or before it) and ``published_watermark_ms`` (labels were published once
+  windows closed up to this time; minus ``event_time_ms`` it is the label latency of the row).
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ SPARSE_FEATURES: tuple[str, ...] = (
 SEQUENCE_FEATURES: tuple[str, ...] = ("seq_item_ids", "seq_categories", "seq_event_types", "seq_domains")
 """Aligned list<string> sequence columns (a missing category is the empty string)."""
 
+SAME_DOMAIN_SEQUENCE_FEATURES: tuple[str, ...] = (
+    "seq_same_domain_item_ids", "seq_same_domain_categories", "seq_same_domain_event_types",
+)
+"""Aligned list<string> columns of the sequence restricted to the example's domain (own truncation)."""
+
 LABELS: tuple[str, ...] = ("label_click", "label_conversion")
 
 _list_str = pa.list_(pa.string())
@@ -56,6 +67,15 @@ EXAMPLES_BASE_SCHEMA = pa.schema(
         pa.field("click_latency_ms", pa.int64()),
         pa.field("conversion_latency_ms", pa.int64()),
         pa.field("label_window_closed", pa.bool_(), nullable=False),
+        # Added by the incremental build (issue 4): per-domain sequence, time deltas, publication.
+        *[pa.field(name, _list_str, nullable=False) for name in SAME_DOMAIN_SEQUENCE_FEATURES],
+        pa.field("seq_same_domain_event_time_ms", pa.list_(pa.int64()), nullable=False),
+        pa.field("seq_same_domain_length", pa.int32(), nullable=False),
+        pa.field("seq_same_domain_truncated", pa.int32(), nullable=False),
+        pa.field("seq_time_delta_ms", pa.list_(pa.int64()), nullable=False),  # event_time_ms - seq time, > 0
+        pa.field("seq_same_domain_time_delta_ms", pa.list_(pa.int64()), nullable=False),
+        pa.field("created_ts_ms", pa.int64(), nullable=False),  # Kafka append time of the impression
+        pa.field("published_watermark_ms", pa.int64(), nullable=False),  # windows closed up to here at publication
     ]
 )
 """Columns every ``examples`` table has; the build appends its ``f_*`` float64 dense features."""
@@ -68,9 +88,17 @@ SEQUENCES_SCHEMA = pa.schema(
         pa.field("seq_length", pa.int32(), nullable=False),
         pa.field("seq_truncated", pa.int32(), nullable=False),
         pa.field("as_of_ms", pa.int64(), nullable=False),
+        # The build's state: ids to deduplicate redelivered events, append times for point in time.
+        pa.field("seq_event_ids", _list_str, nullable=False),
+        pa.field("seq_created_ts_ms", pa.list_(pa.int64()), nullable=False),
     ]
 )
 """One row per user: the newest ``max_seq_len`` events (time-ascending) as of ``as_of_ms``."""
+
+SEQUENCES_BY_DOMAIN_SCHEMA = pa.schema(
+    [pa.field("domain", pa.string(), nullable=False), *SEQUENCES_SCHEMA]
+)
+"""One row per (user, domain): the newest ``max_same_domain_seq_len`` events of that domain."""
 
 
 def dense_feature_names(schema: pa.Schema) -> list[str]:
