@@ -80,8 +80,14 @@ def build_report(
     run_id: str,
     run_ts_ms: int,
     source: dict[str, Any] | None,
+    profile: dict[str, float] | None = None,
+    history: Sequence[tuple[int, dict[str, float]]] = (),
 ) -> dict[str, Any]:
-    """The JSON-serialisable report of one validation run (``run_ts_ms``: ms since epoch UTC)."""
+    """The JSON-serialisable report of one validation run (``run_ts_ms``: ms since epoch UTC).
+
+    ``profile`` is the batch's profile and ``history`` the (version, profile) pairs drift compared
+    it with (``validation.profiles``), both kept in the report for its drift plot.
+    """
     return {
         "table": table,
         "table_version": table_version,
@@ -91,6 +97,8 @@ def build_report(
         "run_ts_ms": run_ts_ms,
         "code_version": code_version(),
         "source": source,
+        "profile": dict(profile or {}),
+        "history": [{"table_version": v, "profile": p} for v, p in history],
         "expectations": [
             {
                 "expectation": r.name,
@@ -162,24 +170,92 @@ def plot_per_domain_day(data: pa.Table) -> str:
     return _png(fig)
 
 
+def plot_seq_length_by_domain(data: pa.Table) -> str:
+    """p50 and p99 of ``seq_length`` per domain as a base64 PNG grouped bar chart."""
+    from validation.profiles import seq_length_by_domain
+
+    stats = seq_length_by_domain(data)
+    domains = sorted({k.split(":", 1)[1] for k in stats})
+    fig, ax = _figure()
+    x = range(len(domains))
+    ax.bar([i - 0.2 for i in x], [stats[f"seq_length_p50:{d}"] for d in domains], width=0.4, label="p50")
+    ax.bar([i + 0.2 for i in x], [stats[f"seq_length_p99:{d}"] for d in domains], width=0.4, label="p99")
+    ax.set_xticks(list(x), domains)
+    ax.set_ylabel("seq_length (events)")
+    ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def plot_distributions(data: pa.Table, max_features: int = 6) -> str:
+    """Histograms of the first ``max_features`` numeric feature columns as one base64 PNG."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from validation.profiles import numeric_features
+
+    names = numeric_features(data.schema)[:max_features]
+    if not names:
+        raise ValueError("no numeric feature columns")
+    _figure()  # selects the headless backend
+    fig, axes = plt.subplots(1, len(names), figsize=(2.2 * len(names), 2.4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        values = data.column(name).drop_null().to_numpy().astype(np.float64)
+        ax.hist(values[np.isfinite(values)], bins=20)
+        ax.set_title(name, fontsize="small")
+    return _png(fig)
+
+
+def plot_drift(report: dict[str, Any]) -> str:
+    """Volume and label rates of the batches drift compared with, then this batch, as a base64 PNG."""
+    points = [(str(h["table_version"]), h["profile"]) for h in report.get("history", [])]
+    points.append((f'{report["table_version"]} (this)', report.get("profile", {})))
+    import matplotlib.pyplot as plt
+
+    plt.close(_figure()[0])  # _figure selects the headless backend
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+    labels = [p[0] for p in points]
+    left.plot(labels, [p[1].get("num_rows", float("nan")) for p in points], marker="o")
+    left.set_title("rows per batch", fontsize="small")
+    rates = sorted({m for _, prof in points for m in prof if m.startswith("label_rate:")})
+    for metric in rates:
+        right.plot(labels, [p[1].get(metric, float("nan")) for p in points], marker="o", label=metric[len("label_rate:"):])
+    right.set_title("label rates", fontsize="small")
+    if rates:
+        right.legend(fontsize="x-small")
+    return _png(fig)
+
+
 PLOTS = {
     "events": {"Events per domain and day": plot_per_domain_day},
     "examples": {
         "Sequence length": plot_seq_length,
+        "Sequence length p50/p99 per domain": plot_seq_length_by_domain,
         "Click rate per domain": plot_label_rate,
         "Examples per domain and day": plot_per_domain_day,
+        "Feature distributions": plot_distributions,
     },
+    "sequences": {"Sequence length": plot_seq_length},
+    "features/user": {"Feature distributions": plot_distributions},
+    "features/item": {"Feature distributions": plot_distributions},
 }
 
 
-def draw_plots(table: str, data: pa.Table) -> dict[str, str]:
-    """Title -> base64 PNG, or title -> ``"unavailable: <reason>"`` when a plot cannot be drawn (bad data)."""
+def draw_plots(table: str, data: pa.Table, report: dict[str, Any] | None = None) -> dict[str, str]:
+    """Title -> base64 PNG, or title -> ``"unavailable: <reason>"`` when a plot cannot be drawn (bad data).
+
+    With ``report`` (which holds the profile history) a drift plot over recent batches comes last.
+    """
     out = {}
     for title, fn in PLOTS.get(table, {}).items():
         try:
             out[title] = fn(data) if data.num_rows else "unavailable: empty batch"
         except Exception as exc:  # a broken plot must not hide the verdict
             out[title] = f"unavailable: {type(exc).__name__}: {exc}"
+    if report is not None:
+        try:
+            out["Drift over recent batches"] = plot_drift(report)
+        except Exception as exc:
+            out["Drift over recent batches"] = f"unavailable: {type(exc).__name__}: {exc}"
     return out
 
 
@@ -239,7 +315,7 @@ def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table) -> tu
     # Write to a temporary name then rename, so a reader never sees half a report.
     for path, text in (
         (json_path, json.dumps(report, indent=2, sort_keys=True)),
-        (html_path, render_html(report, draw_plots(report["table"], data))),
+        (html_path, render_html(report, draw_plots(report["table"], data, report))),
     ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text, encoding="utf-8")

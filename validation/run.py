@@ -1,7 +1,14 @@
-"""Validate one Delta version of a table: suite, reports, ``quality`` rows; and find the latest report.
+"""Validate one Delta version of a table: suite, drift, reports, ``quality`` rows; and find the latest report.
 
-    read table@version -> suite (validation.suites) -> report.json/html (validation.report)
+    read table@version -> suite (validation.suites / validation.build_suites)
+                       -> events only: dead-letter rate of the ingest batch (validation.dead_letter)
+                       -> profile of the batch, drift against the previous K passed batches
+                          (validation.profiles; profile appended to ``quality_profiles``)
+                       -> report.json/html (validation.report)
                        -> one quality row per check (validation.gate) -> QualityResult
+
+The batch profiled for ``events`` is the ingest batch of that version (the rows of its commit's
+Kafka offset ranges); the other tables are rebuilt whole by each build, so the batch is the table.
 
 Validating the same version again appends a second run to ``quality``; the gate reads the newest.
 """
@@ -18,11 +25,14 @@ from tqdm import tqdm
 
 from gemline.config import GemlineConfig
 from gemline.lake import open_table, read_table
+from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
+from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.gate import append_quality_rows
-from validation.report import PASSED, build_report, report_dir, source_metadata, write_report
+from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
+from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
 from validation.suites import CheckResult, validate_events, validate_examples
 
-VALIDATED_TABLES: tuple[str, ...] = ("events", "examples")
+VALIDATED_TABLES: tuple[str, ...] = ("events", "sequences", "examples", *FEATURE_VIEWS)
 
 
 @dataclass(frozen=True)
@@ -48,15 +58,36 @@ def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[Che
         min_time_ms=config.validation.min_event_time_ms,
         max_time_ms=now_ms + config.validation.max_future_skew_ms,
     )
+    sample_rows = config.validation.gx_sample_rows
     if table == "events":
-        return validate_events(data, **bounds)
+        return validate_events(data, **bounds, sample_rows=sample_rows)
+    if table == "sequences":
+        return validate_sequences(data, max_seq_len=config.build.max_seq_len, min_time_ms=bounds["min_time_ms"],
+                                  max_time_ms=bounds["max_time_ms"], sample_rows=sample_rows)
+    if table in FEATURE_VIEWS:
+        return validate_features(data, table, **bounds, sample_rows=sample_rows)
     return validate_examples(
         data,
         **bounds,
         max_seq_len=config.build.max_seq_len,
         min_label_rate=config.validation.min_label_rate,
         max_label_rate=config.validation.max_label_rate,
+        sample_rows=sample_rows,
     )
+
+
+def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tuple[object, list[CheckResult]]:
+    """(the batch to profile, the dead-letter checks): for ``events``, the rows of the commit's offset ranges."""
+    ranges = (source or {}).get("offset_ranges")
+    if table != "events" or not ranges or "kafka_offset" not in data.column_names:
+        return data, []
+    batch = in_ranges(data, ranges)
+    dead = read_table(config.lake, "dead_letter", columns=["kafka_partition", "kafka_offset"])
+    num_dead = 0 if dead is None else in_ranges(dead, ranges).num_rows
+    vc = config.validation
+    checks = dead_letter_checks(batch.num_rows, num_dead, warning_rate=vc.dead_letter_warning_rate,
+                                critical_rate=vc.dead_letter_critical_rate)
+    return batch, checks
 
 
 def validate_table(
@@ -66,7 +97,7 @@ def validate_table(
 
     Args:
         config: the pipeline config (lake root, domains, max_seq_len, validation bounds).
-        table: ``"events"`` or ``"examples"``.
+        table: one of :data:`VALIDATED_TABLES`.
         version: Delta version to validate; None takes the latest.
         now_ms: validation clock, ms since epoch UTC (upper bound of sane event times and the run's
             timestamp in ``quality``); None reads the wall clock.
@@ -88,10 +119,16 @@ def validate_table(
     if not 0 <= table_version <= latest:
         raise ValueError(f"{table}: version must be in [0, {latest}], got {table_version}")
 
-    steps = tqdm(total=4, desc=f"validate {table}@{table_version}", unit="step")
+    steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
     data = read_table(config.lake, table, table_version)
+    source = source_metadata(config.lake, table, table_version)
     steps.update()
     results = _run_suite(config, table, data, ts)
+    steps.update()
+    batch, dead_checks = _batch(config, table, data, source)
+    profile = profile_batch(batch)
+    history = profile_history(config.lake, table, table_version, config.validation.drift_history_batches)
+    results = results + dead_checks + drift_checks(profile, [p for _, p in history], config.validation)
     steps.update()
     run_id = f"{ts:013d}-{uuid.uuid4().hex[:8]}"
     report = build_report(
@@ -101,9 +138,13 @@ def validate_table(
         results=results,
         run_id=run_id,
         run_ts_ms=ts,
-        source=source_metadata(config.lake, table, table_version),
+        source=source,
+        profile=profile,
+        history=history,
     )
     json_path, html_path = write_report(config.lake, report, data)
+    append_profile(config.lake, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
+                   passed=verdict(results) == PASSED, profile=profile)
     steps.update()
     append_quality_rows(
         config.lake,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -156,17 +157,19 @@ def check_schema_types(table: pa.Table, expected: pa.Schema) -> dict[str, Any]:
     return {"success": not mismatched, "observed_value": mismatched or "all types match"}
 
 
-def check_leakage(table: pa.Table) -> dict[str, Any]:
+def check_leakage(table: pa.Table, anchor_column: str = "event_time_ms", *, strict: bool = True) -> dict[str, Any]:
     """Rows with a sequence element at or after the row's own time (point-in-time violation).
 
-    Reads ``seq_event_time_ms`` list<int64> (N rows, T elements) and ``event_time_ms`` int64 (N,),
-    both ms since epoch UTC. An element equal to the example time counts as leakage: the contract
-    (``sequences/schema.py``) keeps only events strictly before the example.
+    Reads ``seq_event_time_ms`` list<int64> (N rows, T elements) and ``anchor_column`` int64 (N,),
+    both ms since epoch UTC. With ``strict`` (examples) an element equal to the example time counts
+    as leakage: the contract (``sequences/schema.py``) keeps only events strictly before the example.
+    Without it (``sequences`` rows, anchored at ``as_of_ms``) only elements after the anchor leak.
     """
     seq = table.column(SEQUENCE_TIME_COLUMN).combine_chunks()
     parents = pc.list_parent_indices(seq)
-    anchor = pc.take(table.column("event_time_ms").combine_chunks(), parents)
-    leaked = pc.fill_null(pc.greater_equal(pc.list_flatten(seq), anchor), False)
+    anchor = pc.take(table.column(anchor_column).combine_chunks(), parents)
+    compare = pc.greater_equal if strict else pc.greater
+    leaked = pc.fill_null(compare(pc.list_flatten(seq), anchor), False)
     result = _rows_result(pc.filter(parents, leaked), _ids(table), table.num_rows)
     result["leaked_elements"] = int(pc.sum(leaked).as_py() or 0)
     return result
@@ -215,6 +218,25 @@ def check_not_null(table: pa.Table, column: str) -> dict[str, Any]:
     return _rows_result(pc.indices_nonzero(nulls), _ids(table), table.num_rows)
 
 
+def check_unique(table: pa.Table, columns: Sequence[str]) -> dict[str, Any]:
+    """Rows whose (non-null) key ``columns`` value occurs more than once, counted exactly over the whole batch.
+
+    Same counting as GX's ``ExpectColumnValuesToBeUnique`` (every row of a duplicated key is
+    unexpected; rows with a null key part are skipped: the not-null check carries them).
+    """
+    keys = table.select(list(columns))
+    valid = pa.array([True] * table.num_rows, pa.bool_())
+    for name in columns:
+        valid = pc.and_(valid, pc.is_valid(keys.column(name)).combine_chunks())
+    indexed = keys.append_column("__row", pa.array(range(table.num_rows), pa.int64())).filter(valid)
+    counts = indexed.group_by(list(columns)).aggregate([("__row", "count")])
+    dup_keys = counts.filter(pc.greater(counts["__row_count"], 1)).drop_columns(["__row_count"])
+    if dup_keys.num_rows == 0:
+        return _rows_result(pa.array([], pa.int64()), _ids(table), table.num_rows)
+    bad = indexed.join(dup_keys, keys=list(columns), join_type="inner").column("__row")
+    return _rows_result(bad.combine_chunks(), _ids(table), table.num_rows)
+
+
 def _run_custom(check: _Custom, table: pa.Table) -> CheckResult:
     kind = f"custom:{check.name.split(':')[0]}"
     try:
@@ -234,27 +256,70 @@ def _named(expectation, name: str, severity: Severity):
     return type(expectation)(**kwargs, meta={"name": name}, severity=severity)
 
 
-def _common_gx(expected: pa.Schema, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int) -> list:
-    """Row count, columns, not-null on required scalar columns, domain set, event-time range."""
+def _common(expected: pa.Schema, *, domains: Sequence[str], time_column: str, min_time_ms: int,
+            max_time_ms: int) -> list:
+    """Row count, columns, exact not-null on required columns (scalar and list), domain set, time range.
+
+    A set or range check lets nulls through, so every column checked by one also has its not-null.
+    """
     gxe = _gxe()
-    exps = [
+    specs: list = [
         _named(gxe.ExpectTableRowCountToBeBetween(min_value=1), "empty", "critical"),
         _named(
             gxe.ExpectTableColumnsToMatchSet(column_set=list(expected.names), exact_match=False), "columns", "critical"
         ),
     ]
-    for f in expected:
-        if not f.nullable and f.name not in LIST_COLUMNS:
-            exps.append(_named(gxe.ExpectColumnValuesToNotBeNull(column=f.name), f"not_null:{f.name}", "critical"))
-    exps.append(_named(gxe.ExpectColumnValuesToBeInSet(column="domain", value_set=list(domains)), "in_set:domain", "critical"))
-    exps.append(
+    specs += [
+        _Custom(f"not_null:{f.name}", "critical", functools.partial(check_not_null, column=f.name))
+        for f in expected
+        if not f.nullable
+    ]
+    specs.append(_named(gxe.ExpectColumnValuesToBeInSet(column="domain", value_set=list(domains)), "in_set:domain", "critical"))
+    specs.append(
         _named(
-            gxe.ExpectColumnValuesToBeBetween(column="event_time_ms", min_value=min_time_ms, max_value=max_time_ms),
-            "range:event_time_ms",
+            gxe.ExpectColumnValuesToBeBetween(column=time_column, min_value=min_time_ms, max_value=max_time_ms),
+            f"range:{time_column}",
             "critical",
         )
     )
-    return exps
+    return specs
+
+
+def _unique(columns: Sequence[str]) -> _Custom:
+    return _Custom(f"unique:{'+'.join(columns)}", "critical", lambda t: check_unique(t, columns))
+
+
+def sample_indices(num_rows: int, sample_rows: int | None) -> pa.Array | None:
+    """Deterministic evenly strided row indices (int64, ascending) when ``num_rows > sample_rows``, else None.
+
+    Striding, not random draws, so re-validating a version samples the very same rows and every
+    partition (the table is read in partition order) is represented.
+    """
+    if sample_rows is None or num_rows <= sample_rows:
+        return None
+    return pa.array((np.arange(sample_rows, dtype=np.int64) * num_rows) // sample_rows)
+
+
+def run_specs(specs: list, table: pa.Table, *, sample_rows: int | None = None) -> list[CheckResult]:
+    """Run GX expectations and custom checks of ``specs`` on ``table``; results in spec order.
+
+    Custom (pyarrow) checks always read every row. GX expectations read the deterministic sample of
+    :func:`sample_indices` when the batch has more than ``sample_rows`` rows (GX on pandas costs
+    seconds per million rows per expectation); their ``details`` then carry ``sampled_rows``.
+    """
+    exps = [s for s in specs if not isinstance(s, _Custom)]
+    custom = [s for s in specs if isinstance(s, _Custom)]
+    names = [s.name if isinstance(s, _Custom) else s.meta["name"] for s in specs]
+    take = sample_indices(table.num_rows, sample_rows)
+    frame = _frame(table if take is None else table.take(take))
+    gx_results = _run_gx(exps, frame) if exps else []
+    if take is not None:
+        gx_results = [
+            CheckResult(r.name, r.severity, r.success, f"{r.observed} (sample of {len(take)} rows)", r.kind,
+                        {**r.details, "sampled_rows": len(take)})
+            for r in gx_results
+        ]
+    return _order(gx_results + [_run_custom(c, table) for c in custom], names)
 
 
 def _run_gx(expectations: list, frame) -> list[CheckResult]:
@@ -305,7 +370,7 @@ def _order(results: list[CheckResult], names: list[str]) -> list[CheckResult]:
 
 
 def validate_events(
-    table: pa.Table, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int
+    table: pa.Table, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int, sample_rows: int | None = None
 ) -> list[CheckResult]:
     """Run the events suite on a batch of the ``events`` table (schema ``EVENTS_TABLE_SCHEMA``).
 
@@ -313,18 +378,35 @@ def validate_events(
         table: N rows; any columns (missing or mistyped ones fail ``columns`` / ``schema_types``).
         domains: known domains (``config.ingest.domains``).
         min_time_ms, max_time_ms: inclusive sane range of ``event_time_ms``, ms since epoch UTC.
+        sample_rows: GX value checks read a deterministic sample of this many rows when N is larger
+            (see :func:`run_specs`); None reads all rows.
 
     Returns:
         One result per check, in suite order. Never raises for bad data.
     """
     gxe = _gxe()
-    exps = _common_gx(EVENTS_TABLE_SCHEMA, domains=domains, min_time_ms=min_time_ms, max_time_ms=max_time_ms)
-    exps.append(_named(gxe.ExpectColumnValuesToBeInSet(column="event_type", value_set=list(EVENT_TYPES)), "in_set:event_type", "critical"))
-    exps.append(_named(gxe.ExpectColumnValuesToBeUnique(column="event_id"), "unique:event_id", "critical"))
-    custom = [_Custom("schema_types", "critical", lambda t: check_schema_types(t, EVENTS_TABLE_SCHEMA))]
-    names = [e.meta["name"] for e in exps] + [c.name for c in custom]
-    results = _run_gx(exps, _frame(table)) + [_run_custom(c, table) for c in custom]
-    return _order(results, names)
+    specs = _common(EVENTS_TABLE_SCHEMA, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
+                    max_time_ms=max_time_ms)
+    specs.append(_named(gxe.ExpectColumnValuesToBeInSet(column="event_type", value_set=list(EVENT_TYPES)), "in_set:event_type", "critical"))
+    specs.append(_unique(["event_id"]))
+    specs.append(_Custom("schema_types", "critical", lambda t: check_schema_types(t, EVENTS_TABLE_SCHEMA)))
+    return run_specs(specs, table, sample_rows=sample_rows)
+
+
+def check_seq_length_p99(table: pa.Table, domain: str, max_seq_len: int) -> dict[str, Any]:
+    """p50 and p99 of ``seq_length`` (events) of one domain's rows; fails when p99 exceeds ``max_seq_len``."""
+    mask = pc.fill_null(pc.equal(table.column("domain"), domain), False)
+    lengths = table.filter(mask).column("seq_length").drop_null().to_numpy().astype(np.float64)
+    if lengths.size == 0:
+        return {"success": True, "observed_value": {"p50": None, "p99": None, "rows": 0}}
+    p50, p99 = float(np.percentile(lengths, 50)), float(np.percentile(lengths, 99))
+    return {"success": p99 <= max_seq_len, "observed_value": {"p50": p50, "p99": p99, "rows": int(lengths.size)}}
+
+
+def _domains(table: pa.Table) -> list[str]:
+    if "domain" not in table.column_names:
+        return []
+    return sorted(d for d in pc.unique(table.column("domain")).to_pylist() if d is not None)
 
 
 def validate_examples(
@@ -336,51 +418,55 @@ def validate_examples(
     max_seq_len: int,
     min_label_rate: float,
     max_label_rate: float,
+    sample_rows: int | None = None,
 ) -> list[CheckResult]:
     """Run the examples suite on a batch of the ``examples`` table (contract in ``sequences/schema.py``).
 
     Besides the events-like checks: labels in {0, 1}; ``seq_length`` in [0, max_seq_len] and equal to
-    every list's length; no leakage; the click rate of each domain present in
-    [min_label_rate, max_label_rate] (warning, ``label_rate:<domain>``); every ``f_*`` finite or null.
+    every list's length; no leakage; sequences time-ascending; the click rate of each domain present
+    in [min_label_rate, max_label_rate] (warning, ``label_rate:<domain>``); per domain the p50/p99
+    of ``seq_length`` (warning ``seq_length_p99:<domain>``, fails above max_seq_len); every ``f_*``
+    finite or null. ``sample_rows`` as in :func:`validate_events` (the label rate is then the
+    sample's: an estimate).
 
     Returns:
         One result per check, in suite order. Never raises for bad data.
     """
     gxe = _gxe()
-    exps = _common_gx(EXAMPLES_BASE_SCHEMA, domains=domains, min_time_ms=min_time_ms, max_time_ms=max_time_ms)
-    exps.append(_named(gxe.ExpectColumnValuesToBeUnique(column="example_id"), "unique:example_id", "critical"))
+    specs = _common(EXAMPLES_BASE_SCHEMA, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
+                    max_time_ms=max_time_ms)
+    specs.append(_unique(["example_id"]))
     for label in LABELS:
-        exps.append(_named(gxe.ExpectColumnValuesToBeInSet(column=label, value_set=[0, 1]), f"in_set:{label}", "critical"))
-    exps.append(
+        specs.append(_named(gxe.ExpectColumnValuesToBeInSet(column=label, value_set=[0, 1]), f"in_set:{label}", "critical"))
+    specs.append(
         _named(
             gxe.ExpectColumnValuesToBeBetween(column="seq_length", min_value=0, max_value=max_seq_len),
             "range:seq_length",
             "critical",
         )
     )
-    if "domain" in table.column_names and "label_click" in table.column_names:
-        for domain in sorted(d for d in pc.unique(table.column("domain")).to_pylist() if d is not None):
-            exps.append(
-                _named(
-                    gxe.ExpectColumnMeanToBeBetween(
-                        column="label_click",
-                        min_value=min_label_rate,
-                        max_value=max_label_rate,
-                        row_condition=f"domain=={domain!r}",
-                        condition_parser="pandas",
-                    ),
-                    f"label_rate:{domain}",
-                    "warning",
-                )
+    present = _domains(table) if "label_click" in table.column_names else []
+    for domain in present:
+        specs.append(
+            _named(
+                gxe.ExpectColumnMeanToBeBetween(
+                    column="label_click",
+                    min_value=min_label_rate,
+                    max_value=max_label_rate,
+                    row_condition=f"domain=={domain!r}",
+                    condition_parser="pandas",
+                ),
+                f"label_rate:{domain}",
+                "warning",
             )
-    custom = [
+        )
+    specs += [
         _Custom("schema_types", "critical", lambda t: check_schema_types(t, EXAMPLES_BASE_SCHEMA)),
-        *[_Custom(f"not_null:{c}", "critical", functools.partial(check_not_null, column=c)) for c in LIST_COLUMNS],
         _Custom("seq_length_matches_lists", "critical", check_seq_lengths),
         _Custom("leakage", "critical", check_leakage),
         _Custom("seq_time_ascending", "critical", check_seq_ascending),
+        *[_Custom(f"seq_length_p99:{d}", "warning",
+                  functools.partial(check_seq_length_p99, domain=d, max_seq_len=max_seq_len)) for d in present],
         *[_Custom(f"finite:{c}", "critical", functools.partial(check_finite, column=c)) for c in dense_feature_names(table.schema)],
     ]
-    names = [e.meta["name"] for e in exps] + [c.name for c in custom]
-    results = _run_gx(exps, _frame(table)) + [_run_custom(c, table) for c in custom]
-    return _order(results, names)
+    return run_specs(specs, table, sample_rows=sample_rows)

@@ -79,6 +79,24 @@ def example_row(i: int, **overrides) -> dict:
     return row
 
 
+def _fill_missing(row: dict, schema: pa.Schema) -> dict:
+    """Neutral values for schema columns the hand-made row does not set (the examples contract grows:
+    empty lists, times equal to the example's, zero counts), so the rows track the current schema."""
+    out = dict(row)
+    for f in schema:
+        if f.name in out:
+            continue
+        if pa.types.is_list(f.type):
+            out[f.name] = []
+        elif pa.types.is_integer(f.type):
+            out[f.name] = out.get("event_time_ms") if f.name.endswith("_ms") else 0
+        elif pa.types.is_boolean(f.type):
+            out[f.name] = False
+        else:
+            out[f.name] = None if f.nullable else ""
+    return out
+
+
 EXAMPLES_SCHEMA = pa.schema(list(EXAMPLES_BASE_SCHEMA) + [pa.field("f_user_clicks", pa.float64())])
 
 
@@ -98,7 +116,7 @@ def examples_table():
     """``examples_table(n, {row_index: {field: value}})`` -> pa.Table in the relaxed examples schema."""
 
     def make(n: int = 8, changes: dict[int, dict] | None = None, schema: pa.Schema = EXAMPLES_SCHEMA) -> pa.Table:
-        rows = [example_row(i, **(changes or {}).get(i, {})) for i in range(n)]
+        rows = [_fill_missing(example_row(i, **(changes or {}).get(i, {})), schema) for i in range(n)]
         return pa.Table.from_pylist(rows, schema=relaxed(schema))
 
     return make

@@ -34,7 +34,8 @@ def test_events_pass_then_a_critical_failure_quarantines_until_released(tmp_path
     cfg = config(tmp_path)
     commit_once(tmp_path, "events", events_table(6), app_id="ingest:gemline.events", version=0, metadata=OFFSETS)
     commit_once(
-        tmp_path, "events", events_table(2, changes={0: {"event_id": "e6"}, 1: {"event_id": "e7", "event_type": "hover"}}),
+        tmp_path, "events", events_table(2, changes={0: {"event_id": "e6", "kafka_offset": 6},
+                                    1: {"event_id": "e7", "event_type": "hover", "kafka_offset": 7}}),
         app_id="ingest:gemline.events", version=1, metadata={"offset_ranges": [[0, 6, 8]], "end_offsets": {"0": 8}},
     )
 
@@ -44,7 +45,9 @@ def test_events_pass_then_a_critical_failure_quarantines_until_released(tmp_path
 
     bad = validate_table(cfg, "events", now_ms=NOW + 1)  # latest = version 1 (8 rows)
     assert bad.table_version == 1 and bad.num_rows == 8 and not bad.passed
-    assert [f[:2] for f in bad.failures] == [("in_set:event_type", "critical")]
+    # the ingest batch of version 1 has 2 records against 6 before: a volume drift warning beside it
+    assert [f[:2] for f in bad.failures] == [("in_set:event_type", "critical"), ("drift:num_rows", "warning")]
+    assert bad.failures[1][2] == "2 vs 6 over 1 batches: relative change 0.667 (max 0.5)"
     assert not gate_decision(tmp_path, "events", 1).allowed
     assert "in_set:event_type" in gate_decision(tmp_path, "events", 1).reason
 
@@ -86,7 +89,8 @@ def test_examples_warning_only_passes_the_gate(tmp_path, examples_table):
     assert report["verdict"] == "PASSED" and report["source"]["events_version"] == 3
     page = result.report_html.read_text()
     assert '<div id="verdict" class="verdict PASSED">PASSED</div>' in page
-    assert page.count("data:image/png;base64,") == 3  # seq length, click rate, per domain/day
+    # seq length, its p50/p99 per domain, click rate, per domain/day, feature distributions, drift
+    assert page.count("data:image/png;base64,") == 6
 
 
 def test_examples_leakage_quarantines(tmp_path, examples_table):
@@ -107,7 +111,8 @@ def test_empty_table_is_quarantined_as_empty(tmp_path, events_table):
 
 
 BAD_CALLS = [
-    ("features/user", None, "no quality suite"),
+    ("dead_letter", None, "no quality suite"),
+    ("features/user", None, "does not exist"),
     ("events", None, "does not exist"),
 ]
 

@@ -94,7 +94,8 @@ EXAMPLE_CASES = [
         "sequence longer than max_seq_len",
         {2: {"seq_item_ids": ["a"] * 5, "seq_categories": ["c"] * 5, "seq_event_types": ["click"] * 5,
              "seq_domains": ["facebook"] * 5, "seq_event_time_ms": [T0 - 5] * 5, "seq_length": 5}},
-        {"range:seq_length": "critical"},
+        # one facebook row of 4 at length 5: its p99 (4.88) exceeds max_seq_len 4 too
+        {"range:seq_length": "critical", "seq_length_p99:facebook": "warning"},
     ),
     ("seq_length disagrees with the lists", {2: {"seq_length": 1}}, {"seq_length_matches_lists": "critical"}),
     ("one list shorter than the others", {2: {"seq_domains": ["facebook"]}}, {"seq_length_matches_lists": "critical"}),
