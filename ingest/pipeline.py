@@ -9,20 +9,30 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
    ``batch_version`` (a crash between the two commits), the ranges and the clock recorded in
    that commit are reused instead, so the rerun reads and decides exactly as the crashed run did.
 2. Skip when every range is empty: nothing is written.
-3. Run the Beam pipeline: read ranges -> Reshuffle -> ParseEvents -> one Parquet file per bundle
-   under ``LAKE/_staging/ingest/<batch_version>/{events,dead_letter}/``.
+3. Run the Beam pipeline: read ranges (``ReadOffsetRanges``: KafkaRecord elements, or record
+   batches should the source batch itself) -> ``BatchRecords`` (Arrow record batches of up to
+   ``IngestConfig.batch_max_records`` messages of one partition) -> ``ParseBatches`` (vectorised,
+   ``ingest.vectorized``) -> one Parquet file per bundle under
+   ``LAKE/_staging/ingest/<batch_version>/{events,dead_letter}/``.
 4. On the driver: read the staged rows (deduplicated by Kafka (partition, offset), since a
-   retried bundle may stage twice), commit ``dead_letter`` and then ``events`` (partitioned by
-   ``event_date``) with :func:`gemline.lake.commit_once`, both tagged (app_id, batch_version)
-   and carrying ``{"offset_ranges", "end_offsets", "now_ms"}``; remove the staging dir.
+   retried bundle may stage twice); drop duplicate deliveries of an event_id within
+   ``dedup_window_ms`` (against this batch and a filtered read of the committed events,
+   ``ingest.dedup``); move events more than ``allowed_lateness_ms`` behind their partition's
+   watermark to ``late_events``. Commit ``dead_letter``, then ``late_events``, then ``events``
+   (partitioned by ``event_date``), each tagged (app_id, batch_version) and carrying
+   ``{"offset_ranges", "end_offsets", "now_ms", "watermarks_ms", "duplicates_dropped",
+   "late_events"}``; remove the staging dir.
 
 Each commit is atomic and idempotent, and ``events`` moves the offsets only after
-``dead_letter`` holds the same batch, so a crash anywhere loses no record and writes none twice.
+``dead_letter`` and ``late_events`` hold the same batch, so a crash anywhere loses no record and
+writes none twice. Dedup and lateness depend only on the ranges, the clock, and lake state that
+only the ``events`` commit changes, so a recovery run decides as the crashed run did.
 Run one ingest job per topic at a time: two concurrent runs would plan the same batch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -41,15 +51,20 @@ import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from gemline.config import GemlineConfig
-from gemline.lake import commit_metadata, commit_once, committed_version
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+from gemline.lake import commit_metadata, commit_once, committed_version, open_table, table_uri
+from ingest.dedup import committed_ids, drop_duplicates, split_late
 from ingest.kafka_source import OffsetRange, ReadOffsetRanges, plan_snapshot
-from ingest.parse import DEAD_LETTER, GOOD, ParseEvents
-from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA
+from ingest.parse import DEAD_LETTER, GOOD
+from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, LATE_EVENTS_SCHEMA
+from ingest.vectorized import BatchRecords, ParseBatches
 
 log = logging.getLogger(__name__)
 
 EVENTS_TABLE = "events"
 DEAD_LETTER_TABLE = "dead_letter"
+LATE_EVENTS_TABLE = "late_events"
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,10 @@ class IngestResult:
     """True when every range was empty and nothing was written."""
     recovered: bool = False
     """True when the ranges came from a ``dead_letter`` commit left by a crashed run."""
+    duplicates_dropped: int = 0
+    """Duplicate deliveries of an event_id within ``dedup_window_ms`` this batch dropped."""
+    late_events_written: int = 0
+    """Rows this call committed to ``late_events`` (behind the watermark by more than the allowed lateness)."""
 
 
 def app_id_for(topic: str) -> str:
@@ -88,6 +107,7 @@ class _Plan:
     end_offsets: dict[int, int]
     now_ms: int
     recovered: bool
+    watermarks_ms: dict[int, int]
 
 
 def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _Plan:
@@ -98,6 +118,7 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _P
     batch_version = 0 if last_events is None else last_events + 1
     events_meta = commit_metadata(lake, EVENTS_TABLE, app_id) or {}
     prev_ends = {int(p): int(e) for p, e in events_meta.get("end_offsets", {}).items()}
+    marks = {int(p): int(w) for p, w in events_meta.get("watermarks_ms", {}).items()}
 
     last_dead = committed_version(lake, DEAD_LETTER_TABLE, app_id)
     if last_dead is not None and last_dead > batch_version:
@@ -110,43 +131,51 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _P
         ends = {int(p): int(e) for p, e in meta["end_offsets"].items()}
         log.info("ingest %s: recovering batch %d from its dead_letter commit (%d ranges)",
                  app_id, batch_version, len(ranges))
-        return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True)
+        return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True, watermarks_ms=marks)
 
     ranges = tuple(plan_snapshot(bootstrap, topic, prev_ends, client=config.kafka.client,
                                  timeout_s=config.ingest.read_timeout_s))
     ends = {**prev_ends, **{r.partition: r.end for r in ranges}}
     clock_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
-    return _Plan(batch_version, ranges, ends, clock_ms, recovered=False)
+    return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks)
 
 
 class _StageParquetFn(beam.DoFn):
-    """Buffers a bundle's rows and writes them as one Parquet file (written aside, then renamed)."""
+    """Buffers a bundle's rows (dicts or Arrow tables) and writes them as one Parquet file (aside, then renamed)."""
 
     def __init__(self, directory: str, schema: pa.Schema) -> None:
         self._dir = directory
         self._schema = schema
         self._rows: list[dict[str, Any]] = []
+        self._tables: list[pa.Table] = []
 
     def start_bundle(self) -> None:
         self._rows = []
+        self._tables = []
 
-    def process(self, row: dict[str, Any]) -> Iterator[Any]:
-        self._rows.append(row)
+    def process(self, row: dict[str, Any] | pa.Table) -> Iterator[Any]:
+        if isinstance(row, pa.Table):
+            if not row.schema.equals(self._schema):
+                raise TypeError(f"StageRows: expected tables of schema {self._schema}, got {row.schema}")
+            self._tables.append(row)
+        else:
+            self._rows.append(row)
         return iter(())
 
     def finish_bundle(self) -> None:
-        if not self._rows:
+        if not self._rows and not self._tables:
             return
-        table = pa.Table.from_pylist(self._rows, schema=self._schema)
+        table = pa.concat_tables(self._tables + [pa.Table.from_pylist(self._rows, schema=self._schema)])
         name = uuid.uuid4().hex
         tmp = os.path.join(self._dir, f".{name}.tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, os.path.join(self._dir, f"{name}.parquet"))
         self._rows = []
+        self._tables = []
 
 
 class StageRows(beam.PTransform):
-    """PCollection[row dict] -> Parquet files of ``schema`` in ``directory`` (one per bundle).
+    """PCollection[row dict | pa.Table of ``schema``] -> Parquet files of ``schema`` in ``directory`` (one per bundle).
 
     The directory must exist. Files are renamed into place only when complete, so a reader sees
     whole files; a retried bundle can leave a duplicate, which the driver removes by Kafka
@@ -213,7 +242,9 @@ def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, b
             | "ReadKafka" >> ReadOffsetRanges(
                 bootstrap=bootstrap, client=config.kafka.client, timeout_s=config.ingest.read_timeout_s
             )
-            | "ParseEvents" >> ParseEvents(config.ingest.domains, plan.now_ms, config.ingest.max_future_skew_ms)
+            | "BatchRecords" >> BatchRecords(config.ingest.batch_max_records)
+            | "ParseBatches" >> ParseBatches(config.ingest.domains, plan.now_ms, config.ingest.max_future_skew_ms,
+                                             config.ingest.retention_ms)
         )
         _ = parsed[GOOD] | "StageEvents" >> StageRows(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)
         _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
@@ -265,18 +296,28 @@ def run_ingest(
     events = read_staged(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)
     dead = read_staged(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
     _check_batch(events, dead, plan.ranges)
+    existing = open_table(lake, EVENTS_TABLE)
+    committed = committed_ids(None if existing is None else existing.to_pyarrow_dataset(), events,
+                              config.ingest.dedup_window_ms)
+    events, duplicates = drop_duplicates(events, committed, config.ingest.dedup_window_ms)
+    events, late, watermarks = split_late(events, plan.watermarks_ms, config.ingest.allowed_lateness_ms)
     metadata = {
         "offset_ranges": [r.to_dict() for r in plan.ranges],
         "end_offsets": {str(p): e for p, e in sorted(plan.end_offsets.items())},
         "now_ms": plan.now_ms,
+        "watermarks_ms": {str(p): w for p, w in sorted(watermarks.items())},
+        "duplicates_dropped": duplicates,
+        "late_events": late.num_rows,
     }
     wrote_dead = commit_once(lake, DEAD_LETTER_TABLE, dead, app_id=app_id, version=plan.batch_version,
                              metadata=metadata)
+    wrote_late = _commit_at(lake, LATE_EVENTS_TABLE, late, app_id=app_id, version=plan.batch_version,
+                            metadata=metadata)
     wrote_events = commit_once(lake, EVENTS_TABLE, events, app_id=app_id, version=plan.batch_version,
                                partition_by=["event_date"], metadata=metadata)
     shutil.rmtree(stage, ignore_errors=True)
-    log.info("ingest %s: batch %d committed: %d events, %d dead-letter", app_id, plan.batch_version,
-             events.num_rows, dead.num_rows)
+    log.info("ingest %s: batch %d committed: %d events, %d dead-letter, %d late, %d duplicates dropped", app_id,
+             plan.batch_version, events.num_rows, dead.num_rows, late.num_rows, duplicates)
     return IngestResult(
         batch_version=plan.batch_version,
         events_written=events.num_rows if wrote_events else 0,
@@ -284,4 +325,24 @@ def run_ingest(
         offset_ranges=plan.ranges,
         skipped=False,
         recovered=plan.recovered,
+        duplicates_dropped=duplicates,
+        late_events_written=late.num_rows if wrote_late else 0,
     )
+
+
+def _commit_at(lake: str | Path, table: str, data: pa.Table, *, app_id: str, version: int,
+               metadata: dict[str, Any]) -> bool:
+    """Like :func:`gemline.lake.commit_once`, but the first commit may carry any version.
+
+    ``late_events`` joined the lake after ``events``: in an existing lake its first batch is the
+    app's next events version, not 0, so commit_once's "version must be last + 1" check cannot hold.
+    Idempotence is the same: skip when (app_id, version) or later is already there.
+    """
+    last = committed_version(lake, table, app_id)
+    if last is not None and version <= last:
+        return False
+    custom = {"gemline": json.dumps({**metadata, "app_id": app_id, "txn_version": version}, sort_keys=True)}
+    write_deltalake(table_uri(lake, table), data, mode="append", schema_mode="merge",
+                    commit_properties=CommitProperties(custom_metadata=custom,
+                                                       app_transactions=[Transaction(app_id=app_id, version=version)]))
+    return True
