@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 
 import apache_beam as beam
@@ -294,3 +295,62 @@ def test_check_batch_catches_broken_invariants(ev, dead, match):
     ranges = (OffsetRange("t", 0, 0, 5), OffsetRange("t", 1, 0, 2))
     with pytest.raises(RuntimeError, match=match):
         _check_batch(_coord_table(ev), _coord_table(dead), ranges)
+
+
+def _ev(i: int, t_ms: int | str, **over) -> tuple[bytes, bytes]:
+    obj = {"event_id": f"e{i}", "event_time_ms": t_ms, "user_id": f"u{i % 5}", "item_id": f"i{i}",
+           "domain": "facebook", "event_type": "impression", **over}
+    return f"u{i % 5}".encode(), json.dumps(obj).encode()
+
+
+def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_path):
+    """Every bad-input kind dead-lettered with its code while the good rows of the batch are written;
+    duplicate deliveries dropped within and across batches; late events kept in late_events."""
+    cfg = dataclasses.replace(_config(tmp_path / "lake", topic),
+                              ingest=IngestConfig(retention_days=30, dedup_window_ms=3_600_000,
+                                                  allowed_lateness_ms=86_400_000, batch_max_records=4))
+    day = 86_400_000
+    first_batch = [
+        _ev(0, BASE_MS), _ev(1, BASE_MS // 1000 + 1), _ev(2, (BASE_MS + 2) * 1000),  # ms, s, us
+        _ev(3, "2025-06-04T01:20:00+02:00"), _ev(4, "2025-06-04T01:20:00"),  # ISO with offset, naive = UTC
+        _ev(0, BASE_MS),  # second delivery of e0: dropped
+        (b"u1", b"{broken"),
+        _ev(90, BASE_MS, user_id=None),
+        _ev(91, BASE_MS, position="3"),
+        _ev(92, NOW_MS + cfg.ingest.max_future_skew_ms + 1),
+        _ev(93, NOW_MS - 31 * day),
+        _ev(94, BASE_MS, domain="tiktok"),
+        _ev(95, BASE_MS, event_type="purchase"),
+    ]
+    # Key every message to one user so one partition holds them all, in order.
+    first_batch = [(b"u0", v) for _, v in first_batch]
+    _produce(broker.bootstrap, topic, first_batch)
+    res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert (res.events_written, res.dead_letter_written, res.duplicates_dropped, res.late_events_written) == (5, 7, 1, 0)
+    dead = read_table(cfg.lake, "dead_letter")
+    assert sorted(dead["reason"].to_pylist()) == sorted(["not_json", "missing_field", "wrong_type", "future_event_time",
+                                                         "expired_event_time", "unknown_domain", "unknown_event_type"])
+    events = {r["event_id"]: r for r in read_table(cfg.lake, "events").to_pylist()}
+    assert sorted(events) == ["e0", "e1", "e2", "e3", "e4"]
+    assert events["e0"]["event_time_us"] == BASE_MS * 1000
+    assert events["e1"]["event_time_us"] == (BASE_MS // 1000 + 1) * 1_000_000
+    assert events["e2"]["event_time_us"] == (BASE_MS + 2) * 1000 and events["e2"]["event_time_ms"] == BASE_MS + 2
+    assert events["e3"]["event_time_us"] == events["e4"]["event_time_us"] - 2 * 3_600_000_000
+    meta = commit_metadata(cfg.lake, "events", app_id_for(topic))
+    part = events["e0"]["kafka_partition"]
+    assert meta["duplicates_dropped"] == 1 and meta["late_events"] == 0
+    assert meta["watermarks_ms"] == {str(part): max(r["event_time_ms"] for r in events.values())}
+
+    watermark = meta["watermarks_ms"][str(part)]
+    second_batch = [_ev(0, BASE_MS + 1000),  # e0 again, 1 s later: still a duplicate (window 1 h), across batches
+                    _ev(0, BASE_MS + 2 * 3_600_000),  # e0 2 h later: outside the window, a new event
+                    _ev(5, watermark - day - 1),  # behind the watermark by more than a day: late
+                    _ev(6, watermark - day)]  # exactly the allowed lateness: on time
+    _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in second_batch])
+    res2 = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert (res2.events_written, res2.dead_letter_written, res2.duplicates_dropped, res2.late_events_written) == (2, 0, 1, 1)
+    late = read_table(cfg.lake, "late_events").to_pylist()
+    assert [(r["event_id"], r["watermark_ms"], r["lateness_ms"]) for r in late] == [("e5", watermark, day + 1)]
+    ids = read_table(cfg.lake, "events")["event_id"].to_pylist()
+    assert sorted(ids) == ["e0", "e0", "e1", "e2", "e3", "e4", "e6"]
+    assert commit_metadata(cfg.lake, "late_events", app_id_for(topic))["late_events"] == 1

@@ -1,0 +1,113 @@
+"""drop_duplicates / split_late / committed_ids against brute-force references and hand-checked cases."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.dedup import committed_ids, dates_between, drop_duplicates, split_late
+from ingest.schema import EVENTS_TABLE_SCHEMA, LATE_EVENTS_SCHEMA
+
+DAY = 86_400_000
+
+
+def _events(rows: list[tuple[str, int, int]]) -> pa.Table:
+    """(event_id, event_time_ms, partition) rows as a full events table, offsets in row order."""
+    full = []
+    for off, (eid, ms, part) in enumerate(rows):
+        full.append({"event_id": eid, "event_time_ms": ms, "user_id": "u", "item_id": "i", "domain": "d",
+                     "event_type": "impression", "schema_version": 1, "created_ts_ms": 0,
+                     "event_date": dates_between(ms, ms)[0], "kafka_topic": "t", "kafka_partition": part,
+                     "kafka_offset": off, "event_time_us": ms * 1000})
+    return pa.Table.from_pylist(full, schema=EVENTS_TABLE_SCHEMA)
+
+
+def _committed(rows: list[tuple[str, int]]) -> pa.Table:
+    return pa.table({"event_id": pa.array([r[0] for r in rows], pa.string()),
+                     "event_time_ms": pa.array([r[1] for r in rows], pa.int64())})
+
+
+def test_dedup_hand_checked():
+    events = _events([("a", 1000, 0), ("b", 2000, 0), ("a", 1500, 1), ("c", 5000, 0), ("a", 9000, 0),
+                      ("a", 9100, 1), ("d", 100, 2)])
+    kept, dropped = drop_duplicates(events, _committed([("c", 4000), ("d", 100 - 5001)]), window_ms=5000)
+    # a@1500 is within 5 s of a@1000; a@9000 is not (kept), a@9100 is within 5 s of the kept a@9000;
+    # c is within 5 s of the committed c@4000; d is 5001 ms from the committed d: kept.
+    assert kept["kafka_offset"].to_pylist() == [0, 1, 4, 6]
+    assert dropped == 3
+
+
+def _brute(rows, committed, window):
+    kept_times = {}
+    for eid, ms in committed:
+        kept_times.setdefault(eid, []).append(ms)
+    keep = []
+    for i, (eid, ms, _) in enumerate(rows):
+        if any(abs(ms - t) <= window for t in kept_times.get(eid, [])):
+            continue
+        kept_times.setdefault(eid, []).append(ms)
+        keep.append(i)
+    return keep
+
+
+_ids = st.sampled_from(["a", "b", "c", "d"])
+_times = st.integers(0, 20_000)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(_ids, _times, st.integers(0, 2)), max_size=30),
+       st.lists(st.tuples(_ids, _times), max_size=6), st.integers(0, 8000))
+def test_dedup_matches_brute_force(rows, committed, window):
+    kept, dropped = drop_duplicates(_events(rows), _committed(committed), window)
+    expected = _brute(rows, committed, window)
+    assert kept["kafka_offset"].to_pylist() == expected
+    assert dropped == len(rows) - len(expected)
+
+
+def test_split_late_hand_checked():
+    events = _events([("a", 10 * DAY, 0), ("b", 7 * DAY, 0), ("c", 8 * DAY, 0), ("d", 1, 1), ("e", 5 * DAY, 2)])
+    on_time, late, marks = split_late(events, {0: 9 * DAY, 2: 3 * DAY, 5: 42}, allowed_lateness_ms=DAY + 1)
+    assert on_time["event_id"].to_pylist() == ["a", "c", "d", "e"]  # c is exactly DAY behind: allowed
+    assert late.schema == LATE_EVENTS_SCHEMA
+    assert [(r["event_id"], r["watermark_ms"], r["lateness_ms"]) for r in late.to_pylist()] == [("b", 9 * DAY, 2 * DAY)]
+    assert marks == {0: 10 * DAY, 1: 1, 2: 5 * DAY, 5: 42}  # partition 1 had no watermark: nothing late there
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(_ids, _times, st.integers(0, 2)), max_size=30),
+       st.dictionaries(st.integers(0, 2), _times, max_size=3), st.integers(0, 5000))
+def test_split_late_partitions_rows_and_never_lowers_watermarks(rows, marks, lateness):
+    on_time, late, new_marks = split_late(_events(rows), marks, lateness)
+    assert on_time.num_rows + late.num_rows == len(rows)
+    for r in late.to_pylist():
+        assert r["lateness_ms"] == marks[r["kafka_partition"]] - r["event_time_ms"] > lateness
+    for r in on_time.to_pylist():
+        p = r["kafka_partition"]
+        assert p not in marks or r["event_time_ms"] >= marks[p] - lateness
+        assert new_marks[p] >= r["event_time_ms"]
+    assert all(new_marks[p] >= w for p, w in marks.items())
+
+
+def test_committed_ids_reads_only_the_window_and_the_ids(tmp_path):
+    old = _events([("a", 1 * DAY, 0), ("b", 10 * DAY, 0), ("a", 20 * DAY, 0), ("z", 10 * DAY, 0)])
+    pads.write_dataset(old, tmp_path, format="parquet", partitioning=["event_date"], partitioning_flavor="hive")
+    dataset = pads.dataset(tmp_path, format="parquet", partitioning="hive")
+    batch = _events([("a", 10 * DAY + 5, 0), ("b", 10 * DAY, 0)])
+    got = committed_ids(dataset, batch, window_ms=DAY)
+    assert sorted(zip(got["event_id"].to_pylist(), got["event_time_ms"].to_pylist())) == [("b", 10 * DAY)]
+    assert committed_ids(None, batch, DAY).num_rows == 0
+
+
+@pytest.mark.parametrize(("lo", "hi", "expected"), [
+    (0, 0, ["1970-01-01"]), (-1, 0, ["1969-12-31", "1970-01-01"]), (DAY - 1, 2 * DAY, ["1970-01-01", "1970-01-02", "1970-01-03"]),
+])
+def test_dates_between(lo, hi, expected):
+    assert dates_between(lo, hi) == expected
+
+
+def test_dates_between_rejects_reversed_bounds():
+    with pytest.raises(ValueError, match="min_ms <= max_ms"):
+        dates_between(5, 4)
