@@ -33,7 +33,8 @@ class BuildConfig:
             _parse_override(entry)
         if self.max_same_domain_seq_len is not None and self.max_same_domain_seq_len < 1:
             raise ValueError(f"build.max_same_domain_seq_len must be >= 1 or None, got {self.max_same_domain_seq_len}")
-        longest = max([self.click_window_ms, self.conversion_window_ms, 7 * MS_PER_DAY]
+        # 30 d: the feature views' TTL (features.definitions), 7 d: the longest counter window.
+        longest = max([self.click_window_ms, self.conversion_window_ms, 30 * MS_PER_DAY]
                       + [_parse_override(e)[2] for e in self.window_overrides])
         if self.state_lookback_ms < longest:
             raise ValueError(
