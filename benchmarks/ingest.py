@@ -1,0 +1,150 @@
+"""Benchmark the ingest job (Kafka -> Beam -> Delta) against a plain consumer loop, end to end.
+
+``python -m benchmarks.ingest [--events N] [--partitions P] [--batch-records B] [--seed S]``
+
+Synthetic traffic (``ingest.generate``, with its bad records) is produced once to the embedded
+broker; then, in this process, on two fresh lakes:
+
+* baseline: a confluent-kafka consumer ``assign``-ed to every partition reads [0, high watermark),
+  each ``B`` messages become one Arrow batch, are parsed by the same vectorised
+  ``ingest.vectorized.parse_batch``, and are appended to Delta (events, dead_letter) with one
+  ``write_deltalake`` per batch and table. No exactly-once bookkeeping, no dedup, no lateness.
+* pipeline: ``ingest.pipeline.run_ingest`` (plan, Beam DirectRunner, stage, dedup, lateness, the
+  three idempotent commits).
+
+Reported per run: wall seconds, CPU seconds of this process (all threads), events/s and events
+per CPU-second ("per core"); the last line is the ratio pipeline/baseline of events per CPU-second.
+Both runs see the same broker and host; numbers on a shared machine vary run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import write_deltalake
+from tqdm import tqdm
+
+from gemline.config import GemlineConfig
+from gemline.lake import read_table, table_uri
+from ingest.broker import EmbeddedBroker
+from ingest.config import IngestConfig, KafkaConfig
+from ingest.generate import GenerateConfig, generate_records, stream_records
+from ingest.kafka_source import KafkaRecord
+from ingest.pipeline import run_ingest
+from ingest.replay import ensure_topic
+from ingest.vectorized import parse_batch, records_to_batch
+
+TOPIC = "bench.events"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed ingest of the whole topic."""
+
+    name: str
+    events: int
+    """Rows written to events + dead_letter (+ late_events)."""
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def per_s(self) -> float:
+        """Events per wall second."""
+        return self.events / self.wall_s
+
+    @property
+    def per_cpu_s(self) -> float:
+        """Events per CPU-second of this process (events/s per core)."""
+        return self.events / self.cpu_s
+
+
+def _synthetic(num_events: int, seed: int) -> list:
+    """About ``num_events`` generated records (the generator's size knob is users; cut to exactly N)."""
+    cfg = GenerateConfig(seed=seed, num_users=max(10, num_events // 90), days=3.0)
+    records = generate_records(cfg)
+    while len(records) < num_events:
+        cfg = replace(cfg, num_users=cfg.num_users * 2)
+        records = generate_records(cfg)
+    return records[:num_events]
+
+
+def baseline(bootstrap: str, lake: Path, config: IngestConfig, batch_records: int, now_ms: int) -> int:
+    """Plain consumer loop + parse_batch + one Delta append per batch and table; returns rows written."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-baseline", "enable.auto.commit": False,
+                         "enable.partition.eof": False, "auto.offset.reset": "earliest"})
+    parts = sorted(consumer.list_topics(TOPIC, timeout=30).topics[TOPIC].partitions)
+    ends = {p: consumer.get_watermark_offsets(TopicPartition(TOPIC, p), timeout=30, cached=False)[1] for p in parts}
+    consumer.assign([TopicPartition(TOPIC, p, 0) for p in parts])
+    remaining, written = sum(ends.values()), 0
+    args = dict(domains=config.domains, now_ms=now_ms, max_future_skew_ms=config.max_future_skew_ms,
+                retention_ms=config.retention_ms)
+    with tqdm(total=remaining, desc="baseline", unit="msg", disable=None) as progress:
+        while remaining > 0:
+            msgs = consumer.consume(num_messages=min(batch_records, remaining), timeout=5.0)
+            if not msgs:
+                raise TimeoutError(f"baseline: no message in 5 s with {remaining} left")
+            recs = [KafkaRecord(m.topic(), m.partition(), m.offset(), m.key(), m.value() or b"", m.timestamp()[1])
+                    for m in msgs if m.error() is None]
+            events, dead = parse_batch(records_to_batch(recs), **args)
+            write_deltalake(table_uri(lake, "events"), events, mode="append", partition_by=["event_date"])
+            write_deltalake(table_uri(lake, "dead_letter"), dead, mode="append")
+            written += events.num_rows + dead.num_rows
+            remaining -= len(msgs)
+            progress.update(len(msgs))
+    consumer.close()
+    return written
+
+
+def _timed(name: str, fn) -> Run:
+    wall, cpu = time.perf_counter(), time.process_time()
+    events = fn()
+    return Run(name, events, time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, produce the traffic, time both runs, print the table and the ratio last."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=20_000, help="messages to produce (default 20000)")
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--batch-records", type=int, default=10_000, help="messages per Arrow batch")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.events < 1:
+        parser.error(f"--events must be >= 1, got {args.events}")
+    logging.basicConfig(level=logging.WARNING)
+
+    records = _synthetic(args.events, args.seed)
+    now_ms = max(getattr(r, "event_time_ms", 0) or 0 for r in records) + 60_000
+    ingest_cfg = IngestConfig(batch_max_records=args.batch_records)
+    with EmbeddedBroker() as broker, tempfile.TemporaryDirectory(prefix="gemline-bench-") as tmp:
+        ensure_topic(broker.bootstrap, TOPIC, args.partitions)
+        stream_records(records, bootstrap=broker.bootstrap, topic=TOPIC, partitions=args.partitions)
+        base = _timed("baseline", lambda: baseline(broker.bootstrap, Path(tmp) / "base", ingest_cfg,
+                                                   args.batch_records, now_ms))
+        cfg = GemlineConfig(lake=str(Path(tmp) / "pipe"), kafka=KafkaConfig(topic=TOPIC, partitions=args.partitions),
+                            ingest=ingest_cfg)
+
+        def pipeline() -> int:
+            res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=now_ms)
+            return res.events_written + res.dead_letter_written + res.late_events_written + res.duplicates_dropped
+
+        pipe = _timed("pipeline", pipeline)
+        base_rows = read_table(Path(tmp) / "base", "events").num_rows
+        pipe_rows = read_table(cfg.lake, "events").num_rows
+    print(f"{'run':<10}{'messages':>10}{'wall s':>9}{'cpu s':>8}{'events/s':>11}{'events/cpu-s':>14}")
+    for run in (base, pipe):
+        print(f"{run.name:<10}{run.events:>10}{run.wall_s:>9.2f}{run.cpu_s:>8.2f}{run.per_s:>11.0f}{run.per_cpu_s:>14.0f}")
+    print(f"events rows: baseline {base_rows}, pipeline {pipe_rows} (the pipeline also drops duplicate deliveries)")
+    print(f"ratio pipeline/baseline: {pipe.per_cpu_s / base.per_cpu_s:.2f} per core, {pipe.per_s / base.per_s:.2f} wall")
+
+
+if __name__ == "__main__":
+    main()
