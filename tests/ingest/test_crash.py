@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import selectors
 import signal
@@ -102,8 +103,6 @@ class Zygote:
         pid = json.loads(self._readline(300))["pid"]
         killed = False
         if kill_after_s is not None and not self._sel.select(timeout=kill_after_s):
-            import os
-
             os.kill(pid, signal.SIGKILL)
             killed = True
         result = json.loads(self._readline(300))

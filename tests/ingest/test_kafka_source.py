@@ -10,7 +10,7 @@ from apache_beam.io.restriction_trackers import OffsetRange as BeamOffsetRange
 from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
 from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
-from apache_beam.utils.timestamp import MIN_TIMESTAMP, Timestamp
+from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import given, settings
@@ -260,3 +260,52 @@ def test_fetch_polls_forward_and_returns_empty_at_the_end(broker, client):
         assert kc.fetch(topic, 0, 5, max_records=2, timeout_s=0.3) == []
     finally:
         kc.close()
+
+
+class _ScriptedPoller:
+    """A KafkaClient whose fetches return scripted batches (one list per poll)."""
+
+    def __init__(self, batches: list[list[int]]):
+        self.batches = batches
+        self.fetched_from: list[int] = []
+
+    def fetch(self, topic, partition, offset, *, max_records, timeout_s):
+        self.fetched_from.append(offset)
+        offsets = self.batches.pop(0) if self.batches else []
+        return [KafkaRecord(topic, partition, o, None, b"v", 1_000 * o) for o in offsets]
+
+    def close(self):
+        pass
+
+
+def test_unbounded_polls_defer_and_advance_the_watermark_then_release_an_idle_partition():
+    from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
+
+    wall_s = iter([100.0, 101.0, 102.0, 140.0, 200.0])  # the wall clock at each poll
+    poll = PollSettings(idle_timeout_s=30, resume_delay_s=0.5)
+    fn = ReadPartitionFn("confluent", "unused:1", 1.0, poll, clock=lambda: next(wall_s))
+    fn._client = object()  # not used by polls
+    poller = _ScriptedPoller([[5, 6, 7], [], [8], [], []])
+    fn._pollers = {("t", 0): poller}
+    estimator = PartitionWatermarkEstimator(WatermarkState(None, None))
+    element, start = PartitionStart("t", 0, 5), 5
+    seen = []
+    delays = []
+
+    class _View(RestrictionTrackerView):
+        def defer_remainder(self, deferred_time=None):
+            delays.append(deferred_time)
+            super().defer_remainder(deferred_time)
+
+    for expected_wm_ms, expected_delay_s in [(7_000, 0), (7_000, 0.5), (8_000, 0), (140_000, 0.5), (200_000, 0.5)]:
+        tracker = ThreadsafeRestrictionTracker(OffsetRestrictionTracker(BeamOffsetRange(start, UNBOUNDED_END)))
+        out = list(fn.process(element, _View(tracker), estimator))
+        seen += [(v.value.offset, v.timestamp.micros // 1000) for v in out]
+        assert estimator.current_watermark() == Timestamp(micros=expected_wm_ms * 1000)
+        assert delays.pop() == Duration.of(expected_delay_s)
+        residual, _ = tracker.deferred_status()
+        start = residual.start  # the runner resumes the residual [next offset, inf)
+    assert seen == [(5, 5_000), (6, 6_000), (7, 7_000), (8, 8_000)]
+    assert poller.fetched_from == [5, 8, 8, 9, 9]
+    # Idle from 102 s (last data) to 140 s: 38 s >= 30 s, so at the 4th poll the partition stopped
+    # holding the watermark (moved to the wall clock, 140 s), and again at the 5th (200 s).
