@@ -1,5 +1,8 @@
 """Delta table hygiene after builds and ingests: checkpoints, small-file compaction, safe vacuum.
 
+- one declared type per column whatever a batch holds (:func:`conform`): an all-empty list
+  column or an all-null column would otherwise be inferred as ``list<null>`` / ``null`` and
+  either fail the write or widen the table schema;
 - checkpoint every ``checkpoint_every`` commits (``DeltaTable.create_checkpoint``), so readers
   replay at most K JSON commits;
 - compaction of small files (``DeltaTable.optimize.compact``, delta-rs docs "Optimize"): a
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from gemline.lake import open_table
 
 MIN_RETENTION_HOURS = 1.0
@@ -30,6 +35,8 @@ class HygieneConfig:
     """Write a checkpoint when the table version is a multiple of this K (commits)."""
     retention_hours: float = 168.0
     """Vacuum removes files unreferenced for longer than this (hours)."""
+    compact_min_files: int = 16
+    """Compact only when the table has at least this many data files."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -39,6 +46,32 @@ class HygieneConfig:
                 f"hygiene.retention_hours must be >= {MIN_RETENTION_HOURS} (files a running writer or reader still "
                 f"needs would go), got {self.retention_hours}"
             )
+        if self.compact_min_files < 2:
+            raise ValueError(f"hygiene.compact_min_files must be >= 2 files, got {self.compact_min_files}")
+
+
+def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``data`` with exactly ``schema``'s columns, order and types.
+
+    Columns of type ``null`` (all values null, type unknown) or lists of ``null`` (all lists
+    empty) take the declared type; other columns are cast safely (no lossy conversions).
+
+    Raises:
+        ValueError: a column of ``schema`` is missing, or a value does not fit its declared type.
+    """
+    missing = [name for name in schema.names if name not in data.column_names]
+    if missing:
+        raise ValueError(f"batch lacks columns {missing}; expected {schema.names}, got {data.column_names}")
+    arrays = []
+    for field in schema:
+        column = data.column(field.name)
+        try:
+            arrays.append(column.cast(field.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            raise ValueError(
+                f"column {field.name!r}: expected {field.type}, got {column.type} that does not convert ({exc})"
+            ) from None
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 @dataclass(frozen=True)
@@ -51,7 +84,8 @@ class HygieneResult:
 
 
 def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True) -> HygieneResult:
-    """Checkpoint (every K commits), compact and vacuum ``table`` under ``lake``.
+    """Compact (when ``compact`` and the table has >= ``compact_min_files`` files), checkpoint
+    (when the version is a multiple of K) and vacuum ``table`` under ``lake``.
 
     Raises:
         ValueError: the table does not exist.
@@ -60,7 +94,7 @@ def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True) 
     if dt is None:
         raise ValueError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0
-    if compact:
+    if compact and len(dt.file_uris()) >= config.compact_min_files:
         metrics = dt.optimize.compact()
         compacted = int(metrics.get("numFilesRemoved", 0))
     checkpointed = dt.version() % config.checkpoint_every == 0

@@ -25,10 +25,17 @@ class BuildConfig:
     """Per-domain attribution windows, ``"DOMAIN:click|conversion:MS"`` entries (others: the defaults)."""
     max_same_domain_seq_len: int | None = None
     """Newest N kept of the example's-domain-only sequence; None: ``max_seq_len``."""
+    checkpoint_every: int = 10
+    """Delta checkpoint of each build table every K commits (``gemline.hygiene``)."""
+    vacuum_retention_hours: float = 168.0
+    """Vacuum keeps unreferenced files this long (hours); a crashed build time-travels to its predecessor."""
+    compact_min_files: int = 16
+    """Compact a build table's small files once it has this many."""
     state_lookback_ms: int = 30 * MS_PER_DAY
     """How far behind the watermark raw events stay in the build state (ms); >= every window and TTL."""
 
     def __post_init__(self) -> None:
+        self.hygiene  # noqa: B018  (validates the hygiene fields)
         for entry in self.window_overrides:
             _parse_override(entry)
         if self.max_same_domain_seq_len is not None and self.max_same_domain_seq_len < 1:
@@ -55,6 +62,14 @@ class BuildConfig:
                 "build.ctr_prior_clicks + build.ctr_prior_non_clicks must be > 0 "
                 f"(else the CTR of an unseen entity is 0/0), got {self.ctr_prior_clicks} + {self.ctr_prior_non_clicks}"
             )
+
+    @property
+    def hygiene(self):  # -> gemline.hygiene.HygieneConfig (imported late: gemline imports this module)
+        """The :class:`gemline.hygiene.HygieneConfig` of the build tables."""
+        from gemline.hygiene import HygieneConfig
+
+        return HygieneConfig(checkpoint_every=self.checkpoint_every, retention_hours=self.vacuum_retention_hours,
+                             compact_min_files=self.compact_min_files)
 
     @property
     def same_domain_seq_len(self) -> int:

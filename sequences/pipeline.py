@@ -44,6 +44,7 @@ from tqdm import tqdm
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.config import GemlineConfig
+from gemline.hygiene import conform, tidy
 from gemline.lake import commit_metadata, commit_once, committed_version, open_table, read_table
 from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
@@ -188,7 +189,7 @@ class BuildIncrement(beam.PTransform):
 
 
 def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
-    return pa.concat_tables([t.select(schema.names).cast(schema) for t in tables])
+    return pa.concat_tables([conform(t, schema) for t in tables])
 
 
 class _StageParquet(beam.PTransform):
@@ -241,7 +242,7 @@ def _read_staged(directory: Path, schema: pa.Schema) -> pa.Table:
     files = sorted(str(p) for p in directory.glob("*.parquet"))
     if not files:
         return schema.empty_table()
-    return ds.dataset(files, format="parquet").to_table().select(schema.names).cast(schema)
+    return conform(ds.dataset(files, format="parquet").to_table(), schema)
 
 
 def _rows(lake: str, table: str) -> int:
@@ -442,4 +443,6 @@ def run_build(
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
         )
     shutil.rmtree(staging, ignore_errors=True)
+    for name in _OUTPUTS:
+        tidy(lake, name, config.build.hygiene)
     return _result_from_lake(lake, version, skipped=False, published=published)

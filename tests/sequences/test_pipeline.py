@@ -98,3 +98,68 @@ def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, mak
     sequences = {r["user_id"]: r for r in read_table(lake, "sequences").to_pylist()}
     assert sequences["u2"]["seq_event_time_ms"] == [9] and sequences["u2"]["as_of_ms"] == 9
     assert committed_version(lake, "examples", "build") == 0 and open_table(lake, "examples").version() == 0
+
+
+def test_build_increment_transform(make_event):
+    import apache_beam as beam
+    from apache_beam.testing import test_pipeline
+    from apache_beam.testing.util import assert_that, equal_to
+
+    from sequences.pipeline import BuildIncrement
+
+    events = _events(make_event)
+    with test_pipeline.TestPipeline() as p:
+        empty = p | "Empty" >> beam.Create([])
+        inputs = {"new": p | "New" >> beam.Create(events), "buffer": empty, "seq": empty, "dseq": empty,
+                  "evicted": empty, "pending": empty}
+        out = inputs | BuildIncrement(CONFIG, watermark_ms=2_300, old_close_ms=None, close_ms=2_300)
+        assert_that(
+            out["examples"] | beam.FlatMap(pa.Table.to_pylist)
+            | beam.Map(lambda r: (r["example_id"], tuple(r["seq_item_ids"]), r["label_click"],
+                                  r["f_item_impressions_7d"])),
+            equal_to([("a_imp1", (), 1, 0.0), ("b_imp1", (), 0, 1.0), ("a_imp2", ("i1", "i1"), 0, 0.0)]),
+            label="Examples",
+        )
+        assert_that(
+            out["sequences"] | beam.Map(lambda r: (r["user_id"], tuple(r["seq_item_ids"]), r["seq_truncated"])),
+            equal_to([("u1", ("i1", "i2", "i3"), 1), ("u2", ("i1",), 0)]),
+            label="Sequences",
+        )
+        assert_that(out["features/item"] | beam.Map(lambda r: (r["item_id"], r["impressions_all"])),
+                    equal_to([("i1", 2), ("i2", 1), ("i3", 0)]), label="ItemFeatures")
+
+
+TAOBAO = "/work/shared/data/taobao_userbehavior/UserBehavior_sample.csv"
+
+
+@pytest.mark.slow
+def test_taobao_conversion_labels_match_polars(tmp_path):
+    """On the real Taobao sample (first 15K rows): examples with label_conversion == 1 equal a polars
+    count of pv rows followed by a buy of the same user and item within the 7-day window."""
+    import os
+
+    import polars as pl
+
+    from ingest.datasets import load_records
+    from ingest.schema import Event, event_to_row
+
+    if not os.path.exists(TAOBAO):
+        pytest.skip(f"{TAOBAO} not present")
+    records = [r for r in load_records("taobao", path=TAOBAO, limit=15_000) if isinstance(r, Event)]
+    rows = [{**event_to_row(r), "created_ts_ms": r.event_time_ms} for r in records]
+    lake = str(tmp_path / "lake")
+    write_events(lake, rows, version=0)
+    result = run_build(GemlineConfig(lake=lake), final=True)
+    examples = read_table(lake, "examples", columns=["example_id", "label_conversion"])
+    frame = pl.DataFrame(rows).select("event_id", "user_id", "item_id", "event_type", "event_time_ms")
+    pv = frame.filter(pl.col("event_type") == "impression")
+    buy = frame.filter(pl.col("event_type") == "conversion").select("user_id", "item_id",
+                                                                     pl.col("event_time_ms").alias("buy_ms"))
+    window = GemlineConfig().build.conversion_window_ms
+    expected = (pv.join(buy, on=["user_id", "item_id"])
+                .filter((pl.col("buy_ms") >= pl.col("event_time_ms"))
+                        & (pl.col("buy_ms") <= pl.col("event_time_ms") + window))
+                .select("event_id").unique().height)
+    assert expected > 0
+    assert result.num_examples == pv.select("event_id").unique().height
+    assert sum(examples.column("label_conversion").to_pylist()) == expected
