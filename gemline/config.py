@@ -30,7 +30,9 @@ class GemlineConfig:
     """The whole pipeline's configuration."""
 
     lake: str = "./lake"
-    """Root of the Delta lake (a local directory)."""
+    """Root of the Delta lake: a local directory or an object-store URI (``s3://bucket/prefix``)."""
+    lake_storage_options: dict[str, str] = field(default_factory=dict)
+    """delta-rs storage options for a remote lake (``[lake_storage_options]`` table of strings, e.g. AWS_REGION)."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     """Broker and topic."""
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -43,6 +45,14 @@ class GemlineConfig:
     """Model and optimisation."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """Synthetic traffic (`gemline generate`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lake_storage_options, dict):
+            raise ValueError(f"lake_storage_options: expected a table of strings, got {self.lake_storage_options!r}")
+        for key, value in self.lake_storage_options.items():
+            if not isinstance(value, str):
+                raise ValueError(f"lake_storage_options.{key}: expected a string (quote it: \"{value}\"), "
+                                 f"got {value!r}")
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

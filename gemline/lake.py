@@ -11,6 +11,17 @@
     LAKE/_checkpoints/step-N/
     LAKE/_runs/<run_id>/summary.json
 
+The lake root is a local directory or an object-store URI (``s3://bucket/prefix``). Every function
+takes ``storage_options`` (delta-rs object-store keys such as ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``,
+``AWS_S3_ALLOW_UNSAFE_RENAME``; see delta-rs "AWS S3 Storage Backend" and "Writing to S3 with a
+locking provider"), ignored for local paths. Plain files (reports, checkpoints, staging) go
+through :func:`lake_fs`, a ``pyarrow.fs`` filesystem for the same root.
+
+On S3 a commit is atomic only with a locking provider (``AWS_S3_LOCKING_PROVIDER=dynamodb``) or
+a store with conditional puts; ``AWS_S3_ALLOW_UNSAFE_RENAME=true`` is safe for one writer per
+table at a time, which is gemline's model (one ingest job per topic, one build).
+
 Exactly-once writes follow delta-rs's app transactions: each commit carries
 ``Transaction(app_id, version)`` and the writer first checks ``DeltaTable.transaction_version``
 (delta-rs itself accepts a repeated (app_id, version) and would write the rows twice).
@@ -19,32 +30,99 @@ Exactly-once writes follow delta-rs's app transactions: each commit carries
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
 TABLES = ("events", "dead_letter", "sequences", "examples", "features/user", "features/item", "quality")
 
 
+StorageOptions = Mapping[str, str]
+"""delta-rs / object_store configuration keys to string values (e.g. ``{"AWS_REGION": "us-east-1"}``)."""
+
+REMOTE_SCHEMES = ("s3", "s3a")
+"""URI schemes of object-store lakes that :func:`lake_fs` can open (delta-rs reads more)."""
+
+
+def is_remote(lake: str | Path) -> bool:
+    """True when ``lake`` is a URI with a scheme (``s3://...``), False for a local path."""
+    scheme = urlsplit(str(lake)).scheme
+    # A one-letter scheme is a Windows drive ("C:/lake"), not a URI.
+    return len(scheme) > 1
+
+
 def table_uri(lake: str | Path, table: str) -> str:
-    """Path of a table under the lake root."""
+    """Path (local) or URI (``s3://bucket/prefix/events``) of a table under the lake root."""
+    if is_remote(lake):
+        return f"{str(lake).rstrip('/')}/{table}"
     return str(Path(lake) / table)
 
 
-def open_table(lake: str | Path, table: str, version: int | None = None) -> DeltaTable | None:
+def _options(lake: str | Path, storage_options: StorageOptions | None) -> dict[str, str] | None:
+    """Validated options for delta-rs: None for a local lake or when none are given."""
+    if storage_options is None or not is_remote(lake):
+        return None
+    bad = {k: v for k, v in storage_options.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise TypeError(f"storage_options: expected str keys and str values (e.g. 'true', not True), got {bad!r}")
+    return dict(storage_options)
+
+
+def open_table(
+    lake: str | Path, table: str, version: int | None = None, *, storage_options: StorageOptions | None = None
+) -> DeltaTable | None:
     """The Delta table at ``version`` (latest when None), or None if it does not exist yet."""
     try:
-        return DeltaTable(table_uri(lake, table), version=version)
+        return DeltaTable(table_uri(lake, table), version=version, storage_options=_options(lake, storage_options))
     except TableNotFoundError:
         return None
 
 
-def committed_version(lake: str | Path, table: str, app_id: str) -> int | None:
+def lake_fs(lake: str | Path, storage_options: StorageOptions | None = None) -> tuple[pafs.FileSystem, str]:
+    """A ``pyarrow.fs`` filesystem and the lake root's path in it, for non-Delta files.
+
+    Local lake: ``(LocalFileSystem(), absolute path)``. ``s3://bucket/prefix``: an
+    ``S3FileSystem`` built from the delta-rs keys ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_SESSION_TOKEN``, ``AWS_REGION`` and ``AWS_ENDPOINT_URL`` (``http://`` endpoints need
+    ``AWS_ALLOW_HTTP=true``, as in delta-rs), and the path ``bucket/prefix``. Join paths with ``/``.
+
+    Raises:
+        ValueError: an unsupported URI scheme, or an ``http://`` endpoint without ``AWS_ALLOW_HTTP=true``.
+        TypeError: a non-string option value.
+    """
+    if not is_remote(lake):
+        return pafs.LocalFileSystem(), str(Path(lake).absolute())
+    parts = urlsplit(str(lake))
+    if parts.scheme not in REMOTE_SCHEMES:
+        raise ValueError(f"lake_fs: expected a local path or one of {REMOTE_SCHEMES} URIs, got {str(lake)!r}")
+    opts = _options(lake, storage_options or {}) or {}
+    upper = {k.upper(): v for k, v in opts.items()}
+    kwargs: dict[str, Any] = {}
+    for key, arg in (("AWS_ACCESS_KEY_ID", "access_key"), ("AWS_SECRET_ACCESS_KEY", "secret_key"),
+                     ("AWS_SESSION_TOKEN", "session_token"), ("AWS_REGION", "region")):
+        if key in upper:
+            kwargs[arg] = upper[key]
+    endpoint = upper.get("AWS_ENDPOINT_URL") or upper.get("AWS_ENDPOINT")
+    if endpoint:
+        ep = urlsplit(endpoint)
+        if ep.scheme == "http" and upper.get("AWS_ALLOW_HTTP", "false").lower() != "true":
+            raise ValueError(f"lake_fs: endpoint {endpoint!r} is plain http: set AWS_ALLOW_HTTP='true' to allow it")
+        kwargs["endpoint_override"] = ep.netloc or endpoint
+        kwargs["scheme"] = ep.scheme or "https"
+    return pafs.S3FileSystem(**kwargs), f"{parts.netloc}{parts.path}".rstrip("/")
+
+
+def committed_version(
+    lake: str | Path, table: str, app_id: str, *, storage_options: StorageOptions | None = None
+) -> int | None:
     """Last app-transaction version ``app_id`` committed to ``table``; None if never (or no table)."""
-    dt = open_table(lake, table)
+    dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         return None
     return dt.transaction_version(app_id)
@@ -60,6 +138,7 @@ def commit_once(
     mode: Literal["append", "overwrite"] = "append",
     partition_by: list[str] | None = None,
     metadata: dict[str, Any] | None = None,
+    storage_options: StorageOptions | None = None,
 ) -> bool:
     """Write ``data`` to ``table`` in one commit tagged (app_id, version), unless already committed.
 
@@ -69,6 +148,7 @@ def commit_once(
         version: monotonically increasing batch sequence number of that writer.
         metadata: JSON-serialisable values stored in the commit's custom metadata
             (e.g. Kafka offset ranges), readable with :func:`commit_metadata`.
+        storage_options: object-store options for a remote lake (see the module docstring).
 
     Returns:
         True if this call committed, False if (app_id, version) or a later version was already there.
@@ -76,7 +156,7 @@ def commit_once(
     Raises:
         ValueError: ``version`` skips ahead of the last committed version + 1.
     """
-    last = committed_version(lake, table, app_id)
+    last = committed_version(lake, table, app_id, storage_options=storage_options)
     if last is not None and version <= last:
         return False
     expected = 0 if last is None else last + 1
@@ -89,6 +169,7 @@ def commit_once(
         mode=mode,
         partition_by=partition_by,
         schema_mode="merge" if mode == "append" else "overwrite",
+        storage_options=_options(lake, storage_options),
         commit_properties=CommitProperties(
             custom_metadata=custom, app_transactions=[Transaction(app_id=app_id, version=version)]
         ),
@@ -96,12 +177,14 @@ def commit_once(
     return True
 
 
-def commit_metadata(lake: str | Path, table: str, app_id: str) -> dict[str, Any] | None:
+def commit_metadata(
+    lake: str | Path, table: str, app_id: str, *, storage_options: StorageOptions | None = None
+) -> dict[str, Any] | None:
     """Custom metadata of the newest commit of ``table`` whose app transaction belongs to ``app_id``.
 
     Reads the table history newest first. Returns None when ``app_id`` never committed.
     """
-    dt = open_table(lake, table)
+    dt = open_table(lake, table, storage_options=storage_options)
     if dt is None or dt.transaction_version(app_id) is None:
         return None
     for entry in dt.history():
@@ -115,7 +198,12 @@ def commit_metadata(lake: str | Path, table: str, app_id: str) -> dict[str, Any]
 
 
 def read_table(
-    lake: str | Path, table: str, version: int | None = None, columns: list[str] | None = None
+    lake: str | Path,
+    table: str,
+    version: int | None = None,
+    columns: list[str] | None = None,
+    *,
+    storage_options: StorageOptions | None = None,
 ) -> pa.Table | None:
     """Read a whole table (at ``version``, latest when None) into Arrow; None if it does not exist.
 
@@ -123,7 +211,7 @@ def read_table(
     ``DeltaTable.to_pyarrow_table()`` aborts the interpreter at exit ("terminate called without
     an active exception"), so no gemline code calls it.
     """
-    dt = open_table(lake, table, version)
+    dt = open_table(lake, table, version, storage_options=storage_options)
     if dt is None:
         return None
     return dt.to_pyarrow_dataset().to_table(columns=columns)
