@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gemline-installed
 
-.PHONY: setup demo test bench clean-lake
+.PHONY: setup setup-browser demo test bench clean-lake
 
 setup: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 demo: setup
 	$(BIN)/gemline demo $(ARGS)
 
-test: setup
+# Headless Chromium for the report screenshot test (tests/validation/test_gate_end_to_end.py).
+# CI runs as root on Debian; a machine that already has /usr/bin/chromium does nothing.
+setup-browser:
+	@test -x /usr/bin/chromium || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: setup setup-browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup

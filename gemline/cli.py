@@ -8,8 +8,8 @@
     gemline validate --table T [--version V]
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
-    gemline train [--version V]
-    gemline demo [--dataset NAME] [--path FILE] [--limit N]
+    gemline train [--version V] [--nproc N]
+    gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
 
 Every command takes --config FILE, --lake DIR and --set section.key=value (repeatable).
 Flags that gemline does not know are passed to Beam's PipelineOptions (ingest, build, demo).
@@ -38,6 +38,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", help="HOST:PORT of a Kafka cluster (overrides kafka.bootstrap)")
     parser.add_argument("--topic", help="topic (overrides kafka.topic)")
+
+
+def _nproc_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc", type=int, default=1,
+        help="train with N local processes through torchrun (TorchRec sharding + FSDP2; config section trainer.distributed)",
+    )
 
 
 def _config(args: argparse.Namespace) -> GemlineConfig:
@@ -155,6 +162,12 @@ def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.nproc > 1:
+        from trainer.launch import train_with_torchrun
+
+        result = train_with_torchrun(_config(args), args.nproc, examples_version=args.version)
+        print(_as_json(result))
+        return 0
     from trainer.train import run_training
 
     result = run_training(_config(args), examples_version=args.version)
@@ -166,7 +179,7 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     from gemline.demo import run_demo
 
     summary = run_demo(
-        _config(args), dataset=args.dataset, path=args.path, limit=args.limit, beam_args=extra
+        _config(args), dataset=args.dataset, path=args.path, limit=args.limit, beam_args=extra, nproc=args.nproc
     )
     return 0 if summary["quality_passed"] else 3
 
@@ -216,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="run the quality suite on a table version; exit 3 if quarantined")
     _common(p)
-    p.add_argument("--table", default="examples", help="events | examples")
+    p.add_argument("--table", default="examples", help="events | sequences | examples | features/user | features/item")
     p.add_argument("--version", type=int, default=None, help="Delta version (default latest)")
     p.set_defaults(func=cmd_validate, passthrough=False)
 
@@ -238,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train on a version of examples (refuses quarantined versions)")
     _common(p)
     p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
+    _nproc_flag(p)
     p.set_defaults(func=cmd_train, passthrough=False)
 
     p = sub.add_parser("demo", help="broker + replay + ingest + build + validate + train, end to end")
@@ -246,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="movielens", help="movielens (default) | taobao | openbandit")
     p.add_argument("--path", help="input file (taobao)")
     p.add_argument("--limit", type=int, help="first N source records only")
+    _nproc_flag(p)
     p.set_defaults(func=cmd_demo, passthrough=True)
     return parser
 
