@@ -4,25 +4,24 @@ Shape letters: N messages in a batch, G of them good, D = N - G dead.
 
 The element that moves through the ingest pipeline is a ``pyarrow.RecordBatch`` of
 :data:`RECORDS_SCHEMA` (topic, partition, offset, key, value, timestamp_ms), not one Python object
-per message. :func:`parse_batch` decodes the JSON values with polars (``Series.str.json_decode``,
-simd-json) and validates them column by column, and must give *exactly* the rows and reasons
-:func:`ingest.parse.parse_record` gives message by message (tested on tables of cases and with
-hypothesis). The reference decides whenever the two JSON readers could disagree, so those messages
-take the scalar path:
+per message. :func:`parse_batch` decodes the N JSON values in one call of Arrow's JSON reader
+(``pyarrow.json.read_json`` with an explicit schema: strict about types, so a bool, a float, a
+string where an int is declared, or a key given twice fails the read) and validates the columns
+with polars and numpy. It must give *exactly* the rows and reasons :func:`ingest.parse.parse_record`
+gives message by message (tested on tables of cases and with hypothesis). Where the two could
+disagree, the reference decides:
 
 * a bad message of any kind: the vectorised checks only find *that* a row is bad; its reason and
   detail come from the reference, so both paths word them identically (bad rows are rare);
-* values polars reads differently from Python's ``json``: invalid UTF-8, not starting with ``{``
-  or ending with ``}``, ``true``/``false`` anywhere (polars reads ``true`` as 1 in an int
-  column), ``NaN``/``Infinity``, ``\\uD800``-style surrogates, a known key given twice (polars
-  keeps the first, ``json`` the last), a non-string JSON value in a string field (polars would
-  turn 17 into "17");
-* a chunk polars cannot decode, or decodes to a type other than the declared one (a float, an ISO
-  string time): it is split in halves until the halves decode, down to chunks of
-  :data:`LEAF_ROWS`, which go to the reference.
+* values Arrow's reader frames or reads differently from Python's ``json``: invalid UTF-8, a
+  control character (Arrow frames rows by newlines and accepts raw tabs in strings), not starting
+  with ``{`` or not ending with ``}`` (Arrow skips blank lines and reads a top-level ``null`` as
+  an all-null row);
+* a chunk the reader rejects (a type other than declared, an ISO string time, ``{..}{..}`` on one
+  line): it is split in halves until the halves read, down to chunks of :data:`LEAF_ROWS`, which
+  go to the reference. Traffic whose times are ISO strings therefore takes the scalar path.
 
-Still not handled by the fast path: JSON keys spelled with escapes (``"event\\u005fid"``) that
-duplicate a plain key; both readers take *a* value, maybe not the same one.
+Not covered: JSON nested deeper than Python's recursion limit (``json`` fails, Arrow reads it).
 
 :class:`BatchRecords` turns ``KafkaRecord`` elements into record batches (and passes batches
 through), so the pipeline accepts either element type from ``ReadOffsetRanges``;
@@ -134,7 +133,11 @@ def _joined_lines(strings: pa.Array) -> pa.Buffer:
 
 
 def _decode(strings: pa.Array, rows: np.ndarray, slow: np.ndarray) -> list[tuple[np.ndarray, pl.DataFrame]]:
-    """Decode ``strings[rows]``; return (rows, frame) parts, marking in ``slow`` what must go to the reference."""
+    """Decode ``strings[rows]``; return (rows, frame) parts, marking in ``slow`` what must go to the reference.
+
+    Bisection: a chunk that fails costs one more read of each half, so k bad rows cost
+    O(k log(N / LEAF_ROWS)) extra reads of shrinking chunks.
+    """
     if len(rows) == 0:
         return []
     try:

@@ -22,7 +22,7 @@ from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_source import KafkaRecord, OffsetRange, ReadOffsetRanges, plan_snapshot
 from ingest.parse import event_date
-from ingest.pipeline import _check_batch, app_id_for, read_staged, run_ingest, staging_dir
+from ingest.pipeline import ReadRecordBatches, _check_batch, app_id_for, read_staged, run_ingest, staging_dir
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
 
 pytestmark = pytest.mark.integration
@@ -354,3 +354,18 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
     ids = read_table(cfg.lake, "events")["event_id"].to_pylist()
     assert sorted(ids) == ["e0", "e0", "e1", "e2", "e3", "e4", "e6"]
     assert commit_metadata(cfg.lake, "late_events", app_id_for(topic))["late_events"] == 1
+
+
+def test_read_record_batches_yields_every_offset_once_in_small_batches(broker, topic):
+    _produce(broker.bootstrap, topic, _good(0, 7))
+    ranges = plan_snapshot(broker.bootstrap, topic, {})
+    with test_pipeline.TestPipeline() as p:
+        batches = p | beam.Create(ranges) | ReadRecordBatches(bootstrap=broker.bootstrap, client="confluent",
+                                                              timeout_s=20, max_records=2)
+        shapes = batches | "Shape" >> beam.Map(
+            lambda b: (b.num_rows <= 2, len(set(b.column("partition").to_pylist())) == 1,
+                       b.column("offset").to_pylist() == sorted(b.column("offset").to_pylist())))
+        coords = batches | "Coords" >> beam.FlatMap(
+            lambda b: list(zip(b.column("partition").to_pylist(), b.column("offset").to_pylist())))
+        assert_that(shapes | "Bad" >> beam.Filter(lambda s: s != (True, True, True)), equal_to([]), label="CheckShape")
+        assert_that(coords, equal_to(sorted(_all_offsets(broker.bootstrap, topic))), label="CheckCoords")
