@@ -37,6 +37,7 @@ def run_demo(
     limit: int | None = None,
     beam_args: list[str] | None = None,
     console: Console | None = None,
+    nproc: int = 1,
 ) -> dict[str, Any]:
     """Run every stage once and return the summary dict (also written as summary.json).
 
@@ -104,7 +105,12 @@ def run_demo(
     summary.update({"auc": None, "ne": None, "calibration": None, "eval_date": None})
     if examples_quality.passed:
         console.rule("train (TorchRec) on all days but the last; evaluate on the last")
-        trained = run_training(config, examples_version=built.examples_version)
+        if nproc > 1:
+            from trainer.launch import train_with_torchrun
+
+            trained = train_with_torchrun(config, nproc, examples_version=built.examples_version)
+        else:
+            trained = run_training(config, examples_version=built.examples_version)
         click = trained.metrics["click"]["overall"]
         summary.update(
             auc=click["auc"], ne=click["ne"], calibration=click["calibration"], eval_date=trained.eval_date,

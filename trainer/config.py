@@ -2,8 +2,69 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+ShardingTypeName = Literal["table_wise", "column_wise", "data_parallel", "row_wise", "table_row_wise"]
+"""TorchRec ``ShardingType`` values (torchrec.distributed.types) the planner may be allowed."""
+
+CPU_SHARDING_TYPES: tuple[ShardingTypeName, ...] = ("table_wise", "column_wise")
+"""What runs on CPU/gloo with torchrec 1.8: its planner proposes no row-wise option there, and
+data_parallel tables fail in the EmbeddingCollection forward (split_with_sizes mismatch)."""
+
+GPU_ONLY_SHARDING_TYPES: tuple[ShardingTypeName, ...] = ("row_wise", "table_row_wise")
+"""Sharding types that need CUDA devices."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How a torchrun-launched run shards the model (see trainer.distributed for the wrap order)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where every rank computes; the process-group backend follows (cpu: gloo, cuda: nccl)."""
+    mesh_shape: tuple[int, ...] | None = None
+    """(replicate, shard) sizes of the 2-D mesh the dense modules are fully_shard-ed on (HSDP); product must equal the world size; None: (1, world_size), plain FSDP."""
+    sharding_types: tuple[ShardingTypeName, ...] | None = None
+    """Embedding sharding types the planner may choose from; None: all the device supports (CPU: table_wise, column_wise)."""
+    sharding_group_size: int | None = None
+    """Ranks one copy of the embedding tables is sharded over; None: the whole world (DistributedModelParallel); smaller: DMPCollection, 2-D sparse parallel (cuda only)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"trainer.distributed.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.mesh_shape is not None and (len(self.mesh_shape) != 2 or any(n < 1 for n in self.mesh_shape)):
+            raise ValueError(
+                f"trainer.distributed.mesh_shape must be two sizes >= 1 (replicate, shard), got {self.mesh_shape}"
+            )
+        if self.sharding_types is not None:
+            known = CPU_SHARDING_TYPES + GPU_ONLY_SHARDING_TYPES
+            if "data_parallel" in self.sharding_types:
+                raise ValueError(
+                    "trainer.distributed.sharding_types: data_parallel is not supported (torchrec 1.8's data-parallel "
+                    f"EmbeddingCollection fails in forward here, and DDP is off); use a subset of {known}"
+                )
+            unknown = [t for t in self.sharding_types if t not in known]
+            if not self.sharding_types or unknown:
+                raise ValueError(f"trainer.distributed.sharding_types must be a non-empty subset of {known}, got {self.sharding_types}")
+            gpu_only = [t for t in self.sharding_types if t in GPU_ONLY_SHARDING_TYPES]
+            if gpu_only and self.device == "cpu":
+                raise ValueError(
+                    f"trainer.distributed.sharding_types {gpu_only} need device='cuda'; on cpu use {CPU_SHARDING_TYPES}"
+                )
+        if self.sharding_group_size is not None:
+            if self.sharding_group_size < 1:
+                raise ValueError(f"trainer.distributed.sharding_group_size must be >= 1 or none, got {self.sharding_group_size}")
+            if self.device == "cpu":
+                raise ValueError(
+                    "trainer.distributed.sharding_group_size needs device='cuda' (TorchRec's DMPCollection asserts CUDA); "
+                    "leave it none on cpu"
+                )
+
+    @property
+    def backend(self) -> Literal["gloo", "nccl"]:
+        """torch.distributed backend for ``device``."""
+        return "gloo" if self.device == "cpu" else "nccl"
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +96,10 @@ class TrainerConfig:
 
     One by default: this model's ops are tiny, and on a shared CPU torch's parallel scatter and
     repeat_interleave paths were measured 4x slower end to end with 2 threads than with 1."""
+    compile: bool = False
+    """torch.compile the dense modules (attention, MLP, heads); the embedding lookups stay eager."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Sharding of a multi-process run (`gemline train --nproc N`); unused by a single process."""
 
     def __post_init__(self) -> None:
         for name in ("embedding_dim", "num_embeddings", "batch_size", "epochs"):

@@ -1,0 +1,338 @@
+"""Sharding the ranker over ranks: TorchRec DMP for the embedding tables, FSDP2 HSDP for the dense part.
+
+Wrap order (the one place it is written down):
+
+    1. build the model on CPU on every rank with the same seed (same initial weights everywhere)
+    2. register the sparse optimiser in backward (TorchRec ``apply_optimizer_in_backward``: Adagrad,
+       fused into the embedding kernels)
+    3. plan and shard the embedding collections with ``DistributedModelParallel``
+       (``EmbeddingShardingPlanner`` over ``Topology(world_size, compute_device)``, allowed types
+       from ``ParameterConstraints(sharding_types=...)``), ``init_data_parallel=False`` so DMP does
+       not wrap the dense part in DDP
+    4. ``fully_shard`` each dense sub-module (attention, MLP, heads) on a 2-D ``DeviceMesh`` with
+       dims ("replicate", "shard"): HSDP, all-reduce across replicas, reduce-scatter within a
+       shard group. Not the root: it holds the sharded embedding modules, which DMP owns
+    5. optionally ``torch.compile`` the dense sub-modules (``trainer.compile``)
+    6. Adam on the dense DTensor parameters; the sparse step already happens inside backward
+
+Sources: TorchRec docs (DistributedModelParallel, EmbeddingShardingPlanner, ShardingType,
+apply_optimizer_in_backward); PyTorch FSDP2 docs (torch.distributed.fsdp.fully_shard, HSDP with a
+2-D mesh from ``init_device_mesh(..., mesh_dim_names=("replicate", "shard"))``).
+
+Gradient scale. Each rank holds a slice of the global batch of B examples. The local loss is the
+*sum* of per-example losses over the slice divided by B, so summing gradients over ranks gives the
+gradient of the global mean loss: TorchRec's sharded embedding backward sums over ranks already,
+and the dense FSDP reduction is set to sum (``set_gradient_divide_factor(1.0)``) instead of its
+default mean. The run then follows a one-process run on the same global batches up to float
+reduction order (tests/trainer/test_distributed.py).
+
+CPU/gloo (torchrec 1.8): table-wise and column-wise sharding work; the planner offers no row-wise
+option and ``DMPCollection`` asserts CUDA. Data-parallel tables are rejected by the config: their
+EmbeddingCollection forward fails here, and their gradients would need the DDP wrapper this
+wrapping turns off. Row-wise / table-row-wise and DMPCollection are selected by config and only
+valid with ``device="cuda"``; that path is built but untested here (no GPU).
+
+Shape letters: B global batch, b local slice, S sparse features, D embedding dim, F dense features.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn import functional as F
+from torchrec import KeyedJaggedTensor
+
+from sequences.schema import SPARSE_FEATURES
+from trainer.config import CPU_SHARDING_TYPES, GPU_ONLY_SHARDING_TYPES, DistributedConfig, ShardingTypeName, TrainerConfig
+from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
+# _segment_ids is the model's own row-index helper; reusing it keeps the maths identical.
+from trainer.model import TwoTaskRanker, _segment_ids, segment_mean_pool, segment_softmax_pool
+
+DENSE_MODULES = ("attention", "mlp", "heads")
+"""Sub-modules of the ranker wrapped by fully_shard (and compiled with trainer.compile)."""
+
+SparseWrapper = Literal["dmp", "dmp_collection"]
+
+
+class ShardableRanker(TwoTaskRanker):
+    """TwoTaskRanker whose candidate query is looked up in the same EmbeddingCollection call as the history.
+
+    TwoTaskRanker reads ``sequence_arch.embeddings[table]`` directly; a sharded
+    EmbeddingCollection has no such per-table modules. Here the candidate's item and category ids
+    ride along with the history in one KeyedJaggedTensor of stride 2B (rows 0..B-1 the histories,
+    rows B..2B-1 the candidate: one id for the item and category keys, none for event types).
+    One call matters: TorchRec's fused optimiser steps once per lookup backward, so two calls
+    would update a row twice where the one-process trainer updates it once with the summed
+    gradient. Same parameters, same initialisation under the same seed, same maths; pooled
+    outputs are read by key, since a sharded EmbeddingBagCollection orders them by shard.
+    """
+
+    def summary_and_candidate(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 2D) [attention pool, mean pool] of the history and (B, D) candidate query, float32.
+
+        Args:
+            sparse: keys SPARSE_FEATURES, one id per example per key (stride B).
+            sequence: keys SEQUENCE_KEYS, the same lengths (B,) for every key.
+        """
+        batch = sequence.stride()
+        candidate_ids = {SEQUENCE_KEYS[0]: sparse["item_id"].values(), SEQUENCE_KEYS[1]: sparse["category"].values()}
+        values, lengths = [], []
+        for key in SEQUENCE_KEYS:
+            history = sequence[key]
+            ids = candidate_ids.get(key, history.values()[:0])
+            values += [history.values(), ids]
+            lengths += [history.lengths(), torch.full((batch,), 1 if key in candidate_ids else 0, dtype=torch.int64)]
+        merged = KeyedJaggedTensor.from_lengths_sync(keys=list(SEQUENCE_KEYS), values=torch.cat(values), lengths=torch.cat(lengths))
+        jagged = self.sequence_arch(merged)
+        offsets = sequence[SEQUENCE_KEYS[0]].offsets()
+        total = int(offsets[-1])
+        history_rows = sum(jagged[key].values()[:total] for key in SEQUENCE_KEYS)
+        candidate = sum(jagged[key].values()[total:] for key in candidate_ids)
+        seg = _segment_ids(offsets)
+        scores = (self.attention(history_rows) * candidate[seg]).sum(dim=1) / math.sqrt(self.embedding_dim)
+        summary = torch.cat([segment_softmax_pool(history_rows, scores, offsets), segment_mean_pool(history_rows, offsets)], dim=1)
+        return summary, candidate
+
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 2) float32 (click, conversion); arguments as TwoTaskRanker.forward.
+
+        Raises:
+            ValueError: ``dense`` has the wrong width.
+        """
+        if dense.dim() != 2 or dense.shape[1] != self.num_dense:
+            raise ValueError(f"dense must be (B, {self.num_dense}), got {tuple(dense.shape)}")
+        kt = self.sparse_arch(sparse)
+        pooled = torch.cat([kt[name] for name in SPARSE_FEATURES], dim=1)
+        summary, _ = self.summary_and_candidate(sparse, sequence)
+        return self.heads(self.mlp(torch.cat([pooled, summary, dense], dim=1)))
+
+
+def resolve_mesh_shape(world_size: int, mesh_shape: tuple[int, ...] | None) -> tuple[int, int]:
+    """(replicate, shard) sizes; None gives (1, world_size).
+
+    Raises:
+        ValueError: the product of ``mesh_shape`` is not ``world_size``.
+    """
+    shape = (1, world_size) if mesh_shape is None else tuple(mesh_shape)
+    if len(shape) != 2 or shape[0] * shape[1] != world_size:
+        raise ValueError(
+            f"trainer.distributed.mesh_shape {shape} must multiply to the world size {world_size}; "
+            f"e.g. ({world_size}, 1) for pure replication or (1, {world_size}) for pure sharding"
+        )
+    return shape[0], shape[1]
+
+
+def allowed_sharding_types(config: DistributedConfig) -> tuple[ShardingTypeName, ...]:
+    """Sharding types the planner may choose: the configured ones, or all the device supports."""
+    if config.sharding_types is not None:
+        return config.sharding_types
+    return CPU_SHARDING_TYPES if config.device == "cpu" else CPU_SHARDING_TYPES + GPU_ONLY_SHARDING_TYPES
+
+
+def choose_sparse_wrapper(config: DistributedConfig, world_size: int) -> SparseWrapper:
+    """``"dmp"`` when the tables are sharded over the whole world, ``"dmp_collection"`` when over groups.
+
+    Raises:
+        ValueError: ``sharding_group_size`` does not divide ``world_size``, or asks for groups on CPU.
+    """
+    group = config.sharding_group_size
+    if group is None or group == world_size:
+        return "dmp"
+    if world_size % group != 0 or group > world_size:
+        raise ValueError(
+            f"trainer.distributed.sharding_group_size {group} must divide the world size {world_size}"
+        )
+    if config.device != "cuda":
+        raise ValueError("DMPCollection (sharding_group_size < world size) needs device='cuda'")
+    return "dmp_collection"
+
+
+def split_rows(global_rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """This rank's contiguous slice of a global batch's row indices (sizes differ by at most one).
+
+    Raises:
+        ValueError: the global batch has fewer rows than ranks (a rank would get an empty slice).
+    """
+    if len(global_rows) < world_size:
+        raise ValueError(
+            f"a global batch of {len(global_rows)} rows cannot give each of {world_size} ranks a row; "
+            "use a batch_size that is a multiple of the number of processes"
+        )
+    return np.array_split(global_rows, world_size)[rank]
+
+
+@dataclass
+class ShardedRanker:
+    """A sharded model and its optimisers on one rank.
+
+    Attributes:
+        model: the DistributedModelParallel (or DMPCollection) wrapping a ShardableRanker.
+        dense_optimizer: Adam over the dense DTensor parameters.
+        mesh: the 2-D ("replicate", "shard") device mesh of the dense part.
+        num_dense: F.
+    """
+
+    model: nn.Module
+    dense_optimizer: torch.optim.Optimizer
+    mesh: DeviceMesh
+    num_dense: int
+
+    @property
+    def ranker(self) -> ShardableRanker:
+        """The wrapped ShardableRanker (its embedding collections replaced by sharded ones)."""
+        return self.model.module
+
+    @property
+    def sparse_optimizer(self) -> torch.optim.Optimizer:
+        """TorchRec's keyed optimiser of the fused embedding tables (stepped inside backward)."""
+        return self.model.fused_optimizer
+
+
+def _table_names(model: TwoTaskRanker) -> list[str]:
+    return [c.name for c in model.sparse_arch.embedding_bag_configs()] + [c.name for c in model.sequence_arch.embedding_configs()]
+
+
+def shard_ranker(model: ShardableRanker, tc: TrainerConfig, world_size: int) -> ShardedRanker:
+    """Apply the wrap order of the module docstring to ``model`` (needs an initialised process group).
+
+    Raises:
+        ValueError: a bad mesh shape or sharding group for this world size.
+    """
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    dc = tc.distributed
+    device = torch.device(dc.device)
+    replicate, shard = resolve_mesh_shape(world_size, dc.mesh_shape)
+    wrapper = choose_sparse_wrapper(dc, world_size)
+    # eps as torch.optim.Adagrad's, so the fused step matches the one-process trainer's.
+    apply_optimizer_in_backward(
+        torch.optim.Adagrad, model.embedding_parameters(), {"lr": tc.embedding_learning_rate or tc.learning_rate, "eps": 1e-10}
+    )
+    constraints = {name: ParameterConstraints(sharding_types=list(allowed_sharding_types(dc))) for name in _table_names(model)}
+    initial_tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.split(".")[0] in ("sparse_arch", "sequence_arch")}
+    group_size = world_size if wrapper == "dmp" else dc.sharding_group_size
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=group_size, compute_device=dc.device), constraints=constraints, debug=False
+    )
+    plan = planner.collective_plan(model, None, dist.GroupMember.WORLD)
+    if wrapper == "dmp":
+        dmp = DistributedModelParallel(
+            model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), device=device, plan=plan, init_data_parallel=False
+        )
+    else:  # pragma: no cover - CUDA only (see module docstring)
+        from torchrec.distributed.model_parallel import DMPCollection
+
+        dmp = DMPCollection(
+            module=model, device=device, plan=plan, world_size=world_size, sharding_group_size=group_size,
+            global_pg=dist.GroupMember.WORLD, init_data_parallel=False,
+        )
+    copy_into_shards(dmp, initial_tables)
+    mesh = init_device_mesh(dc.device, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    inner: ShardableRanker = dmp.module
+    for name in DENSE_MODULES:
+        fully_shard(getattr(inner, name), mesh=mesh)
+        getattr(inner, name).set_gradient_divide_factor(1.0)
+        # gloo has no PREMUL_SUM; plain sums are what a factor of 1 means anyway.
+        getattr(inner, name).set_force_sum_reduction_for_comms(True)
+    if tc.compile:
+        compile_dense(inner)
+    dense_params = [p for name, p in dmp.named_parameters() if name.split(".")[0] in DENSE_MODULES]
+    return ShardedRanker(
+        model=dmp,
+        dense_optimizer=torch.optim.Adam(dense_params, lr=tc.learning_rate),
+        mesh=mesh,
+        num_dense=model.num_dense,
+    )
+
+
+def copy_into_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full tables (``full[key]`` (rows, D)) into this rank's shards of ``model.state_dict()``.
+
+    The sharded kernels allocate and initialise their own weights; copying the seeded CPU
+    initialisation in keeps every world size (and the one-process trainer) starting from the same
+    parameters. Shard placement comes from each ShardedTensor's metadata (offsets, sizes).
+
+    Raises:
+        ValueError: a key of ``full`` is missing from the model, or shapes disagree.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = {k.removeprefix("_dmp_wrapped_module.").removeprefix("module."): v for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for key, table in full.items():
+            if key not in state:
+                raise ValueError(f"sharded model has no {key!r}; it has {sorted(state)}")
+            target = state[key]
+            if tuple(target.shape) != tuple(table.shape):
+                raise ValueError(f"{key}: sharded shape {tuple(target.shape)} but full table {tuple(table.shape)}")
+            if isinstance(target, ShardedTensor):
+                for shard in target.local_shards():
+                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(table[r0 : r0 + nr, c0 : c0 + nc])
+            else:
+                target.copy_(table)
+
+
+def compile_dense(model: TwoTaskRanker) -> None:
+    """``torch.compile`` the dense sub-modules in place (``nn.Module.compile``); lookups stay eager."""
+    for name in DENSE_MODULES:
+        getattr(model, name).compile()
+
+
+def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_size: int) -> float | None:
+    """One step on this rank's slice of a global batch; returns the global mean loss (same on every rank).
+
+    The loss is the sum over both heads of BCE-with-logits, averaged over the global batch, as
+    trainer.train.train_step computes it in one process. Every rank must call this the same
+    number of times (the embedding all-to-alls are collective). Returns None on every rank,
+    with no parameter changed, when the global loss is NaN or inf.
+
+    Raises:
+        ValueError: the local slice breaks the Batch layout.
+    """
+    validate_batch(local, sharded.num_dense)
+    logits = sharded.model(local.sparse, local.sequence, local.dense)
+    loss = F.binary_cross_entropy_with_logits(logits, local.labels, reduction="none").sum() / global_batch_size
+    total = loss.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    sharded.dense_optimizer.zero_grad()
+    if not torch.isfinite(total):
+        # The sparse step runs inside backward, so skipping means not calling backward at all.
+        return None
+    loss.backward()
+    sharded.dense_optimizer.step()
+    return float(total.item())
+
+
+def full_state_dict(sharded: ShardedRanker) -> dict[str, torch.Tensor] | None:
+    """Unsharded parameters on rank 0 (None on other ranks), keyed as TwoTaskRanker.state_dict().
+
+    Collective: every rank must call it. Dense DTensors are gathered with ``full_tensor()``;
+    sharded tables with ``ShardedTensor.gather``.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    rank = dist.get_rank()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sharded.model.state_dict().items():
+        key = key.removeprefix("_dmp_wrapped_module.").removeprefix("module.")
+        if isinstance(value, ShardedTensor):
+            full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+            value.gather(dst=0, out=full)
+            value = full
+        elif hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        if rank == 0:
+            out[key] = value.detach().clone()
+    return out if rank == 0 else None
