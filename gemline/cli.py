@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="run the quality suite on a table version; exit 3 if quarantined")
     _common(p)
-    p.add_argument("--table", default="examples", help="events | examples")
+    p.add_argument("--table", default="examples", help="events | sequences | examples | features/user | features/item")
     p.add_argument("--version", type=int, default=None, help="Delta version (default latest)")
     p.set_defaults(func=cmd_validate, passthrough=False)
 
