@@ -41,7 +41,7 @@ from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
 from sequences.history import Event, point_in_time_gather, sorted_unique_events
 from sequences.labels import CLICK, CONVERSION, _first_in_window
-from sequences.schema import EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
+from sequences.schema import BUILD_EXTRA_SCHEMA, EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
 
 USER_DENSE: dict[str, str] = {
     "f_user_impressions_1d": "impressions_1d",
@@ -67,7 +67,7 @@ DENSE_FEATURES: tuple[str, ...] = (*USER_DENSE, *ITEM_DENSE, "f_seq_length")
 """All dense feature columns of ``examples``, in schema order."""
 
 EXAMPLES_SCHEMA = pa.schema(
-    list(EXAMPLES_BASE_SCHEMA) + [pa.field(name, pa.float64()) for name in DENSE_FEATURES]
+    list(EXAMPLES_BASE_SCHEMA) + list(BUILD_EXTRA_SCHEMA) + [pa.field(name, pa.float64()) for name in DENSE_FEATURES]
 )
 """The full ``examples`` schema this build writes."""
 

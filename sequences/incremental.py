@@ -22,6 +22,11 @@ impressions are not older than the previous watermark (events appended roughly i
 a Kafka log is). An impression older than N newer stored events of its user gets a shorter
 history; an event older than watermark - lookback goes straight to the evicted counts.
 
+Deduplication is by event_id against everything the state still holds (buffer and stored
+sequences); the events table is unique by event_id (ingest commits exactly once), so a copy of an
+event that has already left the state does not occur; if it did, it would be counted again in
+``seq_truncated`` and the all-time counters.
+
 Event rows are dicts of :data:`ingest.schema.EVENT_ARROW_SCHEMA` + ``created_ts_ms``.
 """
 
@@ -34,15 +39,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from features.definitions import COUNTED_TYPES, USER_FEATURES
+from features.definitions import COUNTED_TYPES
 from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
-from sequences.examples import (
-    EXAMPLES_SCHEMA,
-    PENDING_SCHEMA,
-    attach_labels,
-    pending_examples,
-)
+from sequences.examples import PENDING_SCHEMA, attach_labels, pending_examples
 from sequences.history import Event, sorted_unique_events
 
 EVICTED_SCHEMA = pa.schema(
@@ -284,9 +284,4 @@ def build_item(
     }
 
 
-def ttl_ms() -> int | None:
-    """TTL of the feature rows (the user view's), ms."""
-    return USER_FEATURES.ttl_ms
-
-
-__all__ = ["EVICTED_SCHEMA", "EXAMPLES_SCHEMA", "build_item", "build_user", "merge_evicted", "split_buffer"]
+__all__ = ["EVICTED_SCHEMA", "build_item", "build_user", "merge_evicted", "split_buffer"]

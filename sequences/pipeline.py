@@ -282,8 +282,8 @@ def _check_events(names: list[str]) -> None:
         )
 
 
-def _table_at_build(lake: str, table: str, build: int | None) -> pa.Table | None:
-    """``table`` as the build with app-transaction version ``build`` left it (None: before any)."""
+def _version_at_build(lake: str, table: str, build: int | None) -> int | None:
+    """Delta version of ``table`` as the build with number ``build`` left it (None: before any)."""
     if build is None:
         return None
     dt = open_table(lake, table)
@@ -293,21 +293,26 @@ def _table_at_build(lake: str, table: str, build: int | None) -> pa.Table | None
         raw = entry.get("gemline")
         meta = json.loads(raw) if raw else {}
         if meta.get("app_id") == APP_ID and meta.get("build") == build:
-            return read_table(lake, table, entry["version"])
+            return int(entry["version"])
     raise ValueError(f"{table}: no commit of build {build} in its history; was the table vacuumed past it?")
 
 
-def new_event_rows(lake: str, old_version: int | None, version: int) -> pa.Table:
+def new_event_rows(
+    lake: str, old_version: int | None, version: int, columns: list[str] | None = None
+) -> pa.Table:
     """Rows the append-only ``events`` table gained from ``old_version`` (exclusive; None: from
     nothing) to ``version`` (inclusive), columns :data:`_EVENT_COLUMNS`.
 
-    Reads only the Parquet files added in between. When a version in between was not a plain
+    ``columns``: a subset of :data:`_EVENT_COLUMNS` (all when None). Reads only the Parquet files
+    added in between. When a version in between was not a plain
     append (a compaction rewrites files), falls back to Kafka coordinates: rows whose
     (topic, partition, offset) is past the old version's last offset per partition.
     """
+    columns = list(_EVENT_COLUMNS) if columns is None else columns
+    schema = pa.schema([_EVENT_SCHEMA.field(name) for name in columns])
     new = open_table(lake, "events", version)
     if old_version is None:
-        return read_table(lake, "events", version, columns=_EVENT_COLUMNS)
+        return read_table(lake, "events", version, columns=columns)
     old = open_table(lake, "events", old_version)
     appends_only = all(
         entry.get("operation") in ("WRITE", "CREATE TABLE")
@@ -317,17 +322,28 @@ def new_event_rows(lake: str, old_version: int | None, version: int) -> pa.Table
     if appends_only:
         files = sorted(set(new.file_uris()) - set(old.file_uris()))
         if not files:
-            return _EVENT_SCHEMA.empty_table()
-        return ds.dataset(files, format="parquet").to_table(columns=_EVENT_COLUMNS)
+            return schema.empty_table()
+        return ds.dataset(files, format="parquet").to_table(columns=columns)
     coords = ["kafka_topic", "kafka_partition", "kafka_offset"]
     seen = old.to_pyarrow_dataset().to_table(columns=coords).group_by(coords[:2]).aggregate([("kafka_offset", "max")])
-    rows = new.to_pyarrow_dataset().to_table(columns=[*_EVENT_COLUMNS, *coords])
+    rows = new.to_pyarrow_dataset().to_table(columns=[*columns, *[c for c in coords if c not in columns]])
     joined = rows.join(seen, coords[:2], join_type="left outer")
     last = pc.fill_null(joined.column("kafka_offset_max"), -1)
-    return joined.filter(pc.greater(joined.column("kafka_offset"), last)).select(_EVENT_COLUMNS)
+    return joined.filter(pc.greater(joined.column("kafka_offset"), last)).select(columns)
 
 
-def _emit_rows(_: Any, table: pa.Table | None, desc: str):
+def _load(spec: tuple) -> pa.Table | None:
+    """Read an input inside the pipeline (a table passed as an argument would be pickled into the
+    graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version) or
+    ("state", lake, table, delta_version | None)."""
+    kind, lake, a, b = spec
+    if kind == "new":
+        return new_event_rows(lake, a, b)
+    return None if b is None else read_table(lake, a, b)
+
+
+def _emit_rows(_: Any, spec: tuple, desc: str):
+    table = _load(spec)
     if table is None:
         return
     with tqdm(total=table.num_rows, desc=desc, unit="row", disable=table.num_rows < 50_000) as progress:
@@ -396,15 +412,15 @@ def run_build(
         if not wants_close:
             return _result_from_lake(lake, version, skipped=True)
     _check_events(table.to_pyarrow_dataset().schema.names)
-    new = new_event_rows(lake, old_version, version)
-    newest = pc.max(new.column("event_time_ms")).as_py() if new.num_rows else None
+    new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"]).column("event_time_ms")
+    newest = pc.max(new_times).as_py() if len(new_times) else None
     old_watermark = meta.get("watermark_ms")
     # An empty first snapshot has no event time: the epoch makes every as-of output empty.
     watermark_ms = max(x for x in (old_watermark, newest, 0) if x is not None)
     close_ms = _close_point(config.build, watermark_ms, old_close, final, close_windows_at)
     last_build = meta.get("build")
     build = 0 if last_build is None else last_build + 1
-    state = {name: _table_at_build(lake, name, last_build) for name in
+    state = {name: ("state", lake, name, _version_at_build(lake, name, last_build)) for name in
              ("sequences", "sequences_by_domain", f"{STATE_PREFIX}/buffer", f"{STATE_PREFIX}/evicted",
               f"{STATE_PREFIX}/pending")}
     staging = Path(lake) / "_staging" / APP_ID / str(version)
@@ -414,7 +430,7 @@ def run_build(
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
         start = pipeline | "Start" >> beam.Create([None])
         inputs = {
-            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_rows, new, f"new events@{version}"),
+            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_rows, ("new", lake, old_version, version), f"new events@{version}"),
             "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/buffer"], "buffer"),
             "seq": start | "ReadSequences" >> beam.FlatMap(_emit_rows, state["sequences"], "sequences"),
             "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_rows, state["sequences_by_domain"], "dseq"),

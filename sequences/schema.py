@@ -15,7 +15,7 @@ The ``examples`` table is the contract with validation and the trainer:
   and item within the attribution windows; ``click_latency_ms`` / ``conversion_latency_ms``
   (null when unlabelled); ``label_window_closed`` (bool: the conversion window ended before the
   snapshot's watermark, i.e. the labels are final);
-- added by the incremental build: the same-domain sequence ``seq_same_domain_*`` (only events of
+- added by the incremental build (:data:`BUILD_EXTRA_SCHEMA`): the same-domain sequence ``seq_same_domain_*`` (only events of
   the example's domain, truncated separately to ``build.same_domain_seq_len``), the time deltas
   ``seq_time_delta_ms`` / ``seq_same_domain_time_delta_ms`` (example time - element time, ms, > 0),
   ``created_ts_ms`` (Kafka append time of the impression; every sequence element and feature
@@ -67,7 +67,12 @@ EXAMPLES_BASE_SCHEMA = pa.schema(
         pa.field("click_latency_ms", pa.int64()),
         pa.field("conversion_latency_ms", pa.int64()),
         pa.field("label_window_closed", pa.bool_(), nullable=False),
-        # Added by the incremental build (issue 4): per-domain sequence, time deltas, publication.
+    ]
+)
+"""Columns every ``examples`` table has; the build appends its ``f_*`` float64 dense features."""
+
+BUILD_EXTRA_SCHEMA = pa.schema(
+    [
         *[pa.field(name, _list_str, nullable=False) for name in SAME_DOMAIN_SEQUENCE_FEATURES],
         pa.field("seq_same_domain_event_time_ms", pa.list_(pa.int64()), nullable=False),
         pa.field("seq_same_domain_length", pa.int32(), nullable=False),
@@ -78,7 +83,8 @@ EXAMPLES_BASE_SCHEMA = pa.schema(
         pa.field("published_watermark_ms", pa.int64(), nullable=False),  # windows closed up to here at publication
     ]
 )
-"""Columns every ``examples`` table has; the build appends its ``f_*`` float64 dense features."""
+"""Columns the incremental build adds after the base ones (per-domain sequence, time deltas,
+append time, publication); optional for other writers of ``examples``-like tables."""
 
 SEQUENCES_SCHEMA = pa.schema(
     [

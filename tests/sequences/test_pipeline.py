@@ -150,7 +150,10 @@ def test_taobao_conversion_labels_match_polars(tmp_path):
     lake = str(tmp_path / "lake")
     write_events(lake, rows, version=0)
     result = run_build(GemlineConfig(lake=lake), final=True)
-    examples = read_table(lake, "examples", columns=["example_id", "label_conversion"])
+    examples = read_table(lake, "examples", columns=["example_id", "label_conversion", "event_time_ms",
+                                                     "seq_event_time_ms", "seq_same_domain_event_time_ms"])
+    for row in examples.to_pylist():  # leakage: nothing at or after the example's time
+        assert all(t < row["event_time_ms"] for t in row["seq_event_time_ms"] + row["seq_same_domain_event_time_ms"])
     frame = pl.DataFrame(rows).select("event_id", "user_id", "item_id", "event_type", "event_time_ms")
     pv = frame.filter(pl.col("event_type") == "impression")
     buy = frame.filter(pl.col("event_type") == "conversion").select("user_id", "item_id",
