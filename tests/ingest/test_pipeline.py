@@ -369,3 +369,32 @@ def test_read_record_batches_yields_every_offset_once_in_small_batches(broker, t
             lambda b: list(zip(b.column("partition").to_pylist(), b.column("offset").to_pylist())))
         assert_that(shapes | "Bad" >> beam.Filter(lambda s: s != (True, True, True)), equal_to([]), label="CheckShape")
         assert_that(coords, equal_to(sorted(_all_offsets(broker.bootstrap, topic))), label="CheckCoords")
+
+
+def test_crash_after_late_events_commit_writes_late_rows_once(broker, topic, tmp_path, monkeypatch):
+    cfg = _config(tmp_path / "lake", topic)
+    day = 86_400_000
+    _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in [_ev(0, BASE_MS), _ev(1, BASE_MS + 3 * day)]])
+    run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    # e2 is 2 days behind the watermark (late), e1 again is a duplicate, e3 is on time.
+    _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in [_ev(2, BASE_MS + day), _ev(1, BASE_MS + 3 * day),
+                                                                _ev(3, BASE_MS + 3 * day)]])
+    real_commit = lake_mod.commit_once
+
+    def commit_or_crash(lake, table, data, **kw):
+        if table == "events" and kw["version"] == 1:
+            raise OSError("simulated crash before the events commit")
+        return real_commit(lake, table, data, **kw)
+
+    monkeypatch.setattr("ingest.pipeline.commit_once", commit_or_crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert committed_version(cfg.lake, "late_events", app_id_for(topic)) == 1
+    monkeypatch.setattr("ingest.pipeline.commit_once", real_commit)
+    recovered = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert recovered.recovered and (recovered.events_written, recovered.late_events_written) == (1, 0)
+    assert recovered.duplicates_dropped == 1
+    assert read_table(cfg.lake, "late_events")["event_id"].to_pylist() == ["e2"]
+    assert sorted(read_table(cfg.lake, "events")["event_id"].to_pylist()) == ["e0", "e1", "e3"]
+    meta = commit_metadata(cfg.lake, "events", app_id_for(topic))
+    assert (meta["late_events"], meta["duplicates_dropped"]) == (1, 1)
