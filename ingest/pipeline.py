@@ -9,10 +9,10 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
    ``batch_version`` (a crash between the two commits), the ranges and the clock recorded in
    that commit are reused instead, so the rerun reads and decides exactly as the crashed run did.
 2. Skip when every range is empty: nothing is written.
-3. Run the Beam pipeline: read ranges (``ReadOffsetRanges``: KafkaRecord elements, or record
-   batches should the source batch itself) -> ``BatchRecords`` (Arrow record batches of up to
-   ``IngestConfig.batch_max_records`` messages of one partition) -> ``ParseBatches`` (vectorised,
-   ``ingest.vectorized``) -> one Parquet file per bundle under
+3. Run the Beam pipeline: :class:`ReadRecordBatches` (the splittable ``ReadPartitionFn`` of
+   ``ingest.kafka_source``, then ``BatchRecords``: Arrow record batches of up to
+   ``IngestConfig.batch_max_records`` messages of one partition, then a Reshuffle of the batches)
+   -> ``ParseBatches`` (vectorised, ``ingest.vectorized``) -> one Parquet file per bundle under
    ``LAKE/_staging/ingest/<batch_version>/{events,dead_letter}/``.
 4. On the driver: read the staged rows (deduplicated by Kafka (partition, offset), since a
    retried bundle may stage twice); drop duplicate deliveries of an event_id within

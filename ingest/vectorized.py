@@ -316,6 +316,8 @@ class BatchRecords(beam.PTransform):
 
     Records are grouped per (topic, partition) within a bundle, sorted by offset, at most
     ``max_records`` per batch; RecordBatch elements (a source that already batches) pass through.
+    Batches flushed at the end of a bundle are emitted in the global window: for bounded reads
+    (the ingest job), not for windowed streaming pipelines.
 
     Raises:
         ValueError: ``max_records < 1``.
