@@ -1,9 +1,9 @@
 """One training run: gate check, temporal split, train, evaluate on the last day, checkpoint.
 
 Optimisers: Adagrad on the embedding tables (rows are touched sparsely, Adagrad's per-row step
-size suits that; Duchi et al. 2011), Adam on the rest. On CPU everything is one process; with
-TorchRec sharding the tables would be sharded first and the dense part wrapped after, in that
-order, but this trainer does neither.
+size suits that; Duchi et al. 2011), Adam on the rest. This module trains in one process; the
+sharded multi-process run (`gemline train --nproc N`, TorchRec DMP then FSDP2 HSDP, wrap order
+in trainer.distributed) is trainer.launch.run_distributed_training.
 
 Restarts: with ``trainer.init_from = "latest"`` a run continues from the newest checkpoint. If
 that checkpoint is an unfinished run on the same examples version and epoch count (written every
