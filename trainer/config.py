@@ -66,7 +66,6 @@ class DistributedConfig:
         return "gloo" if self.device == "cpu" else "nccl"
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """Model size and optimisation of the CPU trainer."""
@@ -101,6 +100,29 @@ class TrainerConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Sharding of a multi-process run (`gemline train --nproc N`); unused by a single process."""
 
+    model: Literal["gem", "dlrm", "lr", "ranker"] = "gem"
+    """Architecture (trainer/models): GEM (InterFormer over Wukong + pyramid sequence), DLRM, logistic regression, or the small TwoTaskRanker."""
+    kernel_backend: Literal["reference", "triton"] = "reference"
+    """Jagged kernels of the GEM sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
+    tower_hidden: int = 16
+    """Width of each per-domain tower (gem, dlrm)."""
+    gem_layers: int = 2
+    """Interleaved InterFormer layers (each one Wukong layer and one sequence layer)."""
+    gem_heads: int = 2
+    """Attention heads of the sequence arch; must divide embedding_dim."""
+    gem_pyramid_ratio: float = 0.5
+    """Pyramid ratio r in (0, 1]: sequence layer l keeps the newest ceil(L_i * r**l) tokens."""
+    gem_max_sequence_len: int = 32
+    """Newest history tokens fed to the first sequence layer (bounds the CPU cost of attention)."""
+    gem_dense_tokens: int = 2
+    """Embeddings of width embedding_dim that the dense features become (Wukong inputs)."""
+    gem_fm_outputs: int = 8
+    """n_F: embeddings out of each Wukong FM block."""
+    gem_lcb_outputs: int = 8
+    """n_L: embeddings out of each Wukong linear compression block."""
+    gem_fm_rank: int = 8
+    """k: rank of Wukong's optimized FM, X·(Xᵀ·Y)."""
+
     def __post_init__(self) -> None:
         for name in ("embedding_dim", "num_embeddings", "batch_size", "epochs"):
             if getattr(self, name) < 1:
@@ -117,5 +139,18 @@ class TrainerConfig:
             raise ValueError(f"trainer.checkpoint_every_steps must be >= 1 or none, got {self.checkpoint_every_steps}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"trainer.torch_threads must be >= 1 or none, got {self.torch_threads}")
+        for name in ("tower_hidden", "gem_layers", "gem_heads", "gem_max_sequence_len", "gem_dense_tokens", "gem_fm_outputs", "gem_fm_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.gem_lcb_outputs < 0:
+            raise ValueError(f"trainer.gem_lcb_outputs must be >= 0, got {self.gem_lcb_outputs}")
+        if not 0 < self.gem_pyramid_ratio <= 1:
+            raise ValueError(f"trainer.gem_pyramid_ratio must be in (0, 1], got {self.gem_pyramid_ratio}")
+        if self.embedding_dim % self.gem_heads:
+            raise ValueError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem_heads={self.gem_heads}")
+        if self.model not in ("gem", "dlrm", "lr", "ranker"):
+            raise ValueError(f"trainer.model must be one of gem, dlrm, lr, ranker; got {self.model!r}")
+        if self.kernel_backend not in ("reference", "triton"):
+            raise ValueError(f"trainer.kernel_backend must be 'reference' or 'triton', got {self.kernel_backend!r}")
         if self.init_from not in ("scratch", "latest"):
             raise ValueError(f"trainer.init_from must be 'scratch' or 'latest', got {self.init_from!r}")

@@ -86,10 +86,15 @@ class TwoTaskRanker(nn.Module):
         embedding_dim: D.
         num_dense: F.
         hidden_dims: widths of the shared MLP.
+        domains: domain names, kept for the common model interface (trainer/models); this model
+            has one shared head and ignores the domain.
     """
 
-    def __init__(self, *, num_embeddings: int, embedding_dim: int, num_dense: int, hidden_dims: tuple[int, ...]) -> None:
+    def __init__(
+        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, hidden_dims: tuple[int, ...], domains: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
+        self.domains = tuple(domains)
         init = {"weight_init_min": -_INIT_RANGE, "weight_init_max": _INIT_RANGE}
         self.sparse_arch = EmbeddingBagCollection(
             tables=[
@@ -144,13 +149,16 @@ class TwoTaskRanker(nn.Module):
         scores = (self.attention(values) * candidate[seg]).sum(dim=1) / math.sqrt(self.embedding_dim)
         return torch.cat([segment_softmax_pool(values, scores, offsets), segment_mean_pool(values, offsets)], dim=1)
 
-    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (B, 2) float32, columns (click, conversion).
 
         Args:
             sparse: keys SPARSE_FEATURES, one id per example per key.
             sequence: keys SEQUENCE_KEYS, jagged histories.
             dense: (B, F) float32.
+            domain_ids: (B,) int64, accepted for the common interface and ignored (one shared head).
 
         Raises:
             ValueError: ``dense`` has the wrong width.

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from trainer.data import (
     Batch,
     DenseNormalizer,
@@ -39,7 +39,7 @@ from trainer.data import (
     validate_batch,
 )
 from trainer.metrics import evaluate
-from trainer.model import TwoTaskRanker
+from trainer.models import build_model, encode_domains
 from validation.gate import gate_decision
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,12 @@ def check_gate(lake: str, examples_version: int) -> None:
     log.info("gate: %s", decision.reason)
 
 
-def train_step(model: TwoTaskRanker, optimizers: dict[str, torch.optim.Optimizer], batch: Batch) -> float | None:
+def domain_ids(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """(B,) int64 ids of ``batch.domains`` in the model's domain vocabulary (unknown -> K)."""
+    return encode_domains(getattr(getattr(model, "module", model), "domains", ()), batch.domains)
+
+
+def train_step(model: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer], batch: Batch) -> float | None:
     """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
 
     Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
@@ -111,7 +116,7 @@ def train_step(model: TwoTaskRanker, optimizers: dict[str, torch.optim.Optimizer
         ValueError: the batch breaks the :class:`trainer.data.Batch` layout.
     """
     validate_batch(batch, model.num_dense)
-    logits = model(batch.sparse, batch.sequence, batch.dense)
+    logits = model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(dim=0).sum()
     for opt in optimizers.values():
         opt.zero_grad()
@@ -123,13 +128,13 @@ def train_step(model: TwoTaskRanker, optimizers: dict[str, torch.optim.Optimizer
     return float(loss.item())
 
 
-def predict(model: TwoTaskRanker, data: EncodedExamples, batch_size: int) -> np.ndarray:
+def predict(model: torch.nn.Module, data: EncodedExamples, batch_size: int) -> np.ndarray:
     """(N, 2) float64 probabilities (click, conversion) of every row of ``data``, in order."""
     model.eval()
     out = []
     with torch.no_grad():
         for batch in iter_batches(data, batch_size):
-            out.append(torch.sigmoid(model(batch.sparse, batch.sequence, batch.dense)).double().numpy())
+            out.append(torch.sigmoid(model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))).double().numpy())
     model.train()
     return np.concatenate(out) if out else np.zeros((0, 2))
 
@@ -191,12 +196,8 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
     torch.manual_seed(tc.seed)
     resume_from = latest_checkpoint(config.lake) if tc.init_from == "latest" else None
     normalizer = fit_normalizer(split.train)
-    model = TwoTaskRanker(
-        num_embeddings=tc.num_embeddings,
-        embedding_dim=tc.embedding_dim,
-        num_dense=len(normalizer.names),
-        hidden_dims=tc.hidden_dims,
-    )
+    domains = training_domains(split.train, resume_from)
+    model = build_model(tc, len(normalizer.names), domains)
     optimizers = {
         "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
@@ -228,7 +229,7 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
             step=step,
             examples_seen=examples_seen,
             examples_version=version,
-            extra={"normalizer": normalizer.to_dict(), "run": _run_record(position, tc.epochs, finished), **(extra or {})},
+            extra={"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "run": _run_record(position, tc.epochs, finished), **(extra or {})},
         )
         return str(save_checkpoint(config.lake, state, model, optimizers, extra_files=files))
 
@@ -272,6 +273,15 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         steps=step,
         loss_curve=loss_curve,
     )
+
+
+def training_domains(train, resume_from) -> tuple[str, ...]:
+    """Sorted domain names of the train split, or the resumed checkpoint's (its towers fix the ids)."""
+    if resume_from is not None:
+        saved = read_state(resume_from).extra.get("domains")
+        if saved is not None:
+            return tuple(saved)
+    return tuple(sorted(set(train["domain"].to_pylist()) - {None}))
 
 
 def _json_safe(value):

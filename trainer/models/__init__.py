@@ -1,0 +1,51 @@
+"""Ranking models of the trainer and the one factory that builds them from config.
+
+Every model maps ``(sparse KJT, sequence KJT, dense (B, F) float32, domain_ids (B,) int64)`` to
+logits (B, 2) float32 (click, conversion), and exposes ``sparse_arch`` (TorchRec tables, for
+DistributedModelParallel) and ``dense_arch`` (the rest, for FSDP2), ``embedding_parameters()``,
+``dense_parameters()``, ``num_dense`` and ``domains``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from trainer.config import TrainerConfig
+from trainer.models.baselines import DLRM, LogisticRegression
+from trainer.models.gem import GemModel
+from trainer.models.towers import encode_domains
+
+__all__ = ["build_model", "encode_domains", "GemModel", "DLRM", "LogisticRegression"]
+
+
+def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -> nn.Module:
+    """The model ``config.model`` names, sized by ``config``.
+
+    Args:
+        config: the trainer section (model, embedding_dim, num_embeddings, hidden_dims, gem_*).
+        num_dense: F, dense features per example.
+        domains: K domain names of the training data (their order fixes the domain ids).
+
+    Raises:
+        ValueError: an unknown ``config.model``.
+    """
+    common = {"num_embeddings": config.num_embeddings, "num_dense": num_dense}
+    if config.model == "gem":
+        return GemModel(
+            **common, embedding_dim=config.embedding_dim, domains=domains, hidden_dims=config.hidden_dims,
+            tower_hidden=config.tower_hidden, dense_tokens=config.gem_dense_tokens, max_sequence_len=config.gem_max_sequence_len,
+            num_layers=config.gem_layers, heads=config.gem_heads, pyramid_ratio=config.gem_pyramid_ratio,
+            num_fm_outputs=config.gem_fm_outputs, num_lcb_outputs=config.gem_lcb_outputs, fm_rank=config.gem_fm_rank,
+            backend=config.kernel_backend,
+        )
+    if config.model == "dlrm":
+        return DLRM(**common, embedding_dim=config.embedding_dim, domains=domains, hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden)
+    if config.model == "lr":
+        return LogisticRegression(**common, domains=domains)
+    if config.model == "ranker":
+        from trainer.model import TwoTaskRanker
+
+        return TwoTaskRanker(embedding_dim=config.embedding_dim, hidden_dims=config.hidden_dims, domains=domains, **common)
+    raise ValueError(f"unknown trainer.model {config.model!r}; expected gem, dlrm, lr or ranker")

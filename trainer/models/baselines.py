@@ -1,0 +1,119 @@
+"""Baselines trained on the same batches as GEM: logistic regression and DLRM.
+
+Shape letters: B batch, S sparse features, Q = len(SEQUENCE_KEYS) history keys, D embedding dim,
+F dense features, K known domains.
+
+- Logistic regression: one weight per hashed id per task (an EmbeddingBagCollection of width 2,
+  the history keys mean-pooled as a bag of ids), a linear term on the dense features, a bias per
+  domain and task. Logit = sum of those terms (McMahan et al. 2013, "Ad Click Prediction: a View
+  from the Trenches", §3, without FTRL).
+- DLRM (Naumov et al. 2019, "Deep Learning Recommendation Model for Personalization and
+  Recommendation Systems", arXiv 1906.00091, §2-3): bottom MLP on dense features to width D,
+  pooled embeddings of the sparse ids and of the history (mean pooled), dot interaction (all
+  pairwise dot products, upper triangle) concatenated with the bottom output, top MLP, then the
+  same per-domain towers as GEM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from sequences.schema import SPARSE_FEATURES
+from trainer.data import SEQUENCE_KEYS
+from trainer.models.towers import DomainTowers, RankingModel, merge_sequence_kjt, mlp, sparse_bags
+
+
+class LogisticRegression(RankingModel):
+    """Two logistic regressions (click, conversion) on hashed ids, dense features and the domain.
+
+    Args:
+        num_embeddings: rows of every hashed id table.
+        num_dense: F.
+        domains: K known domain names (unknown domains get no domain bias).
+    """
+
+    def __init__(self, *, num_embeddings: int, num_dense: int, domains: Sequence[str]) -> None:
+        super().__init__()
+        self.num_dense, self.domains = num_dense, tuple(domains)
+        self.sparse_arch = sparse_bags(num_embeddings, 2, sequence_pooling=PoolingType.MEAN)
+        self.dense_arch = nn.ModuleDict({"linear": nn.Linear(num_dense, 2), "domain_bias": nn.Embedding(len(self.domains) + 1, 2)})
+        nn.init.zeros_(self.dense_arch["domain_bias"].weight)
+        # Ids start near zero weight, as a logistic regression would.
+        with torch.no_grad():
+            for p in self.sparse_arch.parameters():
+                p.mul_(0.1)
+
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 2) float32 (click, conversion); inputs as :class:`trainer.models.gem.GemModel`.
+
+        Raises:
+            ValueError: dense or domain_ids has the wrong shape.
+        """
+        self.check_inputs(dense, domain_ids)
+        pooled = self.sparse_arch(merge_sequence_kjt(sparse, sequence)).values()
+        weights = pooled.view(dense.shape[0], len(SPARSE_FEATURES) + len(SEQUENCE_KEYS), 2).sum(dim=1)
+        return weights + self.dense_arch["linear"](dense) + self.dense_arch["domain_bias"](domain_ids)
+
+
+class DLRMDenseArch(nn.Module):
+    """Bottom MLP, dot interaction, top MLP, domain towers of :class:`DLRM`."""
+
+    def __init__(self, *, dim: int, num_dense: int, num_sparse: int, num_domains: int, hidden_dims: Sequence[int], tower_hidden: int) -> None:
+        super().__init__()
+        self.dim, self.num_dense = dim, num_dense
+        self.bottom = mlp([max(num_dense, 1), 4 * dim, dim])
+        num_vectors = num_sparse + 1
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+        self.top = mlp([dim + rows.numel(), *hidden_dims])
+        self.towers = DomainTowers(hidden_dims[-1], tower_hidden, num_domains)
+
+    def forward(self, pooled: torch.Tensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
+        """pooled (B, S+Q, D), dense (B, F), domain_ids (B,) -> logits (B, 2)."""
+        if self.num_dense == 0:
+            dense = dense.new_zeros((dense.shape[0], 1))
+        bottom = self.bottom(dense)
+        vectors = torch.cat([bottom.unsqueeze(1), pooled], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
+        return self.towers(self.top(torch.cat([bottom, dots], dim=1)), domain_ids)
+
+
+class DLRM(RankingModel):
+    """DLRM with dot interaction over the sparse ids and the mean-pooled history (Naumov et al. 2019).
+
+    Args:
+        num_embeddings: rows of every hashed id table.
+        embedding_dim: D.
+        num_dense: F.
+        domains: K known domain names.
+        hidden_dims: top MLP widths.
+        tower_hidden: width of each domain tower.
+    """
+
+    def __init__(
+        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, domains: Sequence[str],
+        hidden_dims: Sequence[int] = (64, 32), tower_hidden: int = 16,
+    ) -> None:
+        super().__init__()
+        self.num_dense, self.domains = num_dense, tuple(domains)
+        self.sparse_arch = sparse_bags(num_embeddings, embedding_dim, sequence_pooling=PoolingType.MEAN)
+        self.dense_arch = DLRMDenseArch(
+            dim=embedding_dim, num_dense=num_dense, num_sparse=len(SPARSE_FEATURES) + len(SEQUENCE_KEYS),
+            num_domains=len(self.domains), hidden_dims=hidden_dims, tower_hidden=tower_hidden,
+        )
+
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 2) float32 (click, conversion); inputs as :class:`trainer.models.gem.GemModel`.
+
+        Raises:
+            ValueError: dense or domain_ids has the wrong shape.
+        """
+        self.check_inputs(dense, domain_ids)
+        pooled = self.sparse_arch(merge_sequence_kjt(sparse, sequence)).values()
+        return self.dense_arch(pooled.view(dense.shape[0], -1, self.dense_arch.dim), dense, domain_ids)

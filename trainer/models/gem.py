@@ -1,0 +1,137 @@
+"""The GEM-style ranking model: TorchRec embeddings -> InterFormer(Wukong, pyramid sequence) -> per-domain towers.
+
+Architecture after Meta's GEM (engineering blog "Generative Ads Model", Nov 2025; summary in
+/work/shared/GEM.md): non-sequence interactions by Wukong (arXiv 2403.02545 §3), long sequences by
+a pyramid of causal attention layers, sequence x non-sequence by InterFormer (arXiv 2411.09852 §3),
+shared backbone with domain-specific towers.
+
+Shape letters: B batch, S sparse features, D embedding dim, F dense features, T history tokens,
+K known domains, n_d dense tokens.
+
+    sparse KJT ── EmbeddingBagCollection ─> (B, S, D) ─────────────┐ target = item_id + category rows
+    dense (B, F) ─ MLP ─> (B, n_d, D) ─────────────────────────────┤ X_0 (B, S + n_d, D)
+    sequence KJT ─ EmbeddingCollection ─> sum of keys (T, D) + recency position ─ newest max_len
+                   ─> InterFormer(X_0, tokens, target) ─> flatten [X_L ; S_L] ─ MLP ─ DomainTowers ─> (B, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from kernels.types import Backend, Jagged
+from sequences.schema import SPARSE_FEATURES
+from trainer.data import SEQUENCE_KEYS
+from trainer.models.interformer import InterFormer
+from trainer.models.sequence import SequenceSummary, keep_newest, token_rows
+from trainer.models.towers import DomainTowers, RankingModel, mlp, sequence_tables, sparse_bags
+
+
+class SparseArch(nn.Module):
+    """The TorchRec tables of a model: ``bags`` (pooled, one id per sparse feature) and ``sequence`` (unpooled)."""
+
+    def __init__(self, *, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.bags = sparse_bags(num_embeddings, dim)
+        self.sequence = sequence_tables(num_embeddings, dim)
+
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (pooled (B, S, D), history tokens (T, D) summed over SEQUENCE_KEYS, offsets (B+1,) int64)."""
+        pooled = self.bags(sparse).values().view(sparse.stride(), len(SPARSE_FEATURES), -1)
+        jagged = self.sequence(sequence)
+        values = sum(jagged[key].values() for key in SEQUENCE_KEYS)
+        return pooled, values, jagged[SEQUENCE_KEYS[0]].offsets()
+
+
+class GemDenseArch(nn.Module):
+    """Everything of :class:`GemModel` but the tables (wrapped by FSDP2 in distributed training)."""
+
+    def __init__(
+        self, *, dim: int, num_dense: int, num_domains: int, hidden_dims: Sequence[int], tower_hidden: int,
+        dense_tokens: int, max_sequence_len: int, num_layers: int, heads: int, pyramid_ratio: float,
+        num_fm_outputs: int, num_lcb_outputs: int, fm_rank: int, backend: Backend,
+    ) -> None:
+        super().__init__()
+        self.dim, self.dense_tokens, self.max_sequence_len = dim, dense_tokens, max_sequence_len
+        self.dense_embed = mlp([max(num_dense, 1), 4 * dim, dense_tokens * dim])
+        self.recency = nn.Embedding(max_sequence_len, dim)
+        nn.init.normal_(self.recency.weight, std=0.02)
+        self.interformer = InterFormer(
+            num_inputs=len(SPARSE_FEATURES) + dense_tokens, dim=dim, num_layers=num_layers, heads=heads,
+            pyramid_ratio=pyramid_ratio, num_fm_outputs=num_fm_outputs, num_lcb_outputs=num_lcb_outputs,
+            fm_rank=fm_rank, mlp_hidden=hidden_dims[0], backend=backend,
+        )
+        width = (self.interformer.num_outputs + SequenceSummary.num_tokens) * dim
+        self.backbone = mlp([width, *hidden_dims])
+        self.towers = DomainTowers(hidden_dims[-1], tower_hidden, num_domains)
+        self.num_dense = num_dense
+
+    def forward(
+        self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, dense: torch.Tensor, domain_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), dense (B, F), domain_ids (B,) -> logits (B, 2)."""
+        batch = pooled.shape[0]
+        if self.num_dense == 0:
+            dense = dense.new_zeros((batch, 1))
+        dense_tok = self.dense_embed(dense).view(batch, self.dense_tokens, self.dim)
+        tokens = keep_newest(Jagged(seq_values, seq_offsets), torch.full((batch,), self.max_sequence_len, dtype=torch.int64))
+        rows = token_rows(tokens.offsets, tokens.num_tokens)
+        # Recency: 0 for the newest token of a row, counting back.
+        recency = tokens.offsets[1:][rows] - 1 - torch.arange(tokens.num_tokens, device=rows.device)
+        tokens = tokens.with_values(tokens.values + self.recency(recency))
+        target = pooled[:, SPARSE_FEATURES.index("item_id")] + pooled[:, SPARSE_FEATURES.index("category")]
+        interaction, _, summary = self.interformer(torch.cat([pooled, dense_tok], dim=1), tokens, target)
+        hidden = self.backbone(torch.cat([interaction, summary], dim=1).flatten(1))
+        return self.towers(hidden, domain_ids)
+
+
+class GemModel(RankingModel):
+    """Click and conversion logits of the GEM-style model (data flow in the module docstring).
+
+    Args:
+        num_embeddings: rows of every hashed id table.
+        embedding_dim: D (also the width of every interaction and sequence embedding).
+        num_dense: F.
+        domains: K known domain names; index i is domain id i, K means unknown.
+        hidden_dims: backbone MLP widths (the first is also the Wukong FMB's MLP width).
+        tower_hidden: width of each domain tower.
+        dense_tokens: n_d embeddings the dense features become.
+        max_sequence_len: newest tokens of each history fed to layer 0.
+        num_layers, heads, pyramid_ratio, num_fm_outputs, num_lcb_outputs, fm_rank: InterFormer knobs.
+        backend: jagged kernel backend ("reference" or "triton").
+    """
+
+    def __init__(
+        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, domains: Sequence[str],
+        hidden_dims: Sequence[int] = (64, 32), tower_hidden: int = 16, dense_tokens: int = 2, max_sequence_len: int = 32,
+        num_layers: int = 2, heads: int = 2, pyramid_ratio: float = 0.5, num_fm_outputs: int = 8,
+        num_lcb_outputs: int = 8, fm_rank: int = 8, backend: Backend = "reference",
+    ) -> None:
+        super().__init__()
+        self.num_dense, self.domains = num_dense, tuple(domains)
+        self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim)
+        self.dense_arch = GemDenseArch(
+            dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
+            tower_hidden=tower_hidden, dense_tokens=dense_tokens, max_sequence_len=max_sequence_len,
+            num_layers=num_layers, heads=heads, pyramid_ratio=pyramid_ratio, num_fm_outputs=num_fm_outputs,
+            num_lcb_outputs=num_lcb_outputs, fm_rank=fm_rank, backend=backend,
+        )
+
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 2) float32, columns (click, conversion).
+
+        Args:
+            sparse: keys SPARSE_FEATURES, one id per example per key.
+            sequence: keys SEQUENCE_KEYS, jagged histories, oldest first.
+            dense: (B, F) float32.
+            domain_ids: (B,) int64 in [0, K], see :func:`trainer.models.encode_domains`.
+
+        Raises:
+            ValueError: dense or domain_ids has the wrong shape.
+        """
+        self.check_inputs(dense, domain_ids)
+        pooled, values, offsets = self.sparse_arch(sparse, sequence)
+        return self.dense_arch(pooled, values, offsets, dense, domain_ids)

@@ -1,0 +1,174 @@
+"""Shared pieces of every model: the TorchRec embedding arch, domain ids and per-domain towers.
+
+Shape letters: B batch, S = len(SPARSE_FEATURES) sparse features, D embedding dim, T = sum L_i
+history tokens, K number of known domains, H tower input width.
+
+Multi-domain heads follow GEM's "shared learning with domain-specific optimization" (Meta
+engineering blog, Nov 2025; /work/shared/GEM.md): a shared tower sees every example and a
+domain's own tower adds a residual for that domain only; a domain not seen in training
+(``domain_id == K``) gets the shared tower alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from sequences.schema import SPARSE_FEATURES
+from trainer.data import SEQUENCE_KEYS
+
+INIT_RANGE = 0.05
+"""Uniform init bound of embedding rows; TorchRec's default (1/sqrt(rows)) is ~0.003 at 1e5 rows."""
+
+SEQUENCE_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "seq_event_types": "t_event_type"}
+"""Sequence key -> table name; the candidate's item and category are looked up in the same tables."""
+
+
+def _init() -> dict:
+    return {"weight_init_min": -INIT_RANGE, "weight_init_max": INIT_RANGE}
+
+
+def sparse_bags(num_embeddings: int, dim: int, *, sequence_pooling: PoolingType | None = None) -> EmbeddingBagCollection:
+    """One pooled table per sparse feature (S tables of (num_embeddings, dim)).
+
+    With ``sequence_pooling`` set, also one pooled table per sequence key (DLRM's and LR's view of
+    the history as a bag of ids).
+    """
+    tables = [
+        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[name], **_init())
+        for name in SPARSE_FEATURES
+    ]
+    if sequence_pooling is not None:
+        tables += [
+            EmbeddingBagConfig(
+                name=f"t_{key}", embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[key], pooling=sequence_pooling, **_init()
+            )
+            for key in SEQUENCE_TABLES
+        ]
+    return EmbeddingBagCollection(tables=tables)
+
+
+def sequence_tables(num_embeddings: int, dim: int) -> EmbeddingCollection:
+    """Unpooled tables of the history keys: each gives jagged (T, dim) token embeddings."""
+    return EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(name=table, embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[key], **_init())
+            for key, table in SEQUENCE_TABLES.items()
+        ]
+    )
+
+
+def merge_sequence_kjt(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """One KJT with the sparse keys followed by the sequence keys, for a single pooled EBC.
+
+    Raises:
+        ValueError: the two KJTs disagree on the batch size.
+    """
+    num_rows = sparse.stride()
+    if sequence.stride() != num_rows:
+        raise ValueError(f"sparse has B={num_rows} rows but sequence has B={sequence.stride()}; pass one batch's KJTs")
+    return KeyedJaggedTensor(
+        keys=[*sparse.keys(), *sequence.keys()],
+        values=torch.cat([sparse.values(), sequence.values()]),
+        lengths=torch.cat([sparse.lengths(), sequence.lengths()]),
+        stride=num_rows,
+    )
+
+
+def encode_domains(vocabulary: Sequence[str], domains: Sequence[str]) -> torch.Tensor:
+    """(B,) int64 index of each domain name in ``vocabulary``; a name not in it maps to K = len(vocabulary)."""
+    index = {name: i for i, name in enumerate(vocabulary)}
+    return torch.tensor([index.get(d, len(vocabulary)) for d in domains], dtype=torch.int64)
+
+
+def mlp(widths: Sequence[int], *, last_activation: bool = True) -> nn.Sequential:
+    """Linear layers ``widths[0] -> widths[1] -> ...`` with ReLU between (and after the last when asked)."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if last_activation or i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DomainTowers(nn.Module):
+    """Per-domain click and conversion heads over a shared representation.
+
+    ``logits = shared(x) + tower[domain](x)`` where ``tower[K]`` (unknown domain) is zero. Each
+    tower is Linear(H, hidden) -> ReLU -> Linear(hidden, 2); all K domain towers run on every row
+    (K is small) and each row keeps its own domain's output.
+
+    Args:
+        in_dim: H.
+        hidden: tower width.
+        num_domains: K known domains.
+    """
+
+    def __init__(self, in_dim: int, hidden: int, num_domains: int) -> None:
+        super().__init__()
+        self.num_domains = num_domains
+        self.shared = mlp([in_dim, hidden, 2], last_activation=False)
+        bound1 = 1 / in_dim**0.5
+        self.w1 = nn.Parameter(torch.empty(num_domains, in_dim, hidden).uniform_(-bound1, bound1))
+        self.b1 = nn.Parameter(torch.zeros(num_domains, hidden))
+        # Zero output weights: every domain starts as the shared tower and learns its residual.
+        self.w2 = nn.Parameter(torch.zeros(num_domains, hidden, 2))
+        self.b2 = nn.Parameter(torch.zeros(num_domains, 2))
+
+    def forward(self, x: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
+        """x (B, H) float32, domain_ids (B,) int64 in [0, K] -> logits (B, 2) float32.
+
+        Raises:
+            ValueError: a domain id outside [0, K].
+        """
+        if domain_ids.shape != (x.shape[0],):
+            raise ValueError(f"domain_ids must be ({x.shape[0]},), got {tuple(domain_ids.shape)}")
+        if domain_ids.numel() and (int(domain_ids.min()) < 0 or int(domain_ids.max()) > self.num_domains):
+            raise ValueError(f"domain_ids must be in [0, {self.num_domains}] ({self.num_domains} = unknown), got {domain_ids.tolist()[:10]}")
+        out = self.shared(x)
+        known = domain_ids < self.num_domains
+        if self.num_domains == 0 or not bool(known.any()):
+            return out
+        # K is small (a handful of domains): running every tower on every row is one matmul, cheaper
+        # on CPU than gathering a (B, H, hidden) weight per row for a batched matmul.
+        batch, k = x.shape[0], self.num_domains
+        hidden = torch.relu(torch.einsum("bh,khd->bkd", x, self.w1) + self.b1)  # (B, K, hidden)
+        all_towers = torch.einsum("bkd,kdo->bko", hidden, self.w2) + self.b2  # (B, K, 2)
+        ids = domain_ids.clamp(max=k - 1)
+        residual = all_towers[torch.arange(batch, device=x.device), ids]
+        return out + residual * known.unsqueeze(1).to(residual.dtype)
+
+
+class RankingModel(nn.Module):
+    """Base of every model: the split into ``sparse_arch`` (TorchRec tables) and ``dense_arch``.
+
+    Subclasses set ``self.sparse_arch`` (a module whose submodules are the
+    EmbeddingBagCollection / EmbeddingCollection, sharded by DMP) and ``self.dense_arch`` (all
+    other parameters, wrapped by fully_shard), plus ``num_dense`` and ``domains``.
+    """
+
+    num_dense: int
+    domains: tuple[str, ...]
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the id tables (optimised with Adagrad)."""
+        return list(self.sparse_arch.parameters())
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Every other parameter (optimised with Adam)."""
+        ids = {id(p) for p in self.embedding_parameters()}
+        return [p for p in self.parameters() if id(p) not in ids]
+
+    def check_inputs(self, dense: torch.Tensor, domain_ids: torch.Tensor) -> None:
+        """Raise ValueError unless dense is (B, F) and domain_ids is (B,) int64."""
+        if dense.dim() != 2 or dense.shape[1] != self.num_dense:
+            raise ValueError(f"dense must be (B, {self.num_dense}), got {tuple(dense.shape)}")
+        if domain_ids.dtype != torch.int64 or domain_ids.shape != (dense.shape[0],):
+            raise ValueError(
+                f"domain_ids must be ({dense.shape[0]},) int64 (see trainer.models.encode_domains), "
+                f"got {tuple(domain_ids.shape)} {domain_ids.dtype}"
+            )
