@@ -175,6 +175,15 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
+    from trainer.compare import run_compare
+
+    result = run_compare(_config(args), examples_version=args.version, models=tuple(args.models.split(",")))
+    print(open(result.paths["md"]).read())
+    print(_as_json(result.paths))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     from gemline.demo import run_demo
 
@@ -253,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
     _nproc_flag(p)
     p.set_defaults(func=cmd_train, passthrough=False)
+
+    p = sub.add_parser("compare", help="train GEM, DLRM and LR on one examples version; table + plot under LAKE/_runs")
+    _common(p)
+    p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
+    p.add_argument("--models", default="gem,dlrm,lr", help="comma-separated trainer.model names")
+    p.set_defaults(func=cmd_compare, passthrough=False)
 
     p = sub.add_parser("demo", help="broker + replay + ingest + build + validate + train, end to end")
     _common(p)
