@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pytest
 
 from gemline.config import GemlineConfig
@@ -147,3 +148,49 @@ def test_revalidation_appends_a_run_and_the_gate_reads_the_newest(tmp_path, even
     quality = read_table(tmp_path, "quality").to_pylist()
     assert len({r["run_id"] for r in quality}) == 2
     assert latest_report(tmp_path, "events")[0] == "PASSED"  # the report file holds the newest run
+
+
+def test_dead_letter_rate_of_the_ingest_batch_quarantines_the_events_version(tmp_path, events_table):
+    from ingest.schema import DEAD_LETTER_SCHEMA
+
+    # batch 0: offsets [0, 10): 6 events, 4 dead-letter records (40% > the 10% critical rate);
+    # a dead-letter row of another batch (offset 12) must not count
+    meta = {"offset_ranges": [{"topic": "gemline.events", "partition": 0, "start": 0, "end": 10}], "end_offsets": {"0": 10}}
+    dead = pa.Table.from_pylist(
+        [dict(reason="not_json", detail="x", raw=b"{", kafka_topic="gemline.events", kafka_partition=0, kafka_offset=o,
+              created_ts_ms=T0) for o in (6, 7, 8, 12)],
+        schema=DEAD_LETTER_SCHEMA,
+    )
+    commit_once(tmp_path, "dead_letter", dead, app_id="ingest:gemline.events", version=0, metadata=meta)
+    commit_once(tmp_path, "events", events_table(6), app_id="ingest:gemline.events", version=0, metadata=meta)
+    result = validate_table(config(tmp_path), "events", 0, now_ms=NOW)
+    assert [f[:2] for f in result.failures] == [("dead_letter_rate:warning", "warning"),
+                                                ("dead_letter_rate:critical", "critical")]
+    assert result.failures[1][2] == "0.3333 (3 of 9 records); max 0.1"
+    decision = gate_decision(tmp_path, "events", 0)
+    assert not decision.allowed and "dead_letter_rate:critical" in decision.reason
+
+
+def test_drift_against_the_previous_passed_batches(tmp_path, examples_table):
+    # versions 0 and 1 pass with 8 rows; version 2 is quarantined (a leak) with 2 rows and must not join the
+    # baseline; version 3 has 16 rows: +100% against the 8-row baseline of versions 0 and 1
+    strict = GemlineConfig(
+        lake=str(tmp_path), ingest=IngestConfig(domains=("facebook", "instagram")), build=BuildConfig(max_seq_len=4),
+        validation=ValidationConfig(min_event_time_ms=T0 - 1000, drift_severity="critical", max_null_rate_change=1.0,
+                                    max_mean_change=10.0, max_quantile_change=10.0, max_label_rate_change=10.0),
+    )
+    tables = [examples_table(8), examples_table(8), examples_table(2, {1: {"seq_event_time_ms": [T0 + 5000]}}),
+              examples_table(16)]
+    results = []
+    for version, table in enumerate(tables):
+        commit_once(tmp_path, "examples", table, app_id="build", version=version, mode="overwrite")
+        results.append(validate_table(strict, "examples", version, now_ms=NOW + version))
+    assert [r.passed for r in results] == [True, True, False, False]
+    assert [f[:2] for f in results[3].failures] == [("drift:num_rows", "critical")]
+    assert results[3].failures[0][2] == "16 vs 8 over 2 batches: relative change 1 (max 0.5)"
+    assert not gate_decision(tmp_path, "examples", 3).allowed
+    report = json.loads(results[3].report_json.read_text())
+    assert [h["table_version"] for h in report["history"]] == [0, 1]
+    assert report["profile"]["num_rows"] == 16.0
+    profiles = read_table(tmp_path, "quality_profiles").to_pylist()
+    assert {(r["table_version"], r["passed"]) for r in profiles} == {(0, True), (1, True), (2, False), (3, False)}
