@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
 from trainer.checkpoint import TrainState, save_checkpoint
+from trainer.config import TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, latest_examples_version, load_split, make_batch, num_batches
 from trainer.distributed import ShardableRanker, ShardedRanker, distributed_train_step, full_state_dict, shard_ranker, split_rows
 from trainer.metrics import evaluate
@@ -62,6 +63,21 @@ def _predict(sharded: ShardedRanker, data, batch_size: int, rank: int, world: in
     return out
 
 
+def check_distributable(tc: TrainerConfig, nproc: int) -> None:
+    """Raise ValueError (what to change) unless this trainer config can run sharded on ``nproc`` processes."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if tc.model != "ranker":
+        raise ValueError(
+            f"--nproc > 1 shards the TwoTaskRanker only; got trainer.model={tc.model!r}. "
+            "Pass --set trainer.model=ranker, or train GEM/DLRM/LR in one process"
+        )
+    if tc.init_from != "scratch":
+        raise ValueError("trainer.init_from='latest' is not supported with --nproc > 1; train from scratch or use one process")
+    if tc.batch_size < nproc:
+        raise ValueError(f"trainer.batch_size {tc.batch_size} must be >= the number of processes {nproc}")
+
+
 def run_distributed_training(config: GemlineConfig, *, examples_version: int | None = None, progress: bool = True) -> TrainResult | None:
     """Train on ``examples@examples_version`` with every rank of the initialised process group.
 
@@ -69,15 +85,12 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
 
     Raises:
         QuarantinedError: the quality gate does not allow that version.
-        ValueError: ``trainer.init_from = "latest"`` (sharded resume is not implemented), or a
-            batch_size smaller than the world size.
+        ValueError: ``trainer.model`` other than "ranker", ``trainer.init_from = "latest"``
+            (sharded resume is not implemented), or a batch_size smaller than the world size.
     """
     tc = config.trainer
     rank, world = dist.get_rank(), dist.get_world_size()
-    if tc.init_from != "scratch":
-        raise ValueError("trainer.init_from='latest' is not supported with --nproc > 1; train from scratch or use one process")
-    if tc.batch_size < world:
-        raise ValueError(f"trainer.batch_size {tc.batch_size} must be >= the number of processes {world}")
+    check_distributable(tc, world)
     version = latest_examples_version(config.lake) if examples_version is None else examples_version
     check_gate(config.lake, version)
     if tc.torch_threads is not None:
@@ -160,14 +173,13 @@ def train_with_torchrun(config: GemlineConfig, nproc: int, *, examples_version: 
     The config travels as ``--set`` flags, so the child processes see exactly this config.
 
     Raises:
-        ValueError: ``nproc`` < 1.
+        ValueError: see :func:`check_distributable`.
         RuntimeError: torchrun exited non-zero (the message ends with its output).
     """
     import subprocess
     import tempfile
 
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    check_distributable(config.trainer, nproc)
     with tempfile.TemporaryDirectory() as tmp:
         result_json = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "trainer.launch"]
