@@ -38,7 +38,7 @@ class ValidationConfig:
     """Largest relative change of a numeric feature's mean against its history."""
     max_quantile_change: float = 1.0
     """Largest relative change of a numeric feature's p50 / p99 against its history."""
-    gx_sample_rows: int | None = 20_000
+    gx_sample_rows: int | None = 200_000
     """Batches larger than this run GX's per-row value checks on a deterministic sample of this many rows; None: all rows."""
 
     def __post_init__(self) -> None:
