@@ -11,7 +11,14 @@ computed here with pyarrow and reported in the same shape (:class:`CheckResult`)
 - ``leakage``: no element of ``seq_event_time_ms`` at or after the example's ``event_time_ms``
   (a point-in-time join must only see the past);
 - ``seq_time_ascending``: every sequence oldest first, as the contract says;
-- ``finite:<f_*>``: dense features finite or null (pandas turns NaN into null, so GX can't tell).
+- ``finite:<f_*>``: dense features finite or null (pandas turns NaN into null, so GX can't tell);
+- ``not_null:<column>`` and ``unique:<key>``: exact over every row (GX would see only a sample);
+- ``seq_length_p99:<domain>``: p50/p99 of sequence lengths per domain (warning above max_seq_len).
+
+Large batches: GX's per-row value checks (sets, ranges, label-rate means) run on a deterministic
+strided sample of ``ValidationConfig.gx_sample_rows`` rows (marked ``sampled_rows`` in their
+details); everything listed above stays exact. A rare out-of-set value outside the sample can
+therefore pass ``in_set``; leakage, duplicates, nulls and broken sequences cannot.
 
 Shape letters: N rows in the batch, T = total number of sequence elements over the N rows.
 
