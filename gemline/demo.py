@@ -44,6 +44,9 @@ def run_demo(
     Keys: run_id, dataset, events_in, events_ingested, dead_letter, examples, seq_len_p50,
     seq_len_p99, quality_passed, quality_reports, auc, ne, calibration, eval_date, summary_path.
 
+    ``nproc`` > 1 trains through torchrun with that many local processes
+    (trainer.launch.train_with_torchrun; needs ``trainer.model = "ranker"``).
+
     Raises:
         ValueError: an unknown dataset, or a dataset that needs ``path`` without one.
     """

@@ -272,7 +272,6 @@ def test_shardable_ranker_equals_two_task_ranker_unsharded():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.slow
 def test_compiled_dense_forward_matches_eager():
     from trainer.distributed import ShardableRanker, compile_dense
 
