@@ -3,8 +3,10 @@
     gemline broker [--port P]
     gemline replay --dataset NAME [--path FILE] [--limit N] [--bootstrap HOST:PORT]
     gemline generate [--rate EVENTS_PER_S] [--set generate.num_users=N ...] [--bootstrap HOST:PORT]
-    gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N]] [beam flags ...]
-    gemline build [beam pipeline flags ...]
+    gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N]]
+                   [--runner dask --dask-address HOST:PORT] [beam flags ...]
+    gemline build [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
+    gemline cluster up [--workers N] [--port P]
     gemline validate --table T [--version V]
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
@@ -45,6 +47,24 @@ def _nproc_flag(parser: argparse.ArgumentParser) -> None:
         "--nproc", type=int, default=1,
         help="train with N local processes through torchrun (TorchRec sharding + FSDP2; config section trainer.distributed)",
     )
+
+
+def _runner_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runner", help="Beam runner: 'dask' (gemline.cluster.GemlineDaskRunner) or any Beam runner name")
+    parser.add_argument("--dask-address", help="with --runner dask: HOST:PORT of a Dask scheduler "
+                        "(`gemline cluster up`); default: a private LocalCluster per pipeline")
+
+
+def _beam_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """Beam flags from --runner/--dask-address, followed by the flags passed through untouched."""
+    runner = getattr(args, "runner", None)
+    if getattr(args, "dask_address", None) and runner != "dask":
+        raise ValueError(f"--dask-address needs --runner dask, got --runner {runner!r}")
+    if runner == "dask":
+        from gemline.cluster import dask_beam_args
+
+        return [*dask_beam_args(args.dask_address), *extra]
+    return [f"--runner={runner}", *extra] if runner else list(extra)
 
 
 def _config(args: argparse.Namespace) -> GemlineConfig:
@@ -104,6 +124,7 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     from ingest.pipeline import run_ingest
 
     config = _config(args)
+    extra = _beam_args(args, extra)
     if args.streaming:
         return _ingest_streaming(args, config, extra)
     result = run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra)
@@ -130,9 +151,19 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from sequences.pipeline import run_build
 
-    result = run_build(_config(args), events_version=args.events_version, beam_args=extra)
+    result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra))
     print(_as_json(result))
     return 0
+
+
+def cmd_cluster(args: argparse.Namespace, extra: list[str]) -> int:
+    from gemline.cluster import cluster_up
+
+    def ready(address: str) -> None:
+        print(f"Dask scheduler at {address} with {args.workers} worker processes; Ctrl-C stops it.\n"
+              f"  gemline ingest --runner dask --dask-address {address.removeprefix('tcp://')} ...", flush=True)
+
+    return cluster_up(args.workers, host=args.host, port=args.port, on_ready=ready)
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -229,12 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run until SIGINT/SIGTERM, one exactly-once micro-batch per --commit-interval-s")
     p.add_argument("--commit-interval-s", type=float, default=5.0, help="streaming: seconds between micro-batches")
     p.add_argument("--max-batches", type=int, default=None, help="streaming: stop after N micro-batches (tests)")
+    _runner_flags(p)
     p.set_defaults(func=cmd_ingest, passthrough=True)
 
     p = sub.add_parser("build", help="events -> sequences, features, examples")
     _common(p)
     p.add_argument("--events-version", type=int, default=None, help="events table version (default latest)")
+    _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
+
+    p = sub.add_parser("cluster", help="a local Dask cluster for Beam pipelines (--runner dask)")
+    csub = p.add_subparsers(dest="action", required=True)
+    c = csub.add_parser("up", help="start a scheduler and N worker processes, print the address, stop on Ctrl-C")
+    c.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    c.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=0, help="scheduler TCP port (default: a free one)")
+    c.set_defaults(func=cmd_cluster, passthrough=False)
 
     p = sub.add_parser("validate", help="run the quality suite on a table version; exit 3 if quarantined")
     _common(p)

@@ -293,3 +293,50 @@ def test_worker_killed_mid_job_leaves_the_lake_of_a_clean_run(produced, ingested
     print(f"first run {'completed' if first is not None else 'failed'} after the worker died")
     for table in INGEST_TABLES:
         assert _sorted_rows(lake, table) == _sorted_rows(ingested["direct"], table), table
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["build"], []),
+    (["build", "--runner", "dask"], [f"--runner={RUNNER}"]),
+    (["build", "--runner", "dask", "--dask-address", "h:1", "--direct_num_workers=2"],
+     [f"--runner={RUNNER}", "--dask_client_address=tcp://h:1", "--direct_num_workers=2"]),
+    (["ingest", "--runner", "FlinkRunner", "--flink_master=h:8081"], ["--runner=FlinkRunner", "--flink_master=h:8081"]),
+])
+def test_cli_maps_runner_flags_to_beam_args(argv, expected):
+    from gemline.cli import _beam_args, build_parser
+
+    args, extra = build_parser().parse_known_args(argv)
+    assert _beam_args(args, extra) == expected
+
+
+def test_cli_rejects_a_dask_address_without_the_dask_runner(capsys, tmp_path):
+    from gemline.cli import main
+
+    assert main(["build", "--lake", str(tmp_path), "--dask-address", "h:1"]) == 2
+    assert "--dask-address needs --runner dask" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_cluster_up_serves_workers_until_sigint():
+    import signal
+    import subprocess
+
+    from distributed import Client
+
+    proc = subprocess.Popen([sys.executable, "-m", "gemline.cli", "cluster", "up", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("Dask scheduler at tcp://127.0.0.1:"), line
+        address = line.split()[3]
+        with Client(address) as client:
+            assert len(client.scheduler_info()["workers"]) == 1
+            assert client.submit(sum, [1, 2, 3]).result() == 6
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
