@@ -84,3 +84,23 @@ def test_group_by_entity_sorts_and_dedupes(make_event):
 def test_group_by_entity_rejects_other_keys():
     with pytest.raises(ValueError, match="groups by 'user_id' or 'item_id', got 'domain'"):
         GroupByEntity("domain")
+
+
+def test_user_category_rows_ttl_and_prior_counts(make_event):
+    from features.pipeline import user_category_feature_rows
+
+    events = [
+        make_event("old", T - 31 * DAY_MS, "impression", category="c0"),  # past the 30 d TTL
+        make_event("x1", T - 2 * DAY_MS, "impression", category="c1"),
+        make_event("x2", T - 1, "click", category="c1"),
+        make_event("x3", T - 5, "impression", category=None),  # no category: no user x category row
+    ]
+    rows = user_category_feature_rows("u1", events, as_of_ms=T, config=CONFIG,
+                                      prior_counts={("d1", "c1"): {"impressions": 4, "clicks": 1}})
+    assert [(r["category"], r["impressions_all"], r["clicks_all"], r["impressions_1d"], r["clicks_1h"])
+            for r in rows] == [("c1", 5, 2, 0, 1)]
+    assert rows[0]["ctr_all"] == pytest.approx(3 / 7) and rows[0]["event_date"] == "1970-01-10"
+    # The user row counts the expired event in all-time counters but takes attributes only within the TTL.
+    (user_row,) = user_feature_rows("u1", events, as_of_ms=T, config=CONFIG)
+    assert (user_row["impressions_all"], user_row["impressions_7d"]) == (3, 2)
+    assert user_feature_rows("u1", events[:1], as_of_ms=T, config=CONFIG) == []  # expired entity: no row
