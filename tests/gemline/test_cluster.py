@@ -126,6 +126,26 @@ def test_run_dofn_bundle_runs_a_splittable_dofn_over_its_whole_restriction():
     assert [wv.value for _, wv in out] == [(7, i) for i in range(7)]
 
 
+class _Unbounded(OffsetRestrictionTracker):
+    def is_bounded(self):
+        return False
+
+
+class _UnboundedProvider(_RangeProvider):
+    def create_tracker(self, restriction):
+        return _Unbounded(restriction)
+
+
+class _UnboundedFn(beam.DoFn):
+    def process(self, n, tracker=beam.DoFn.RestrictionParam(_UnboundedProvider())):
+        yield n
+
+
+def test_run_dofn_bundle_refuses_an_unbounded_restriction():
+    with pytest.raises(ValueError, match="runs bounded pipelines only"):
+        run_dofn_bundle([(None, _wv(3))], None, _UnboundedFn(), [], {}, "Unbounded", None, [])
+
+
 # --- on a LocalCluster -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
