@@ -11,8 +11,8 @@ reading ``runners/dask/transform_evaluator.py`` and ``dask_runner.py`` of apache
    emits (``ingest.vectorized.BatchRecords`` emits its record batches there);
 4. splittable DoFns are invoked without a restriction (``ingest.kafka_source.ReadPartitionFn``
    fails on its missing tracker);
-5. ``GroupByKey`` partitions keys with Python's ``hash()`` of arbitrary objects, which differs
-   between worker processes for ``str``/``bytes`` (hash randomisation).
+5. ``GroupByKey`` partitions keys with Python's ``hash()`` of arbitrary objects, which for
+   ``str``/``bytes`` is salted per process unless every worker shares ``PYTHONHASHSEED``.
 
 :class:`GemlineDaskRunner` keeps Beam's Dask option parsing and override set and replaces the
 translation: every bag element is a ``(tag, WindowedValue)`` pair, consumers select their tag,
