@@ -11,6 +11,7 @@
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
     gemline train [--version V] [--nproc N]
+                  [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
 
 Every command takes --config FILE, --lake DIR and --set section.key=value (repeatable).
@@ -47,6 +48,13 @@ def _nproc_flag(parser: argparse.ArgumentParser) -> None:
         "--nproc", type=int, default=1,
         help="train with N local processes through torchrun (TorchRec sharding + FSDP2; config section trainer.distributed)",
     )
+
+
+def _multinode_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nnodes", type=int, default=1, help="launchers (machines) in the job; >1 needs --rdzv-endpoint")
+    parser.add_argument("--node-rank", type=int, default=0, help="this launcher's index in [0, nnodes)")
+    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, the same on every node")
+    parser.add_argument("--rdzv-id", default="gemline", help="job id shared by the launchers of one run")
 
 
 def _runner_flags(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +201,17 @@ def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.nnodes > 1 or args.rdzv_endpoint is not None:
+        from trainer.launch import train_with_torchrun
+
+        result = train_with_torchrun(
+            _config(args), args.nproc, examples_version=args.version, nnodes=args.nnodes, node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        )
+        # Only the node that hosted global rank 0 has a result; the others print nothing.
+        if result is not None:
+            print(_as_json(result))
+        return 0
     if args.nproc > 1:
         from trainer.launch import train_with_torchrun
 
@@ -302,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
     _nproc_flag(p)
+    _multinode_flags(p)
     p.set_defaults(func=cmd_train, passthrough=False)
 
     p = sub.add_parser("compare", help="train GEM, DLRM and LR on one examples version; table + plot under LAKE/_runs")

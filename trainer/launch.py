@@ -3,6 +3,11 @@
     python -m torch.distributed.run --standalone --nproc_per_node N -m trainer.launch \\
         [--config FILE] [--lake DIR] [--set KEY=VALUE ...] [--version V] [--result-json PATH]
 
+or, on each of M nodes (torchrun_command builds this argv):
+
+    python -m torch.distributed.run --nnodes M --node_rank R --rdzv_backend c10d \\
+        --rdzv_endpoint HOST:PORT --rdzv_id JOB --nproc_per_node N -m trainer.launch ...
+
 Every rank reads the same examples split and walks the same global batch order
 (trainer.train.epoch_order); each trains on its slice of every global batch. Rank 0 evaluates the
 gathered predictions, writes the checkpoint (full parameters gathered from the shards, no
@@ -167,30 +172,113 @@ def config_overrides(config: object, prefix: str = "") -> list[str]:
     return out
 
 
-def train_with_torchrun(config: GemlineConfig, nproc: int, *, examples_version: int | None = None) -> TrainResult:
-    """Run :func:`run_distributed_training` on ``nproc`` local processes through torchrun; rank 0's result.
+def torchrun_command(
+    config: GemlineConfig,
+    nproc: int,
+    *,
+    result_json: Path,
+    examples_version: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "gemline",
+    local_addr: str | None = None,
+) -> list[str]:
+    """The ``python -m torch.distributed.run ... -m trainer.launch ...`` argv for one node (launcher).
 
-    The config travels as ``--set`` flags, so the child processes see exactly this config.
+    One node without ``rdzv_endpoint`` uses ``--standalone`` (a private rendezvous on a free
+    port). Otherwise every node gets ``--nnodes N --rdzv_backend c10d --rdzv_endpoint HOST:PORT
+    --rdzv_id JOB`` and the world is ``nnodes * nproc`` processes. The first launcher to reach
+    HOST:PORT hosts the rendezvous store (HOST must be an address of one of the nodes). With c10d
+    torchrun assigns global ranks by sorting the joined nodes, not by ``--node_rank`` (it is passed
+    along for the logs only: torch.distributed.run docs, ``--node-rank``), so any node may host
+    rank 0 and write ``result_json``.
+
+    Args:
+        nproc: processes on this node.
+        result_json: file the process holding global rank 0 writes the TrainResult to (on its node).
+        nnodes: launchers (machines) in the job; each must be started with the same nnodes,
+            nproc, rdzv_endpoint and rdzv_id.
+        node_rank: 0 <= node_rank < nnodes.
+        rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; required when nnodes > 1.
+        rdzv_id: job id shared by the launchers of one run (a second job on the same endpoint
+            needs another id).
+        local_addr: address other nodes reach this one at (torchrun ``--local_addr``); None lets
+            torchrun look up this host's name.
 
     Raises:
-        ValueError: see :func:`check_distributable`.
-        RuntimeError: torchrun exited non-zero (the message ends with its output).
+        ValueError: nnodes < 1, node_rank outside [0, nnodes), nnodes > 1 without rdzv_endpoint,
+            an endpoint not of the form HOST:PORT, or a config :func:`check_distributable` refuses
+            for the world size ``nnodes * nproc``.
+    """
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, got {node_rank}")
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node, the same for every node)")
+    if rdzv_endpoint is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
+    check_distributable(config.trainer, nproc * nnodes)
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if rdzv_endpoint is None:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
+                "--rdzv_endpoint", rdzv_endpoint, "--rdzv_id", rdzv_id]
+        if local_addr is not None:
+            cmd += ["--local_addr", local_addr]
+    cmd += ["--nproc_per_node", str(nproc), "-m", "trainer.launch"]
+    for pair in config_overrides(config):
+        cmd += ["--set", pair]
+    if examples_version is not None:
+        cmd += ["--version", str(examples_version)]
+    return cmd + ["--result-json", str(result_json)]
+
+
+def train_with_torchrun(
+    config: GemlineConfig,
+    nproc: int,
+    *,
+    examples_version: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "gemline",
+    local_addr: str | None = None,
+) -> TrainResult | None:
+    """Run :func:`run_distributed_training` through torchrun with ``nproc`` processes on this node.
+
+    One node (the default): a standalone job; returns rank 0's TrainResult. ``nnodes > 1``: this
+    is one of ``nnodes`` launchers of a c10d job (see :func:`torchrun_command`); every node runs
+    this call with the same arguments but its ``node_rank`` and blocks until the job ends; the node
+    that hosted global rank 0 returns the TrainResult, the others None. The config travels as
+    ``--set`` flags, so the child processes see exactly this config; ``config.lake`` must name
+    the same lake on every node (a shared file system or object store) since rank 0 writes the
+    checkpoint there.
+
+    Raises:
+        ValueError: see :func:`torchrun_command` and :func:`check_distributable`.
+        RuntimeError: torchrun exited non-zero (the message ends with its output), or a one-node
+            run wrote no result.
     """
     import subprocess
     import tempfile
 
-    check_distributable(config.trainer, nproc)
     with tempfile.TemporaryDirectory() as tmp:
         result_json = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "trainer.launch"]
-        for pair in config_overrides(config):
-            cmd += ["--set", pair]
-        if examples_version is not None:
-            cmd += ["--version", str(examples_version)]
-        cmd += ["--result-json", str(result_json)]
+        cmd = torchrun_command(
+            config, nproc, result_json=result_json, examples_version=examples_version, nnodes=nnodes,
+            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr,
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0 or not result_json.exists():
-            raise RuntimeError(f"torchrun with {nproc} processes failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        where = f"{nproc} processes" if nnodes == 1 else f"{nproc} processes on node {node_rank} of {nnodes}"
+        if proc.returncode != 0 or (nnodes == 1 and not result_json.exists()):
+            raise RuntimeError(f"torchrun with {where} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        if not result_json.exists():
+            return None
         return TrainResult(**json.loads(result_json.read_text()))
 
 
