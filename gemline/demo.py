@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gemline.config import GemlineConfig
+from gemline.lake import is_remote, lake_fs
 from ingest.broker import EmbeddedBroker
 
 
@@ -60,8 +61,11 @@ def run_demo(
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     topic = _demo_topic(config, dataset, limit)
     config = dataclasses.replace(config, kafka=dataclasses.replace(config.kafka, topic=topic))
-    Path(config.lake).mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"run_id": run_id, "dataset": dataset, "lake": str(Path(config.lake).resolve())}
+    remote = is_remote(config.lake)
+    if not remote:
+        Path(config.lake).mkdir(parents=True, exist_ok=True)
+    lake_name = str(config.lake) if remote else str(Path(config.lake).resolve())
+    summary: dict[str, Any] = {"run_id": run_id, "dataset": dataset, "lake": lake_name}
     started = time.monotonic()
 
     with contextlib.ExitStack() as stack:
@@ -125,12 +129,23 @@ def run_demo(
         console.print(f"[red]examples@{built.examples_version} quarantined: not trained on[/]")
 
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
-    out = Path(config.lake) / "_runs" / run_id / "summary.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2, default=str))
-    summary["summary_path"] = str(out)
+    summary["summary_path"] = _write_summary(config, run_id, summary)
     _print_summary(console, summary)
     return summary
+
+
+def _write_summary(config: GemlineConfig, run_id: str, summary: dict[str, Any]) -> str:
+    """Write ``LAKE/_runs/<run_id>/summary.json`` (through ``lake_fs`` on an object store); its path or URI."""
+    text = json.dumps(summary, indent=2, default=str)
+    if is_remote(config.lake):
+        fs, root = lake_fs(config.lake, config.lake_storage_options)
+        with fs.open_output_stream(f"{root}/_runs/{run_id}/summary.json") as out:
+            out.write(text.encode("utf-8"))
+        return f"{str(config.lake).rstrip('/')}/_runs/{run_id}/summary.json"
+    out = Path(config.lake) / "_runs" / run_id / "summary.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return str(out)
 
 
 def _quality_line(console: Console, result: Any) -> dict[str, Any]:

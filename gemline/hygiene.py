@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from gemline.lake import open_table
+from gemline.lake import StorageOptions, open_table
 
 MIN_RETENTION_HOURS = 1.0
 """Shortest vacuum retention accepted: longer than any build or ingest micro-batch runs."""
@@ -83,14 +83,16 @@ class HygieneResult:
     files_vacuumed: int
 
 
-def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True) -> HygieneResult:
+def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
+         storage_options: StorageOptions | None = None) -> HygieneResult:
     """Compact (when ``compact`` and the table has >= ``compact_min_files`` files), checkpoint
-    (when the version is a multiple of K) and vacuum ``table`` under ``lake``.
+    (when the version is a multiple of K) and vacuum ``table`` under ``lake``; ``storage_options``
+    as in :mod:`gemline.lake` for an object-store lake.
 
     Raises:
         ValueError: the table does not exist.
     """
-    dt = open_table(lake, table)
+    dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         raise ValueError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -53,7 +54,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from gemline.config import GemlineConfig
 from deltalake import CommitProperties, Transaction, write_deltalake
 
-from gemline.lake import commit_metadata, commit_once, committed_version, open_table, table_uri
+from gemline.lake import commit_metadata, commit_once, committed_version, is_remote, open_table, table_uri
 from ingest.dedup import committed_ids, drop_duplicates, split_late
 from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, plan_snapshot
 from ingest.parse import DEAD_LETTER, GOOD
@@ -96,8 +97,29 @@ def app_id_for(topic: str) -> str:
 
 
 def staging_dir(lake: str | Path, batch_version: int) -> Path:
-    """Per-batch staging directory ``LAKE/_staging/ingest/<batch_version>``."""
+    """Per-batch staging directory ``LAKE/_staging/ingest/<batch_version>`` (local lake only).
+
+    Raises:
+        ValueError: ``lake`` is an object-store URI; :func:`run_ingest` stages those batches in a
+            local temporary directory instead (see :func:`_stage_for`).
+    """
+    if is_remote(lake):
+        raise ValueError(f"staging_dir: expected a local lake path, got the URI {str(lake)!r}; "
+                         "remote lakes stage in a local temporary directory")
     return Path(lake) / "_staging" / "ingest" / str(batch_version)
+
+
+def _stage_for(lake: str | Path, batch_version: int) -> Path:
+    """Where this batch's Beam workers write parquet before the commit.
+
+    A remote lake stages in a fresh local ``tempfile.mkdtemp`` directory: Beam's DirectRunner
+    workers share this machine's disk, and a crashed batch is recomputed from its recorded offset
+    ranges, so nothing is lost with the temp dir. Multi-machine runners need a shared staging
+    location instead (not supported yet).
+    """
+    if is_remote(lake):
+        return Path(tempfile.mkdtemp(prefix=f"gemline-ingest-{batch_version}-"))
+    return staging_dir(lake, batch_version)
 
 
 @dataclass(frozen=True)
@@ -112,20 +134,20 @@ class _Plan:
 
 def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _Plan:
     """Decide the batch: version, ranges, clock (fresh, or recovered from a dead_letter commit)."""
-    lake, topic = config.lake, config.kafka.topic
+    lake, topic, opts = config.lake, config.kafka.topic, config.lake_storage_options
     app_id = app_id_for(topic)
-    last_events = committed_version(lake, EVENTS_TABLE, app_id)
+    last_events = committed_version(lake, EVENTS_TABLE, app_id, storage_options=opts)
     batch_version = 0 if last_events is None else last_events + 1
-    events_meta = commit_metadata(lake, EVENTS_TABLE, app_id) or {}
+    events_meta = commit_metadata(lake, EVENTS_TABLE, app_id, storage_options=opts) or {}
     prev_ends = {int(p): int(e) for p, e in events_meta.get("end_offsets", {}).items()}
     marks = {int(p): int(w) for p, w in events_meta.get("watermarks_ms", {}).items()}
 
-    last_dead = committed_version(lake, DEAD_LETTER_TABLE, app_id)
+    last_dead = committed_version(lake, DEAD_LETTER_TABLE, app_id, storage_options=opts)
     if last_dead is not None and last_dead > batch_version:
         raise RuntimeError(f"{DEAD_LETTER_TABLE} holds batch {last_dead} of {app_id!r} but {EVENTS_TABLE} only "
                            f"{last_events}: the tables were changed outside the ingest job; restore them together")
     if last_dead == batch_version:
-        meta = commit_metadata(lake, DEAD_LETTER_TABLE, app_id)
+        meta = commit_metadata(lake, DEAD_LETTER_TABLE, app_id, storage_options=opts)
         assert meta is not None, "dead_letter has a txn version but no gemline metadata"
         ranges = tuple(OffsetRange.from_dict(d) for d in meta["offset_ranges"])
         ends = {int(p): int(e) for p, e in meta["end_offsets"].items()}
@@ -301,14 +323,14 @@ def run_ingest(
         RuntimeError: the two tables hold inconsistent batches, or staged rows break the
             exactly-once invariants.
     """
-    lake, app_id = config.lake, app_id_for(config.kafka.topic)
+    lake, app_id, opts = config.lake, app_id_for(config.kafka.topic), config.lake_storage_options
     plan = _plan_batch(config, bootstrap, now_ms)
     planned = sum(r.num_offsets for r in plan.ranges)
     if planned == 0:
         log.info("ingest %s: nothing new (batch %d skipped)", app_id, plan.batch_version)
         return IngestResult(plan.batch_version, 0, 0, plan.ranges, skipped=True)
 
-    stage = staging_dir(lake, plan.batch_version)
+    stage = _stage_for(lake, plan.batch_version)
     shutil.rmtree(stage, ignore_errors=True)
     for table in (EVENTS_TABLE, DEAD_LETTER_TABLE):
         (stage / table).mkdir(parents=True)
@@ -319,7 +341,7 @@ def run_ingest(
     events = read_staged(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)
     dead = read_staged(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
     _check_batch(events, dead, plan.ranges)
-    existing = open_table(lake, EVENTS_TABLE)
+    existing = open_table(lake, EVENTS_TABLE, storage_options=opts)
     committed = committed_ids(None if existing is None else existing.to_pyarrow_dataset(), events,
                               config.ingest.dedup_window_ms)
     events, duplicates = drop_duplicates(events, committed, config.ingest.dedup_window_ms)
@@ -333,11 +355,11 @@ def run_ingest(
         "late_events": late.num_rows,
     }
     wrote_dead = commit_once(lake, DEAD_LETTER_TABLE, dead, app_id=app_id, version=plan.batch_version,
-                             metadata=metadata)
+                             metadata=metadata, storage_options=opts)
     wrote_late = _commit_at(lake, LATE_EVENTS_TABLE, late, app_id=app_id, version=plan.batch_version,
-                            metadata=metadata)
+                            metadata=metadata, storage_options=opts)
     wrote_events = commit_once(lake, EVENTS_TABLE, events, app_id=app_id, version=plan.batch_version,
-                               partition_by=["event_date"], metadata=metadata)
+                               partition_by=["event_date"], metadata=metadata, storage_options=opts)
     shutil.rmtree(stage, ignore_errors=True)
     log.info("ingest %s: batch %d committed: %d events, %d dead-letter, %d late, %d duplicates dropped", app_id,
              plan.batch_version, events.num_rows, dead.num_rows, late.num_rows, duplicates)
@@ -354,18 +376,19 @@ def run_ingest(
 
 
 def _commit_at(lake: str | Path, table: str, data: pa.Table, *, app_id: str, version: int,
-               metadata: dict[str, Any]) -> bool:
+               metadata: dict[str, Any], storage_options: dict[str, str] | None = None) -> bool:
     """Like :func:`gemline.lake.commit_once`, but the first commit may carry any version.
 
     ``late_events`` joined the lake after ``events``: in an existing lake its first batch is the
     app's next events version, not 0, so commit_once's "version must be last + 1" check cannot hold.
     Idempotence is the same: skip when (app_id, version) or later is already there.
     """
-    last = committed_version(lake, table, app_id)
+    last = committed_version(lake, table, app_id, storage_options=storage_options)
     if last is not None and version <= last:
         return False
     custom = {"gemline": json.dumps({**metadata, "app_id": app_id, "txn_version": version}, sort_keys=True)}
     write_deltalake(table_uri(lake, table), data, mode="append", schema_mode="merge",
+                    storage_options=dict(storage_options) if storage_options and is_remote(lake) else None,
                     commit_properties=CommitProperties(custom_metadata=custom,
                                                        app_transactions=[Transaction(app_id=app_id, version=version)]))
     return True

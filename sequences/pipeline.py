@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,8 @@ from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEA
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.config import GemlineConfig
 from gemline.hygiene import conform, tidy
-from gemline.lake import commit_metadata, commit_once, committed_version, open_table, read_table
+from gemline.lake import (StorageOptions, commit_metadata, commit_once, committed_version, is_remote, lake_fs,
+                          open_table, read_table)
 from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, rows_to_table
@@ -245,30 +247,31 @@ def _read_staged(directory: Path, schema: pa.Schema) -> pa.Table:
     return conform(ds.dataset(files, format="parquet").to_table(), schema)
 
 
-def _rows(lake: str, table: str) -> int:
-    dt = open_table(lake, table)
+def _rows(lake: str, table: str, opts: StorageOptions | None = None) -> int:
+    dt = open_table(lake, table, storage_options=opts)
     return 0 if dt is None else dt.to_pyarrow_dataset().count_rows()
 
 
-def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0) -> BuildResult:
-    examples = open_table(lake, "examples")
+def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0,
+                      opts: StorageOptions | None = None) -> BuildResult:
+    examples = open_table(lake, "examples", storage_options=opts)
     lengths_np = np.zeros(0) if examples is None else (
         examples.to_pyarrow_dataset().to_table(columns=["seq_length"]).column("seq_length").to_numpy()
     )
     has = lengths_np.size > 0
-    meta = commit_metadata(lake, "examples", APP_ID) or {}
+    meta = commit_metadata(lake, "examples", APP_ID, storage_options=opts) or {}
     return BuildResult(
         events_version=events_version,
         examples_version=None if examples is None else examples.version(),
-        num_examples=_rows(lake, "examples"),
-        num_sequences=_rows(lake, "sequences"),
-        num_user_features=_rows(lake, USER_FEATURES.name),
-        num_item_features=_rows(lake, ITEM_FEATURES.name),
+        num_examples=_rows(lake, "examples", opts),
+        num_sequences=_rows(lake, "sequences", opts),
+        num_user_features=_rows(lake, USER_FEATURES.name, opts),
+        num_item_features=_rows(lake, ITEM_FEATURES.name, opts),
         seq_length_p50=float(np.percentile(lengths_np, 50)) if has else None,
         seq_length_p99=float(np.percentile(lengths_np, 99)) if has else None,
         skipped=skipped,
         num_published=published,
-        num_pending=_rows(lake, f"{STATE_PREFIX}/pending"),
+        num_pending=_rows(lake, f"{STATE_PREFIX}/pending", opts),
         watermark_ms=meta.get("watermark_ms"),
         close_ms=meta.get("close_ms"),
     )
@@ -282,11 +285,11 @@ def _check_events(names: list[str]) -> None:
         )
 
 
-def _version_at_build(lake: str, table: str, build: int | None) -> int | None:
+def _version_at_build(lake: str, table: str, build: int | None, opts: StorageOptions | None = None) -> int | None:
     """Delta version of ``table`` as the build with number ``build`` left it (None: before any)."""
     if build is None:
         return None
-    dt = open_table(lake, table)
+    dt = open_table(lake, table, storage_options=opts)
     if dt is None:
         return None
     for entry in dt.history():
@@ -298,22 +301,25 @@ def _version_at_build(lake: str, table: str, build: int | None) -> int | None:
 
 
 def new_event_rows(
-    lake: str, old_version: int | None, version: int, columns: list[str] | None = None
+    lake: str, old_version: int | None, version: int, columns: list[str] | None = None,
+    *, storage_options: StorageOptions | None = None,
 ) -> pa.Table:
     """Rows the append-only ``events`` table gained from ``old_version`` (exclusive; None: from
     nothing) to ``version`` (inclusive), columns :data:`_EVENT_COLUMNS`.
 
     ``columns``: a subset of :data:`_EVENT_COLUMNS` (all when None). Reads only the Parquet files
-    added in between. When a version in between was not a plain
+    added in between (through :func:`gemline.lake.lake_fs` on an object-store lake, with
+    ``storage_options``). When a version in between was not a plain
     append (a compaction rewrites files), falls back to Kafka coordinates: rows whose
     (topic, partition, offset) is past the old version's last offset per partition.
     """
     columns = list(_EVENT_COLUMNS) if columns is None else columns
     schema = pa.schema([_EVENT_SCHEMA.field(name) for name in columns])
-    new = open_table(lake, "events", version)
+    opts = storage_options
+    new = open_table(lake, "events", version, storage_options=opts)
     if old_version is None:
-        return read_table(lake, "events", version, columns=columns)
-    old = open_table(lake, "events", old_version)
+        return read_table(lake, "events", version, columns=columns, storage_options=opts)
+    old = open_table(lake, "events", old_version, storage_options=opts)
     appends_only = all(
         entry.get("operation") in ("WRITE", "CREATE TABLE")
         and entry.get("operationParameters", {}).get("mode", "Append") == "Append"
@@ -323,6 +329,10 @@ def new_event_rows(
         files = sorted(set(new.file_uris()) - set(old.file_uris()))
         if not files:
             return schema.empty_table()
+        if is_remote(lake):
+            fs, _ = lake_fs(lake, opts)
+            return ds.dataset([f.split("://", 1)[1] for f in files], format="parquet",
+                              filesystem=fs).to_table(columns=columns)
         return ds.dataset(files, format="parquet").to_table(columns=columns)
     coords = ["kafka_topic", "kafka_partition", "kafka_offset"]
     seen = old.to_pyarrow_dataset().to_table(columns=coords).group_by(coords[:2]).aggregate([("kafka_offset", "max")])
@@ -334,12 +344,12 @@ def new_event_rows(
 
 def _load(spec: tuple) -> pa.Table | None:
     """Read an input inside the pipeline (a table passed as an argument would be pickled into the
-    graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version) or
-    ("state", lake, table, delta_version | None)."""
-    kind, lake, a, b = spec
+    graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version, opts) or
+    ("state", lake, table, delta_version | None, opts); ``opts``: storage options or None."""
+    kind, lake, a, b, opts = spec
     if kind == "new":
-        return new_event_rows(lake, a, b)
-    return None if b is None else read_table(lake, a, b)
+        return new_event_rows(lake, a, b, storage_options=opts)
+    return None if b is None else read_table(lake, a, b, storage_options=opts)
 
 
 def _emit_rows(_: Any, spec: tuple, desc: str):
@@ -394,14 +404,14 @@ def run_build(
         ValueError: no ``events`` table (run ingest first), missing columns, an ``events_version``
             older than the last built one, or ``close_windows_at`` < 0.
     """
-    lake = config.lake
-    table = open_table(lake, "events", events_version)
+    lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
+    table = open_table(lake, "events", events_version, storage_options=opts)
     if table is None:
         raise ValueError(f"no events table under {lake!r}; run the ingest job first")
     if close_windows_at is not None and close_windows_at < 0:
         raise ValueError(f"close_windows_at must be ms since epoch UTC (>= 0), got {close_windows_at}")
     version = table.version()
-    meta = commit_metadata(lake, "examples", APP_ID) or {}
+    meta = commit_metadata(lake, "examples", APP_ID, storage_options=opts) or {}
     old_version = meta.get("events_version")
     if old_version is not None and version < old_version:
         raise ValueError(f"events_version {version} is older than the last built version {old_version}; "
@@ -410,9 +420,10 @@ def run_build(
     if old_version == version:
         wants_close = final or (close_windows_at is not None and close_windows_at > (old_close or 0))
         if not wants_close:
-            return _result_from_lake(lake, version, skipped=True)
+            return _result_from_lake(lake, version, skipped=True, opts=opts)
     _check_events(table.to_pyarrow_dataset().schema.names)
-    new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"]).column("event_time_ms")
+    new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"],
+                               storage_options=opts).column("event_time_ms")
     newest = pc.max(new_times).as_py() if len(new_times) else None
     old_watermark = meta.get("watermark_ms")
     # An empty first snapshot has no event time: the epoch makes every as-of output empty.
@@ -420,17 +431,20 @@ def run_build(
     close_ms = _close_point(config.build, watermark_ms, old_close, final, close_windows_at)
     last_build = meta.get("build")
     build = 0 if last_build is None else last_build + 1
-    state = {name: ("state", lake, name, _version_at_build(lake, name, last_build)) for name in
+    state = {name: ("state", lake, name, _version_at_build(lake, name, last_build, opts), opts) for name in
              ("sequences", "sequences_by_domain", f"{STATE_PREFIX}/buffer", f"{STATE_PREFIX}/evicted",
               f"{STATE_PREFIX}/pending")}
-    staging = Path(lake) / "_staging" / APP_ID / str(version)
+    # DirectRunner workers share this machine's disk, so a remote lake stages in a local temp dir
+    # (a crashed build recomputes from the lake anyway); multi-machine runners need shared staging.
+    staging = (Path(tempfile.mkdtemp(prefix=f"gemline-build-{version}-")) if is_remote(lake)
+               else Path(lake) / "_staging" / APP_ID / str(version))
     # A crashed earlier attempt may have left partial files: start the staging area afresh.
     shutil.rmtree(staging, ignore_errors=True)
 
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
         start = pipeline | "Start" >> beam.Create([None])
         inputs = {
-            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_rows, ("new", lake, old_version, version), f"new events@{version}"),
+            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_rows, ("new", lake, old_version, version, opts), f"new events@{version}"),
             "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/buffer"], "buffer"),
             "seq": start | "ReadSequences" >> beam.FlatMap(_emit_rows, state["sequences"], "sequences"),
             "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_rows, state["sequences_by_domain"], "dseq"),
@@ -449,16 +463,17 @@ def run_build(
         data = _read_staged(staging / name, schema)
         if name == "examples":
             published = data.num_rows
-        if (commit_metadata(lake, name, APP_ID) or {}).get("build") == build:
+        if (commit_metadata(lake, name, APP_ID, storage_options=opts) or {}).get("build") == build:
             continue  # committed before a crash: the rerun computed the same rows
-        last = committed_version(lake, name, APP_ID)
+        last = committed_version(lake, name, APP_ID, storage_options=opts)
         commit_once(
             lake, name, data, app_id=APP_ID, version=0 if last is None else last + 1,
             mode="append" if name == "examples" else "overwrite",
             partition_by=partition_by,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
+            storage_options=opts,
         )
     shutil.rmtree(staging, ignore_errors=True)
     for name in _OUTPUTS:
-        tidy(lake, name, config.build.hygiene)
-    return _result_from_lake(lake, version, skipped=False, published=published)
+        tidy(lake, name, config.build.hygiene, storage_options=opts)
+    return _result_from_lake(lake, version, skipped=False, published=published, opts=opts)

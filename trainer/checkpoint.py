@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,8 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 from torch import nn
+
+from gemline.lake import StorageOptions, is_remote, lake_fs
 
 CHECKPOINTS_DIR = "_checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -70,8 +74,13 @@ def save_checkpoint(
     *,
     numpy_rng: np.random.Generator | None = None,
     extra_files: Mapping[str, bytes] | None = None,
-) -> Path:
+    storage_options: StorageOptions | None = None,
+) -> Path | str:
     """Write ``step-<state.step>`` atomically and return its path.
+
+    On an object-store lake (``s3://...``) the checkpoint is written to a local temporary directory
+    and uploaded through :func:`gemline.lake.lake_fs` with ``storage_options``, ``meta.json``
+    last (a reader counts a step only once its meta.json is there); the return value is its URI.
 
     An existing complete checkpoint of the same step is replaced (a rerun from scratch on the same
     lake reaches the same step numbers).
@@ -84,6 +93,8 @@ def save_checkpoint(
     for name in extra_files or {}:
         if name != Path(name).name or name in ("state.pt", "meta.json"):
             raise ValueError(f"extra file names must be plain names other than state.pt/meta.json, got {name!r}")
+    if is_remote(lake):
+        return _save_remote(lake, state, model, optimizers, numpy_rng, extra_files, storage_options)
     root = checkpoints_root(lake)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step}"
@@ -116,8 +127,14 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(lake: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None if there is none."""
+def latest_checkpoint(lake: str | Path, *, storage_options: StorageOptions | None = None) -> Path | None:
+    """The complete checkpoint with the highest step, or None if there is none.
+
+    On an object-store lake the chosen checkpoint is downloaded to a local temporary directory
+    (so :func:`load_checkpoint` reads it like a local one) and that directory is returned.
+    """
+    if is_remote(lake):
+        return _latest_remote(lake, storage_options)
     root = checkpoints_root(lake)
     if not root.is_dir():
         return None
@@ -176,3 +193,44 @@ def load_checkpoint(
     if numpy_rng is not None and rng["numpy_generator"] is not None:
         numpy_rng.bit_generator.state = rng["numpy_generator"]
     return read_state(path)
+
+
+def _save_remote(lake: str | Path, state: TrainState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
+                 numpy_rng: np.random.Generator | None, extra_files: Mapping[str, bytes] | None,
+                 storage_options: StorageOptions | None) -> str:
+    """Object-store twin of :func:`save_checkpoint`: build it locally, then upload, meta.json last."""
+    fs, root = lake_fs(lake, storage_options)
+    name = f"step-{state.step}"
+    with tempfile.TemporaryDirectory(prefix="gemline-ckpt-") as local:
+        built = Path(save_checkpoint(local, state, model, optimizers, numpy_rng=numpy_rng, extra_files=extra_files))
+        target = f"{root}/{CHECKPOINTS_DIR}/{name}"
+        # A replaced step loses meta.json first, so no reader sees old meta with new state.
+        if fs.get_file_info(f"{target}/meta.json").type == pafs.FileType.File:
+            fs.delete_file(f"{target}/meta.json")
+        files = sorted(p.name for p in built.iterdir() if p.name != "meta.json") + ["meta.json"]
+        for file in files:
+            pafs.copy_files(str(built / file), f"{target}/{file}", source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=fs)
+    return f"{str(lake).rstrip('/')}/{CHECKPOINTS_DIR}/{name}"
+
+
+def _latest_remote(lake: str | Path, storage_options: StorageOptions | None) -> Path | None:
+    """Download the highest complete ``step-N`` under ``LAKE/_checkpoints`` to a temp dir; None if none."""
+    fs, root = lake_fs(lake, storage_options)
+    base = f"{root}/{CHECKPOINTS_DIR}"
+    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=True))
+    files: dict[str, set[str]] = {}
+    for info in infos:
+        if info.is_file:
+            step_dir, _, file = info.path[len(base) + 1:].partition("/")
+            files.setdefault(step_dir, set()).add(file)
+    steps = [(int(m.group(1)), d) for d in files if (m := _STEP_DIR.match(d)) and {"meta.json", "state.pt"} <= files[d]]
+    if not steps:
+        return None
+    _, step_dir = max(steps)
+    local = Path(tempfile.mkdtemp(prefix="gemline-ckpt-")) / step_dir
+    local.mkdir()
+    for file in sorted(files[step_dir]):
+        pafs.copy_files(f"{base}/{step_dir}/{file}", str(local / file), source_filesystem=fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+    return local

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gemline.lake import open_table, read_table
+from gemline.lake import StorageOptions, open_table, read_table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 
 log = logging.getLogger(__name__)
@@ -222,9 +222,9 @@ class ExamplesSplit:
     eval_date: str
 
 
-def latest_examples_version(lake: str | Path) -> int:
+def latest_examples_version(lake: str | Path, *, storage_options: StorageOptions | None = None) -> int:
     """Newest Delta version of ``examples``; raises FileNotFoundError if the table does not exist."""
-    dt = open_table(lake, "examples")
+    dt = open_table(lake, "examples", storage_options=storage_options)
     if dt is None:
         raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
     return dt.version()
@@ -253,7 +253,8 @@ def temporal_split(table: pa.Table, examples_version: int) -> ExamplesSplit:
     )
 
 
-def load_split(lake: str | Path, examples_version: int) -> ExamplesSplit:
+def load_split(lake: str | Path, examples_version: int, *,
+               storage_options: StorageOptions | None = None) -> ExamplesSplit:
     """Read ``examples@examples_version``, order rows by (event_time_ms, example_id), split by date.
 
     See :func:`temporal_split`.
@@ -262,7 +263,7 @@ def load_split(lake: str | Path, examples_version: int) -> ExamplesSplit:
         FileNotFoundError: the table or version does not exist.
         ValueError: fewer than 2 dates, or a missing required column.
     """
-    table = read_table(lake, "examples", examples_version)
+    table = read_table(lake, "examples", examples_version, storage_options=storage_options)
     if table is None:
         raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
     required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]

@@ -93,9 +93,9 @@ def _loss_curve_png(loss_curve: list[float]) -> bytes:
     return buf.getvalue()
 
 
-def check_gate(lake: str, examples_version: int) -> None:
+def check_gate(lake: str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:
     """Raise QuarantinedError unless the gate allows ``examples@examples_version``."""
-    decision = gate_decision(lake, "examples", examples_version)
+    decision = gate_decision(lake, "examples", examples_version, storage_options=storage_options)
     if not decision.allowed:
         log.error("refusing to train: %s", decision.reason)
         raise QuarantinedError(decision.reason)
@@ -148,8 +148,10 @@ def run_training(config: GemlineConfig, *, examples_version: int | None = None, 
         ValueError: fewer than 2 event dates, or a table that breaks the examples contract.
     """
     tc = config.trainer
-    version = latest_examples_version(config.lake) if examples_version is None else examples_version
-    check_gate(config.lake, version)
+    opts = config.lake_storage_options
+    version = (latest_examples_version(config.lake, storage_options=opts) if examples_version is None
+               else examples_version)
+    check_gate(config.lake, version, storage_options=opts)
     previous_threads = torch.get_num_threads()
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
@@ -190,11 +192,11 @@ def _resume_position(state: TrainState, version: int, epochs: int) -> _Position:
 
 def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
     """run_training after the gate allowed ``version``."""
-    tc = config.trainer
-    split = load_split(config.lake, version)
+    tc, opts = config.trainer, config.lake_storage_options
+    split = load_split(config.lake, version, storage_options=opts)
 
     torch.manual_seed(tc.seed)
-    resume_from = latest_checkpoint(config.lake) if tc.init_from == "latest" else None
+    resume_from = latest_checkpoint(config.lake, storage_options=opts) if tc.init_from == "latest" else None
     normalizer = fit_normalizer(split.train)
     domains = training_domains(split.train, resume_from)
     model = build_model(tc, len(normalizer.names), domains)
@@ -231,7 +233,8 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
             examples_version=version,
             extra={"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "run": _run_record(position, tc.epochs, finished), **(extra or {})},
         )
-        return str(save_checkpoint(config.lake, state, model, optimizers, extra_files=files))
+        return str(save_checkpoint(config.lake, state, model, optimizers, extra_files=files,
+                                   storage_options=opts))
 
     loss_curve: list[float] = []
     per_epoch = num_batches(train, tc.batch_size)

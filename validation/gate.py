@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
-from gemline.lake import read_table, table_uri
+from gemline.lake import StorageOptions, is_remote, read_table, table_uri
 
 QUALITY_TABLE = "quality"
 RELEASE = "__release__"
@@ -46,18 +46,24 @@ class GateDecision:
     reason: str
 
 
-def append_quality_rows(lake: str | Path, rows: list[dict]) -> None:
-    """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit."""
+def append_quality_rows(lake: str | Path, rows: list[dict], *, storage_options: StorageOptions | None = None) -> None:
+    """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit.
+
+    ``storage_options``: object-store options for a remote lake (see :mod:`gemline.lake`).
+    """
     if rows:
-        write_deltalake(table_uri(lake, QUALITY_TABLE), pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), mode="append")
+        opts = dict(storage_options) if storage_options and is_remote(lake) else None
+        write_deltalake(table_uri(lake, QUALITY_TABLE), pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), mode="append",
+                        storage_options=opts)
 
 
-def gate_decision(lake: str | Path, table: str, table_version: int) -> GateDecision:
+def gate_decision(lake: str | Path, table: str, table_version: int, *,
+                  storage_options: StorageOptions | None = None) -> GateDecision:
     """Decide from the ``quality`` table whether ``table@table_version`` may be trained on.
 
     Never raises for a missing quality table: it answers not allowed ("never validated").
     """
-    quality = read_table(lake, QUALITY_TABLE)
+    quality = read_table(lake, QUALITY_TABLE, storage_options=storage_options)
     if quality is None:
         return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated")
     mask = pc.and_(pc.equal(quality["table"], table), pc.equal(quality["table_version"], table_version))
@@ -81,7 +87,8 @@ def gate_decision(lake: str | Path, table: str, table_version: int) -> GateDecis
     )
 
 
-def release(lake: str | Path, table: str, table_version: int, reason: str, *, now_ms: int | None = None) -> None:
+def release(lake: str | Path, table: str, table_version: int, reason: str, *, now_ms: int | None = None,
+            storage_options: StorageOptions | None = None) -> None:
     """Record that a person released a quarantined version (the reason is kept in ``observed``).
 
     Raises:
@@ -105,4 +112,5 @@ def release(lake: str | Path, table: str, table_version: int, reason: str, *, no
                 "report_path": "",
             }
         ],
+        storage_options=storage_options,
     )

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
-from gemline.lake import read_table, table_uri
+from gemline.lake import StorageOptions, is_remote, read_table, table_uri
 from sequences.schema import LABELS
 from validation.config import ValidationConfig
 from validation.suites import CheckResult
@@ -178,7 +178,7 @@ def drift_checks(
 
 def append_profile(
     lake: str | Path, *, table: str, table_version: int, run_id: str, run_ts_ms: int, passed: bool,
-    profile: Mapping[str, float],
+    profile: Mapping[str, float], storage_options: StorageOptions | None = None,
 ) -> None:
     """Append one run's profile to ``quality_profiles`` (one commit; non-finite values are skipped)."""
     rows = [
@@ -188,16 +188,19 @@ def append_profile(
         if math.isfinite(v)
     ]
     if rows:
-        write_deltalake(table_uri(lake, PROFILES_TABLE), pa.Table.from_pylist(rows, schema=PROFILES_SCHEMA), mode="append")
+        opts = dict(storage_options) if storage_options and is_remote(lake) else None
+        write_deltalake(table_uri(lake, PROFILES_TABLE), pa.Table.from_pylist(rows, schema=PROFILES_SCHEMA), mode="append",
+                        storage_options=opts)
 
 
-def profile_history(lake: str | Path, table: str, before_version: int, k: int) -> list[tuple[int, dict[str, float]]]:
+def profile_history(lake: str | Path, table: str, before_version: int, k: int, *,
+                    storage_options: StorageOptions | None = None) -> list[tuple[int, dict[str, float]]]:
     """(version, profile) of up to ``k`` versions of ``table`` below ``before_version``, oldest first.
 
     Only a version whose newest run passed counts (a quarantined batch must not become the baseline).
     Returns [] when ``quality_profiles`` does not exist yet.
     """
-    data = read_table(lake, PROFILES_TABLE)
+    data = read_table(lake, PROFILES_TABLE, storage_options=storage_options)
     if data is None:
         return []
     mask = pc.and_(pc.equal(data["table"], table), pc.less(data["table_version"], before_version))

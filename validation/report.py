@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import gemline
-from gemline.lake import open_table
+from gemline.lake import StorageOptions, is_remote, lake_fs, open_table
 from validation.suites import CheckResult
 
 PASSED = "PASSED"
@@ -55,14 +55,15 @@ def code_version() -> dict[str, str]:
     return {"gemline": gemline.__version__, "git": sha}
 
 
-def source_metadata(lake: str | Path, table: str, table_version: int) -> dict[str, Any] | None:
+def source_metadata(lake: str | Path, table: str, table_version: int, *,
+                    storage_options: StorageOptions | None = None) -> dict[str, Any] | None:
     """The gemline custom metadata of the commit that made ``table_version`` (see ``gemline.lake.commit_once``).
 
     Looks up that exact version in the Delta history rather than the app's newest commit, so a
     report on an older version names that version's Kafka offset ranges / ``events_version``.
     Returns None when the commit carries none (a table written outside ``commit_once``).
     """
-    dt = open_table(lake, table)
+    dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         return None
     for entry in dt.history():
@@ -307,8 +308,15 @@ def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     )
 
 
-def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table) -> tuple[Path, Path]:
-    """Write ``report.json`` and ``report.html`` (replacing an earlier run's) and return their paths."""
+def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table, *,
+                 storage_options: StorageOptions | None = None) -> tuple[Path | str, Path | str]:
+    """Write ``report.json`` and ``report.html`` (replacing an earlier run's) and return their paths.
+
+    On an object-store lake (``s3://...``) the files go through :func:`gemline.lake.lake_fs` with
+    ``storage_options`` and the returned paths are URIs (``str``).
+    """
+    if is_remote(lake):
+        return _write_remote_report(lake, report, data, storage_options)
     out = report_dir(lake, report["table"], report["table_version"])
     out.mkdir(parents=True, exist_ok=True)
     json_path, html_path = out / "report.json", out / "report.html"
@@ -321,3 +329,18 @@ def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table) -> tu
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     return json_path, html_path
+
+
+def _write_remote_report(lake: str | Path, report: dict[str, Any], data: pa.Table,
+                         storage_options: StorageOptions | None) -> tuple[str, str]:
+    """Object-store twin of :func:`write_report`; one PUT per object is atomic, so no rename."""
+    fs, root = lake_fs(lake, storage_options)
+    rel = f"{REPORT_DIR}/{report['table']}/{report['table_version']}"
+    base = f"{str(lake).rstrip('/')}/{rel}"
+    for name, text in (
+        ("report.json", json.dumps(report, indent=2, sort_keys=True)),
+        ("report.html", render_html(report, draw_plots(report["table"], data, report))),
+    ):
+        with fs.open_output_stream(f"{root}/{rel}/{name}") as out:
+            out.write(text.encode("utf-8"))
+    return f"{base}/report.json", f"{base}/report.html"

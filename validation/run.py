@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
-from gemline.lake import open_table, read_table
+from gemline.lake import is_remote, open_table, read_table
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.gate import append_quality_rows
@@ -48,8 +48,8 @@ class QualityResult:
     passed: bool
     num_rows: int
     failures: list[tuple[str, str, str]]
-    report_json: Path
-    report_html: Path
+    report_json: Path | str
+    report_html: Path | str
 
 
 def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[CheckResult]:
@@ -76,13 +76,19 @@ def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[Che
     )
 
 
+def _opts(config: GemlineConfig) -> dict[str, str] | None:
+    """``config.lake_storage_options`` for an object-store lake, None for a local one."""
+    return dict(config.lake_storage_options) if is_remote(config.lake) else None
+
+
 def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tuple[object, list[CheckResult]]:
     """(the batch to profile, the dead-letter checks): for ``events``, the rows of the commit's offset ranges."""
     ranges = (source or {}).get("offset_ranges")
     if table != "events" or not ranges or "kafka_offset" not in data.column_names:
         return data, []
     batch = in_ranges(data, ranges)
-    dead = read_table(config.lake, "dead_letter", columns=["kafka_partition", "kafka_offset"])
+    dead = read_table(config.lake, "dead_letter", columns=["kafka_partition", "kafka_offset"],
+                      storage_options=_opts(config))
     num_dead = 0 if dead is None else in_ranges(dead, ranges).num_rows
     vc = config.validation
     checks = dead_letter_checks(batch.num_rows, num_dead, warning_rate=vc.dead_letter_warning_rate,
@@ -111,7 +117,8 @@ def validate_table(
     if table not in VALIDATED_TABLES:
         raise ValueError(f"no quality suite for table {table!r}; expected one of {VALIDATED_TABLES}")
     ts = int(time.time() * 1000) if now_ms is None else now_ms
-    dt = open_table(config.lake, table)
+    opts = _opts(config)
+    dt = open_table(config.lake, table, storage_options=opts)
     if dt is None:
         raise ValueError(f"table {table!r} does not exist under lake {config.lake!r}; run the stage that writes it first")
     latest = dt.version()
@@ -120,14 +127,15 @@ def validate_table(
         raise ValueError(f"{table}: version must be in [0, {latest}], got {table_version}")
 
     steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
-    data = read_table(config.lake, table, table_version)
-    source = source_metadata(config.lake, table, table_version)
+    data = read_table(config.lake, table, table_version, storage_options=opts)
+    source = source_metadata(config.lake, table, table_version, storage_options=opts)
     steps.update()
     results = _run_suite(config, table, data, ts)
     steps.update()
     batch, dead_checks = _batch(config, table, data, source)
     profile = profile_batch(batch)
-    history = profile_history(config.lake, table, table_version, config.validation.drift_history_batches)
+    history = profile_history(config.lake, table, table_version, config.validation.drift_history_batches,
+                              storage_options=opts)
     results = results + dead_checks + drift_checks(profile, [p for _, p in history], config.validation)
     steps.update()
     run_id = f"{ts:013d}-{uuid.uuid4().hex[:8]}"
@@ -142,9 +150,9 @@ def validate_table(
         profile=profile,
         history=history,
     )
-    json_path, html_path = write_report(config.lake, report, data)
+    json_path, html_path = write_report(config.lake, report, data, storage_options=opts)
     append_profile(config.lake, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
-                   passed=verdict(results) == PASSED, profile=profile)
+                   passed=verdict(results) == PASSED, profile=profile, storage_options=opts)
     steps.update()
     append_quality_rows(
         config.lake,
@@ -162,6 +170,7 @@ def validate_table(
             }
             for r in results
         ],
+        storage_options=opts,
     )
     steps.update()
     steps.close()
