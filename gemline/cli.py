@@ -195,8 +195,9 @@ def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
     from validation.gate import gate_decision, release
 
     config = _config(args)
-    release(config.lake, args.table, args.version, args.reason)
-    print(gate_decision(config.lake, args.table, args.version).reason)
+    options = config.lake_storage_options or None
+    release(config.lake, args.table, args.version, args.reason, storage_options=options)
+    print(gate_decision(config.lake, args.table, args.version, storage_options=options).reason)
     return 0
 
 

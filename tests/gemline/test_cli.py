@@ -43,3 +43,15 @@ def test_generate_then_ingest_twice(tmp_path):
         assert main(["ingest", *common]) == 0  # nothing new: nothing added
         assert read_table(tmp_path, "events").num_rows == events.num_rows
         assert read_table(tmp_path, "dead_letter").num_rows == num_bad
+
+
+def test_quality_release_lifts_a_quarantine(tmp_path, capsys):
+    from validation.gate import append_quality_rows, gate_decision
+
+    append_quality_rows(tmp_path, [dict(table="examples", table_version=0, run_id="r1", run_ts_ms=1,
+                                        expectation="leakage", severity="critical", success=False,
+                                        observed="1 leaked", report_path="")])
+    assert not gate_decision(tmp_path, "examples", 0).allowed
+    assert main(["quality", "release", "0", "--reason", "checked by hand", "--lake", str(tmp_path)]) == 0
+    assert "released by hand: checked by hand" in capsys.readouterr().out
+    assert gate_decision(tmp_path, "examples", 0).allowed
