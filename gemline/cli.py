@@ -186,7 +186,8 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from validation.run import latest_report
 
     config = _config(args)
-    verdict, html = latest_report(config.lake, args.table, args.version)
+    verdict, html = latest_report(config.lake, args.table, args.version,
+                                  storage_options=config.lake_storage_options or None)
     print(f"{args.table}: {verdict}  report: {html}")
     return 0
 

@@ -21,10 +21,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.fs as pafs
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
-from gemline.lake import is_remote, open_table, read_table
+from gemline.lake import is_remote, lake_fs, open_table, read_table
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.gate import append_quality_rows
@@ -185,12 +186,19 @@ def validate_table(
     )
 
 
-def latest_report(lake: str | Path, table: str, version: int | None = None) -> tuple[str, Path]:
+def latest_report(
+    lake: str | Path, table: str, version: int | None = None, *, storage_options: dict[str, str] | None = None
+) -> tuple[str, Path | str]:
     """(verdict, path of report.html) of the newest report of ``table`` (at ``version`` if given).
+
+    A local lake gives a ``Path``; an object-store lake (``s3://...``) the report's URI, read
+    through ``gemline.lake.lake_fs`` with ``storage_options``.
 
     Raises:
         FileNotFoundError: no report exists for that table (or version); validate it first.
     """
+    if is_remote(lake):
+        return _latest_remote_report(str(lake), table, version, storage_options)
     if version is None:
         root = Path(lake) / "_quality" / table
         versions = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit() and (p / "report.json").is_file())
@@ -202,3 +210,25 @@ def latest_report(lake: str | Path, table: str, version: int | None = None) -> t
         raise FileNotFoundError(f"no quality report for {table}@{version} at {out}; run `gemline validate --table {table} --version {version}`")
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     return report["verdict"], out / "report.html"
+
+
+def _latest_remote_report(
+    lake: str, table: str, version: int | None, storage_options: dict[str, str] | None
+) -> tuple[str, str]:
+    fs, root = lake_fs(lake, storage_options)
+    base = f"{root}/_quality/{table}"
+
+    def has_report(v: int) -> bool:
+        return fs.get_file_info(f"{base}/{v}/report.json").type == pafs.FileType.File
+
+    if version is None:
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        versions = sorted(int(i.base_name) for i in infos if i.base_name.isdigit() and has_report(int(i.base_name)))
+        if not versions:
+            raise FileNotFoundError(f"no quality report for {table!r} under {lake}/_quality/{table}; run `gemline validate --table {table}`")
+        version = versions[-1]
+    if not has_report(version):
+        raise FileNotFoundError(f"no quality report for {table}@{version} under {lake}; run `gemline validate --table {table} --version {version}`")
+    with fs.open_input_stream(f"{base}/{version}/report.json") as fh:
+        report = json.loads(fh.read().decode("utf-8"))
+    return report["verdict"], f"{lake.rstrip('/')}/_quality/{table}/{version}/report.html"

@@ -88,7 +88,7 @@ def test_whole_pipeline_on_s3(s3_lake):
     from sequences.pipeline import run_build
     from trainer.checkpoint import latest_checkpoint, read_state
     from trainer.train import run_training
-    from validation.run import validate_table
+    from validation.run import latest_report, validate_table
 
     lake, opts = s3_lake
     config = GemlineConfig(
@@ -133,6 +133,12 @@ def test_whole_pipeline_on_s3(s3_lake):
         report = json.loads(src.read())
     assert (report["table"], report["num_rows"]) == ("examples", examples.num_rows)
     assert read_table(lake, "quality", storage_options=opts).num_rows > 0
+    assert latest_report(lake, "examples", storage_options=opts) == (
+        "PASSED" if examples_quality.passed else "QUARANTINED",
+        f"{lake}/_quality/examples/{built.examples_version}/report.html",
+    )
+    with pytest.raises(FileNotFoundError, match="no quality report"):
+        latest_report(lake, "sequences", storage_options=opts)
 
     assert examples_quality.passed, examples_quality.failures
     trained = run_training(config, examples_version=built.examples_version)
