@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
@@ -159,7 +160,8 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from sequences.pipeline import run_build
 
-    result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra))
+    result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
+                       final=args.final)
     print(_as_json(result))
     return 0
 
@@ -188,7 +190,12 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     config = _config(args)
     verdict, html = latest_report(config.lake, args.table, args.version,
                                   storage_options=config.lake_storage_options or None)
-    print(f"{args.table}: {verdict}  report: {html}")
+    from validation.gate import gate_decision
+
+    version = args.version if args.version is not None else int(Path(str(html)).parent.name)
+    decision = gate_decision(config.lake, args.table, version, storage_options=config.lake_storage_options or None)
+    print(f"{args.table}@{version}: {verdict}  report: {html}")
+    print(f"gate: {'allowed' if decision.allowed else 'refused'}: {decision.reason}")
     return 0
 
 
@@ -198,7 +205,11 @@ def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
     config = _config(args)
     options = config.lake_storage_options or None
     release(config.lake, args.table, args.version, args.reason, storage_options=options)
-    print(gate_decision(config.lake, args.table, args.version, storage_options=options).reason)
+    decision = gate_decision(config.lake, args.table, args.version, storage_options=options)
+    if not decision.allowed:
+        print(f"error: {decision.reason}", file=sys.stderr)
+        return 2
+    print(decision.reason)
     return 0
 
 
@@ -220,9 +231,13 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         result = train_with_torchrun(_config(args), args.nproc, examples_version=args.version)
         print(_as_json(result))
         return 0
-    from trainer.train import run_training
+    from trainer.train import QuarantinedError, run_training
 
-    result = run_training(_config(args), examples_version=args.version)
+    try:
+        result = run_training(_config(args), examples_version=args.version)
+    except QuarantinedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(_as_json(result))
     return 0
 
@@ -287,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="events -> sequences, features, examples")
     _common(p)
     p.add_argument("--events-version", type=int, default=None, help="events table version (default latest)")
+    p.add_argument(
+        "--final", action="store_true",
+        help="end of a bounded replay: close every attribution window now and publish all impressions "
+             "(labels marked not final); default waits for windows to close by the watermark",
+    )
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
 

@@ -44,6 +44,8 @@ class GateDecision:
     table_version: int
     allowed: bool
     reason: str
+    validated: bool = True
+    """False when the version has no validation run at all (the gate then fails closed)."""
 
 
 def append_quality_rows(lake: str | Path, rows: list[dict], *, storage_options: StorageOptions | None = None) -> None:
@@ -65,12 +67,14 @@ def gate_decision(lake: str | Path, table: str, table_version: int, *,
     """
     quality = read_table(lake, QUALITY_TABLE, storage_options=storage_options)
     if quality is None:
-        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated")
+        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated",
+                            validated=False)
     mask = pc.and_(pc.equal(quality["table"], table), pc.equal(quality["table_version"], table_version))
     rows = quality.filter(mask).to_pylist()
     checks = [r for r in rows if r["expectation"] != RELEASE]
     if not checks:
-        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated")
+        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated",
+                            validated=False)
     last_ts = max(r["run_ts_ms"] for r in checks)
     last_run = max((r for r in checks if r["run_ts_ms"] == last_ts), key=lambda r: r["run_id"])["run_id"]
     failed = sorted(
@@ -92,10 +96,14 @@ def release(lake: str | Path, table: str, table_version: int, reason: str, *, no
     """Record that a person released a quarantined version (the reason is kept in ``observed``).
 
     Raises:
-        ValueError: ``reason`` is empty.
+        ValueError: ``reason`` is empty, or ``table@table_version`` was never validated (a release
+            answers a verdict; there is none to answer).
     """
     if not reason.strip():
         raise ValueError("a release needs a non-empty --reason")
+    if not gate_decision(lake, table, table_version, storage_options=storage_options).validated:
+        raise ValueError(f"{table}@{table_version} was never validated; run `gemline validate --table {table} "
+                         f"--version {table_version}` first")
     ts = int(time.time() * 1000) if now_ms is None else now_ms
     append_quality_rows(
         lake,

@@ -55,3 +55,23 @@ def test_quality_release_lifts_a_quarantine(tmp_path, capsys):
     assert main(["quality", "release", "0", "--reason", "checked by hand", "--lake", str(tmp_path)]) == 0
     assert "released by hand: checked by hand" in capsys.readouterr().out
     assert gate_decision(tmp_path, "examples", 0).allowed
+
+
+def test_release_of_a_never_validated_version_is_refused(tmp_path, capsys):
+    from validation.gate import gate_decision
+
+    assert main(["quality", "release", "3", "--reason", "x", "--lake", str(tmp_path)]) == 2
+    assert "examples@3 was never validated" in capsys.readouterr().err
+    decision = gate_decision(tmp_path, "examples", 3)
+    assert (decision.allowed, decision.validated) == (False, False)
+
+
+def test_train_on_a_quarantined_version_is_a_one_line_error(tmp_path, capsys):
+    from validation.gate import append_quality_rows
+
+    append_quality_rows(tmp_path, [dict(table="examples", table_version=0, run_id="r1", run_ts_ms=1,
+                                        expectation="empty", severity="critical", success=False,
+                                        observed="0 rows", report_path="")])
+    assert main(["train", "--lake", str(tmp_path), "--version", "0"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: examples@0 is quarantined") and "Traceback" not in err
