@@ -8,13 +8,7 @@ commit metadata the stages restart from.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import itertools
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -27,36 +21,6 @@ from gemline.lake import (commit_metadata, commit_once, committed_version, is_re
 pytestmark = pytest.mark.integration
 
 _buckets = itertools.count()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    port = _free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # readiness poll, bounded by attempts
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}")
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError(f"moto_server did not answer on {endpoint}")
-        yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture

@@ -8,12 +8,6 @@ moto_server (a local S3) runs on a free port and the tansu broker is embedded, a
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -35,45 +29,20 @@ NOW_MS = START_MS + 3 * 86_400_000
 TOPIC, PARTITIONS = "s3e2e", 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3_lake():
-    """(lake URI, storage options) of a fresh bucket on a moto_server of this module."""
-    port = _free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # readiness poll, bounded by attempts
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}")
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError(f"moto_server did not answer on {endpoint}")
-        admin = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
-                                  endpoint_override=f"127.0.0.1:{port}", allow_bucket_creation=True)
-        admin.create_dir("bucket")
-        yield "s3://bucket/lake", {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-            "AWS_ALLOW_HTTP": "true",
-            "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
-        }
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def s3_lake(moto_endpoint):
+    """(lake URI, storage options) of a fresh bucket on the module's moto_server."""
+    admin = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+                              endpoint_override=moto_endpoint.removeprefix("http://"), allow_bucket_creation=True)
+    admin.create_dir("bucket")
+    return "s3://bucket/lake", {
+        "AWS_ENDPOINT_URL": moto_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
+    }
 
 
 def _files(lake: str, opts: dict[str, str], under: str) -> list[str]:
