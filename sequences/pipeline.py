@@ -51,20 +51,19 @@ from gemline.lake import (StorageOptions, commit_metadata, commit_once, committe
 from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, rows_to_table
-from sequences.incremental import EVICTED_SCHEMA, build_item, build_user
+from sequences.incremental import EVICTED_SCHEMA
+from sequences.shards import EVENT_SCHEMA, ITEM_INPUTS, USER_INPUTS, USER_OUTPUTS, gather_inputs, split_by_shard
+from sequences.shards import item_shard_reference as item_shard_step
+from sequences.shards import user_shard_reference as user_shard_step
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 
-APP_ID = "build"
-
-# Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
 APP_ID = "build"
 STATE_PREFIX = "_build_state"
 
 # Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
 _EVENT_COLUMNS = [*EVENT_ARROW_SCHEMA.names, "created_ts_ms"]
-_EVENT_SCHEMA = pa.schema([*EVENT_ARROW_SCHEMA, pa.field("created_ts_ms", pa.int64(), nullable=False)])
+_EVENT_SCHEMA = EVENT_SCHEMA
 
-_ROWS_PER_FILE_BATCH = 5000
 _TABLES_PER_FILE_BATCH = 64
 
 _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
@@ -80,66 +79,61 @@ _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
 }
 """Every table the build writes, its schema and partition columns, in commit order."""
 
-_TABLE_OUTPUTS = ("examples", f"{STATE_PREFIX}/pending")
+
+def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int):
+    _, pieces = keyed
+    out = user_shard_step(gather_inputs(list(pieces), USER_INPUTS), config, watermark_ms=watermark_ms,
+                          old_close_ms=old_close_ms, close_ms=close_ms)
+    for name, table in out.items():
+        if table.num_rows:
+            yield beam.pvalue.TaggedOutput(_USER_OUTPUT_TABLES[name], table)
 
 
-def _user_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
-               item_dense: Mapping[str, Iterable[tuple[str, dict[str, float]]]]):
-    user_id, groups = keyed
-    seq = list(groups["seq"])
-    pending = list(groups["pending"])
-    out = build_user(
-        user_id,
-        stored_seq=seq[0] if seq else None,
-        stored_domain_seqs=list(groups["dseq"]),
-        buffer=groups["buffer"],
-        new=groups["new"],
-        evicted=groups["evicted"],
-        pending=pa.Table.from_pylist(pending, schema=PENDING_SCHEMA),
-        item_dense=dict(item_dense[user_id]),
-        config=config,
-        watermark_ms=watermark_ms,
-        old_close_ms=old_close_ms,
-        close_ms=close_ms,
-    )
-    yield beam.pvalue.TaggedOutput("sequences", out["sequence"])
-    for name, key in (("sequences_by_domain", "domain_sequences"), (f"{STATE_PREFIX}/buffer", "buffer"),
-                      (f"{STATE_PREFIX}/evicted", "evicted"), (USER_FEATURES.name, "user_features"),
-                      (USER_CATEGORY_FEATURES.name, "user_category_features")):
-        for row in out[key]:
-            yield beam.pvalue.TaggedOutput(name, row)
-    for name, key in (("examples", "examples"), (f"{STATE_PREFIX}/pending", "pending")):
-        if out[key].num_rows:
-            yield beam.pvalue.TaggedOutput(name, out[key])
+def _item_shard_step(keyed, config: BuildConfig, watermark_ms: int, user_shards: int):
+    _, pieces = keyed
+    out = item_shard_step(gather_inputs(list(pieces), ITEM_INPUTS), config, watermark_ms=watermark_ms)
+    for shard, table in split_by_shard(out["dense"], "user_id", user_shards):
+        yield beam.pvalue.TaggedOutput("dense", (shard, ("dense", table)))
+    for name in ("evicted", ITEM_FEATURES.name):
+        if out[name].num_rows:
+            yield beam.pvalue.TaggedOutput(_ITEM_OUTPUT_TABLES[name], out[name])
 
 
-def _item_step(keyed, config: BuildConfig, watermark_ms: int):
-    item_id, groups = keyed
-    out = build_item(item_id, buffer=groups["buffer"], new=groups["new"], evicted=groups["evicted"],
-                     config=config, watermark_ms=watermark_ms)
-    for user_id, example_id, dense in out["dense"]:
-        yield beam.pvalue.TaggedOutput("dense", (user_id, (example_id, dense)))
-    for row in out["evicted"]:
-        yield beam.pvalue.TaggedOutput(f"{STATE_PREFIX}/evicted", row)
-    for row in out["item_features"]:
-        yield beam.pvalue.TaggedOutput(ITEM_FEATURES.name, row)
+def _shard_pieces(table: pa.Table, name: str, key: str, shards: int, keep: Any = None):
+    """``(shard, (name, rows))`` pieces of one input table; ``keep``: optional row filter (table -> mask)."""
+    if keep is not None:
+        table = table.filter(keep(table))
+    for shard, part in split_by_shard(table, key, shards):
+        yield shard, (name, part)
 
 
-def _key(row: Mapping[str, Any], field: str) -> tuple[str, Mapping[str, Any]]:
-    return row[field], row
+def _is_item(table: pa.Table):
+    return pc.equal(table.column("entity"), "item")
+
+
+def _is_not_item(table: pa.Table):
+    return pc.invert(_is_item(table))
+
+
+_USER_OUTPUT_TABLES = {"buffer": f"{STATE_PREFIX}/buffer", "evicted": f"{STATE_PREFIX}/evicted",
+                       "pending": f"{STATE_PREFIX}/pending"}
+_USER_OUTPUT_TABLES.update({name: name for name in USER_OUTPUTS if name not in _USER_OUTPUT_TABLES})
+_ITEM_OUTPUT_TABLES = {"evicted": f"{STATE_PREFIX}/evicted", ITEM_FEATURES.name: ITEM_FEATURES.name}
 
 
 class BuildIncrement(beam.PTransform):
     """One build step on Beam: ``{"new", "buffer", "seq", "dseq", "evicted", "pending"}`` PCollections
-    of dict rows -> ``{table name: PCollection}`` for every table of :data:`_OUTPUTS` (rows, or
-    ``pyarrow.Table`` s for ``examples`` and the pending state).
+    of ``pyarrow.Table`` s (any chunking; schemas of :data:`sequences.shards.USER_INPUTS`) ->
+    ``{table name: PCollection of pyarrow.Table}`` for every table of :data:`_OUTPUTS`.
 
-    Two shuffles: a CoGroupByKey by user_id (the user's state and events) and one by item_id
-    (item counters); the item pass's counters reach the user pass as a multimap side input keyed
-    by user_id, so the heavy example rows are never shuffled.
+    Users and items are hashed into ``config.shards`` shards (:mod:`sequences.shards`); each shard
+    is one element through two shuffles: a GroupByKey by item shard (item counters of the new
+    impressions, item features) and one by user shard, which also receives the item counters
+    keyed by the impression's user shard (so the heavy example rows are never shuffled). The
+    per-shard steps are vectorised over all the shard's users (:mod:`sequences.vectorized`).
 
     Args:
-        config: windows, sequence lengths, CTR prior, state lookback.
+        config: windows, sequence lengths, CTR prior, state lookback, shards.
         watermark_ms: newest event time after this batch (ms since epoch UTC).
         old_close_ms / close_ms: windows closed up to these times before / after this build.
     """
@@ -152,35 +146,37 @@ class BuildIncrement(beam.PTransform):
         self._close_ms = close_ms
 
     def expand(self, inputs: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
-        evicted = inputs["evicted"]
-        by_item = {
-            "buffer": inputs["buffer"] | "BufferByItem" >> beam.Map(_key, "item_id"),
-            "new": inputs["new"] | "NewByItem" >> beam.Map(_key, "item_id"),
-            "evicted": evicted | "ItemEvicted" >> beam.Filter(lambda r: r["entity"] == "item")
-            | "EvictedByItem" >> beam.Map(_key, "key"),
-        }
-        item_tags = ["dense", f"{STATE_PREFIX}/evicted", ITEM_FEATURES.name]
-        item_out = (
-            by_item
-            | "GroupByItem" >> beam.CoGroupByKey()
-            | "BuildItem" >> beam.FlatMap(_item_step, self._config, self._watermark_ms).with_outputs(*item_tags)
+        shards = self._config.shards
+        item_pieces = (
+            inputs["new"] | "NewByItem" >> beam.FlatMap(_shard_pieces, "new", "item_id", shards),
+            inputs["buffer"] | "BufferByItem" >> beam.FlatMap(_shard_pieces, "buffer", "item_id", shards),
+            inputs["evicted"] | "EvictedByItem" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, _is_item),
         )
-        by_user = {
-            "seq": inputs["seq"] | "SeqByUser" >> beam.Map(_key, "user_id"),
-            "dseq": inputs["dseq"] | "DomainSeqByUser" >> beam.Map(_key, "user_id"),
-            "buffer": inputs["buffer"] | "BufferByUser" >> beam.Map(_key, "user_id"),
-            "new": inputs["new"] | "NewByUser" >> beam.Map(_key, "user_id"),
-            "evicted": evicted | "UserEvicted" >> beam.Filter(lambda r: r["entity"] != "item")
-            | "EvictedByUser" >> beam.Map(_key, "key"),
-            "pending": inputs["pending"] | "PendingByUser" >> beam.Map(_key, "user_id"),
-        }
-        user_tags = [name for name in _OUTPUTS if name != ITEM_FEATURES.name]
+        item_tags = ["dense", *_ITEM_OUTPUT_TABLES.values()]
+        item_out = (
+            item_pieces
+            | "ItemPieces" >> beam.Flatten()
+            | "GroupByItemShard" >> beam.GroupByKey()
+            | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards)
+            .with_outputs(*dict.fromkeys(item_tags))
+        )
+        user_pieces = (
+            inputs["new"] | "NewByUser" >> beam.FlatMap(_shard_pieces, "new", "user_id", shards),
+            inputs["buffer"] | "BufferByUser" >> beam.FlatMap(_shard_pieces, "buffer", "user_id", shards),
+            inputs["seq"] | "SeqByUser" >> beam.FlatMap(_shard_pieces, "seq", "user_id", shards),
+            inputs["dseq"] | "DomainSeqByUser" >> beam.FlatMap(_shard_pieces, "dseq", "user_id", shards),
+            inputs["evicted"] | "EvictedByUser" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, _is_not_item),
+            inputs["pending"] | "PendingByUser" >> beam.FlatMap(_shard_pieces, "pending", "user_id", shards),
+            item_out["dense"],
+        )
+        user_tags = list(dict.fromkeys(_USER_OUTPUT_TABLES.values()))
         user_out = (
-            by_user
-            | "GroupByUser" >> beam.CoGroupByKey()
-            | "BuildUser" >> beam.FlatMap(
-                _user_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms,
-                beam.pvalue.AsMultiMap(item_out["dense"])).with_outputs(*user_tags)
+            user_pieces
+            | "UserPieces" >> beam.Flatten()
+            | "GroupByUserShard" >> beam.GroupByKey()
+            | "BuildUserShard" >> beam.FlatMap(
+                _user_shard_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms)
+            .with_outputs(*user_tags)
         )
         outputs = {name: user_out[name] for name in user_tags if name != f"{STATE_PREFIX}/evicted"}
         outputs[ITEM_FEATURES.name] = item_out[ITEM_FEATURES.name]
@@ -195,21 +191,18 @@ def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
 
 
 class _StageParquet(beam.PTransform):
-    """Rows (dicts) or Arrow tables -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
+    """Arrow tables -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
 
-    def __init__(self, directory: Path, schema: pa.Schema, *, elements: Literal["rows", "tables"]) -> None:
+    def __init__(self, directory: Path, schema: pa.Schema) -> None:
         super().__init__()
         self._directory = directory
         self._schema = schema
-        self._elements = elements
 
     def expand(self, pcoll: beam.PCollection) -> Any:
-        to_arrow = rows_to_table if self._elements == "rows" else _concat
-        size = _ROWS_PER_FILE_BATCH if self._elements == "rows" else _TABLES_PER_FILE_BATCH
         return (
             pcoll
-            | "Batch" >> beam.BatchElements(min_batch_size=size, max_batch_size=size)
-            | "ToArrow" >> beam.Map(to_arrow, self._schema)
+            | "Batch" >> beam.BatchElements(min_batch_size=_TABLES_PER_FILE_BATCH, max_batch_size=_TABLES_PER_FILE_BATCH)
+            | "ToArrow" >> beam.Map(_concat, self._schema)
             | "WriteParquet"
             >> beam.io.WriteToParquetBatched(
                 str(self._directory / "part"), schema=self._schema, file_name_suffix=".parquet"
@@ -352,14 +345,10 @@ def _load(spec: tuple) -> pa.Table | None:
     return None if b is None else read_table(lake, a, b, storage_options=opts)
 
 
-def _emit_rows(_: Any, spec: tuple, desc: str):
+def _emit_table(_: Any, spec: tuple):
     table = _load(spec)
-    if table is None:
-        return
-    with tqdm(total=table.num_rows, desc=desc, unit="row", disable=table.num_rows < 50_000) as progress:
-        for batch in table.to_batches(max_chunksize=10_000):
-            yield from batch.to_pylist()
-            progress.update(batch.num_rows)
+    if table is not None and table.num_rows:
+        yield table
 
 
 def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | None, final: bool,
@@ -444,18 +433,17 @@ def run_build(
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
         start = pipeline | "Start" >> beam.Create([None])
         inputs = {
-            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_rows, ("new", lake, old_version, version, opts), f"new events@{version}"),
-            "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/buffer"], "buffer"),
-            "seq": start | "ReadSequences" >> beam.FlatMap(_emit_rows, state["sequences"], "sequences"),
-            "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_rows, state["sequences_by_domain"], "dseq"),
-            "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/evicted"], "evicted"),
-            "pending": start | "ReadPending" >> beam.FlatMap(_emit_rows, state[f"{STATE_PREFIX}/pending"], "pending"),
+            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_table, ("new", lake, old_version, version, opts)),
+            "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/buffer"]),
+            "seq": start | "ReadSequences" >> beam.FlatMap(_emit_table, state["sequences"]),
+            "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_table, state["sequences_by_domain"]),
+            "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/evicted"]),
+            "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/pending"]),
         }
         outputs = inputs | "BuildIncrement" >> BuildIncrement(
             config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms)
         for name, pcoll in outputs.items():
-            elements = "tables" if name in _TABLE_OUTPUTS else "rows"
-            pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0], elements=elements)
+            pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0])
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):

@@ -106,11 +106,14 @@ def test_build_increment_transform(make_event):
     from apache_beam.testing.util import assert_that, equal_to
 
     from sequences.pipeline import BuildIncrement
+    from sequences.shards import EVENT_SCHEMA
 
     events = _events(make_event)
+    # Two pieces of the new events: a transform input may arrive in any chunking.
+    tables = [pa.Table.from_pylist(events[:3], schema=EVENT_SCHEMA), pa.Table.from_pylist(events[3:], schema=EVENT_SCHEMA)]
     with test_pipeline.TestPipeline() as p:
         empty = p | "Empty" >> beam.Create([])
-        inputs = {"new": p | "New" >> beam.Create(events), "buffer": empty, "seq": empty, "dseq": empty,
+        inputs = {"new": p | "New" >> beam.Create(tables), "buffer": empty, "seq": empty, "dseq": empty,
                   "evicted": empty, "pending": empty}
         out = inputs | BuildIncrement(CONFIG, watermark_ms=2_300, old_close_ms=None, close_ms=2_300)
         assert_that(
@@ -121,11 +124,13 @@ def test_build_increment_transform(make_event):
             label="Examples",
         )
         assert_that(
-            out["sequences"] | beam.Map(lambda r: (r["user_id"], tuple(r["seq_item_ids"]), r["seq_truncated"])),
+            out["sequences"] | "SeqRows" >> beam.FlatMap(pa.Table.to_pylist)
+            | beam.Map(lambda r: (r["user_id"], tuple(r["seq_item_ids"]), r["seq_truncated"])),
             equal_to([("u1", ("i1", "i2", "i3"), 1), ("u2", ("i1",), 0)]),
             label="Sequences",
         )
-        assert_that(out["features/item"] | beam.Map(lambda r: (r["item_id"], r["impressions_all"])),
+        assert_that(out["features/item"] | "ItemRows" >> beam.FlatMap(pa.Table.to_pylist)
+                    | beam.Map(lambda r: (r["item_id"], r["impressions_all"])),
                     equal_to([("i1", 2), ("i2", 1), ("i3", 0)]), label="ItemFeatures")
 
 
