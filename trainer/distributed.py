@@ -1,4 +1,8 @@
-"""Sharding the ranker over ranks: TorchRec DMP for the embedding tables, FSDP2 HSDP for the dense part.
+"""Sharding a model over ranks: TorchRec DMP for the embedding tables, FSDP2 HSDP for the dense part.
+
+Shardable models (``SHARDABLE_MODELS``): GEM and DLRM (trainer/models; their ``dense_arch`` is
+the dense part) and the ShardableRanker below (its attention, MLP and heads). Each looks every
+table up once per forward, which the fused sparse optimiser needs (see ShardableRanker).
 
 Wrap order (the one place it is written down):
 
@@ -9,7 +13,7 @@ Wrap order (the one place it is written down):
        (``EmbeddingShardingPlanner`` over ``Topology(world_size, compute_device)``, allowed types
        from ``ParameterConstraints(sharding_types=...)``), ``init_data_parallel=False`` so DMP does
        not wrap the dense part in DDP
-    4. ``fully_shard`` each dense sub-module (attention, MLP, heads) on a 2-D ``DeviceMesh`` with
+    4. ``fully_shard`` each dense sub-module (GEM/DLRM: dense_arch; ranker: attention, MLP, heads) on a 2-D ``DeviceMesh`` with
        dims ("replicate", "shard"): HSDP, all-reduce across replicas, reduce-scatter within a
        shard group. Not the root: it holds the sharded embedding modules, which DMP owns
     5. optionally ``torch.compile`` the dense sub-modules (``trainer.compile``)
@@ -101,8 +105,10 @@ class ShardableRanker(TwoTaskRanker):
         summary = torch.cat([segment_softmax_pool(history_rows, scores, offsets), segment_mean_pool(history_rows, offsets)], dim=1)
         return summary, candidate
 
-    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
-        """Logits (B, 2) float32 (click, conversion); arguments as TwoTaskRanker.forward.
+    def forward(
+        self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits (B, 2) float32 (click, conversion); arguments as TwoTaskRanker.forward (domain_ids ignored).
 
         Raises:
             ValueError: ``dense`` has the wrong width.
@@ -169,25 +175,86 @@ def split_rows(global_rows: np.ndarray, rank: int, world_size: int) -> np.ndarra
     return np.array_split(global_rows, world_size)[rank]
 
 
+SHARDABLE_MODELS = ("gem", "dlrm", "ranker")
+"""``trainer.model`` values a multi-process run can shard. Logistic regression is left out: its
+dense part is a handful of weights in a ModuleDict whose forward never runs (FSDP2 gathers on a
+module's forward), and it trains in seconds in one process."""
+
+
+def build_shardable_model(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...]) -> nn.Module:
+    """The ``tc.model`` architecture in a form DMP can shard: ShardableRanker for "ranker", else build_model's.
+
+    GEM and DLRM need no variant: each looks every table up once per forward (GEM appends the
+    candidate to the history lookup, trainer.models.gem.SparseArch) and reads pooled outputs by key.
+
+    Raises:
+        ValueError: a model outside :data:`SHARDABLE_MODELS`.
+    """
+    from trainer.models import build_model
+
+    if tc.model not in SHARDABLE_MODELS:
+        raise ValueError(
+            f"--nproc > 1 shards trainer.model in {SHARDABLE_MODELS}; got {tc.model!r}. Train it in one process"
+        )
+    if tc.model == "ranker":
+        return ShardableRanker(
+            num_embeddings=tc.num_embeddings, embedding_dim=tc.embedding_dim, num_dense=num_dense,
+            hidden_dims=tc.hidden_dims, domains=domains,
+        )
+    return build_model(tc, num_dense, domains)
+
+
+def dense_module_names(model: nn.Module) -> tuple[str, ...]:
+    """Top-level sub-modules of ``model`` that fully_shard wraps (and trainer.compile compiles).
+
+    ShardableRanker: :data:`DENSE_MODULES`; GEM and DLRM: their ``dense_arch``.
+
+    Raises:
+        TypeError: ``model`` is neither (e.g. logistic regression, see :data:`SHARDABLE_MODELS`).
+    """
+    if isinstance(model, TwoTaskRanker):
+        return DENSE_MODULES
+    dense = getattr(model, "dense_arch", None)
+    if isinstance(dense, nn.Module) and type(dense).forward is not nn.Module.forward:
+        return ("dense_arch",)
+    raise TypeError(
+        f"{type(model).__name__} has no dense module with a forward to fully_shard; shardable models are {SHARDABLE_MODELS}"
+    )
+
+
+def _embedding_modules(model: nn.Module) -> list[nn.Module]:
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    return [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+
+
+def _sparse_roots(model: nn.Module) -> set[str]:
+    """Names of the top-level children holding TorchRec tables (their state DMP shards)."""
+    tables = {id(m) for m in _embedding_modules(model)}
+    return {name for name, child in model.named_children() if any(id(m) in tables for m in child.modules())}
+
+
 @dataclass
 class ShardedRanker:
-    """A sharded model and its optimisers on one rank.
+    """A sharded model (ranker, GEM or DLRM) and its optimisers on one rank.
 
     Attributes:
-        model: the DistributedModelParallel (or DMPCollection) wrapping a ShardableRanker.
+        model: the DistributedModelParallel (or DMPCollection) wrapping the model.
         dense_optimizer: Adam over the dense DTensor parameters.
         mesh: the 2-D ("replicate", "shard") device mesh of the dense part.
         num_dense: F.
+        dense_modules: names of the fully_shard-ed top-level sub-modules.
     """
 
     model: nn.Module
     dense_optimizer: torch.optim.Optimizer
     mesh: DeviceMesh
     num_dense: int
+    dense_modules: tuple[str, ...] = DENSE_MODULES
 
     @property
-    def ranker(self) -> ShardableRanker:
-        """The wrapped ShardableRanker (its embedding collections replaced by sharded ones)."""
+    def ranker(self) -> nn.Module:
+        """The wrapped model (its embedding collections replaced by sharded ones)."""
         return self.model.module
 
     @property
@@ -195,16 +262,34 @@ class ShardedRanker:
         """TorchRec's keyed optimiser of the fused embedding tables (stepped inside backward)."""
         return self.model.fused_optimizer
 
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits (b, 2) float32 of this rank's slice; domain ids from the model's vocabulary (unknown -> K)."""
+        from trainer.models.towers import encode_domains
 
-def _table_names(model: TwoTaskRanker) -> list[str]:
-    return [c.name for c in model.sparse_arch.embedding_bag_configs()] + [c.name for c in model.sequence_arch.embedding_configs()]
+        ids = encode_domains(getattr(self.ranker, "domains", ()), batch.domains)
+        return self.model(batch.sparse, batch.sequence, batch.dense, ids)
 
 
-def shard_ranker(model: ShardableRanker, tc: TrainerConfig, world_size: int) -> ShardedRanker:
+ShardedModel = ShardedRanker
+"""The same type under the name that says what it holds since GEM and DLRM shard too."""
+
+
+def _table_names(model: nn.Module) -> list[str]:
+    names = []
+    for m in _embedding_modules(model):
+        configs = m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs()
+        names += [c.name for c in configs]
+    return names
+
+
+def shard_ranker(model: nn.Module, tc: TrainerConfig, world_size: int) -> ShardedRanker:
     """Apply the wrap order of the module docstring to ``model`` (needs an initialised process group).
+
+    ``model``: a ShardableRanker, GemModel or DLRM (see :func:`build_shardable_model`).
 
     Raises:
         ValueError: a bad mesh shape or sharding group for this world size.
+        TypeError: a model without a dense module to shard (:func:`dense_module_names`).
     """
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -213,6 +298,7 @@ def shard_ranker(model: ShardableRanker, tc: TrainerConfig, world_size: int) -> 
 
     dc = tc.distributed
     device = torch.device(dc.device)
+    dense_modules = dense_module_names(model)
     replicate, shard = resolve_mesh_shape(world_size, dc.mesh_shape)
     wrapper = choose_sparse_wrapper(dc, world_size)
     # eps as torch.optim.Adagrad's, so the fused step matches the one-process trainer's.
@@ -220,7 +306,8 @@ def shard_ranker(model: ShardableRanker, tc: TrainerConfig, world_size: int) -> 
         torch.optim.Adagrad, model.embedding_parameters(), {"lr": tc.embedding_learning_rate or tc.learning_rate, "eps": 1e-10}
     )
     constraints = {name: ParameterConstraints(sharding_types=list(allowed_sharding_types(dc))) for name in _table_names(model)}
-    initial_tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.split(".")[0] in ("sparse_arch", "sequence_arch")}
+    roots = _sparse_roots(model)
+    initial_tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.split(".")[0] in roots}
     group_size = world_size if wrapper == "dmp" else dc.sharding_group_size
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=group_size, compute_device=dc.device), constraints=constraints, debug=False
@@ -239,21 +326,26 @@ def shard_ranker(model: ShardableRanker, tc: TrainerConfig, world_size: int) -> 
         )
     copy_into_shards(dmp, initial_tables)
     mesh = init_device_mesh(dc.device, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-    inner: ShardableRanker = dmp.module
-    for name in DENSE_MODULES:
+    inner = dmp.module
+    for name in dense_modules:
         fully_shard(getattr(inner, name), mesh=mesh)
         getattr(inner, name).set_gradient_divide_factor(1.0)
         # gloo has no PREMUL_SUM; plain sums are what a factor of 1 means anyway.
         getattr(inner, name).set_force_sum_reduction_for_comms(True)
     if tc.compile:
         compile_dense(inner)
-    dense_params = [p for name, p in dmp.named_parameters() if name.split(".")[0] in DENSE_MODULES]
+    dense_params = [p for name, p in dmp.named_parameters() if name.split(".")[0] in dense_modules]
     return ShardedRanker(
         model=dmp,
         dense_optimizer=torch.optim.Adam(dense_params, lr=tc.learning_rate),
         mesh=mesh,
         num_dense=model.num_dense,
+        dense_modules=dense_modules,
     )
+
+
+shard_model = shard_ranker
+"""The same function under the name that says what it takes since GEM and DLRM shard too."""
 
 
 def copy_into_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
@@ -284,9 +376,9 @@ def copy_into_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
                 target.copy_(table)
 
 
-def compile_dense(model: TwoTaskRanker) -> None:
-    """``torch.compile`` the dense sub-modules in place (``nn.Module.compile``); lookups stay eager."""
-    for name in DENSE_MODULES:
+def compile_dense(model: nn.Module) -> None:
+    """``torch.compile`` the dense sub-modules (:func:`dense_module_names`) in place (``nn.Module.compile``); lookups stay eager."""
+    for name in dense_module_names(model):
         getattr(model, name).compile()
 
 
@@ -302,7 +394,7 @@ def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_si
         ValueError: the local slice breaks the Batch layout.
     """
     validate_batch(local, sharded.num_dense)
-    logits = sharded.model(local.sparse, local.sequence, local.dense)
+    logits = sharded.forward(local)
     loss = F.binary_cross_entropy_with_logits(logits, local.labels, reduction="none").sum() / global_batch_size
     total = loss.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -316,7 +408,7 @@ def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_si
 
 
 def full_state_dict(sharded: ShardedRanker) -> dict[str, torch.Tensor] | None:
-    """Unsharded parameters on rank 0 (None on other ranks), keyed as TwoTaskRanker.state_dict().
+    """Unsharded parameters on rank 0 (None on other ranks), keyed as the unsharded model's state_dict().
 
     Collective: every rank must call it. Dense DTensors are gathered with ``full_tensor()``;
     sharded tables with ``ShardedTensor.gather``.

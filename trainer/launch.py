@@ -33,10 +33,18 @@ from gemline.config import GemlineConfig, load_config, parse_set_flags
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, latest_examples_version, load_split, make_batch, num_batches
-from trainer.distributed import ShardableRanker, ShardedRanker, distributed_train_step, full_state_dict, shard_ranker, split_rows
+from trainer.distributed import (
+    SHARDABLE_MODELS,
+    ShardedRanker,
+    build_shardable_model,
+    distributed_train_step,
+    full_state_dict,
+    shard_model,
+    split_rows,
+)
 from trainer.metrics import evaluate
-from trainer.model import TwoTaskRanker
-from trainer.train import TrainResult, _json_safe, _loss_curve_png, check_gate, epoch_order
+from trainer.models import build_model
+from trainer.train import TrainResult, _json_safe, _loss_curve_png, check_gate, epoch_order, training_domains
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +61,7 @@ def _predict(sharded: ShardedRanker, data, batch_size: int, rank: int, world: in
         for start in range(0, len(data), batch_size):
             rows = np.array_split(np.arange(start, min(start + batch_size, len(data))), world)[rank]
             batch = make_batch(data, rows if len(rows) else np.zeros(1, dtype=np.int64))
-            probs = torch.sigmoid(sharded.model(batch.sparse, batch.sequence, batch.dense)).double().numpy()
+            probs = torch.sigmoid(sharded.forward(batch)).double().numpy()
             if len(rows):
                 mine.append((rows, probs))
     sharded.model.train()
@@ -72,10 +80,10 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
     """Raise ValueError (what to change) unless this trainer config can run sharded on ``nproc`` processes."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if tc.model != "ranker":
+    if tc.model not in SHARDABLE_MODELS:
         raise ValueError(
-            f"--nproc > 1 shards the TwoTaskRanker only; got trainer.model={tc.model!r}. "
-            "Pass --set trainer.model=ranker, or train GEM/DLRM/LR in one process"
+            f"--nproc > 1 shards trainer.model in {SHARDABLE_MODELS}; got {tc.model!r}. "
+            "Pick one of those, or train it in one process (--nproc 1)"
         )
     if tc.init_from != "scratch":
         raise ValueError("trainer.init_from='latest' is not supported with --nproc > 1; train from scratch or use one process")
@@ -90,7 +98,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
 
     Raises:
         QuarantinedError: the quality gate does not allow that version.
-        ValueError: ``trainer.model`` other than "ranker", ``trainer.init_from = "latest"``
+        ValueError: ``trainer.model`` outside SHARDABLE_MODELS (gem, dlrm, ranker), ``trainer.init_from = "latest"``
             (sharded resume is not implemented), or a batch_size smaller than the world size.
     """
     tc = config.trainer
@@ -106,8 +114,8 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
 
     torch.manual_seed(tc.seed)
-    shape = {"num_embeddings": tc.num_embeddings, "embedding_dim": tc.embedding_dim, "num_dense": len(normalizer.names), "hidden_dims": tc.hidden_dims}
-    sharded = shard_ranker(ShardableRanker(**shape), tc, world)
+    domains = training_domains(split.train, None)
+    sharded = shard_model(build_shardable_model(tc, len(normalizer.names), domains), tc, world)
 
     loss_curve: list[float] = []
     step = examples_seen = 0
@@ -135,9 +143,13 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     if rank != 0:
         return None
     metrics = evaluate(evaluation.labels, probs, evaluation.domains)
-    model = TwoTaskRanker(**shape)
+    # The unsharded twin (build_model's; for "ranker" the TwoTaskRanker) has the same state_dict keys.
+    model = build_model(tc, len(normalizer.names), domains)
     model.load_state_dict(state)
-    extra = {"normalizer": normalizer.to_dict(), "eval_date": split.eval_date, "metrics": _json_safe(metrics), "world_size": world}
+    extra = {
+        "normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "eval_date": split.eval_date,
+        "metrics": _json_safe(metrics), "world_size": world,
+    }
     path = save_checkpoint(
         config.lake, TrainState(step=step, examples_seen=examples_seen, examples_version=version, extra=extra), model, {},
         extra_files={"loss_curve.png": _loss_curve_png(loss_curve)},

@@ -123,3 +123,46 @@ def test_model_learns_synthetic_examples(name, splits):
     probs = predict(model, evaluation, 128)
     click_auc = auc(evaluation.labels[:, 0], probs[:, 0])
     assert click_auc > 0.6, (name, click_auc)
+
+
+def test_candidate_rides_along_with_the_history_lookup():
+    """Hand-checked layout: B=2, histories [5, 6] and [] ; candidates item 7 / 8, category 3 / 4."""
+    from torchrec import KeyedJaggedTensor
+
+    from sequences.schema import SPARSE_FEATURES
+    from trainer.data import SEQUENCE_KEYS
+    from trainer.models.gem import with_candidate
+
+    ids = {name: [11, 12] for name in SPARSE_FEATURES} | {"item_id": [7, 8], "category": [3, 4]}
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SPARSE_FEATURES), values=torch.tensor([v for name in SPARSE_FEATURES for v in ids[name]]),
+        lengths=torch.ones(2 * len(SPARSE_FEATURES), dtype=torch.int64),
+    )
+    history = {"seq_item_ids": [5, 6], "seq_categories": [1, 2], "seq_event_types": [9, 9]}
+    sequence = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SEQUENCE_KEYS), values=torch.tensor([v for key in SEQUENCE_KEYS for v in history[key]]),
+        lengths=torch.tensor([2, 0] * len(SEQUENCE_KEYS)),
+    )
+    merged = with_candidate(sparse, sequence)
+    assert merged.stride() == 4
+    assert merged["seq_item_ids"].values().tolist() == [5, 6, 7, 8] and merged["seq_item_ids"].lengths().tolist() == [2, 0, 1, 1]
+    assert merged["seq_categories"].values().tolist() == [1, 2, 3, 4]
+    assert merged["seq_event_types"].values().tolist() == [9, 9] and merged["seq_event_types"].lengths().tolist() == [2, 0, 0, 0]
+    one_row = KeyedJaggedTensor.from_lengths_sync(keys=list(SEQUENCE_KEYS), values=torch.tensor([5, 1, 9]), lengths=torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="sparse has B=2 rows but sequence has B=1"):
+        with_candidate(sparse, one_row)
+
+
+def test_gem_target_and_history_share_the_item_and_category_tables(splits):
+    """The target-attention query is the candidate's rows of the same tables the history tokens come from."""
+    train, _ = splits
+    torch.manual_seed(0)
+    model = build_model(replace(SMALL, model="gem"), 3, ("feed", "reels"))
+    batch = make_batch(train, np.arange(16))
+    pooled, values, offsets, target = model.sparse_arch(batch.sparse, batch.sequence)
+    tables = model.sparse_arch.sequence.embeddings
+    expected = tables["t_item"].weight[batch.sparse["item_id"].values()] + tables["t_category"].weight[batch.sparse["category"].values()]
+    torch.testing.assert_close(target, expected)
+    history = sum(tables[t].weight[batch.sequence[k].values()] for k, t in (("seq_item_ids", "t_item"), ("seq_categories", "t_category"), ("seq_event_types", "t_event_type")))
+    torch.testing.assert_close(values, history)
+    assert torch.equal(offsets, batch.sequence["seq_item_ids"].offsets()) and pooled.shape == (16, len(batch.sparse.keys()), SMALL.embedding_dim)

@@ -115,5 +115,7 @@ class DLRM(RankingModel):
             ValueError: dense or domain_ids has the wrong shape.
         """
         self.check_inputs(dense, domain_ids)
-        pooled = self.sparse_arch(merge_sequence_kjt(sparse, sequence)).values()
-        return self.dense_arch(pooled.view(dense.shape[0], -1, self.dense_arch.dim), dense, domain_ids)
+        kt = self.sparse_arch(merge_sequence_kjt(sparse, sequence))
+        # By key: a sharded EmbeddingBagCollection orders its output by shard, not by feature.
+        pooled = torch.stack([kt[key] for key in (*SPARSE_FEATURES, *SEQUENCE_KEYS)], dim=1)
+        return self.dense_arch(pooled, dense, domain_ids)

@@ -8,9 +8,10 @@ shared backbone with domain-specific towers.
 Shape letters: B batch, S sparse features, D embedding dim, F dense features, T history tokens,
 K known domains, n_d dense tokens.
 
-    sparse KJT ── EmbeddingBagCollection ─> (B, S, D) ─────────────┐ target = item_id + category rows
+    sparse KJT ── EmbeddingBagCollection ─> (B, S, D) ─────────────┐
     dense (B, F) ─ MLP ─> (B, n_d, D) ─────────────────────────────┤ X_0 (B, S + n_d, D)
-    sequence KJT ─ EmbeddingCollection ─> sum of keys (T, D) + recency position ─ newest max_len
+    sequence KJT + candidate ids ─ EmbeddingCollection (one call) ─┬─ history: sum of keys (T, D) + recency ─ newest max_len
+                                                                   └─ target: candidate item + category rows (B, D)
                    ─> InterFormer(X_0, tokens, target) ─> flatten [X_L ; S_L] ─ MLP ─ DomainTowers ─> (B, 2)
 """
 
@@ -30,20 +31,67 @@ from trainer.models.sequence import SequenceSummary, keep_newest, token_rows
 from trainer.models.towers import DomainTowers, RankingModel, mlp, sequence_tables, sparse_bags
 
 
+CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
+"""History key -> the sparse feature whose id is the candidate's entry in that key's table."""
+
+
 class SparseArch(nn.Module):
-    """The TorchRec tables of a model: ``bags`` (pooled, one id per sparse feature) and ``sequence`` (unpooled)."""
+    """The TorchRec tables of a model: ``bags`` (pooled, one id per sparse feature) and ``sequence`` (unpooled).
+
+    The candidate's item and category are looked up in the history tables too, in the same
+    EmbeddingCollection call as the history, so the target-attention query and the history
+    tokens live in one embedding space (DIN, Zhou et al. 2018, §4.3: the candidate ad and the
+    behaviours share the goods / category embeddings). With separate tables the model must
+    learn to align two random spaces before "this item is in the history" can show in an
+    attention score, which ~75k examples of rarely repeated items do not teach.
+
+    One call also keeps the model shardable: TorchRec's fused optimiser steps once per lookup
+    backward, so a second lookup of the same table would update a row twice where the
+    one-process trainer updates it once (see trainer.distributed). Pooled outputs are read by
+    key, since a sharded EmbeddingBagCollection orders them by shard.
+    """
 
     def __init__(self, *, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.bags = sparse_bags(num_embeddings, dim)
         self.sequence = sequence_tables(num_embeddings, dim)
 
-    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (pooled (B, S, D), history tokens (T, D) summed over SEQUENCE_KEYS, offsets (B+1,) int64)."""
-        pooled = self.bags(sparse).values().view(sparse.stride(), len(SPARSE_FEATURES), -1)
-        jagged = self.sequence(sequence)
-        values = sum(jagged[key].values() for key in SEQUENCE_KEYS)
-        return pooled, values, jagged[SEQUENCE_KEYS[0]].offsets()
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (pooled (B, S, D), history tokens (T, D) summed over SEQUENCE_KEYS, offsets (B+1,) int64, target (B, D)).
+
+        ``target`` is the candidate's item + category rows of the history tables.
+        """
+        kt = self.bags(sparse)
+        pooled = torch.stack([kt[name] for name in SPARSE_FEATURES], dim=1)
+        jagged, total = self.sequence(with_candidate(sparse, sequence)), int(sequence[SEQUENCE_KEYS[0]].offsets()[-1])
+        values = sum(jagged[key].values()[:total] for key in SEQUENCE_KEYS)
+        target = sum(jagged[key].values()[total:] for key in CANDIDATE_KEYS)
+        return pooled, values, sequence[SEQUENCE_KEYS[0]].offsets(), target
+
+
+def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The history KJT with the candidate appended as B more rows per key (stride 2B).
+
+    Rows 0..B-1 of each key are the histories, rows B..2B-1 the candidate: one id (its item or
+    category, :data:`CANDIDATE_KEYS`) for the keys that have one, no id for the others, so in
+    every key's jagged output the first sum(L_i) values are the history and the rest the candidate.
+
+        seq_item_ids  lengths [L_0 .. L_B-1 | 1 .. 1]   values [history ids | item_id of each row]
+        seq_event_types       [L_0 .. L_B-1 | 0 .. 0]          [history ids]
+
+    Raises:
+        ValueError: the two KJTs disagree on the batch size.
+    """
+    batch = sequence.stride()
+    if sparse.stride() != batch:
+        raise ValueError(f"sparse has B={sparse.stride()} rows but sequence has B={batch}; pass one batch's KJTs")
+    values, lengths = [], []
+    for key in SEQUENCE_KEYS:
+        history = sequence[key]
+        feature = CANDIDATE_KEYS.get(key)
+        values += [history.values(), sparse[feature].values() if feature else history.values()[:0]]
+        lengths += [history.lengths(), torch.full((batch,), 1 if feature else 0, dtype=torch.int64)]
+    return KeyedJaggedTensor.from_lengths_sync(keys=list(SEQUENCE_KEYS), values=torch.cat(values), lengths=torch.cat(lengths))
 
 
 class GemDenseArch(nn.Module):
@@ -70,9 +118,10 @@ class GemDenseArch(nn.Module):
         self.num_dense = num_dense
 
     def forward(
-        self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, dense: torch.Tensor, domain_ids: torch.Tensor
+        self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, target: torch.Tensor,
+        dense: torch.Tensor, domain_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), dense (B, F), domain_ids (B,) -> logits (B, 2)."""
+        """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,) -> logits (B, 2)."""
         batch = pooled.shape[0]
         if self.num_dense == 0:
             dense = dense.new_zeros((batch, 1))
@@ -82,7 +131,6 @@ class GemDenseArch(nn.Module):
         # Recency: 0 for the newest token of a row, counting back.
         recency = tokens.offsets[1:][rows] - 1 - torch.arange(tokens.num_tokens, device=rows.device)
         tokens = tokens.with_values(tokens.values + self.recency(recency))
-        target = pooled[:, SPARSE_FEATURES.index("item_id")] + pooled[:, SPARSE_FEATURES.index("category")]
         interaction, _, summary = self.interformer(torch.cat([pooled, dense_tok], dim=1), tokens, target)
         hidden = self.backbone(torch.cat([interaction, summary], dim=1).flatten(1))
         return self.towers(hidden, domain_ids)
@@ -133,5 +181,5 @@ class GemModel(RankingModel):
             ValueError: dense or domain_ids has the wrong shape.
         """
         self.check_inputs(dense, domain_ids)
-        pooled, values, offsets = self.sparse_arch(sparse, sequence)
-        return self.dense_arch(pooled, values, offsets, dense, domain_ids)
+        pooled, values, offsets, target = self.sparse_arch(sparse, sequence)
+        return self.dense_arch(pooled, values, offsets, target, dense, domain_ids)
