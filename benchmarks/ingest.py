@@ -6,9 +6,10 @@ Synthetic traffic (``ingest.generate``, with its bad records) is produced once t
 broker; then, in this process, on two fresh lakes:
 
 * baseline: a confluent-kafka consumer ``assign``-ed to every partition reads [0, high watermark),
-  each ``B`` messages become one Arrow batch, are parsed by the same vectorised
-  ``ingest.vectorized.parse_batch``, and are appended to Delta (events, dead_letter) with one
-  ``write_deltalake`` per batch and table. No exactly-once bookkeeping, no dedup, no lateness.
+  each ``B`` messages become one Arrow batch (message fields straight into column lists, as the
+  pipeline's source does), are parsed by the same vectorised ``ingest.vectorized.parse_batch``,
+  and are appended to Delta (events, dead_letter) with one ``write_deltalake`` per batch and
+  table. No exactly-once bookkeeping, no dedup, no lateness.
 * pipeline: ``ingest.pipeline.run_ingest`` (plan, Beam DirectRunner, stage, dedup, lateness, the
   three idempotent commits).
 
@@ -35,10 +36,10 @@ from gemline.lake import read_table, table_uri
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig, generate_records, stream_records
-from ingest.kafka_source import KafkaRecord
+from ingest.kafka_source import RECORDS_SCHEMA
 from ingest.pipeline import run_ingest
 from ingest.replay import ensure_topic
-from ingest.vectorized import parse_batch, records_to_batch
+from ingest.vectorized import parse_batch
 
 TOPIC = "bench.events"
 
@@ -91,9 +92,13 @@ def baseline(bootstrap: str, lake: Path, config: IngestConfig, batch_records: in
             msgs = consumer.consume(num_messages=min(batch_records, remaining), timeout=5.0)
             if not msgs:
                 raise TimeoutError(f"baseline: no message in 5 s with {remaining} left")
-            recs = [KafkaRecord(m.topic(), m.partition(), m.offset(), m.key(), m.value() or b"", m.timestamp()[1])
-                    for m in msgs if m.error() is None]
-            events, dead = parse_batch(records_to_batch(recs), **args)
+            msgs = [m for m in msgs if m.error() is None]
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array([m.topic() for m in msgs], pa.string()), pa.array([m.partition() for m in msgs], pa.int32()),
+                 pa.array([m.offset() for m in msgs], pa.int64()), pa.array([m.key() for m in msgs], pa.binary()),
+                 pa.array([m.value() or b"" for m in msgs], pa.binary()),
+                 pa.array([m.timestamp()[1] for m in msgs], pa.int64())], schema=RECORDS_SCHEMA)
+            events, dead = parse_batch(batch, **args)
             write_deltalake(table_uri(lake, "events"), events, mode="append", partition_by=["event_date"])
             write_deltalake(table_uri(lake, "dead_letter"), dead, mode="append")
             written += events.num_rows + dead.num_rows

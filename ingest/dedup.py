@@ -117,11 +117,14 @@ def split_late(
         (on-time rows, late rows of ``LATE_EVENTS_SCHEMA`` with ``watermark_ms`` and ``lateness_ms =
         W - event_time_ms``, the new watermarks: max(W, max on-time event time) per partition).
     """
-    parts = events["kafka_partition"].to_numpy()
+    parts = events["kafka_partition"].to_numpy().astype(np.int64)
     times = events["event_time_ms"].to_numpy()
-    marks = np.array([watermarks_ms.get(int(p), np.iinfo(np.int64).min) for p in parts], dtype=np.int64)
-    has_mark = np.array([int(p) in watermarks_ms for p in parts], dtype=bool)
-    late = has_mark & (times < marks - allowed_lateness_ms)
+    known = np.array(sorted(watermarks_ms), dtype=np.int64)
+    known_marks = np.array([watermarks_ms[int(p)] for p in known], dtype=np.int64)
+    slot = np.minimum(np.searchsorted(known, parts), max(len(known) - 1, 0))
+    has_mark = (known[slot] == parts) if len(known) else np.zeros(len(parts), dtype=bool)
+    marks = np.where(has_mark, known_marks[slot] if len(known) else 0, np.iinfo(np.int64).min)
+    late = has_mark & (times < np.where(has_mark, marks - allowed_lateness_ms, 0))
     on_time = events.filter(pa.array(~late))
     late_rows = events.filter(pa.array(late))
     late_rows = late_rows.append_column(LATE_EVENTS_SCHEMA.field("watermark_ms"), pa.array(marks[late], pa.int64()))
