@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import apache_beam as beam
+import numpy as np
+import pyarrow as pa
 import pytest
 from apache_beam.io.restriction_trackers import OffsetRange as BeamOffsetRange
 from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
@@ -31,7 +33,10 @@ from ingest.kafka_source import (
     ReadPartitionFn,
     WatermarkState,
     advance_watermark,
+    batches_of,
+    claim_batch,
     make_client,
+    records_to_batch,
     missing_codecs,
     plan_snapshot,
 )
@@ -131,6 +136,9 @@ class _ListClient:
             if rng.start <= off < rng.end:
                 yield KafkaRecord(rng.topic, rng.partition, off, None, self.log[off], 1000 + off)
 
+    def read_batches(self, rng, *, max_records):
+        return batches_of(self.read_range(rng), max_records)
+
     def close(self):
         pass
 
@@ -159,6 +167,88 @@ def test_bounded_read_with_a_gap_at_the_end_is_done():
     tracker = OffsetRestrictionTracker(BeamOffsetRange(0, 8))
     assert [r.offset for r in fn._read_bounded(OffsetRange("t", 0, 0, 8), tracker)] == [0, 1, 4]
     tracker.check_done()
+
+
+CLAIM_CASES = [
+    # (restriction, split fraction applied before the claim or None, batch offsets, expected n, restriction after)
+    ((0, 10), None, [0, 1, 2, 3], 4, (0, 10)),
+    ((0, 10), None, [6, 7, 9], 3, (0, 10)),  # a gap before the stop
+    ((0, 4), None, [2, 3, 4, 5], 2, (0, 4)),  # the batch runs past the stop
+    ((0, 8), None, [5, 6, 9], 2, (0, 8)),  # past the stop with a gap: still done
+    ((0, 4), None, [4, 5], 0, (0, 4)),  # nothing of the batch is ours
+]
+
+
+@pytest.mark.parametrize(("rest", "split", "offsets", "n", "after"), CLAIM_CASES)
+def test_claim_batch_hand_checked(rest, split, offsets, n, after):
+    tracker = OffsetRestrictionTracker(BeamOffsetRange(*rest))
+    assert claim_batch(tracker, np.array(offsets, dtype=np.int64)) == n
+    assert (tracker.current_restriction().start, tracker.current_restriction().stop) == after
+    if n < len(offsets) or offsets[-1] >= after[1] - 1:
+        tracker.check_done()
+
+
+class _SplitOnRead(OffsetRestrictionTracker):
+    """Simulates the runner splitting right after claim_batch read the stop (a race on another thread)."""
+
+    def __init__(self, rest, fraction):
+        super().__init__(rest)
+        self._fraction = fraction
+
+    def current_restriction(self):
+        rest = super().current_restriction()
+        if self._fraction is not None:
+            fraction, self._fraction = self._fraction, None
+            primary, residual = self.try_split(fraction)  # split point: start - 1 + int(101 * fraction)
+            assert (primary.stop, residual.start) == (2, 2)
+        return rest
+
+
+def test_claim_batch_keeps_its_part_when_a_split_races_the_claim():
+    tracker = _SplitOnRead(BeamOffsetRange(0, 100), fraction=0.03)
+    # claim_batch read stop 100, claims 9 and fails: [0, 2) stays ours, [2, 100) is the residual
+    assert claim_batch(tracker, np.arange(0, 10, dtype=np.int64)) == 2
+    tracker.check_done()
+
+
+@given(st.integers(0, 50), st.integers(0, 60), st.sets(st.integers(0, 80), max_size=40), st.integers(1, 7))
+@settings(max_examples=60, deadline=None)
+def test_batched_bounded_read_equals_the_per_record_read(start, length, log_offsets, batch_records):
+    """Batches (with any split the runner makes half way) cover exactly the per-record read's offsets."""
+    log = {o: f"v{o}".encode() for o in log_offsets}
+    rng = OffsetRange("t", 0, start, start + length)
+    per_record = [r.offset for r in _bounded_fn(log)._read_bounded(rng, OffsetRestrictionTracker(
+        BeamOffsetRange(rng.start, rng.end)))]
+    fn = ReadPartitionFn("confluent", "unused:1", 1.0, batch_records=batch_records)
+    fn._client = _ListClient(log)
+    tracker = OffsetRestrictionTracker(BeamOffsetRange(rng.start, rng.end))
+    batches = list(fn._read_bounded_batches(rng, tracker))
+    tracker.check_done()
+    got = [o for b in batches for o in b.column("offset").to_pylist()]
+    assert got == per_record
+    assert all(1 <= b.num_rows <= batch_records for b in batches)
+    assert all(b.column("value").to_pylist() == [log[o] for o in b.column("offset").to_pylist()] for b in batches)
+
+
+def test_batched_bounded_read_stops_at_a_dynamic_split():
+    fn = ReadPartitionFn("confluent", "unused:1", 1.0, batch_records=3)
+    fn._client = _ListClient({o: f"v{o}".encode() for o in range(12)})
+    tracker = OffsetRestrictionTracker(BeamOffsetRange(0, 12))
+    out = []
+    for batch in fn._read_bounded_batches(OffsetRange("t", 0, 0, 12), tracker):
+        out.append(batch.column("offset").to_pylist())
+        if len(out) == 1:
+            primary, residual = tracker.try_split(0.45)  # after claiming 2: stop = 2 + int(9 * 0.45) = 6
+            assert (primary.stop, residual.start) == (6, 6)
+    assert out == [[0, 1, 2], [3, 4, 5]]
+    tracker.check_done()
+
+
+def test_batch_records_must_be_positive():
+    with pytest.raises(ValueError, match="expected batch_records >= 1 or None, got 0"):
+        ReadPartitionFn("confluent", "unused:1", 1.0, batch_records=0)
+    with pytest.raises(ValueError, match="expected max_records >= 1, got 0"):
+        list(batches_of(iter([]), 0))
 
 
 def test_missing_codecs():
@@ -241,6 +331,23 @@ def test_compressed_topics_read_back_with_both_clients(broker, codec):
     finally:
         kc.close()
     assert sorted(got, key=lambda r: (r.partition, r.offset)) == sorted(records, key=lambda r: (r.partition, r.offset))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_read_batches_equals_read_range_in_batches(broker, client):
+    topic = _topic(broker, 2)
+    records = _produce(broker.bootstrap, topic, 11, partitions=2)
+    kc = make_client(client, broker.bootstrap, timeout_s=20)
+    try:
+        rng = OffsetRange(topic, 0, 1, 6)  # partition 0 holds offsets 0..5
+        batches = list(kc.read_batches(rng, max_records=2))
+        assert list(kc.read_batches(OffsetRange(topic, 1, 3, 3), max_records=2)) == []
+    finally:
+        kc.close()
+    expected = [r for r in records if r.partition == 0 and 1 <= r.offset < 6]
+    assert [b.num_rows for b in batches] == [2, 2, 1]
+    assert pa.Table.from_batches(batches).equals(pa.Table.from_batches([records_to_batch(expected)]))
 
 
 @pytest.mark.integration

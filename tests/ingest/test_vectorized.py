@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from ingest.kafka_source import KafkaRecord
 from ingest.parse import DEAD_LETTER, GOOD, REASONS, parse_record
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENT_TYPES, EVENTS_TABLE_SCHEMA
-from ingest.vectorized import LEAF_ROWS, BatchRecords, ParseBatches, parse_batch, records_to_batch
+from ingest.vectorized import (
+    LEAF_ROWS,
+    BatchRecords,
+    ParseBatches,
+    _suspicious,
+    _suspicious_regex,
+    parse_batch,
+    records_to_batch,
+)
 
 NOW_MS = 1_700_000_000_000
 SKEW_MS = 60_000
@@ -212,3 +220,30 @@ def test_batch_records_rejects_bad_input():
     with pytest.raises(Exception, match="expected KafkaRecord or pyarrow.RecordBatch"):
         with test_pipeline.TestPipeline() as p:
             _ = p | beam.Create([{"value": b"{}"}]) | BatchRecords()
+
+
+FRAMING_CASES = [
+    b'{"a": 1}', b'  {"a": 1}  ', b"{}", b"", b" ", b"{", b"}", b"[1]", b'{"a": "\t"}', b'{"a": "\x01"}',
+    b'{"a": 1}\n', b'\n{"a": 1}', b'{"a": "\xc3\xa9"}', b"{\t}", b" {} x", b"x {}", b"{} }", b"null",
+]
+
+
+def _framing(values: list[bytes | None]) -> tuple[list[bool], list[bool]]:
+    strings = pa.array(values, pa.binary()).cast(pa.string())
+    return _suspicious(strings).tolist(), _suspicious_regex(strings).tolist()
+
+
+def test_byte_framing_check_equals_the_regex_on_cases():
+    fast, regex = _framing(FRAMING_CASES + [None])
+    assert fast == regex
+    assert regex[:3] == [False, False, False] and regex[-1] is True  # the check is not vacuous
+
+
+@given(st.lists(st.one_of(st.none(), st.text(alphabet=st.sampled_from('{} \t\n\x1f"a\u00e9:1'), max_size=8)),
+                max_size=12), st.integers(0, 3))
+@settings(max_examples=200, deadline=None)
+def test_byte_framing_check_equals_the_regex(texts, cut):
+    values = [None if t is None else t.encode() for t in texts]
+    strings = pa.array(values, pa.binary()).cast(pa.string())
+    for arr in (strings, strings.slice(min(cut, len(strings)))):  # sliced arrays have an offset into the buffers
+        assert _suspicious(arr).tolist() == _suspicious_regex(arr).tolist()
