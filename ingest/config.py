@@ -66,6 +66,9 @@ class IngestConfig:
     replays are in event-time order per partition, and generated traffic is seconds apart."""
     batch_max_records: int = 10_000
     """Kafka messages per Arrow record batch, the element the parse step works on."""
+    max_offsets_per_partition: int | None = None
+    """Offsets one ingest batch reads per partition at most, bounding a batch's memory (the driver holds
+    its rows to dedup and commit); the rest is left to the next batch. None: up to the high watermark."""
 
     def __post_init__(self) -> None:
         if not self.domains:
@@ -82,6 +85,9 @@ class IngestConfig:
             raise ValueError(f"ingest.allowed_lateness_ms must be >= 0, got {self.allowed_lateness_ms}")
         if self.batch_max_records < 1:
             raise ValueError(f"ingest.batch_max_records must be >= 1, got {self.batch_max_records}")
+        if self.max_offsets_per_partition is not None and self.max_offsets_per_partition < 1:
+            raise ValueError("ingest.max_offsets_per_partition must be >= 1 or None (no limit), got "
+                             f"{self.max_offsets_per_partition}")
 
     @property
     def retention_ms(self) -> int | None:

@@ -8,6 +8,9 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
    (:func:`ingest.kafka_source.plan_snapshot`). If ``dead_letter`` already holds
    ``batch_version`` (a crash between the two commits), the ranges and the clock recorded in
    that commit are reused instead, so the rerun reads and decides exactly as the crashed run did.
+   With ``IngestConfig.max_offsets_per_partition`` set, each range is cut to that many offsets
+   (:func:`cap_ranges`): a backlog is then ingested in batches of bounded memory by running again
+   until the run is skipped (``ingest_backlog``).
 2. Skip when every range is empty: nothing is written.
 3. Run the Beam pipeline: :class:`ReadRecordBatches` (the splittable ``ReadPartitionFn`` of
    ``ingest.kafka_source`` emitting Arrow record batches of up to ``IngestConfig.batch_max_records``
@@ -32,6 +35,7 @@ Run one ingest job per topic at a time: two concurrent runs would plan the same 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -132,6 +136,20 @@ class _Plan:
     watermarks_ms: dict[int, int]
 
 
+def cap_ranges(ranges: list[OffsetRange], max_offsets: int | None) -> list[OffsetRange]:
+    """``ranges`` with each cut to its first ``max_offsets`` offsets (``IngestConfig.max_offsets_per_partition``;
+    None: unchanged). The next batch starts where a cut range ends, so a backlog is read in bounded batches.
+
+    Raises:
+        ValueError: ``max_offsets < 1``.
+    """
+    if max_offsets is None:
+        return list(ranges)
+    if max_offsets < 1:
+        raise ValueError(f"cap_ranges: expected max_offsets >= 1 or None, got {max_offsets}")
+    return [OffsetRange(r.topic, r.partition, r.start, min(r.end, r.start + max_offsets)) for r in ranges]
+
+
 def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _Plan:
     """Decide the batch: version, ranges, clock (fresh, or recovered from a dead_letter commit)."""
     lake, topic, opts = config.lake, config.kafka.topic, config.lake_storage_options
@@ -155,8 +173,9 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _P
                  app_id, batch_version, len(ranges))
         return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True, watermarks_ms=marks)
 
-    ranges = tuple(plan_snapshot(bootstrap, topic, prev_ends, client=config.kafka.client,
-                                 timeout_s=config.ingest.read_timeout_s))
+    ranges = tuple(cap_ranges(plan_snapshot(bootstrap, topic, prev_ends, client=config.kafka.client,
+                                            timeout_s=config.ingest.read_timeout_s),
+                              config.ingest.max_offsets_per_partition))
     ends = {**prev_ends, **{r.partition: r.end for r in ranges}}
     clock_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
     return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks)
@@ -396,3 +415,38 @@ def _commit_at(lake: str | Path, table: str, data: pa.Table, *, app_id: str, ver
                     commit_properties=CommitProperties(custom_metadata=custom,
                                                        app_transactions=[Transaction(app_id=app_id, version=version)]))
     return True
+
+
+def ingest_backlog(
+    config: GemlineConfig,
+    *,
+    bootstrap: str,
+    beam_args: list[str] | None = None,
+    now_ms: int | None = None,
+    max_batches: int | None = None,
+) -> list[IngestResult]:
+    """Run :func:`run_ingest` until the topic is caught up (a run is skipped) or ``max_batches`` ran.
+
+    With ``config.ingest.max_offsets_per_partition`` set, each batch reads at most that many offsets
+    per partition, so a backlog of any size is ingested with the memory of one bounded batch.
+    The high watermarks are read anew by each batch, so records produced meanwhile are read too.
+
+    Args:
+        max_batches: stop after this many batches (skipped ones included); None: until caught up.
+        bootstrap, beam_args, now_ms: as for :func:`run_ingest` (one ``now_ms`` for every batch).
+
+    Returns:
+        The results of the non-skipped batches, in order.
+
+    Raises:
+        ValueError: ``max_batches < 1``; and what :func:`run_ingest` raises.
+    """
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"ingest_backlog: expected max_batches >= 1 or None, got {max_batches}")
+    results: list[IngestResult] = []
+    for _ in itertools.count() if max_batches is None else range(max_batches):
+        result = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms)
+        if result.skipped:
+            break
+        results.append(result)
+    return results

@@ -22,7 +22,16 @@ from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_source import KafkaRecord, OffsetRange, ReadOffsetRanges, plan_snapshot
 from ingest.parse import event_date
-from ingest.pipeline import ReadRecordBatches, _check_batch, app_id_for, read_staged, run_ingest, staging_dir
+from ingest.pipeline import (
+    ReadRecordBatches,
+    _check_batch,
+    app_id_for,
+    cap_ranges,
+    ingest_backlog,
+    read_staged,
+    run_ingest,
+    staging_dir,
+)
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
 
 pytestmark = pytest.mark.integration
@@ -123,6 +132,34 @@ def test_ingest_is_exactly_once_and_incremental(broker, topic, tmp_path):
     keys = _coords(events) + _coords(dead)
     assert len(keys) == len(set(keys)) and set(keys) == _all_offsets(broker.bootstrap, topic)
     assert sorted(events["event_id"].to_pylist()) == sorted(f"e{i}" for i in range(27))
+
+
+def test_capped_batches_ingest_a_backlog_like_one_uncapped_batch(broker, topic, tmp_path):
+    _produce(broker.bootstrap, topic, _good(0, 17) + BAD)  # 20 records over 3 partitions
+    whole = _config(tmp_path / "whole", topic)
+    capped = dataclasses.replace(whole, lake=str(tmp_path / "capped"),
+                                 ingest=IngestConfig(max_offsets_per_partition=3))
+    assert [r.skipped for r in ingest_backlog(whole, bootstrap=broker.bootstrap, now_ms=NOW_MS)] == [False]
+    results = ingest_backlog(capped, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    longest = max(r.num_offsets for r in plan_snapshot(broker.bootstrap, topic, {}))
+    assert len(results) == -(-longest // 3)  # ceil: one batch per 3 offsets of the longest partition
+    assert [r.batch_version for r in results] == list(range(len(results)))
+    assert all(r.num_offsets <= 3 for res in results for r in res.offset_ranges)
+    for table in ("events", "dead_letter"):
+        assert _rows(read_table(capped.lake, table)) == _rows(read_table(whole.lake, table))
+    assert run_ingest(capped, bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
+
+
+def test_cap_ranges_cuts_each_range_and_rejects_bad_caps():
+    ranges = [OffsetRange("t", 0, 5, 9), OffsetRange("t", 1, 0, 2), OffsetRange("t", 2, 4, 4)]
+    assert cap_ranges(ranges, 3) == [OffsetRange("t", 0, 5, 8), OffsetRange("t", 1, 0, 2), OffsetRange("t", 2, 4, 4)]
+    assert cap_ranges(ranges, None) == ranges
+    with pytest.raises(ValueError, match="expected max_offsets >= 1 or None, got 0"):
+        cap_ranges(ranges, 0)
+    with pytest.raises(ValueError, match="max_offsets_per_partition must be >= 1 or None"):
+        IngestConfig(max_offsets_per_partition=0)
+    with pytest.raises(ValueError, match="expected max_batches >= 1 or None, got 0"):
+        ingest_backlog(_config("unused", "t"), bootstrap="unused:1", max_batches=0)
 
 
 def _rows(table: pa.Table) -> list[dict]:
