@@ -221,6 +221,8 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
 
     train = encode_examples(split.train, tc.num_embeddings, normalizer)
     evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
+    if resume_from is None and hasattr(model, "init_output_bias"):
+        model.init_output_bias(prior_rates(train.labels))
     log.info(
         "examples@%d: train %d rows on %s, eval %d rows on %s",
         version, len(train), ",".join(split.train_dates), len(evaluation), split.eval_date,
@@ -276,6 +278,13 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         steps=step,
         loss_curve=loss_curve,
     )
+
+
+def prior_rates(labels: np.ndarray) -> torch.Tensor:
+    """(2,) float64 label rates (click, conversion) of ``labels`` (N, 2), clipped into [1e-4, 1 - 1e-4]
+    so an all-0 or all-1 column gives a finite log-odds."""
+    rates = labels.mean(axis=0) if len(labels) else np.full(2, 0.5)
+    return torch.from_numpy(np.clip(rates.astype(np.float64), 1e-4, 1 - 1e-4))
 
 
 def training_domains(train, resume_from) -> tuple[str, ...]:

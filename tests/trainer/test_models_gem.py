@@ -166,3 +166,23 @@ def test_gem_target_and_history_share_the_item_and_category_tables(splits):
     history = sum(tables[t].weight[batch.sequence[k].values()] for k, t in (("seq_item_ids", "t_item"), ("seq_categories", "t_category"), ("seq_event_types", "t_event_type")))
     torch.testing.assert_close(values, history)
     assert torch.equal(offsets, batch.sequence["seq_item_ids"].offsets()) and pooled.shape == (16, len(batch.sparse.keys()), SMALL.embedding_dim)
+
+
+def test_logistic_regression_intercepts_start_at_the_base_rate_log_odds():
+    from trainer.train import prior_rates
+
+    model = build_model(replace(SMALL, model="lr"), 3, ("feed", "reels"))
+    labels = np.array([[1, 0], [0, 0], [0, 1], [0, 0]], dtype=np.float32)  # click 1/4, conversion 1/4
+    model.init_output_bias(prior_rates(labels))
+    expected = torch.full((3, 2), float(np.log(0.25 / 0.75)))  # every domain row, unknown (K) included
+    torch.testing.assert_close(model.dense_arch["domain_bias"].weight, expected)
+    assert prior_rates(np.zeros((5, 2), dtype=np.float32)).tolist() == [1e-4, 1e-4]  # finite log-odds
+
+
+@pytest.mark.parametrize(
+    "rates", [torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([float("nan"), 0.1])]
+)
+def test_intercept_init_rejects_bad_rates(rates):
+    model = build_model(replace(SMALL, model="lr"), 3, ("feed",))
+    with pytest.raises(ValueError, match=r"base_rates must be \(2,\) rates in \(0, 1\)"):
+        model.init_output_bias(rates)

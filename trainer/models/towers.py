@@ -163,6 +163,13 @@ class RankingModel(nn.Module):
         ids = {id(p) for p in self.embedding_parameters()}
         return [p for p in self.parameters() if id(p) not in ids]
 
+    def init_output_bias(self, base_rates: torch.Tensor) -> None:
+        """Start the output intercepts at the training base rates, where a model has one to set; a no-op here.
+
+        Args:
+            base_rates: (2,) float, click and conversion rates of the training split, in (0, 1).
+        """
+
     def check_inputs(self, dense: torch.Tensor, domain_ids: torch.Tensor) -> None:
         """Raise ValueError unless dense is (B, F) and domain_ids is (B,) int64."""
         if dense.dim() != 2 or dense.shape[1] != self.num_dense:
