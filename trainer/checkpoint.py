@@ -195,6 +195,23 @@ def load_checkpoint(
     return read_state(path)
 
 
+def load_weights(path: str | Path, model: nn.Module) -> TrainState:
+    """Restore only the model parameters of the checkpoint at ``path`` (no optimiser or RNG state).
+
+    For checkpoints that hold no optimiser state: those a sharded run writes
+    (trainer.launch: full parameters gathered on rank 0, ``optimizers={}``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+        RuntimeError: the model's parameters do not match the saved state dict (torch's message).
+    """
+    path = Path(path)
+    if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
+    model.load_state_dict(torch.load(path / "state.pt", weights_only=False)["model"])
+    return read_state(path)
+
+
 def _save_remote(lake: str | Path, state: TrainState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
                  numpy_rng: np.random.Generator | None, extra_files: Mapping[str, bytes] | None,
                  storage_options: StorageOptions | None) -> str:

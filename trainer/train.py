@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, load_weights, read_state, save_checkpoint
 from trainer.data import (
     Batch,
     DenseNormalizer,
@@ -205,8 +205,13 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
     }
     step, examples_seen, start = 0, 0, _Position(0, 0)
-    if resume_from is not None:
+    if resume_from is not None and "world_size" in read_state(resume_from).extra:
+        # A sharded run saves full parameters only (trainer.launch): warm start with fresh optimisers.
+        state = load_weights(resume_from, model)
+        log.info("warm start from the parameters of a %d-process run; optimisers start fresh", state.extra["world_size"])
+    elif resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizers)
+    if resume_from is not None:
         step, examples_seen = state.step, state.examples_seen
         start = _resume_position(state, version, tc.epochs)
         # Keep the statistics the resumed weights were trained with, so inputs mean the same thing.

@@ -164,3 +164,31 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
     theirs = torch.load(Path(uninterrupted.checkpoint_path) / "state.pt", weights_only=False)["model"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert resumed.metrics == uninterrupted.metrics
+
+
+def test_warm_start_from_a_sharded_runs_checkpoint(make_lake):
+    """A sharded run's checkpoint (full parameters, no optimiser state, as trainer.launch writes it)
+    warm-starts a one-process run: its parameters are loaded, its optimisers start fresh."""
+    from trainer.checkpoint import TrainState, save_checkpoint
+    from trainer.models import build_model
+
+    lake, version = make_lake(rows_per_date=60, seed=3)
+    settings = {"trainer.epochs": "1", "trainer.batch_size": "32", "trainer.model": "dlrm", "trainer.num_embeddings": "97"}
+    tc = config(lake, **settings).trainer
+    from trainer.data import load_split
+
+    split = load_split(lake, version)
+    normalizer = fit_normalizer(split.train)
+    domains = tuple(sorted(set(split.train["domain"].to_pylist())))
+    torch.manual_seed(123)  # not the run's seed: a fresh init would give other parameters
+    saved = build_model(tc, len(normalizer.names), domains)
+    extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": "dlrm", "world_size": 2}
+    save_checkpoint(lake, TrainState(step=7, examples_seen=224, examples_version=version, extra=extra), saved, {})
+    # lr 1e-12: the run barely moves the parameters, so they must end where the checkpoint put them.
+    result = run_training(config(lake, **settings, **{"trainer.init_from": "latest", "trainer.learning_rate": "1e-12",
+                                                      "trainer.embedding_learning_rate": "1e-12"}), progress=False)
+    assert result.steps == 7 + 4  # 120 train rows / 32 -> 4 steps after the sharded run's 7
+    final = torch.load(Path(result.checkpoint_path) / "state.pt", weights_only=False)
+    assert set(final["optimizers"]) == {"dense", "embeddings"}
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(final["model"][key], value, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
