@@ -8,12 +8,18 @@ conversions following some of them) go into a fresh events table under a temp la
 - ``beam``: :func:`sequences.pipeline.run_build` with ``final=True`` (sequences, labels,
   features, examples, state), events/s = events / wall seconds, over ``--batches`` increments;
 - ``polars``: the same per-impression computation in one polars process: newest N earlier events
-  of the user (item, category, type, domain lists), click and conversion labels within the
-  windows, user counters over 1 d / 7 d / all time. It skips the point-in-time check on append
-  times, dedup and the Delta writes, so it is an optimistic reference.
+  of the user, cross-domain and in the impression's domain (item, category, type, domain, time
+  and time-delta lists), click and conversion labels within the windows, user counters over
+  1 d / 7 d / all time; and the newest N events per user (the sequences table); then both written
+  to Delta (examples partitioned by date, one ``write_deltalake`` each), as the build must store
+  what it computes. It skips the point-in-time check on append times, dedup, the feature tables
+  and the build state, so it is an optimistic reference. Its compute-only time is printed too.
 
-The ratio beam / polars (goal >= 0.5) is printed last. ``--users 1000000`` is the peak-RSS run
-(``ru_maxrss`` of this process, MiB, printed with the rates).
+The ratio beam / polars (goal >= 0.5) is printed last, preceded by the ratio against the
+compute-only time. ``--pareto ALPHA`` draws events per user from a Pareto law capped at
+``--max-events-per-user`` instead (the one-million-user run:
+``--users 1000000 --pareto 1.5 --max-events-per-user 1000``), and the peak RSS (``ru_maxrss`` of
+this process, MiB) and the Delta size of the lake (bytes on disk) are printed with the rates.
 """
 
 from __future__ import annotations
@@ -27,19 +33,28 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pyarrow as pa
+from deltalake import write_deltalake
 
 DAY_MS = 24 * 3600 * 1000
 
 
-def synthetic_events(users: int, events_per_user: int, seed: int = 0) -> pa.Table:
-    """``users * events_per_user`` events rows of EVENTS_TABLE_SCHEMA over 14 days, seeded."""
+def synthetic_events(users: int, events_per_user: int, seed: int = 0, *, pareto: float | None = None,
+                     max_events_per_user: int = 1000) -> pa.Table:
+    """Events rows of EVENTS_TABLE_SCHEMA over 14 days, seeded: ``users * events_per_user`` spread
+    uniformly over users, or (``pareto``) per-user counts ``min(max_events_per_user,
+    1 + floor(Pareto(alpha)))`` — a heavy tail of very active users."""
     from ingest.schema import EVENTS_TABLE_SCHEMA
 
     rng = np.random.default_rng(seed)
-    n = users * events_per_user
+    if pareto is None:
+        n = users * events_per_user
+        user = rng.integers(0, users, n)
+    else:
+        counts = np.minimum(max_events_per_user, 1 + np.floor(rng.pareto(pareto, users)).astype(np.int64))
+        user = np.repeat(np.arange(users), counts)
+        n = user.size
     t = rng.integers(0, 14 * DAY_MS, n)
     kinds = rng.choice(np.array(["impression", "click", "conversion", "engagement"]), n, p=[0.6, 0.15, 0.05, 0.2])
-    user = rng.integers(0, users, n)
     item = rng.integers(0, max(10, users // 2), n)
     dates = (t // DAY_MS).astype("datetime64[D]").astype(str)
     return pa.table({
@@ -65,18 +80,34 @@ def synthetic_events(users: int, events_per_user: int, seed: int = 0) -> pa.Tabl
     }).select(EVENTS_TABLE_SCHEMA.names).cast(EVENTS_TABLE_SCHEMA)
 
 
-def polars_reference(events: pa.Table, max_seq_len: int, click_ms: int, conversion_ms: int) -> pl.DataFrame:
-    """Examples (one row per impression) computed in one polars process; see the module docstring."""
+def _with_history(imps: pl.DataFrame, df: pl.DataFrame, keys: list[str], max_len: int, prefix: str,
+                  columns: tuple[str, ...]) -> pl.DataFrame:
+    """``imps`` with the newest ``max_len`` earlier events of its ``keys`` group as ``prefix``-lists."""
+    ranked = df.with_columns(pl.int_range(pl.len()).over(keys).alias("_rank"))
+    lists = ranked.group_by(keys).agg([pl.col(c).alias(f"_all_{c}") for c in columns])
+    rank = imps.join(ranked.select("event_id", "_rank"), on="event_id").join(lists, on=keys)
+    start = (pl.col("_rank") - max_len).clip(lower_bound=0)
+    return rank.with_columns(
+        [pl.col(f"_all_{c}").list.slice(start, pl.col("_rank") - start).alias(f"{prefix}{c}") for c in columns]
+    ).with_columns(
+        (pl.col("event_time_ms") - pl.col(f"{prefix}event_time_ms")).alias(f"{prefix}time_delta_ms")
+    ).drop(["_rank", *[f"_all_{c}" for c in columns]])
+
+
+def polars_reference(events: pa.Table, max_seq_len: int, click_ms: int,
+                     conversion_ms: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(examples, sequences) computed in one polars process; see the module docstring.
+
+    Examples: one row per impression with the newest ``max_seq_len`` earlier events of the user
+    (cross-domain) and of the user in the impression's domain (item, category, type, domain, time
+    and time-delta lists), labels and user counters. Sequences: the newest ``max_seq_len`` events
+    of each user."""
     df = pl.from_arrow(events).sort("user_id", "event_time_ms", "event_id")
-    df = df.with_columns(pl.int_range(pl.len()).over("user_id").alias("rank"))
-    lists = df.group_by("user_id").agg(
-        [pl.col(c).alias(f"all_{c}") for c in ("item_id", "category", "event_type", "domain", "event_time_ms")])
-    imps = df.filter(pl.col("event_type") == "impression").join(lists, on="user_id")
-    start = (pl.col("rank") - max_seq_len).clip(lower_bound=0)
-    imps = imps.with_columns(
-        [pl.col(f"all_{c}").list.slice(start, pl.col("rank") - start).alias(f"seq_{c}")
-         for c in ("item_id", "category", "event_type", "domain", "event_time_ms")]
-    ).drop([f"all_{c}" for c in ("item_id", "category", "event_type", "domain", "event_time_ms")])
+    columns = ("item_id", "category", "event_type", "domain", "event_time_ms")
+    imps = df.filter(pl.col("event_type") == "impression")
+    imps = _with_history(imps, df, ["user_id"], max_seq_len, "seq_", columns)
+    imps = _with_history(imps, df, ["user_id", "domain"], max_seq_len, "seq_same_domain_",
+                         tuple(c for c in columns if c != "domain"))
     for label, window in (("click", click_ms), ("conversion", conversion_ms)):
         hits = (imps.select("event_id", "user_id", "item_id", "domain", "event_time_ms")
                 .join(df.filter(pl.col("event_type") == label)
@@ -96,7 +127,8 @@ def polars_reference(events: pa.Table, max_seq_len: int, click_ms: int, conversi
           for c in ("is_imp", "is_click") for w in ("1d", "7d")],
         *[(pl.col(c).cum_sum() - pl.col(c)).over("user_id", "domain").alias(f"{c}_all") for c in ("is_imp", "is_click")],
     ).select("event_id", "is_imp_1d", "is_click_1d", "is_imp_7d", "is_click_7d", "is_imp_all", "is_click_all")
-    return imps.join(counters, on="event_id", how="left")
+    sequences = df.group_by("user_id").agg([pl.col(c).tail(max_seq_len).alias(f"seq_{c}") for c in columns])
+    return imps.join(counters, on="event_id", how="left"), sequences
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--events-per-user", type=int, default=50)
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--batches", type=int, default=1, help="incremental builds the events are split into")
+    parser.add_argument("--pareto", type=float, default=None, help="Pareto alpha of events per user (else uniform)")
+    parser.add_argument("--max-events-per-user", type=int, default=1000)
+    parser.add_argument("--shards", type=int, default=4, help="build.shards")
+    parser.add_argument("--beam-args", default="", help="Beam pipeline flags for the build, space-separated "
+                        "(e.g. '--direct_num_workers=2 --direct_running_mode=multi_threading')")
     args = parser.parse_args(argv)
 
     from gemline.config import GemlineConfig
@@ -112,8 +149,16 @@ def main(argv: list[str] | None = None) -> None:
     from sequences.config import BuildConfig
     from sequences.pipeline import run_build
 
-    events = synthetic_events(args.users, args.events_per_user)
-    build = BuildConfig(max_seq_len=args.max_seq_len)
+    events = synthetic_events(args.users, args.events_per_user, pareto=args.pareto,
+                              max_events_per_user=args.max_events_per_user)
+    build = BuildConfig(max_seq_len=args.max_seq_len, shards=args.shards)
+    # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
+    # start-up); build a tiny lake once so the timed runs measure the build, not the imports.
+    with tempfile.TemporaryDirectory() as tmp:
+        warm = str(Path(tmp) / "lake")
+        commit_once(warm, "events", synthetic_events(5, 4, seed=1), app_id="bench", version=0,
+                    partition_by=["event_date"])
+        run_build(GemlineConfig(lake=warm, build=build), final=True)
     with tempfile.TemporaryDirectory() as tmp:
         lake = str(Path(tmp) / "lake")
         config = GemlineConfig(lake=lake, build=build)
@@ -124,17 +169,29 @@ def main(argv: list[str] | None = None) -> None:
             commit_once(lake, "events", events.take(pa.array(part)), app_id="bench", version=k,
                         partition_by=["event_date"])
             start = time.perf_counter()
-            result = run_build(config, final=k == len(parts) - 1)
+            result = run_build(config, final=k == len(parts) - 1, beam_args=args.beam_args.split())
             beam_s += time.perf_counter() - start
-    start = time.perf_counter()
-    reference = polars_reference(events, args.max_seq_len, build.click_window_ms, build.conversion_window_ms)
-    polars_s = time.perf_counter() - start
+        lake_bytes = sum(p.stat().st_size for p in Path(lake).rglob("*") if p.is_file() and "events" not in p.parts)
+        start = time.perf_counter()
+        reference, sequences = polars_reference(events, args.max_seq_len, build.click_window_ms,
+                                                build.conversion_window_ms)
+        compute_s = time.perf_counter() - start
+        write_deltalake(str(Path(tmp) / "reference" / "examples"), reference.with_columns(
+            pl.from_epoch("event_time_ms", time_unit="ms").dt.strftime("%Y-%m-%d").alias("event_date")).to_arrow(),
+            partition_by=["event_date"])
+        write_deltalake(str(Path(tmp) / "reference" / "sequences"), sequences.to_arrow())
+        polars_s = time.perf_counter() - start
     n = events.num_rows
-    beam_rate, polars_rate = n / beam_s, n / polars_s
-    print(f"events: {n}, examples: beam {result.num_examples}, polars {reference.height}")
-    print(f"beam (DirectRunner, {args.batches} batch(es)): {beam_s:.1f} s, {beam_rate:,.0f} events/s")
-    print(f"polars (one process): {polars_s:.2f} s, {polars_rate:,.0f} events/s")
-    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    beam_rate, polars_rate, compute_rate = n / beam_s, n / polars_s, n / compute_s
+    print(f"events: {n}, users: {args.users}, examples: beam {result.num_examples}, polars {reference.height}")
+    print(f"beam (DirectRunner {args.beam_args or 'defaults'}, {args.batches} batch(es), {args.shards} shards): "
+          f"{beam_s:.1f} s, "
+          f"{beam_rate:,.0f} events/s")
+    print(f"polars (one process): compute {compute_s:.2f} s ({compute_rate:,.0f} events/s), "
+          f"with the examples Delta write {polars_s:.2f} s ({polars_rate:,.0f} events/s)")
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
+          f"build tables on disk: {lake_bytes / 2**20:.0f} MiB")
+    print(f"ratio beam/polars compute only: {beam_rate / compute_rate:.3f}")
     print(f"ratio beam/polars: {beam_rate / polars_rate:.3f} (goal >= 0.5)")
 
 

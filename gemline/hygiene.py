@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from gemline.lake import StorageOptions, open_table
 
@@ -36,7 +37,8 @@ class HygieneConfig:
     retention_hours: float = 168.0
     """Vacuum removes files unreferenced for longer than this (hours)."""
     compact_min_files: int = 16
-    """Compact only when the table has at least this many data files."""
+    """Compact only when one partition (the table, if unpartitioned) holds at least this many data
+    files: small files pile up where many commits append to the same partitions."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -83,9 +85,22 @@ class HygieneResult:
     files_vacuumed: int
 
 
+def _most_files_in_a_partition(dt) -> int:
+    """The largest number of data files any one partition of ``dt`` holds (all files if unpartitioned)."""
+    columns = list(dt.metadata().partition_columns)
+    if not columns:
+        return len(dt.file_uris())
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return 0
+    keys = [f"partition.{c}" for c in columns]
+    counts = actions.select(keys).group_by(keys).aggregate([([], "count_all")])
+    return int(pc.max(counts.column("count_all")).as_py())
+
+
 def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
          storage_options: StorageOptions | None = None) -> HygieneResult:
-    """Compact (when ``compact`` and the table has >= ``compact_min_files`` files), checkpoint
+    """Compact (when ``compact`` and a partition has >= ``compact_min_files`` files), checkpoint
     (when the version is a multiple of K) and vacuum ``table`` under ``lake``; ``storage_options``
     as in :mod:`gemline.lake` for an object-store lake.
 
@@ -96,7 +111,7 @@ def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
     if dt is None:
         raise ValueError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0
-    if compact and len(dt.file_uris()) >= config.compact_min_files:
+    if compact and _most_files_in_a_partition(dt) >= config.compact_min_files:
         metrics = dt.optimize.compact()
         compacted = int(metrics.get("numFilesRemoved", 0))
     checkpointed = dt.version() % config.checkpoint_every == 0

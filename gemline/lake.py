@@ -30,6 +30,7 @@ Exactly-once writes follow delta-rs's app transactions: each commit carries
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -174,6 +175,125 @@ def commit_once(
             custom_metadata=custom, app_transactions=[Transaction(app_id=app_id, version=version)]
         ),
     )
+    return True
+
+
+_WRITE_THREADS = 4
+"""Partitions :func:`write_data_file` encodes at once."""
+
+
+def write_data_file(
+    lake: str | Path,
+    table: str,
+    data: pa.Table,
+    *,
+    name: str,
+    partition_by: list[str] | None = None,
+    storage_options: StorageOptions | None = None,
+) -> list[dict[str, Any]]:
+    """Write ``data`` as Parquet data files inside ``table``'s directory, not yet committed.
+
+    One file per partition (Hive-style ``col=value/`` directories, partition columns left out of
+    the file, as Delta writers do), each named ``name`` + ``.parquet``; writing the same name
+    again replaces the file, so a retried writer does not add a second copy. Files stay invisible
+    to readers until :func:`commit_files_once` adds them; files never committed are removed by
+    vacuum after its retention.
+
+    Returns:
+        one entry per file, JSON-serialisable: ``{"path": path relative to the table root
+        (URL-encoded), "size": bytes, "partition_values": {col: str}, "num_records": rows}``.
+
+    Raises:
+        ValueError: a partition column is missing or null.
+    """
+    from urllib.parse import quote
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    fs, root = lake_fs(lake, storage_options)
+    partition_by = list(partition_by or [])
+    missing = [c for c in partition_by if c not in data.column_names]
+    if missing:
+        raise ValueError(f"{table}: partition columns {missing} missing from the data ({data.column_names})")
+    if partition_by and data.num_rows:
+        # One sort by the partition columns, then a slice per partition (not one filter each).
+        data = data.take(pc.sort_indices(data, sort_keys=[(c, "ascending") for c in partition_by]))
+        keys = data.select(partition_by).to_pylist()
+        starts = [i for i in range(len(keys)) if i == 0 or keys[i] != keys[i - 1]]
+        slices = [(keys[a], data.slice(a, b - a)) for a, b in zip(starts, [*starts[1:], len(keys)], strict=True)]
+    else:
+        slices = [({}, data)]
+    for key, _ in slices:
+        if any(v is None for v in key.values()):
+            raise ValueError(f"{table}: null partition value in {key}; partition columns must be non-null")
+
+    def write(key: dict[str, Any], part: pa.Table) -> dict[str, Any]:
+        part = part.drop_columns(partition_by)
+        relative = "/".join([*(f"{c}={quote(str(key[c]), safe='')}" for c in partition_by), f"{name}.parquet"])
+        path = f"{root}/{table}/{relative}"
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as sink:
+            pq.write_table(part, sink, compression="zstd")
+        return {"path": relative, "size": fs.get_file_info(path).size,
+                "partition_values": {c: str(key[c]) for c in partition_by}, "num_records": part.num_rows}
+
+    # Parquet encoding releases the GIL: partitions are written side by side.
+    with ThreadPoolExecutor(max_workers=min(_WRITE_THREADS, len(slices))) as pool:
+        entries = list(pool.map(lambda item: write(*item), slices))
+    return entries
+
+
+def commit_files_once(
+    lake: str | Path,
+    table: str,
+    files: list[Mapping[str, Any]],
+    schema: pa.Schema,
+    *,
+    app_id: str,
+    version: int,
+    mode: Literal["append", "overwrite"] = "append",
+    partition_by: list[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    storage_options: StorageOptions | None = None,
+) -> bool:
+    """:func:`commit_once` for data files already written by :func:`write_data_file`: one commit,
+    tagged (app_id, version), adding ``files`` (append) or replacing the table's files with them
+    (overwrite), unless that version is already committed. Creates the table (an empty
+    ``CREATE TABLE`` commit of ``schema``) first when it does not exist.
+
+    Committing files instead of data means each row is encoded once, by the writer that made it
+    (delta-rs ``DeltaTable.create_write_transaction``).
+
+    Returns:
+        True if this call committed, False if (app_id, version) or a later one was already there.
+
+    Raises:
+        ValueError: ``version`` skips ahead of the last committed version + 1.
+    """
+    import time
+
+    from deltalake.transaction import AddAction
+
+    last = committed_version(lake, table, app_id, storage_options=storage_options)
+    if last is not None and version <= last:
+        return False
+    expected = 0 if last is None else last + 1
+    if version != expected:
+        raise ValueError(f"{table}: app {app_id!r} must commit version {expected} next, got {version}")
+    dt = open_table(lake, table, storage_options=storage_options)
+    if dt is None:
+        dt = DeltaTable.create(table_uri(lake, table), schema=schema, partition_by=partition_by, mode="ignore",
+                               storage_options=_options(lake, storage_options))
+    now_ms = int(time.time() * 1000)
+    actions = [AddAction(path=f["path"], size=int(f["size"]), partition_values=dict(f["partition_values"]),
+                         modification_time=now_ms, data_change=True,
+                         stats=json.dumps({"numRecords": int(f["num_records"])})) for f in files]
+    custom = {"gemline": json.dumps({**(metadata or {}), "app_id": app_id, "txn_version": version}, sort_keys=True)}
+    dt.create_write_transaction(
+        actions, mode=mode, schema=schema, partition_by=partition_by,
+        commit_properties=CommitProperties(custom_metadata=custom,
+                                           app_transactions=[Transaction(app_id=app_id, version=version)]))
     return True
 
 

@@ -33,6 +33,9 @@ class BuildConfig:
     """Compact a build table's small files once it has this many."""
     state_lookback_ms: int = 30 * MS_PER_DAY
     """How far behind the watermark raw events stay in the build state (ms); >= every window and TTL."""
+    shard_step: str = "vectorized"
+    """How a shard is built: "vectorized" (polars/numpy over all its users) or "reference" (a loop
+    of the per-user functions of sequences.incremental; same tables, slower)."""
     shards: int = 4
     """Users (and items) are hashed into this many shards, one Beam element each per build step;
     more shards give a distributed runner more parallelism, fewer keep per-element cost low."""
@@ -51,6 +54,8 @@ class BuildConfig:
                 f"build.state_lookback_ms must be >= the longest attribution or feature window ({longest} ms), "
                 f"got {self.state_lookback_ms}; raise it so pending impressions and 7 d counters stay in the state"
             )
+        if self.shard_step not in ("vectorized", "reference"):
+            raise ValueError(f"build.shard_step must be 'vectorized' or 'reference', got {self.shard_step!r}")
         if self.shards < 1:
             raise ValueError(f"build.shards must be >= 1, got {self.shards}")
         if self.max_seq_len < 1:

@@ -27,12 +27,13 @@ they were at build k - 1 (time travel), and the commits already made are skipped
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -46,15 +47,15 @@ from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEA
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.config import GemlineConfig
 from gemline.hygiene import conform, tidy
-from gemline.lake import (StorageOptions, commit_metadata, commit_once, committed_version, is_remote, lake_fs,
-                          open_table, read_table)
+from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
+                          open_table, read_table, write_data_file)
 from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
-from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, rows_to_table
+from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
 from sequences.shards import EVENT_SCHEMA, ITEM_INPUTS, USER_INPUTS, USER_OUTPUTS, gather_inputs, split_by_shard
-from sequences.shards import item_shard_reference as item_shard_step
-from sequences.shards import user_shard_reference as user_shard_step
+from sequences.shards import item_shard_reference, user_shard_reference
+from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 
 APP_ID = "build"
@@ -64,7 +65,6 @@ STATE_PREFIX = "_build_state"
 _EVENT_COLUMNS = [*EVENT_ARROW_SCHEMA.names, "created_ts_ms"]
 _EVENT_SCHEMA = EVENT_SCHEMA
 
-_TABLES_PER_FILE_BATCH = 64
 
 _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
     "sequences": (SEQUENCES_SCHEMA, None),
@@ -81,22 +81,24 @@ _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
 
 
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int):
-    _, pieces = keyed
-    out = user_shard_step(gather_inputs(list(pieces), USER_INPUTS), config, watermark_ms=watermark_ms,
-                          old_close_ms=old_close_ms, close_ms=close_ms)
+    shard, pieces = keyed
+    step = user_shard_vectorized if config.shard_step == "vectorized" else user_shard_reference
+    out = step(gather_inputs(list(pieces), USER_INPUTS), config, watermark_ms=watermark_ms,
+               old_close_ms=old_close_ms, close_ms=close_ms)
     for name, table in out.items():
         if table.num_rows:
-            yield beam.pvalue.TaggedOutput(_USER_OUTPUT_TABLES[name], table)
+            yield _USER_OUTPUT_TABLES[name], f"user-{shard:05d}", table
 
 
 def _item_shard_step(keyed, config: BuildConfig, watermark_ms: int, user_shards: int):
-    _, pieces = keyed
-    out = item_shard_step(gather_inputs(list(pieces), ITEM_INPUTS), config, watermark_ms=watermark_ms)
-    for shard, table in split_by_shard(out["dense"], "user_id", user_shards):
-        yield beam.pvalue.TaggedOutput("dense", (shard, ("dense", table)))
+    shard, pieces = keyed
+    step = item_shard_vectorized if config.shard_step == "vectorized" else item_shard_reference
+    out = step(gather_inputs(list(pieces), ITEM_INPUTS), config, watermark_ms=watermark_ms)
+    for user_shard, table in split_by_shard(out["dense"], "user_id", user_shards):
+        yield beam.pvalue.TaggedOutput("dense", (user_shard, ("dense", table)))
     for name in ("evicted", ITEM_FEATURES.name):
         if out[name].num_rows:
-            yield beam.pvalue.TaggedOutput(_ITEM_OUTPUT_TABLES[name], out[name])
+            yield _ITEM_OUTPUT_TABLES[name], f"item-{shard:05d}", out[name]
 
 
 def _shard_pieces(table: pa.Table, name: str, key: str, shards: int, keep: Any = None):
@@ -124,13 +126,16 @@ _ITEM_OUTPUT_TABLES = {"evicted": f"{STATE_PREFIX}/evicted", ITEM_FEATURES.name:
 class BuildIncrement(beam.PTransform):
     """One build step on Beam: ``{"new", "buffer", "seq", "dseq", "evicted", "pending"}`` PCollections
     of ``pyarrow.Table`` s (any chunking; schemas of :data:`sequences.shards.USER_INPUTS`) ->
-    ``{table name: PCollection of pyarrow.Table}`` for every table of :data:`_OUTPUTS`.
+    ``{"item": parts, "user": parts}``, PCollections of ``(table name, part name, pyarrow.Table)``
+    covering every table of :data:`_OUTPUTS`; a part name is unique per table within one build
+    ("user-00003", "item-00001").
 
     Users and items are hashed into ``config.shards`` shards (:mod:`sequences.shards`); each shard
     is one element through two shuffles: a GroupByKey by item shard (item counters of the new
     impressions, item features) and one by user shard, which also receives the item counters
     keyed by the impression's user shard (so the heavy example rows are never shuffled). The
     per-shard steps are vectorised over all the shard's users (:mod:`sequences.vectorized`).
+    Few, large elements keep Beam's per-element and per-transform costs small.
 
     Args:
         config: windows, sequence lengths, CTR prior, state lookback, shards.
@@ -152,13 +157,12 @@ class BuildIncrement(beam.PTransform):
             inputs["buffer"] | "BufferByItem" >> beam.FlatMap(_shard_pieces, "buffer", "item_id", shards),
             inputs["evicted"] | "EvictedByItem" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, _is_item),
         )
-        item_tags = ["dense", *_ITEM_OUTPUT_TABLES.values()]
         item_out = (
             item_pieces
             | "ItemPieces" >> beam.Flatten()
             | "GroupByItemShard" >> beam.GroupByKey()
             | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards)
-            .with_outputs(*dict.fromkeys(item_tags))
+            .with_outputs("dense", main="parts")
         )
         user_pieces = (
             inputs["new"] | "NewByUser" >> beam.FlatMap(_shard_pieces, "new", "user_id", shards),
@@ -169,45 +173,39 @@ class BuildIncrement(beam.PTransform):
             inputs["pending"] | "PendingByUser" >> beam.FlatMap(_shard_pieces, "pending", "user_id", shards),
             item_out["dense"],
         )
-        user_tags = list(dict.fromkeys(_USER_OUTPUT_TABLES.values()))
-        user_out = (
+        user_parts = (
             user_pieces
             | "UserPieces" >> beam.Flatten()
             | "GroupByUserShard" >> beam.GroupByKey()
             | "BuildUserShard" >> beam.FlatMap(
                 _user_shard_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms)
-            .with_outputs(*user_tags)
         )
-        outputs = {name: user_out[name] for name in user_tags if name != f"{STATE_PREFIX}/evicted"}
-        outputs[ITEM_FEATURES.name] = item_out[ITEM_FEATURES.name]
-        outputs[f"{STATE_PREFIX}/evicted"] = (
-            (user_out[f"{STATE_PREFIX}/evicted"], item_out[f"{STATE_PREFIX}/evicted"]) | "AllEvicted" >> beam.Flatten()
-        )
-        return outputs
+        # Two outputs, not one Flatten: a Flatten of two stages' outputs would materialise (pickle)
+        # every output table between stages, while a consumer of each is fused with its producer.
+        return {"item": item_out["parts"], "user": user_parts}
 
 
-def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
-    return pa.concat_tables([conform(t, schema) for t in tables])
+def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions | None, manifests: str,
+                build: int, done: frozenset[str]) -> None:
+    """Write one part's rows as (uncommitted) data files of its table and list them in
+    ``<manifests>/<table>/<part>.json``. File names are fixed by (build, part), so a retried bundle
+    replaces its files rather than adding copies; tables this build already committed (before a
+    crash) are left alone."""
+    name, part_name, table = part
+    if name in done:
+        return
+    schema, partition_by = _OUTPUTS[name]
+    files = write_data_file(lake, name, conform(table, schema), name=f"build{build:06d}-{part_name}",
+                            partition_by=partition_by, storage_options=opts)
+    directory = Path(manifests) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{part_name}.json.tmp"
+    tmp.write_text(json.dumps(files))
+    os.replace(tmp, directory / f"{part_name}.json")
 
 
-class _StageParquet(beam.PTransform):
-    """Arrow tables -> Parquet files ``<directory>/part-*.parquet`` of exactly ``schema``."""
-
-    def __init__(self, directory: Path, schema: pa.Schema) -> None:
-        super().__init__()
-        self._directory = directory
-        self._schema = schema
-
-    def expand(self, pcoll: beam.PCollection) -> Any:
-        return (
-            pcoll
-            | "Batch" >> beam.BatchElements(min_batch_size=_TABLES_PER_FILE_BATCH, max_batch_size=_TABLES_PER_FILE_BATCH)
-            | "ToArrow" >> beam.Map(_concat, self._schema)
-            | "WriteParquet"
-            >> beam.io.WriteToParquetBatched(
-                str(self._directory / "part"), schema=self._schema, file_name_suffix=".parquet"
-            )
-        )
+def _manifest_files(directory: Path) -> list[dict[str, Any]]:
+    return [entry for path in sorted(directory.glob("*.json")) for entry in json.loads(path.read_text())]
 
 
 @dataclass(frozen=True)
@@ -231,13 +229,6 @@ class BuildResult:
     """Newest event time built so far (ms since epoch UTC)."""
     close_ms: int | None = None
     """Attribution windows are closed up to here (ms since epoch UTC)."""
-
-
-def _read_staged(directory: Path, schema: pa.Schema) -> pa.Table:
-    files = sorted(str(p) for p in directory.glob("*.parquet"))
-    if not files:
-        return schema.empty_table()
-    return conform(ds.dataset(files, format="parquet").to_table(), schema)
 
 
 def _rows(lake: str, table: str, opts: StorageOptions | None = None) -> int:
@@ -423,12 +414,15 @@ def run_build(
     state = {name: ("state", lake, name, _version_at_build(lake, name, last_build, opts), opts) for name in
              ("sequences", "sequences_by_domain", f"{STATE_PREFIX}/buffer", f"{STATE_PREFIX}/evicted",
               f"{STATE_PREFIX}/pending")}
-    # DirectRunner workers share this machine's disk, so a remote lake stages in a local temp dir
-    # (a crashed build recomputes from the lake anyway); multi-machine runners need shared staging.
+    # Workers write data files straight into the tables (uncommitted) and list them in manifests;
+    # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
+    # local temp dir (multi-machine runners need a shared one).
     staging = (Path(tempfile.mkdtemp(prefix=f"gemline-build-{version}-")) if is_remote(lake)
                else Path(lake) / "_staging" / APP_ID / str(version))
-    # A crashed earlier attempt may have left partial files: start the staging area afresh.
+    # A crashed earlier attempt may have left manifests: start afresh (its files get rewritten).
     shutil.rmtree(staging, ignore_errors=True)
+    done = frozenset(name for name in _OUTPUTS
+                     if (commit_metadata(lake, name, APP_ID, storage_options=opts) or {}).get("build") == build)
 
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
         start = pipeline | "Start" >> beam.Create([None])
@@ -440,22 +434,23 @@ def run_build(
             "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/evicted"]),
             "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/pending"]),
         }
-        outputs = inputs | "BuildIncrement" >> BuildIncrement(
+        parts = inputs | "BuildIncrement" >> BuildIncrement(
             config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms)
-        for name, pcoll in outputs.items():
-            pcoll | f"Stage[{name}]" >> _StageParquet(staging / name, _OUTPUTS[name][0])
+        write = (str(lake), opts, str(staging), build, done)
+        parts["item"] | "WriteItemParts" >> beam.Map(_write_part, *write)
+        parts["user"] | "WriteUserParts" >> beam.Map(_write_part, *write)
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):
         schema, partition_by = _OUTPUTS[name]
-        data = _read_staged(staging / name, schema)
-        if name == "examples":
-            published = data.num_rows
-        if (commit_metadata(lake, name, APP_ID, storage_options=opts) or {}).get("build") == build:
+        if name in done:
             continue  # committed before a crash: the rerun computed the same rows
+        files = _manifest_files(staging / name)
+        if name == "examples":
+            published = sum(f["num_records"] for f in files)
         last = committed_version(lake, name, APP_ID, storage_options=opts)
-        commit_once(
-            lake, name, data, app_id=APP_ID, version=0 if last is None else last + 1,
+        commit_files_once(
+            lake, name, files, schema, app_id=APP_ID, version=0 if last is None else last + 1,
             mode="append" if name == "examples" else "overwrite",
             partition_by=partition_by,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},

@@ -21,6 +21,19 @@ def test_compact_checkpoint_vacuum_keep_rows(tmp_path):
     assert list((tmp_path / "t" / "_delta_log").glob("*.checkpoint.parquet"))
 
 
+def test_compaction_counts_files_per_partition(tmp_path):
+    """Four files spread over two partitions (2 + 2) stay; a third file in one partition triggers compaction."""
+    lake, config = str(tmp_path), HygieneConfig(retention_hours=1.0, compact_min_files=3)
+    for i in range(4):
+        write_deltalake(f"{lake}/t", pa.table({"a": [i], "p": ["x" if i % 2 else "y"]}), mode="append",
+                        partition_by=["p"])
+    assert tidy(lake, "t", config).files_compacted == 0
+    write_deltalake(f"{lake}/t", pa.table({"a": [9], "p": ["x"]}), mode="append", partition_by=["p"])
+    # x's three files trigger it; delta-rs then bins every partition with several files (y's two too).
+    assert tidy(lake, "t", config).files_compacted == 5
+    assert sorted(read_table(lake, "t").column("a").to_pylist()) == [0, 1, 2, 3, 9]
+
+
 @pytest.mark.parametrize(("message", "kwargs"), [
     ("checkpoint_every must be >= 1 commit, got 0", {"checkpoint_every": 0}),
     ("retention_hours must be >= 1.0", {"retention_hours": 0.0}),

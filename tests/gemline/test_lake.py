@@ -32,3 +32,27 @@ def test_apps_are_independent_and_versions_cannot_skip(tmp_path):
 def test_missing_table_reads_as_none(tmp_path):
     assert read_table(tmp_path, "nothing") is None
     assert committed_version(tmp_path, "nothing", "a") is None
+
+
+def test_data_files_are_invisible_until_committed_once(tmp_path):
+    from gemline.lake import commit_files_once, open_table, write_data_file
+
+    data = pa.table({"x": pa.array([1, 2, 3], pa.int64()), "day": ["d1", "d 2", "d1"]})
+    files = write_data_file(tmp_path, "t", data, name="part-a", partition_by=["day"])
+    assert sorted((f["path"], f["num_records"]) for f in files) == [("day=d%202/part-a.parquet", 1),
+                                                                     ("day=d1/part-a.parquet", 2)]
+    assert open_table(tmp_path, "t") is None  # written, not committed
+    # A retried writer writes the same names again: still two files, no duplicate rows.
+    files = write_data_file(tmp_path, "t", data, name="part-a", partition_by=["day"])
+    kwargs = {"app_id": "a", "partition_by": ["day"], "metadata": {"build": 0}}
+    assert commit_files_once(tmp_path, "t", files, data.schema, version=0, **kwargs)
+    assert not commit_files_once(tmp_path, "t", files, data.schema, version=0, **kwargs)
+    assert sorted(read_table(tmp_path, "t").to_pylist(), key=lambda r: r["x"]) == [
+        {"x": 1, "day": "d1"}, {"x": 2, "day": "d 2"}, {"x": 3, "day": "d1"}]
+    assert commit_metadata(tmp_path, "t", "a") == {"app_id": "a", "build": 0, "txn_version": 0}
+    # Overwrite replaces every file of the table with the new ones.
+    more = write_data_file(tmp_path, "t", data.slice(1, 1), name="part-b", partition_by=["day"])
+    assert commit_files_once(tmp_path, "t", more, data.schema, version=1, mode="overwrite", **kwargs)
+    assert read_table(tmp_path, "t").to_pylist() == [{"x": 2, "day": "d 2"}]
+    with pytest.raises(ValueError, match="must commit version 2 next, got 5"):
+        commit_files_once(tmp_path, "t", more, data.schema, version=5, **kwargs)

@@ -48,7 +48,8 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
     write_events(lake, _events(make_event), version=0)
     first = run_build(config)
     # Watermark 2_300: a_imp1 (1_000 + 1_000) and b_imp1 (2_020) closed; a_imp2 (2_200) closed too.
-    assert (first.events_version, first.examples_version, first.skipped, first.watermark_ms) == (0, 0, False, 2_300)
+    # examples@0 is the empty CREATE TABLE commit, examples@1 the first build's files.
+    assert (first.events_version, first.examples_version, first.skipped, first.watermark_ms) == (0, 1, False, 2_300)
     assert _ids(lake) == ["a_imp1", "a_imp2", "b_imp1"] and first.num_pending == 0
     examples = read_table(lake, "examples")
     assert {f.name: f.type for f in examples.schema} == {f.name: f.type for f in EXAMPLES_SCHEMA}
@@ -59,7 +60,7 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
     assert by_id["a_imp1"]["published_watermark_ms"] == 2_300
 
     again = run_build(config)
-    assert again.skipped and again.examples_version == 0 and again.num_examples == 3
+    assert again.skipped and again.examples_version == 1 and again.num_examples == 3
 
     write_events(lake, [make_event("b_imp2", 2_500, "impression", user="u2", item="i3")], version=1)
     second = run_build(config)
@@ -97,7 +98,7 @@ def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, mak
     assert {f.name: f.type for f in examples.schema} == {f.name: f.type for f in EXAMPLES_SCHEMA}
     sequences = {r["user_id"]: r for r in read_table(lake, "sequences").to_pylist()}
     assert sequences["u2"]["seq_event_time_ms"] == [9] and sequences["u2"]["as_of_ms"] == 9
-    assert committed_version(lake, "examples", "build") == 0 and open_table(lake, "examples").version() == 0
+    assert committed_version(lake, "examples", "build") == 0 and open_table(lake, "examples").version() == 1
 
 
 def test_build_increment_transform(make_event):
@@ -115,7 +116,11 @@ def test_build_increment_transform(make_event):
         empty = p | "Empty" >> beam.Create([])
         inputs = {"new": p | "New" >> beam.Create(tables), "buffer": empty, "seq": empty, "dseq": empty,
                   "evicted": empty, "pending": empty}
-        out = inputs | BuildIncrement(CONFIG, watermark_ms=2_300, old_close_ms=None, close_ms=2_300)
+        parts = inputs | BuildIncrement(CONFIG, watermark_ms=2_300, old_close_ms=None, close_ms=2_300)
+        parts = (parts["item"], parts["user"]) | beam.Flatten()
+        out = {name: parts | f"Only[{name}]" >> beam.Filter(lambda part, n: part[0] == n, name)
+               | f"Table[{name}]" >> beam.Map(lambda part: part[2])
+               for name in ("examples", "sequences", "features/item")}
         assert_that(
             out["examples"] | beam.FlatMap(pa.Table.to_pylist)
             | beam.Map(lambda r: (r["example_id"], tuple(r["seq_item_ids"]), r["label_click"],

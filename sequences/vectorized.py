@@ -1,0 +1,600 @@
+"""Vectorised shard steps: the build of many users (or items) at once with polars and numpy.
+
+Same inputs, outputs and semantics as the reference steps of :mod:`sequences.shards` (which loop
+:func:`sequences.incremental.build_user` / ``build_item`` over the shard's entities); the tests
+compare the two table by table. The per-entity logic becomes whole-shard operations:
+
+- dedup and order: one sort by (entity, event_time_ms, event_id) and one ``unique`` on event_id;
+- point-in-time sequences and counters: every group (user, user x domain, item x domain) sorted
+  by time in one array, queries answered with one ``numpy.searchsorted`` on the key
+  ``group * span + time`` (so a search never crosses into another group), prefix sums for counts;
+- labels: an as-of join (polars ``join_asof``, forward) of each impression with the first later
+  click or conversion of the same (user, item, domain);
+- state rows (sequences, features, buffer, evicted counts): group-bys.
+
+Append times: the vectorised gather and counters assume every event earlier than a query was
+also appended no later than the query (the fast case of
+:func:`sequences.history.point_in_time_gather`). An entity with a query where that fails (a
+backfilled event older than an impression that reached Kafka before it) is built by the reference
+step instead; such entities are rare in a log appended in time order, and the results are the
+same either way.
+
+Times are ms since epoch UTC throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from features.definitions import (COUNTED_TYPES, ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES, WINDOWS_MS,
+                                  smoothed_ctr)
+from ingest.schema import IMPRESSION_TYPES
+from sequences.config import BuildConfig
+from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, LABEL_COLUMNS, PENDING_SCHEMA, USER_DENSE
+from sequences.incremental import EVICTED_SCHEMA
+from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, SPARSE_FEATURES
+from sequences.shards import (DENSE_SCHEMA, EVENT_SCHEMA, ITEM_OUTPUTS, USER_OUTPUTS, item_shard_reference,
+                              user_shard_reference)
+
+_REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type", "created_ts_ms")
+_IMPRESSIONS = sorted(IMPRESSION_TYPES)
+_ORDER = ["event_time_ms", "event_id"]
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped searches
+
+
+class _Groups:
+    """Candidates sorted by (group code, time): answers "how many of the group's candidates have
+    time < t" for many (group, t) queries with one ``searchsorted``.
+
+    Args:
+        codes: (n,) int64 group codes of the candidates, ascending.
+        times: (n,) int64 candidate times, ascending within each group.
+        lo, hi: the smallest and largest time any query or candidate will use.
+
+    Raises:
+        ValueError: group codes times the time span would overflow int64.
+    """
+
+    def __init__(self, codes: np.ndarray, times: np.ndarray, lo: int, hi: int) -> None:
+        self.lo = int(lo)
+        self.span = int(hi) - self.lo + 2
+        top = int(codes.max()) + 1 if codes.size else 1
+        if top * self.span >= 2**62:
+            raise ValueError(f"{top} groups over a {self.span} ms span overflow the int64 search key; use more shards")
+        self.keys = codes.astype(np.int64) * self.span + (times.astype(np.int64) - self.lo)
+
+    def before(self, codes: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """(Q,) global index of the first candidate of group ``codes[i]`` with time >= ``times[i]``."""
+        t = np.clip(times.astype(np.int64), self.lo, self.lo + self.span - 1)
+        return np.searchsorted(self.keys, codes.astype(np.int64) * self.span + (t - self.lo), side="left")
+
+    def start(self, codes: np.ndarray) -> np.ndarray:
+        """(Q,) global index of the first candidate of each group."""
+        return np.searchsorted(self.keys, codes.astype(np.int64) * self.span, side="left")
+
+
+def _code(frames: list[pl.DataFrame], keys: list[str]) -> list[pl.DataFrame]:
+    """Each frame with an int64 ``_g`` column: one code per distinct ``keys`` value across all frames."""
+    table = (pl.concat([f.select(keys) for f in frames]).unique().sort(keys)
+             .with_row_index("_g").with_columns(pl.col("_g").cast(pl.Int64)))
+    out = []
+    for frame in frames:
+        indexed = frame.with_row_index("_row")
+        out.append(indexed.join(table, on=keys, how="left").sort("_row").drop("_row"))
+    return out
+
+
+def _time_bounds(*columns: np.ndarray) -> tuple[int, int]:
+    values = [c for c in columns if c.size]
+    if not values:
+        return 0, 0
+    return int(min(c.min() for c in values)), int(max(c.max() for c in values))
+
+
+# --------------------------------------------------------------------------------------------
+# Events
+
+
+def _events(table: pa.Table) -> pl.DataFrame:
+    """Events as polars, checked like :func:`sequences.history.sorted_unique_events`."""
+    for name in _REQUIRED:
+        if table.column(name).null_count:
+            raise ValueError(f"events lack required field {name!r} in {table.column(name).null_count} row(s); "
+                             "expected rows of ingest.schema.EVENTS_TABLE_SCHEMA with created_ts_ms")
+    return pl.from_arrow(table.select(EVENT_SCHEMA.names).cast(EVENT_SCHEMA))
+
+
+def _sorted_unique(frame: pl.DataFrame, entity: str) -> pl.DataFrame:
+    """Sorted by (entity, time, event_id), first copy of each (entity, event_id) kept."""
+    return (frame.sort([entity, *_ORDER], maintain_order=True)
+            .unique(subset=[entity, "event_id"], keep="first", maintain_order=True))
+
+
+def _stored(seq: pa.Table) -> pl.DataFrame:
+    """A stored sequences (or sequences_by_domain) table as minimal events, like
+    :func:`sequences.incremental.stored_events`."""
+    frame = pl.from_arrow(seq.select(SEQUENCES_SCHEMA.names))
+    lists = {"seq_event_ids": "event_id", "seq_event_time_ms": "event_time_ms", "seq_created_ts_ms": "created_ts_ms",
+             "seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type",
+             "seq_domains": "domain"}
+    exploded = (frame.filter(pl.col("seq_length") > 0).select("user_id", *lists).explode(list(lists))
+                .rename(lists))
+    return exploded.with_columns(pl.when(pl.col("category") == "").then(None).otherwise(pl.col("category"))
+                                 .alias("category"))
+
+
+def _utc_date(column: str) -> pl.Expr:
+    return pl.from_epoch(pl.col(column), time_unit="ms").dt.strftime("%Y-%m-%d")
+
+
+# --------------------------------------------------------------------------------------------
+# Counters
+
+
+def _window_counts(groups: _Groups, prefix: dict[str, np.ndarray], q_codes: np.ndarray, q_times: np.ndarray,
+                   windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
+    """``{"<type>_<window>": (Q,) int64}``: events of each counted type with time in [t - w, t)."""
+    end = groups.before(q_codes, q_times)
+    start = groups.start(q_codes)
+    out = {}
+    for window, window_ms in windows.items():
+        lo = start if window_ms is None else groups.before(q_codes, q_times - window_ms)
+        for name, counts in prefix.items():
+            out[f"{name}_{window}"] = counts[end] - counts[lo]
+    return out
+
+
+def _prefix(types: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: np.concatenate([[0], np.cumsum(types == t)]).astype(np.int64) for name, t in COUNTED_TYPES.items()}
+
+
+def _with_ctr(counts: dict[str, np.ndarray], prior: dict[str, np.ndarray] | None, config: BuildConfig,
+              windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
+    """Counts (+ prior all-time counts) and smoothed CTRs, every window of ``windows``."""
+    out: dict[str, np.ndarray] = {}
+    for window, window_ms in windows.items():
+        for name in COUNTED_TYPES:
+            value = counts[f"{name}_{window}"]
+            if window_ms is None and prior is not None:
+                value = value + prior[name]
+            out[f"{name}_{window}"] = value
+        out[f"ctr_{window}"] = smoothed_ctr(out[f"clicks_{window}"], out[f"impressions_{window}"],
+                                            config.ctr_prior_clicks, config.ctr_prior_non_clicks)
+    return out
+
+
+def _prior(evicted: pl.DataFrame, entity: str, rows: pl.DataFrame, keys: dict[str, str]) -> dict[str, np.ndarray]:
+    """Evicted counts of ``entity`` aligned with ``rows`` (0 where none): ``{counted name: (R,) int64}``.
+
+    ``keys``: evicted column -> column of ``rows`` (e.g. {"key": "user_id", "domain": "domain"}).
+    """
+    prior = evicted.filter(pl.col("entity") == entity)
+    if "category" not in keys:
+        prior = prior.filter(pl.col("category") == "")
+    prior = prior.rename({k: v for k, v in keys.items() if k != v}).select(*keys.values(), *COUNTED_TYPES)
+    joined = rows.select(list(keys.values())).with_row_index("_row").join(prior, on=list(keys.values()), how="left")
+    joined = joined.sort("_row")
+    return {name: joined.get_column(name).fill_null(0).cast(pl.Int64).to_numpy() for name in COUNTED_TYPES}
+
+
+def _counter_frame(events: pl.DataFrame, keys: list[str], queries: pl.DataFrame, query_time: str,
+                   windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
+    """Windowed counts over ``events`` grouped by ``keys`` as of each query row (time < query time)."""
+    events, queries = _code([events, queries], keys)
+    events = events.sort(["_g", *_ORDER])
+    e_times = events.get_column("event_time_ms").to_numpy()
+    q_times = queries.get_column(query_time).to_numpy()
+    widest = max((w for w in windows.values() if w is not None), default=0)
+    lo, hi = _time_bounds(e_times, q_times, q_times - widest)
+    groups = _Groups(events.get_column("_g").to_numpy(), e_times, lo, hi)
+    return _window_counts(groups, _prefix(events.get_column("event_type").to_numpy()),
+                          queries.get_column("_g").to_numpy(), q_times, windows)
+
+
+def _feature_rows(visible: pl.DataFrame, keys: list[str], evicted: pl.DataFrame, entity: str,
+                  prior_keys: dict[str, str], as_of_ms: int, ttl_ms: int | None, config: BuildConfig) -> pl.DataFrame:
+    """Feature-view rows: one per ``keys`` group of ``visible`` events whose newest event is in the TTL."""
+    if visible.height == 0:
+        return pl.DataFrame()
+    summary = visible.group_by(keys).agg(
+        pl.col("event_time_ms").max().alias("event_ts_ms"), pl.col("created_ts_ms").max().alias("created_ts_ms"))
+    if ttl_ms is not None:
+        summary = summary.filter(pl.col("event_ts_ms") >= as_of_ms - ttl_ms)
+    summary = summary.sort(keys)
+    queries = summary.with_columns(pl.lit(as_of_ms + 1, dtype=pl.Int64).alias("_t"))
+    counts = _counter_frame(visible, keys, queries, "_t", WINDOWS_MS)
+    prior = _prior(evicted, entity, summary, prior_keys)
+    values = _with_ctr(counts, prior, config, WINDOWS_MS)
+    return summary.with_columns(
+        pl.lit(as_of_ms, dtype=pl.Int64).alias("as_of_ms"), _utc_date("event_ts_ms").alias("event_date"),
+        *[pl.Series(name, v) for name, v in values.items()])
+
+
+def _latest_non_null(events: pl.DataFrame, keys: list[str], field: str) -> pl.DataFrame:
+    """Per ``keys`` group, the last non-null ``field`` in (time, event_id) order."""
+    return (events.filter(pl.col(field).is_not_null()).sort([*keys, *_ORDER])
+            .group_by(keys, maintain_order=True).agg(pl.col(field).last()))
+
+
+# --------------------------------------------------------------------------------------------
+# Evicted counts
+
+
+def _merge_evicted(old: pl.DataFrame, gone: pl.DataFrame, entity: str, key_field: str) -> pl.DataFrame:
+    """:func:`sequences.incremental.merge_evicted` over a whole shard."""
+    old = old.filter(pl.col("entity") == entity).select("key", "domain", "category", *COUNTED_TYPES)
+    category = (pl.col("category").fill_null("") if entity == "user_category" else pl.lit("")).alias("category")
+    added = gone.select(
+        pl.col(key_field).alias("key"), "domain", category,
+        *[(pl.col("event_type") == t).cast(pl.Int64).alias(name) for name, t in COUNTED_TYPES.items()])
+    both = pl.concat([old.with_columns([pl.col(n).cast(pl.Int64) for n in COUNTED_TYPES]), added])
+    return (both.group_by(["key", "domain", "category"]).agg([pl.col(n).sum() for n in COUNTED_TYPES])
+            .with_columns(pl.lit(entity).alias("entity")).sort(["key", "domain", "category"]))
+
+
+# --------------------------------------------------------------------------------------------
+# Slow entities
+
+
+def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -> set[str]:
+    """Entities with a query that some earlier event (time < query time) was appended after."""
+    if queries.height == 0 or events.height == 0:
+        return set()
+    events, queries = _code([events, queries], [entity])
+    events = events.sort(["_g", *_ORDER])
+    times = events.get_column("event_time_ms").to_numpy()
+    created = events.get_column("created_ts_ms").to_numpy()
+    codes = events.get_column("_g").to_numpy()
+    q_times = queries.get_column("event_time_ms").to_numpy()
+    q_codes = queries.get_column("_g").to_numpy()
+    lo, hi = _time_bounds(times, q_times)
+    groups = _Groups(codes, times, lo, hi)
+    end = groups.before(q_codes, q_times)
+    start = groups.start(q_codes)
+    # Running max of append times, restarted at every group.
+    running = (pl.DataFrame({"g": codes, "c": created}).select(pl.col("c").cum_max().over("g"))
+               .get_column("c").to_numpy())
+    worst = np.where(end > start, running[np.maximum(end - 1, 0)], np.iinfo(np.int64).min)
+    slow = worst > queries.get_column("created_ts_ms").to_numpy()
+    return set(queries.get_column(entity).filter(pl.Series(slow)).to_list())
+
+
+def _split(tables: Mapping[str, pa.Table], keys: Mapping[str, str], slow: set[str]) -> tuple[dict, dict]:
+    """(fast, slow) copies of ``tables``, rows split by whether their entity key is in ``slow``."""
+    if not slow:
+        return dict(tables), {}
+    members = pa.array(sorted(slow), pa.string())
+    fast_t, slow_t = {}, {}
+    for name, table in tables.items():
+        mask = pa.compute.is_in(table.column(keys[name]), value_set=members)
+        slow_t[name] = table.filter(mask)
+        fast_t[name] = table.filter(pa.compute.invert(mask))
+    return fast_t, slow_t
+
+
+def _to_arrow(frame: pl.DataFrame, schema: pa.Schema) -> pa.Table:
+    if frame.height == 0:
+        return schema.empty_table()
+    return frame.select(schema.names).to_arrow().cast(schema)
+
+
+def _concat_outputs(a: Mapping[str, pa.Table], b: Mapping[str, pa.Table], schemas: Mapping[str, pa.Schema]):
+    return {name: pa.concat_tables([a[name].cast(schema), b[name].cast(schema)]) if name in b else a[name]
+            for name, schema in schemas.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Item shard
+
+
+def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *, watermark_ms: int) -> dict[str, pa.Table]:
+    """:func:`sequences.shards.item_shard_reference`, vectorised over the shard's items.
+
+    Args:
+        tables: :data:`sequences.shards.ITEM_INPUTS` tables.
+        watermark_ms: newest event time after this batch (ms since epoch UTC).
+
+    Returns:
+        :data:`sequences.shards.ITEM_OUTPUTS` tables (row order may differ from the reference).
+
+    Raises:
+        ValueError: an event lacks a required field.
+    """
+    new, buffer = _events(tables["new"]), _events(tables["buffer"])
+    buffered = _sorted_unique(buffer, "item_id")
+    fresh_new = new.join(buffered.select("item_id", "event_id"), on=["item_id", "event_id"], how="anti")
+    recent = _sorted_unique(pl.concat([buffered, new]), "item_id")
+    queries = _sorted_unique(fresh_new, "item_id").filter(pl.col("event_type").is_in(_IMPRESSIONS))
+    slow = _needs_reference(recent, "item_id", queries)
+    if slow:
+        fast_tables, slow_tables = _split(tables, {"new": "item_id", "buffer": "item_id", "evicted": "key"}, slow)
+        return _concat_outputs(item_shard_vectorized(fast_tables, config, watermark_ms=watermark_ms),
+                               item_shard_reference(slow_tables, config, watermark_ms), ITEM_OUTPUTS)
+    evicted = pl.from_arrow(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
+
+    # Item counters of the new impressions, per (item, domain), as of each impression.
+    dense_windows = {"7d": WINDOWS_MS["7d"], "all": None}
+    counts = _counter_frame(recent, ["item_id", "domain"], queries, "event_time_ms", dense_windows)
+    prior = _prior(evicted, "item", queries, {"key": "item_id", "domain": "domain"})
+    values = _with_ctr(counts, prior, config, dense_windows)
+    dense = queries.select("user_id", pl.col("event_id").alias("example_id")).with_columns(
+        *[pl.Series(f_name, values[counter].astype(np.float64)) for f_name, counter in ITEM_DENSE.items()])
+
+    visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
+    features = _feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
+                             watermark_ms, ITEM_FEATURES.ttl_ms, config)
+    if features.height:
+        features = features.join(_latest_non_null(visible, ["item_id", "domain"], "category"),
+                                 on=["item_id", "domain"], how="left")
+    gone = recent.filter(pl.col("event_time_ms") < watermark_ms - config.state_lookback_ms)
+    return {
+        "dense": _to_arrow(dense, DENSE_SCHEMA),
+        "evicted": _to_arrow(_merge_evicted(evicted, gone, "item", "item_id"), EVICTED_SCHEMA),
+        ITEM_FEATURES.name: _to_arrow(features, ITEM_FEATURES.schema),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# User shard
+
+
+def _gather_lists(cands: pl.DataFrame, group_keys: list[str], queries: pl.DataFrame, max_len: int,
+                  prior_cut: np.ndarray, prefix: str, with_domains: bool) -> dict[str, pa.Array | np.ndarray]:
+    """Point-in-time sequence columns of each query row from sorted candidates (fast case only)."""
+    cands, queries = _code([cands, queries], group_keys)
+    cands = cands.sort(["_g", *_ORDER])
+    times = cands.get_column("event_time_ms").to_numpy()
+    q_times = queries.get_column("event_time_ms").to_numpy()
+    q_codes = queries.get_column("_g").to_numpy()
+    lo, hi = _time_bounds(times, q_times)
+    groups = _Groups(cands.get_column("_g").to_numpy(), times, lo, hi)
+    end = groups.before(q_codes, q_times)
+    first = groups.start(q_codes)
+    start = np.maximum(first, end - max_len)
+    lengths = (end - start).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+    take = pa.array(index, pa.int64())
+    arrow_offsets = pa.array(offsets, pa.int32())
+
+    def lists(column: pl.Series, value_type: pa.DataType) -> pa.Array:
+        values = column.to_arrow().cast(value_type).take(take)
+        return pa.ListArray.from_arrays(arrow_offsets, values, type=pa.list_(value_type))
+
+    out: dict[str, pa.Array | np.ndarray] = {
+        f"{prefix}item_ids": lists(cands.get_column("item_id"), pa.string()),
+        f"{prefix}categories": lists(cands.get_column("category").fill_null(""), pa.string()),
+        f"{prefix}event_types": lists(cands.get_column("event_type"), pa.string()),
+    }
+    if with_domains:
+        out[f"{prefix}domains"] = lists(cands.get_column("domain"), pa.string())
+    out[f"{prefix}event_time_ms"] = lists(cands.get_column("event_time_ms"), pa.int64())
+    deltas = np.repeat(q_times, lengths) - times[index]
+    out[f"{prefix}time_delta_ms"] = pa.ListArray.from_arrays(arrow_offsets, pa.array(deltas, pa.int64()),
+                                                             type=pa.list_(pa.int64()))
+    out[f"{prefix}length"] = lengths
+    out[f"{prefix}truncated"] = prior_cut + (end - first) - lengths
+    return out
+
+
+def _sequence_rows(events: pl.DataFrame, keys: list[str], owners: pl.DataFrame, prior: pl.DataFrame, max_len: int,
+                   watermark_ms: int) -> pl.DataFrame:
+    """Newest ``max_len`` sorted events per ``keys`` group, one row per ``owners`` row (empty lists
+    where a group has none); ``prior``: ``keys`` + ``prior_cut``."""
+    ranked = events.sort([*keys, *_ORDER]).with_columns(
+        pl.len().over(keys).cast(pl.Int64).alias("_n"), pl.int_range(pl.len()).over(keys).alias("_i"))
+    kept = ranked.filter(pl.col("_i") >= pl.col("_n") - max_len)
+    agg = kept.group_by(keys, maintain_order=True).agg(
+        pl.col("item_id").alias("seq_item_ids"), pl.col("category").fill_null("").alias("seq_categories"),
+        pl.col("event_type").alias("seq_event_types"), pl.col("domain").alias("seq_domains"),
+        pl.col("event_time_ms").alias("seq_event_time_ms"), pl.col("event_id").alias("seq_event_ids"),
+        pl.col("created_ts_ms").alias("seq_created_ts_ms"), pl.col("_n").first().alias("_n"))
+    rows = owners.join(agg, on=keys, how="left").join(prior, on=keys, how="left")
+    empty_str, empty_int = pl.lit([], dtype=pl.List(pl.String)), pl.lit([], dtype=pl.List(pl.Int64))
+    return rows.with_columns(
+        *[pl.col(c).fill_null(empty_str) for c in ("seq_item_ids", "seq_categories", "seq_event_types", "seq_domains",
+                                                   "seq_event_ids")],
+        *[pl.col(c).fill_null(empty_int) for c in ("seq_event_time_ms", "seq_created_ts_ms")],
+    ).with_columns(
+        pl.col("seq_item_ids").list.len().cast(pl.Int32).alias("seq_length"),
+        (pl.col("prior_cut").fill_null(0).cast(pl.Int64) + pl.col("_n").fill_null(0) - pl.col("seq_item_ids").list.len().cast(pl.Int64))
+        .cast(pl.Int32).alias("seq_truncated"),
+        pl.lit(watermark_ms, dtype=pl.Int64).alias("as_of_ms"),
+    )
+
+
+def user_shard_vectorized(
+    tables: Mapping[str, pa.Table],
+    config: BuildConfig,
+    *,
+    watermark_ms: int,
+    old_close_ms: int | None,
+    close_ms: int,
+) -> dict[str, pa.Table]:
+    """:func:`sequences.shards.user_shard_reference`, vectorised over the shard's users.
+
+    Args:
+        tables: :data:`sequences.shards.USER_INPUTS` tables.
+        watermark_ms, old_close_ms, close_ms: as :func:`sequences.incremental.build_user`.
+
+    Returns:
+        :data:`sequences.shards.USER_OUTPUTS` tables (row order may differ from the reference).
+
+    Raises:
+        ValueError: an event lacks a required field, or a new impression has no item counters.
+    """
+    new, buffer = _events(tables["new"]), _events(tables["buffer"])
+    seq_stored, dseq_stored = _stored(tables["seq"]), _stored(tables["dseq"].select(SEQUENCES_SCHEMA.names))
+    buffered = _sorted_unique(buffer, "user_id")
+    known = pl.concat([buffered.select("user_id", "event_id"), seq_stored.select("user_id", "event_id"),
+                       dseq_stored.select("user_id", "event_id")])
+    fresh = _sorted_unique(new, "user_id").join(known, on=["user_id", "event_id"], how="anti")
+    recent = _sorted_unique(pl.concat([buffered, fresh]), "user_id")
+    queries = fresh.filter(pl.col("event_type").is_in(_IMPRESSIONS))
+    minimal = ["user_id", "event_id", "event_time_ms", "created_ts_ms", "item_id", "category", "event_type", "domain"]
+    everything = pl.concat([recent.select(minimal), seq_stored.select(minimal), dseq_stored.select(minimal)])
+    slow = _needs_reference(everything, "user_id", queries)
+    if slow:
+        keys = {"new": "user_id", "buffer": "user_id", "seq": "user_id", "dseq": "user_id", "evicted": "key",
+                "pending": "user_id", "dense": "user_id"}
+        fast_tables, slow_tables = _split(tables, keys, slow)
+        kwargs = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
+        return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs),
+                               user_shard_reference(slow_tables, config, **kwargs), USER_OUTPUTS)
+
+    evicted = pl.from_arrow(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
+    seq_table = pl.from_arrow(tables["seq"].select(["user_id", "seq_truncated"]))
+    dseq_table = pl.from_arrow(tables["dseq"].select(["user_id", "domain", "seq_truncated"]))
+    pending_old = tables["pending"].select(PENDING_SCHEMA.names).cast(PENDING_SCHEMA)
+    new_pending = _new_pending(tables, queries, fresh, seq_stored, dseq_stored, seq_table, dseq_table, recent,
+                               evicted, config)
+    all_pending = pa.concat_tables([pending_old, new_pending])
+    is_new = np.concatenate([np.zeros(pending_old.num_rows, bool), np.ones(new_pending.num_rows, bool)])
+    publish = _publish_mask(all_pending, is_new, config, old_close_ms, close_ms)
+    examples = _attach_labels(all_pending.filter(pa.array(publish)), recent, config, watermark_ms, close_ms)
+
+    owners = pl.concat([
+        pl.from_arrow(tables[name].select([key])).rename({key: "user_id"})
+        for name, key in (("new", "user_id"), ("buffer", "user_id"), ("seq", "user_id"), ("dseq", "user_id"),
+                          ("evicted", "key"), ("pending", "user_id"))
+    ]).unique().sort("user_id")
+    cross = pl.concat([seq_stored.select(minimal), fresh.select(minimal)])
+    sequences = _sequence_rows(cross, ["user_id"], owners, seq_table.rename({"seq_truncated": "prior_cut"}),
+                               config.max_seq_len, watermark_ms)
+    fresh_by_domain = fresh.select(minimal)
+    domain_events = pl.concat([dseq_stored.select(minimal), fresh_by_domain])
+    domain_owners = pl.concat([dseq_table.select("user_id", "domain"), fresh.select("user_id", "domain")]).unique()
+    domain_sequences = _sequence_rows(domain_events, ["user_id", "domain"], domain_owners.sort(["user_id", "domain"]),
+                                      dseq_table.rename({"seq_truncated": "prior_cut"}), config.same_domain_seq_len,
+                                      watermark_ms)
+
+    visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
+    user_features = _feature_rows(visible, ["user_id", "domain"], evicted, "user", {"key": "user_id", "domain": "domain"},
+                                  watermark_ms, USER_FEATURES.ttl_ms, config)
+    if user_features.height:
+        ttl = USER_FEATURES.ttl_ms
+        in_ttl = visible if ttl is None else visible.filter(pl.col("event_time_ms") >= watermark_ms - ttl)
+        for field in ("age", "gender", "location"):
+            user_features = user_features.join(_latest_non_null(in_ttl, ["user_id"], field), on="user_id", how="left")
+    categorised = visible.filter(pl.col("category").is_not_null() & (pl.col("category") != ""))
+    category_features = _feature_rows(
+        categorised, ["user_id", "domain", "category"], evicted, "user_category",
+        {"key": "user_id", "domain": "domain", "category": "category"}, watermark_ms, USER_CATEGORY_FEATURES.ttl_ms,
+        config)
+
+    cut = watermark_ms - config.state_lookback_ms
+    kept, gone = recent.filter(pl.col("event_time_ms") >= cut), recent.filter(pl.col("event_time_ms") < cut)
+    evicted_out = pl.concat([_merge_evicted(evicted, gone, "user", "user_id"),
+                             _merge_evicted(evicted, gone, "user_category", "user_id")])
+    return {
+        "sequences": _to_arrow(sequences, SEQUENCES_SCHEMA),
+        "sequences_by_domain": _to_arrow(domain_sequences, SEQUENCES_BY_DOMAIN_SCHEMA),
+        "buffer": _to_arrow(kept, EVENT_SCHEMA),
+        "evicted": _to_arrow(evicted_out, EVICTED_SCHEMA),
+        "pending": all_pending.filter(pa.array(~publish)),
+        "examples": examples,
+        USER_FEATURES.name: _to_arrow(user_features, USER_FEATURES.schema),
+        USER_CATEGORY_FEATURES.name: _to_arrow(category_features, USER_CATEGORY_FEATURES.schema),
+    }
+
+
+def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored: pl.DataFrame,
+                 dseq_stored: pl.DataFrame, seq_table: pl.DataFrame, dseq_table: pl.DataFrame, recent: pl.DataFrame,
+                 evicted: pl.DataFrame, config: BuildConfig) -> pa.Table:
+    """PENDING_SCHEMA rows of the shard's new impressions (sequences and features point in time)."""
+    if queries.height == 0:
+        return PENDING_SCHEMA.empty_table()
+    queries = queries.sort(["user_id", *_ORDER])
+    dense = pl.from_arrow(tables["dense"].select(DENSE_SCHEMA.names)).unique(subset=["example_id"], keep="first")
+    joined = queries.join(dense.drop("user_id"), left_on="event_id", right_on="example_id", how="left",
+                          maintain_order="left")
+    missing = joined.filter(pl.col(next(iter(ITEM_DENSE))).is_null()).get_column("event_id").to_list()
+    if missing:
+        raise ValueError(
+            f"no item features for impressions {missing[:3]!r} ({len(missing)} in all); "
+            "item_dense must come from item_features over the same events")
+    minimal = ["user_id", "event_id", "event_time_ms", "created_ts_ms", "item_id", "category", "event_type", "domain"]
+    cross = pl.concat([seq_stored.select(minimal), fresh.select(minimal)])
+    cross_cut = queries.select("user_id").join(seq_table, on="user_id", how="left", maintain_order="left")
+    columns: dict = _gather_lists(cross, ["user_id"], queries, config.max_seq_len,
+                                  cross_cut.get_column("seq_truncated").fill_null(0).to_numpy().astype(np.int64),
+                                  "seq_", with_domains=True)
+    same = pl.concat([dseq_stored.select(minimal), fresh.select(minimal)])
+    same_cut = queries.select("user_id", "domain").join(dseq_table, on=["user_id", "domain"], how="left",
+                                                        maintain_order="left")
+    columns.update(_gather_lists(same, ["user_id", "domain"], queries, config.same_domain_seq_len,
+                                 same_cut.get_column("seq_truncated").fill_null(0).to_numpy().astype(np.int64),
+                                 "seq_same_domain_", with_domains=False))
+    user_windows = {"1d": WINDOWS_MS["1d"], "7d": WINDOWS_MS["7d"], "all": None}
+    counts = _counter_frame(recent, ["user_id", "domain"], queries, "event_time_ms", user_windows)
+    prior = _prior(evicted, "user", queries, {"key": "user_id", "domain": "domain"})
+    values = _with_ctr(counts, prior, config, user_windows)
+    frame = joined.select(
+        pl.col("event_id").alias("example_id"), "event_time_ms", _utc_date("event_time_ms").alias("event_date"),
+        "created_ts_ms", *[pl.col(name).cast(pl.String) for name in SPARSE_FEATURES], *ITEM_DENSE)
+    for f_name, counter in USER_DENSE.items():
+        frame = frame.with_columns(pl.Series(f_name, values[counter].astype(np.float64)))
+    frame = frame.with_columns(pl.Series("f_seq_length", columns["seq_length"].astype(np.float64)))
+    base = frame.to_arrow()
+    arrays = [columns[f.name] if f.name in columns else base.column(f.name) for f in PENDING_SCHEMA]
+    arrays = [pa.array(a, f.type) if isinstance(a, np.ndarray) else a.cast(f.type)
+              for a, f in zip(arrays, PENDING_SCHEMA, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
+
+
+def _publish_mask(table: pa.Table, is_new: np.ndarray, config: BuildConfig, old_close_ms: int | None,
+                  close_ms: int) -> np.ndarray:
+    t = table.column("event_time_ms").to_numpy()
+    domains = table.column("domain").to_numpy(zero_copy_only=False)
+    delays = {d: config.close_delay_ms(d) for d in set(domains.tolist())}
+    delay = np.array([delays[d] for d in domains.tolist()], dtype=np.int64)
+    closed = t + delay <= close_ms
+    was_closed = np.zeros_like(closed) if old_close_ms is None else (t + delay <= old_close_ms) & ~is_new
+    return closed & ~was_closed
+
+
+def _attach_labels(pending: pa.Table, recent: pl.DataFrame, config: BuildConfig, watermark_ms: int,
+                   close_ms: int) -> pa.Table:
+    """:func:`sequences.examples.attach_labels` for many users: first label in [t, t + window]."""
+    rows = pl.from_arrow(pending.select(["user_id", "item_id", "domain", "event_time_ms"])).with_row_index("_row")
+    domains = rows.get_column("domain").unique().to_list()
+    out = {}
+    for label in ("click", "conversion"):
+        windows = pl.DataFrame({"domain": domains, "_w": [config.window_ms(d, label) for d in domains]},
+                               schema={"domain": pl.String, "_w": pl.Int64})
+        hits = (recent.filter(pl.col("event_type") == label)
+                .select("user_id", "item_id", "domain", pl.col("event_time_ms").alias("_label_ms"))
+                .sort("_label_ms"))
+        matched = (rows.sort("event_time_ms")
+                   .join_asof(hits, left_on="event_time_ms", right_on="_label_ms", by=["user_id", "item_id", "domain"],
+                              strategy="forward", check_sortedness=False)  # both sorted by time just above
+                   .join(windows, on="domain", how="left").sort("_row"))
+        latency = matched.select(
+            pl.when(pl.col("_label_ms") <= pl.col("event_time_ms") + pl.col("_w"))
+            .then(pl.col("_label_ms") - pl.col("event_time_ms")).otherwise(None)).to_series()
+        out[label] = latency
+    delays = {d: config.close_delay_ms(d) for d in domains}
+    t = rows.get_column("event_time_ms").to_numpy()
+    delay = np.array([delays[d] for d in rows.get_column("domain").to_list()], dtype=np.int64)
+    cols = {
+        "label_click": out["click"].is_not_null().cast(pl.Int32).to_arrow(),
+        "label_conversion": out["conversion"].is_not_null().cast(pl.Int32).to_arrow(),
+        "click_latency_ms": out["click"].cast(pl.Int64).to_arrow(),
+        "conversion_latency_ms": out["conversion"].cast(pl.Int64).to_arrow(),
+        "label_window_closed": pa.array(t + delay <= watermark_ms, pa.bool_()),
+        "published_watermark_ms": pa.array(np.full(len(t), close_ms, dtype=np.int64)),
+    }
+    assert set(cols) == set(LABEL_COLUMNS)
+    arrays = [pending.column(f.name) if f.name in PENDING_SCHEMA.names else cols[f.name].cast(f.type)
+              for f in EXAMPLES_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=EXAMPLES_SCHEMA)
+
+
+__all__ = ["item_shard_vectorized", "user_shard_vectorized"]
