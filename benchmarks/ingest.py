@@ -2,8 +2,10 @@
 
 ``python -m benchmarks.ingest [--events N] [--partitions P] [--batch-records B] [--seed S]``
 
-Synthetic traffic (``ingest.generate``, with its bad records) is produced once to the embedded
-broker; then, in this process, on two fresh lakes:
+Synthetic traffic (``ingest.generate``) is produced once to the embedded broker, in large record
+batches as real producers send them (``benchmarks.ingest_rss.produce_batched``; ``--one-per-batch``
+produces one message per batch instead, as ``gemline replay`` does on tansu, which makes every
+consumer pay a record batch's overhead per message); then, in this process, on two fresh lakes:
 
 * baseline: a confluent-kafka consumer ``assign``-ed to every partition reads [0, high watermark),
   each ``B`` messages become one Arrow batch (message fields straight into column lists, as the
@@ -31,6 +33,7 @@ import pyarrow as pa
 from deltalake import write_deltalake
 from tqdm import tqdm
 
+from benchmarks.ingest_rss import produce_batched
 from gemline.config import GemlineConfig
 from gemline.lake import read_table, table_uri
 from ingest.broker import EmbeddedBroker
@@ -38,7 +41,8 @@ from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig, generate_records, stream_records
 from ingest.kafka_source import RECORDS_SCHEMA
 from ingest.pipeline import run_ingest
-from ingest.replay import ensure_topic
+from ingest.replay import _key_value, ensure_topic
+from ingest.datasets.types import event_time_sort_key
 from ingest.vectorized import parse_batch
 
 TOPIC = "bench.events"
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--batch-records", type=int, default=10_000, help="messages per Arrow batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--one-per-batch", action="store_true",
+                        help="produce one message per Kafka record batch (as gemline replay on tansu)")
     args = parser.parse_args(argv)
     if args.events < 1:
         parser.error(f"--events must be >= 1, got {args.events}")
@@ -131,7 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     ingest_cfg = IngestConfig(batch_max_records=args.batch_records)
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory(prefix="gemline-bench-") as tmp:
         ensure_topic(broker.bootstrap, TOPIC, args.partitions)
-        stream_records(records, bootstrap=broker.bootstrap, topic=TOPIC, partitions=args.partitions)
+        if args.one_per_batch:
+            stream_records(records, bootstrap=broker.bootstrap, topic=TOPIC, partitions=args.partitions)
+        else:
+            ordered = sorted(records, key=event_time_sort_key)
+            produce_batched(broker.bootstrap, TOPIC, (_key_value(r) for r in ordered), args.partitions)
         base = _timed("baseline", lambda: baseline(broker.bootstrap, Path(tmp) / "base", ingest_cfg,
                                                    args.batch_records, now_ms))
         cfg = GemlineConfig(lake=str(Path(tmp) / "pipe"), kafka=KafkaConfig(topic=TOPIC, partitions=args.partitions),

@@ -29,8 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from tqdm import tqdm
 
 TOPIC = "bench.rss"
 CHUNK_USERS = 600  # ~50k generated events per chunk
@@ -41,11 +43,45 @@ def _peak_mib(who: int) -> float:
     return resource.getrusage(who).ru_maxrss / 1024
 
 
-def produce(bootstrap: str, topic: str, num_events: int, partitions: int, seed: int) -> dict:
-    """Produce ``num_events`` synthetic messages (+ one closing message per partition); return counts and rates."""
-    from confluent_kafka import Producer
-    from tqdm import tqdm
+def produce_batched(bootstrap: str, topic: str, messages: Iterable[tuple[bytes | None, bytes]], partitions: int,
+                    *, progress: tqdm | None = None) -> int:
+    """Produce (key, value) ``messages`` round-robin over ``partitions`` in large record batches, then
+    one closing single-message batch per partition; return the messages produced (closing ones included).
 
+    tansu reports a partition's high watermark as (base offset of its last batch) + 1: the closing
+    message makes the last batch one message long, so the watermark is exact and a bounded snapshot
+    reads everything. Real producers batch like this; one message per batch (what ``gemline replay``
+    does on tansu) makes the consumer pay a batch's overhead per message.
+
+    Raises:
+        RuntimeError: messages still unacknowledged after 30 minutes.
+    """
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 10_000, "linger.ms": 20,
+                         "queue.buffering.max.messages": 500_000, "queue.buffering.max.kbytes": 512 * 1024})
+    sent = 0
+    for key, value in messages:
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, partition=sent % partitions)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        sent += 1
+        if progress is not None and sent % 10_000 == 0:
+            progress.update(10_000)
+    if producer.flush(1_800) != 0:
+        raise RuntimeError("produce: messages still unacknowledged after 30 min")
+    closer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 1, "linger.ms": 0})
+    for p in range(partitions):
+        closer.produce(topic, key=b"end", value=b'{"benchmark": "end of partition"}', partition=p)
+        closer.flush(60)
+    return sent + partitions
+
+
+def _chunked_traffic(num_events: int, seed: int, state: dict) -> Iterator[tuple[bytes | None, bytes]]:
+    """``num_events`` messages: one generated chunk, replayed with fresh event ids and shifted times."""
     from ingest.generate import GenerateConfig, generate_records
     from ingest.replay import _key_value
     from ingest.schema import Event
@@ -57,43 +93,34 @@ def produce(bootstrap: str, topic: str, num_events: int, partitions: int, seed: 
         rows.append((key, json.loads(value) if isinstance(rec, Event) else value))
     times = [v["event_time_ms"] for _, v in rows if isinstance(v, dict)]
     span_ms = max(times) - min(times) + 1_000
-    producer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 10_000, "linger.ms": 20,
-                         "queue.buffering.max.messages": 500_000, "queue.buffering.max.kbytes": 512 * 1024})
+    sent, chunk = 0, 0
+    while sent < num_events:
+        for key, value in rows[: num_events - sent]:
+            if isinstance(value, dict):
+                value = dict(value, event_id=f"{value['event_id']}~{chunk}",
+                             event_time_ms=value["event_time_ms"] + chunk * span_ms)
+                state["last_ms"] = max(state.get("last_ms", 0), value["event_time_ms"])
+                value = json.dumps(value, separators=(",", ":")).encode()
+            yield key, value
+            sent += 1
+        chunk += 1
+
+
+def produce(bootstrap: str, topic: str, num_events: int, partitions: int, seed: int) -> dict:
+    """Produce ``num_events`` synthetic messages (+ one closing message per partition); return counts and rates."""
+    state: dict = {}
     began, cpu = time.perf_counter(), time.process_time()
-    sent, chunk, last_ms = 0, 0, 0
     with tqdm(total=num_events, desc="produce", unit="msg", disable=None) as progress:
-        while sent < num_events:
-            for key, value in rows[: num_events - sent]:
-                if isinstance(value, dict):
-                    value = dict(value, event_id=f"{value['event_id']}~{chunk}",
-                                 event_time_ms=value["event_time_ms"] + chunk * span_ms)
-                    last_ms = max(last_ms, value["event_time_ms"])
-                    value = json.dumps(value, separators=(",", ":")).encode()
-                while True:
-                    try:
-                        producer.produce(topic, key=key, value=value, partition=sent % partitions)
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
-                sent += 1
-            progress.update(min(len(rows), num_events - progress.n))
-            chunk += 1
-    if producer.flush(1_800) != 0:
-        raise RuntimeError("produce: messages still unacknowledged after 30 min")
-    closer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 1, "linger.ms": 0})
-    for p in range(partitions):
-        closer.produce(topic, key=b"end", value=b'{"benchmark": "end of partition"}', partition=p)
-        closer.flush(60)  # one message per batch: the partition's high watermark becomes exact
+        sent = produce_batched(bootstrap, topic, _chunked_traffic(num_events, seed, state), partitions,
+                               progress=progress)
     wall = time.perf_counter() - began
-    return {"produced": sent + partitions, "produce_wall_s": wall, "produce_per_s": sent / wall,
-            "produce_cpu_s": time.process_time() - cpu, "now_ms": last_ms + 60_000,
+    return {"produced": sent, "produce_wall_s": wall, "produce_per_s": sent / wall,
+            "produce_cpu_s": time.process_time() - cpu, "now_ms": state["last_ms"] + 60_000,
             "produce_peak_rss_mib": _peak_mib(resource.RUSAGE_SELF)}
 
 
 def ingest(bootstrap: str, topic: str, lake: str, partitions: int, max_offsets: int, now_ms: int) -> dict:
     """Ingest the whole topic in capped batches; return rows written, timing and peak RSS."""
-    from tqdm import tqdm
-
     from gemline.config import GemlineConfig
     from ingest.config import IngestConfig, KafkaConfig
     from ingest.pipeline import ingest_backlog

@@ -20,9 +20,10 @@ so gemline reads Kafka itself, at the pipeline edge only:
 Consumers are ``assign``-ed and never commit to a consumer group: the lake, not Kafka, is the
 source of truth for what has been consumed.
 
-Both clients go through the small :class:`KafkaClient` interface: confluent-kafka (librdkafka;
-the default, much faster, every codec built in) or kafka-python (pure Python; snappy, lz4 and
-zstd need extra Python modules, probed before a read starts: :func:`missing_codecs`).
+Both clients go through the small :class:`KafkaClient` interface of ``ingest.kafka_clients``:
+confluent-kafka (librdkafka; the default, much faster, every codec built in) or kafka-python (pure
+Python; snappy, lz4 and zstd need extra Python modules, probed before a read starts:
+:func:`missing_codecs`).
 
 Source: Beam programming guide, "Splittable DoFns" (sections 12.1-12.4: restrictions, trackers,
 watermark estimation, user-initiated checkpoints); the Kafka fetch semantics of librdkafka /
@@ -33,9 +34,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -47,128 +48,22 @@ from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorP
 from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
 from tqdm import tqdm
 
-ClientName = Literal["confluent", "kafka-python"]
-
-
-@dataclass(frozen=True)
-class OffsetRange:
-    """Offsets ``[start, end)`` of one topic partition; ``end`` is exclusive.
-
-    Raises:
-        ValueError: a negative partition or offset, or ``end < start``.
-    """
-
-    topic: str
-    partition: int
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if self.partition < 0 or self.start < 0:
-            raise ValueError(f"OffsetRange: expected partition >= 0 and start >= 0, got {self}")
-        if self.end < self.start:
-            raise ValueError(f"OffsetRange: expected end >= start, got start={self.start} end={self.end}")
-
-    @property
-    def num_offsets(self) -> int:
-        """Number of offsets in the range (records, unless the log has gaps from compaction)."""
-        return self.end - self.start
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form, as stored in commit metadata."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "OffsetRange":
-        """Inverse of :meth:`to_dict`."""
-        return cls(topic=str(data["topic"]), partition=int(data["partition"]), start=int(data["start"]),
-                   end=int(data["end"]))
-
-
-@dataclass(frozen=True)
-class KafkaRecord:
-    """One Kafka message as read.
-
-    ``timestamp_ms`` is the record timestamp (ms since epoch UTC; log-append or create time as the
-    topic is configured), -1 when the broker gives none.
-    """
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
-    timestamp_ms: int
-
-
-RECORDS_SCHEMA = pa.schema(
-    [
-        pa.field("topic", pa.string(), nullable=False),
-        pa.field("partition", pa.int32(), nullable=False),
-        pa.field("offset", pa.int64(), nullable=False),
-        pa.field("key", pa.binary()),
-        pa.field("value", pa.binary(), nullable=False),
-        pa.field("timestamp_ms", pa.int64(), nullable=False),
-    ]
+# The clients and record types live in ingest.kafka_clients; they are importable from here too.
+from ingest.kafka_clients import (  # noqa: F401
+    CODECS,
+    RECORDS_SCHEMA,
+    ClientName,
+    ConfluentClient,
+    KafkaClient,
+    KafkaPythonClient,
+    KafkaRecord,
+    OffsetRange,
+    _check_progress,
+    batches_of,
+    make_client,
+    missing_codecs,
+    records_to_batch,
 )
-"""Arrow schema of a batch of Kafka messages (the fields of :class:`KafkaRecord`)."""
-
-
-def records_to_batch(records: Sequence[KafkaRecord]) -> pa.RecordBatch:
-    """``records`` (N of them) as one RecordBatch of :data:`RECORDS_SCHEMA`, in the given order."""
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array([r.topic for r in records], pa.string()),
-            pa.array([r.partition for r in records], pa.int32()),
-            pa.array([r.offset for r in records], pa.int64()),
-            pa.array([r.key for r in records], pa.binary()),
-            pa.array([r.value for r in records], pa.binary()),
-            pa.array([r.timestamp_ms for r in records], pa.int64()),
-        ],
-        schema=RECORDS_SCHEMA,
-    )
-
-
-def _partition_batch(topic: str, partition: int, offsets: list[int], keys: list[bytes | None],
-                     values: list[bytes], timestamps_ms: list[int]) -> pa.RecordBatch:
-    """N messages of one partition, given column-wise, as a RecordBatch of :data:`RECORDS_SCHEMA`."""
-    n = len(offsets)
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array([topic] * n, pa.string()),
-            pa.array(np.full(n, partition, dtype=np.int32)),
-            pa.array(offsets, pa.int64()),
-            pa.array(keys, pa.binary()),
-            pa.array(values, pa.binary()),
-            pa.array(timestamps_ms, pa.int64()),
-        ],
-        schema=RECORDS_SCHEMA,
-    )
-
-
-def batches_of(records: Iterator[KafkaRecord], max_records: int) -> Iterator[pa.RecordBatch]:
-    """Consecutive RecordBatches of up to ``max_records`` of ``records``, in their order.
-
-    Closes ``records`` (a generator holding a consumer assignment) when done or closed early.
-
-    Raises:
-        ValueError: ``max_records < 1``.
-    """
-    if max_records < 1:
-        raise ValueError(f"batches_of: expected max_records >= 1, got {max_records}")
-    buf: list[KafkaRecord] = []
-    try:
-        for rec in records:
-            buf.append(rec)
-            if len(buf) == max_records:
-                yield records_to_batch(buf)
-                buf = []
-        if buf:
-            yield records_to_batch(buf)
-    finally:
-        close = getattr(records, "close", None)
-        if close is not None:
-            close()
 
 
 @dataclass(frozen=True)
@@ -186,328 +81,6 @@ class PartitionStart:
     def __post_init__(self) -> None:
         if self.partition < 0 or self.start < 0:
             raise ValueError(f"PartitionStart: expected partition >= 0 and start >= 0, got {self}")
-
-
-CODECS: tuple[str, ...] = ("gzip", "snappy", "lz4", "zstd")
-"""Kafka record-batch compression codecs (``compression.type`` of a producer or topic)."""
-
-_KAFKA_PYTHON_CODEC_MODULES = {"gzip": "gzip (stdlib)", "snappy": "python-snappy or cramjam",
-                               "lz4": "lz4", "zstd": "zstandard"}
-
-
-def missing_codecs(client: "ClientName") -> tuple[str, ...]:
-    """Codecs of :data:`CODECS` that ``client`` cannot decode in this interpreter, in CODECS order.
-
-    confluent-kafka's wheels ship librdkafka with every codec built in; kafka-python decodes in
-    Python and needs one module per codec (its ``kafka.codec.has_*`` probes).
-
-    Raises:
-        ValueError: an unknown client name.
-    """
-    if client == "confluent":
-        return ()
-    if client == "kafka-python":
-        from kafka import codec
-
-        have = {"gzip": codec.has_gzip(), "snappy": codec.has_snappy(), "lz4": codec.has_lz4(),
-                "zstd": codec.has_zstd()}
-        return tuple(c for c in CODECS if not have[c])
-    raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
-
-
-def _codec_error(rng_desc: str, exc: Exception) -> ValueError:
-    missing = missing_codecs("kafka-python")
-    hints = ", ".join(f"{c} (pip install {_KAFKA_PYTHON_CODEC_MODULES[c]})" for c in missing)
-    return ValueError(
-        f"{rng_desc}: kafka-python cannot decode the records ({exc}); codecs missing here: {hints or 'none'}. "
-        "Install the codec module or use kafka.client='confluent' (all codecs built in)."
-    )
-
-
-class KafkaClient(Protocol):
-    """What the source needs from a Kafka client library."""
-
-    def end_offsets(self, topic: str) -> dict[int, tuple[int, int]]:
-        """Per partition, (low watermark, high watermark) seen now.
-
-        Raises:
-            ValueError: the topic does not exist.
-        """
-        ...
-
-    def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
-        """The records with offsets in ``[rng.start, rng.end)``, in offset order.
-
-        Raises:
-            TimeoutError: no progress within the client's timeout.
-            ValueError: the records use a compression codec the client cannot decode.
-        """
-        ...
-
-    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Iterator[pa.RecordBatch]:
-        """The records of ``[rng.start, rng.end)`` as RecordBatches of :data:`RECORDS_SCHEMA` of up to
-        ``max_records`` rows each, in offset order (the bounded read without a Python object per message).
-
-        Raises:
-            as :meth:`read_range`; ValueError for ``max_records < 1``.
-        """
-        ...
-
-    def fetch(self, topic: str, partition: int, offset: int, *, max_records: int,
-              timeout_s: float) -> list[KafkaRecord]:
-        """Up to ``max_records`` records of one partition from ``offset`` on, in offset order;
-        empty when none arrived within ``timeout_s`` (the unbounded read's poll).
-
-        Raises:
-            RuntimeError: a Kafka error (e.g. ``offset`` out of range).
-            ValueError: the records use a compression codec the client cannot decode.
-        """
-        ...
-
-    def close(self) -> None:
-        """Release connections."""
-        ...
-
-
-def _check_progress(rng: OffsetRange, next_offset: int, deadline: float) -> None:
-    if time.monotonic() > deadline:
-        raise TimeoutError(
-            f"{rng.topic}[{rng.partition}]: no record at offset >= {next_offset} within the read "
-            f"timeout while reading [{rng.start}, {rng.end}); is the broker up and the range planned "
-            "from this cluster?"
-        )
-
-
-class ConfluentClient:
-    """:class:`KafkaClient` over confluent-kafka (librdkafka).
-
-    A consumer needs a ``group.id`` in librdkafka, but it is only a name here: partitions are
-    ``assign``-ed, auto commit is off and nothing is ever committed.
-    """
-
-    def __init__(self, bootstrap: str, *, timeout_s: float = 30.0) -> None:
-        from confluent_kafka import Consumer
-
-        self._timeout_s = timeout_s
-        self._position: tuple[str, int, int] | None = None  # (topic, partition, next offset) assigned
-        self._consumer = Consumer(
-            {
-                "bootstrap.servers": bootstrap,
-                "group.id": "gemline-ingest-reader",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "enable.partition.eof": False,
-                "auto.offset.reset": "error",
-            }
-        )
-
-    def end_offsets(self, topic: str) -> dict[int, tuple[int, int]]:
-        from confluent_kafka import TopicPartition
-
-        meta = self._consumer.list_topics(topic, timeout=self._timeout_s).topics.get(topic)
-        if meta is None or meta.error is not None or not meta.partitions:
-            raise ValueError(f"topic {topic!r} not found on the cluster ({meta and meta.error}); create it first")
-        return {
-            p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=self._timeout_s, cached=False)
-            for p in sorted(meta.partitions)
-        }
-
-    def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
-        from confluent_kafka import TopicPartition
-
-        if rng.num_offsets == 0:
-            return
-        self._consumer.assign([TopicPartition(rng.topic, rng.partition, rng.start)])
-        try:
-            next_offset = rng.start
-            deadline = time.monotonic() + self._timeout_s
-            while next_offset < rng.end:
-                msgs = self._consumer.consume(num_messages=min(10_000, rng.end - next_offset), timeout=0.5)
-                if not msgs:
-                    _check_progress(rng, next_offset, deadline)
-                    continue
-                deadline = time.monotonic() + self._timeout_s
-                for msg in msgs:
-                    if msg.error() is not None:
-                        raise RuntimeError(f"{rng.topic}[{rng.partition}]: Kafka error {msg.error()}")
-                    # Guards against a message still queued from an earlier assignment or a re-fetch.
-                    if msg.topic() != rng.topic or msg.partition() != rng.partition or msg.offset() < next_offset:
-                        continue
-                    if msg.offset() >= rng.end:
-                        next_offset = rng.end
-                        break
-                    next_offset = msg.offset() + 1
-                    _, ts = msg.timestamp()
-                    yield KafkaRecord(rng.topic, rng.partition, msg.offset(), msg.key(), msg.value() or b"", ts)
-        finally:
-            self._consumer.unassign()
-            self._position = None
-
-    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Iterator[pa.RecordBatch]:
-        """See :meth:`KafkaClient.read_batches`. Messages are consumed ``max_records`` at a time
-        (``Consumer.consume(num_messages=...)``) and their fields go straight into column lists: no
-        per-message record object, which cost more than the JSON parse of the message."""
-        from confluent_kafka import TopicPartition
-
-        if max_records < 1:
-            raise ValueError(f"read_batches: expected max_records >= 1, got {max_records}")
-        if rng.num_offsets == 0:
-            return
-        topic, partition = rng.topic, rng.partition
-        self._consumer.assign([TopicPartition(topic, partition, rng.start)])
-        try:
-            next_offset = rng.start
-            deadline = time.monotonic() + self._timeout_s
-            offsets: list[int] = []
-            keys: list[bytes | None] = []
-            values: list[bytes] = []
-            stamps: list[int] = []
-            while next_offset < rng.end:
-                want = min(max_records - len(offsets), rng.end - next_offset)
-                msgs = self._consumer.consume(num_messages=want, timeout=0.5)
-                if not msgs:
-                    _check_progress(rng, next_offset, deadline)
-                    continue
-                deadline = time.monotonic() + self._timeout_s
-                for msg in msgs:
-                    if msg.error() is not None:
-                        raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()}")
-                    offset = msg.offset()
-                    # Guards against a message still queued from an earlier assignment or a re-fetch.
-                    if offset < next_offset or msg.partition() != partition or msg.topic() != topic:
-                        continue
-                    if offset >= rng.end:
-                        next_offset = rng.end
-                        break
-                    next_offset = offset + 1
-                    offsets.append(offset)
-                    keys.append(msg.key())
-                    values.append(msg.value() or b"")
-                    stamps.append(msg.timestamp()[1])
-                if len(offsets) >= max_records or (offsets and next_offset >= rng.end):
-                    yield _partition_batch(topic, partition, offsets, keys, values, stamps)
-                    offsets, keys, values, stamps = [], [], [], []
-        finally:
-            self._consumer.unassign()
-            self._position = None
-
-    def fetch(self, topic: str, partition: int, offset: int, *, max_records: int,
-              timeout_s: float) -> list[KafkaRecord]:
-        from confluent_kafka import TopicPartition
-
-        # Re-assigning drops librdkafka's prefetched queue, so keep the assignment while polls continue.
-        if self._position != (topic, partition, offset):
-            self._consumer.assign([TopicPartition(topic, partition, offset)])
-        out: list[KafkaRecord] = []
-        for msg in self._consumer.consume(num_messages=max_records, timeout=timeout_s):
-            if msg.error() is not None:
-                self._position = None
-                raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()} at offset >= {offset}")
-            if msg.topic() != topic or msg.partition() != partition or msg.offset() < offset:
-                continue
-            _, ts = msg.timestamp()
-            out.append(KafkaRecord(topic, partition, msg.offset(), msg.key(), msg.value() or b"", ts))
-        self._position = (topic, partition, out[-1].offset + 1 if out else offset)
-        return out
-
-    def close(self) -> None:
-        self._consumer.close()
-
-
-class KafkaPythonClient:
-    """:class:`KafkaClient` over kafka-python (no consumer group: ``group_id=None``)."""
-
-    def __init__(self, bootstrap: str, *, timeout_s: float = 30.0) -> None:
-        from kafka import KafkaConsumer
-
-        self._timeout_s = timeout_s
-        self._position: tuple[str, int, int] | None = None
-        self._consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                       request_timeout_ms=int(timeout_s * 1000) + 1000)
-
-    def end_offsets(self, topic: str) -> dict[int, tuple[int, int]]:
-        from kafka import TopicPartition
-
-        parts = self._consumer.partitions_for_topic(topic)
-        if not parts:
-            raise ValueError(f"topic {topic!r} not found on the cluster; create it first")
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        timeout_ms = int(self._timeout_s * 1000)
-        low = self._consumer.beginning_offsets(tps, timeout_ms=timeout_ms)
-        high = self._consumer.end_offsets(tps, timeout_ms=timeout_ms)
-        return {tp.partition: (low[tp], high[tp]) for tp in tps}
-
-    def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
-        from kafka import TopicPartition
-
-        if rng.num_offsets == 0:
-            return
-        tp = TopicPartition(rng.topic, rng.partition)
-        self._consumer.assign([tp])
-        self._consumer.seek(tp, rng.start)
-        try:
-            next_offset = rng.start
-            deadline = time.monotonic() + self._timeout_s
-            while next_offset < rng.end:
-                records = self._poll(tp, 0.5, min(10_000, rng.end - next_offset),
-                                     f"{rng.topic}[{rng.partition}] [{rng.start}, {rng.end})")
-                if not records:
-                    _check_progress(rng, next_offset, deadline)
-                    continue
-                deadline = time.monotonic() + self._timeout_s
-                for r in records:
-                    if r.offset < next_offset:
-                        continue
-                    if r.offset >= rng.end:
-                        next_offset = rng.end
-                        break
-                    next_offset = r.offset + 1
-                    yield KafkaRecord(rng.topic, rng.partition, r.offset, r.key, r.value or b"", r.timestamp)
-        finally:
-            self._consumer.unsubscribe()
-            self._position = None
-
-    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Iterator[pa.RecordBatch]:
-        """See :meth:`KafkaClient.read_batches` (kafka-python builds a record object per message anyway)."""
-        return batches_of(self.read_range(rng), max_records)
-
-    def _poll(self, tp: Any, timeout_s: float, max_records: int, desc: str) -> list[Any]:
-        from kafka.errors import UnsupportedCodecError
-
-        try:
-            return self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records).get(tp, [])
-        except UnsupportedCodecError as exc:
-            raise _codec_error(desc, exc) from exc
-
-    def fetch(self, topic: str, partition: int, offset: int, *, max_records: int,
-              timeout_s: float) -> list[KafkaRecord]:
-        from kafka import TopicPartition
-
-        tp = TopicPartition(topic, partition)
-        if self._position != (topic, partition, offset):
-            self._consumer.assign([tp])
-            self._consumer.seek(tp, offset)
-        records = self._poll(tp, timeout_s, max_records, f"{topic}[{partition}] from {offset}")
-        out = [KafkaRecord(topic, partition, r.offset, r.key, r.value or b"", r.timestamp)
-               for r in records if r.offset >= offset]
-        self._position = (topic, partition, out[-1].offset + 1 if out else offset)
-        return out
-
-    def close(self) -> None:
-        self._consumer.close()
-
-
-def make_client(client: ClientName, bootstrap: str, *, timeout_s: float = 30.0) -> KafkaClient:
-    """The :class:`KafkaClient` implementation named by ``KafkaConfig.client``.
-
-    Raises:
-        ValueError: an unknown client name.
-    """
-    if client == "confluent":
-        return ConfluentClient(bootstrap, timeout_s=timeout_s)
-    if client == "kafka-python":
-        return KafkaPythonClient(bootstrap, timeout_s=timeout_s)
-    raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
 
 
 def plan_snapshot(
