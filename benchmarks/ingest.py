@@ -36,7 +36,7 @@ import pyarrow as pa
 from deltalake import write_deltalake
 from tqdm import tqdm
 
-from benchmarks.ingest_rss import produce_batched
+from benchmarks.ingest_rss import message_of, produce_batched
 from gemline.config import GemlineConfig
 from gemline.lake import read_table, table_uri
 from ingest.broker import EmbeddedBroker
@@ -44,7 +44,7 @@ from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig, generate_records, stream_records
 from ingest.kafka_source import RECORDS_SCHEMA
 from ingest.pipeline import run_ingest
-from ingest.replay import _key_value, ensure_topic
+from ingest.replay import ensure_topic
 from ingest.datasets.types import event_time_sort_key
 from ingest.vectorized import parse_batch
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             stream_records(records, bootstrap=broker.bootstrap, topic=TOPIC, partitions=args.partitions)
         else:
             ordered = sorted(records, key=event_time_sort_key)
-            produce_batched(broker.bootstrap, TOPIC, (_key_value(r) for r in ordered), args.partitions)
+            produce_batched(broker.bootstrap, TOPIC, (message_of(r) for r in ordered), args.partitions)
         runs: list[Run] = []
         for rep in range(args.repeat):
             lake = Path(tmp) / f"base{rep}"

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 from pathlib import Path
 
 from tqdm import tqdm
@@ -80,16 +81,24 @@ def produce_batched(bootstrap: str, topic: str, messages: Iterable[tuple[bytes |
     return sent + partitions
 
 
+def message_of(record: Any) -> tuple[bytes | None, bytes]:
+    """The Kafka (key, value) of a generated record: an ``Event`` as JSON, a ``RawRecord`` as is."""
+    from ingest.schema import Event
+
+    if isinstance(record, Event):
+        return record.key, record.to_json()
+    return record.key, record.value
+
+
 def _chunked_traffic(num_events: int, seed: int, state: dict) -> Iterator[tuple[bytes | None, bytes]]:
     """``num_events`` messages: one generated chunk, replayed with fresh event ids and shifted times."""
     from ingest.generate import GenerateConfig, generate_records
-    from ingest.replay import _key_value
     from ingest.schema import Event
 
     base = generate_records(GenerateConfig(seed=seed, num_users=CHUNK_USERS, days=1.0, bad_rate=0.002))
     rows = []
     for rec in base:
-        key, value = _key_value(rec)
+        key, value = message_of(rec)
         rows.append((key, json.loads(value) if isinstance(rec, Event) else value))
     times = [v["event_time_ms"] for _, v in rows if isinstance(v, dict)]
     span_ms = max(times) - min(times) + 1_000
