@@ -30,7 +30,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
-from trainer.checkpoint import TrainState, save_checkpoint
+from gemline.lake import is_remote
+from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, latest_examples_version, load_split, make_batch, num_batches
 from trainer.distributed import (
@@ -44,7 +45,18 @@ from trainer.distributed import (
 )
 from trainer.metrics import evaluate
 from trainer.models import build_model
-from trainer.train import TrainResult, _json_safe, _loss_curve_png, check_gate, epoch_order, training_domains
+from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_checkpoint_dir
+from trainer.train import (
+    TrainResult,
+    _json_safe,
+    _loss_curve_png,
+    _Position,
+    _resume_position,
+    _run_record,
+    check_gate,
+    epoch_order,
+    training_domains,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +97,6 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
             f"--nproc > 1 shards trainer.model in {SHARDABLE_MODELS}; got {tc.model!r}. "
             "Pick one of those, or train it in one process (--nproc 1)"
         )
-    if tc.init_from != "scratch":
-        raise ValueError("trainer.init_from='latest' is not supported with --nproc > 1; train from scratch or use one process")
     if tc.batch_size < nproc:
         raise ValueError(f"trainer.batch_size {tc.batch_size} must be >= the number of processes {nproc}")
 
@@ -98,8 +108,9 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
 
     Raises:
         QuarantinedError: the quality gate does not allow that version.
-        ValueError: ``trainer.model`` outside SHARDABLE_MODELS (gem, dlrm, ranker), ``trainer.init_from = "latest"``
-            (sharded resume is not implemented), or a batch_size smaller than the world size.
+        ValueError: ``trainer.model`` outside SHARDABLE_MODELS (gem, dlrm, ranker), a batch_size smaller than
+            the world size, or ``trainer.init_from = "latest"`` with a latest checkpoint this run cannot
+            resume from (:func:`check_resumable`).
     """
     tc = config.trainer
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -110,20 +121,51 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
         torch.set_num_threads(tc.torch_threads)
     split = load_split(config.lake, version)
     normalizer = fit_normalizer(split.train)
-    train = encode_examples(split.train, tc.num_embeddings, normalizer)
-    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
 
     torch.manual_seed(tc.seed)
     domains = training_domains(split.train, None)
     sharded = shard_model(build_shardable_model(tc, len(normalizer.names), domains), tc, world)
+    step = examples_seen = 0
+    start = _Position(0, 0)
+    resume_from = latest_checkpoint(config.lake) if tc.init_from == "latest" else None
+    if resume_from is not None:
+        state = read_state(resume_from)
+        check_resumable(state, resume_from, world, tc.model, normalizer.names)
+        load_sharded(sharded, state.extra["sharded"])
+        step, examples_seen = state.step, state.examples_seen
+        start = _resume_position(state, version, tc.epochs)
+        log.info("resumed %d-process run from %s at step %d (epoch %d, batch %d)", world, resume_from, step, start.epoch, start.batch)
+    train = encode_examples(split.train, tc.num_embeddings, normalizer)
+    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
+
+    def checkpoint(position: _Position, finished: bool, extra: dict | None = None, files: dict | None = None) -> str | None:
+        """Collective: DCP shards of every rank, then rank 0's full-parameter checkpoint naming them (path on rank 0)."""
+        shards = None if is_remote(config.lake) else sharded_checkpoint_dir(config.lake, step)
+        if shards is not None:
+            save_sharded(sharded, shards)
+        full = full_state_dict(sharded)
+        path = None
+        if rank == 0:
+            # The unsharded twin (build_model's; for "ranker" the TwoTaskRanker) has the same state_dict keys.
+            model = build_model(tc, len(normalizer.names), domains)
+            model.load_state_dict(full)
+            meta = {
+                "normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "world_size": world,
+                "sharded": None if shards is None else str(shards), "run": _run_record(position, tc.epochs, finished), **(extra or {}),
+            }
+            state = TrainState(step=step, examples_seen=examples_seen, examples_version=version, extra=meta)
+            path = str(save_checkpoint(config.lake, state, model, {}, extra_files=files))
+        dist.barrier()
+        return path
 
     loss_curve: list[float] = []
-    step = examples_seen = 0
     per_epoch = num_batches(train, tc.batch_size)
-    with tqdm(total=tc.epochs * per_epoch, desc=f"train x{world}", unit="step", disable=not (progress and rank == 0)) as bar:
-        for epoch in range(tc.epochs):
+    total = tc.epochs * per_epoch
+    with tqdm(total=total, initial=start.epoch * per_epoch + start.batch, desc=f"train x{world}", unit="step",
+              disable=not (progress and rank == 0)) as bar:
+        for epoch in range(start.epoch, tc.epochs):
             order = epoch_order(len(train), tc.seed, version, epoch)
-            for index in range(per_epoch):
+            for index in range(start.batch if epoch == start.epoch else 0, per_epoch):
                 rows = order[index * tc.batch_size : (index + 1) * tc.batch_size]
                 bar.update(1)
                 if len(rows) < world:
@@ -137,27 +179,43 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
                 examples_seen += len(rows)
                 loss_curve.append(loss)
                 bar.set_postfix(loss=f"{loss:.4f}")
+                if tc.checkpoint_every_steps is not None and step % tc.checkpoint_every_steps == 0:
+                    checkpoint(_Position(epoch, index + 1), finished=False)
 
     probs = _predict(sharded, evaluation, tc.batch_size, rank, world)
-    state = full_state_dict(sharded)
+    metrics = evaluate(evaluation.labels, probs, evaluation.domains) if rank == 0 else {}
+    path = checkpoint(
+        _Position(tc.epochs, 0), finished=True,
+        extra={"eval_date": split.eval_date, "metrics": _json_safe(metrics)}, files={"loss_curve.png": _loss_curve_png(loss_curve)},
+    )
     if rank != 0:
         return None
-    metrics = evaluate(evaluation.labels, probs, evaluation.domains)
-    # The unsharded twin (build_model's; for "ranker" the TwoTaskRanker) has the same state_dict keys.
-    model = build_model(tc, len(normalizer.names), domains)
-    model.load_state_dict(state)
-    extra = {
-        "normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "eval_date": split.eval_date,
-        "metrics": _json_safe(metrics), "world_size": world,
-    }
-    path = save_checkpoint(
-        config.lake, TrainState(step=step, examples_seen=examples_seen, examples_version=version, extra=extra), model, {},
-        extra_files={"loss_curve.png": _loss_curve_png(loss_curve)},
-    )
     return TrainResult(
         examples_version=version, train_examples=len(train), eval_examples=len(evaluation), eval_date=split.eval_date,
         metrics=metrics, checkpoint_path=str(path), steps=step, loss_curve=loss_curve,
     )
+
+
+def check_resumable(state: TrainState, path: Path, world: int, model: str, dense_names: list[str]) -> None:
+    """Raise ValueError (what to do) unless a ``world``-process run of ``model`` can resume from the checkpoint at ``path``.
+
+    It must be a sharded run's checkpoint with its DCP shards (a local lake), of the same model,
+    world size and dense features; resharding onto another world size is not done here.
+    """
+    extra = state.extra
+    if not extra.get("sharded"):
+        raise ValueError(
+            f"the latest checkpoint {path} holds no sharded state (written by a one-process run, an object-store "
+            "lake, or before sharded checkpoints); a sharded run resumes only from one; use trainer.init_from=scratch"
+        )
+    if extra.get("world_size") != world or extra.get("model") != model:
+        raise ValueError(
+            f"the latest checkpoint {path} is a {extra.get('world_size')}-process {extra.get('model')!r} run; this is a "
+            f"{world}-process {model!r} run: resume with the same --nproc and trainer.model, or use trainer.init_from=scratch"
+        )
+    saved = extra.get("normalizer", {}).get("names")
+    if saved is not None and list(saved) != list(dense_names):
+        raise ValueError(f"checkpoint {path} was trained on dense features {saved}, this table has {dense_names}; use trainer.init_from=scratch")
 
 
 def config_overrides(config: object, prefix: str = "") -> list[str]:
