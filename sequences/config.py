@@ -30,7 +30,8 @@ class BuildConfig:
     vacuum_retention_hours: float = 168.0
     """Vacuum keeps unreferenced files this long (hours); a crashed build time-travels to its predecessor."""
     compact_min_files: int = 16
-    """Compact a build table's small files once it has this many."""
+    """Compact a build table once one of its partitions has this many files (at least
+    2 x ``shards`` + 1: a build writes up to one file per shard into a partition)."""
     state_lookback_ms: int = 30 * MS_PER_DAY
     """How far behind the watermark raw events stay in the build state (ms); >= every window and TTL."""
     shard_step: str = "vectorized"

@@ -26,6 +26,7 @@ they were at build k - 1 (time travel), and the commits already made are skipped
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -53,7 +54,8 @@ from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
-from sequences.shards import EVENT_SCHEMA, ITEM_INPUTS, USER_INPUTS, USER_OUTPUTS, gather_inputs, split_by_shard
+from sequences.shards import (EVENT_SCHEMA, ITEM_INPUTS, USER_INPUTS, USER_OUTPUTS, gather_inputs, load_piece,
+                              spill_piece, split_by_shard)
 from sequences.shards import item_shard_reference, user_shard_reference
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
@@ -83,30 +85,31 @@ _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int):
     shard, pieces = keyed
     step = user_shard_vectorized if config.shard_step == "vectorized" else user_shard_reference
-    out = step(gather_inputs(list(pieces), USER_INPUTS), config, watermark_ms=watermark_ms,
+    out = step(gather_inputs([load_piece(p) for p in pieces], USER_INPUTS), config, watermark_ms=watermark_ms,
                old_close_ms=old_close_ms, close_ms=close_ms)
     for name, table in out.items():
         if table.num_rows:
             yield _USER_OUTPUT_TABLES[name], f"user-{shard:05d}", table
 
 
-def _item_shard_step(keyed, config: BuildConfig, watermark_ms: int, user_shards: int):
+def _item_shard_step(keyed, config: BuildConfig, watermark_ms: int, user_shards: int, spill: str | None):
     shard, pieces = keyed
     step = item_shard_vectorized if config.shard_step == "vectorized" else item_shard_reference
-    out = step(gather_inputs(list(pieces), ITEM_INPUTS), config, watermark_ms=watermark_ms)
+    out = step(gather_inputs([load_piece(p) for p in pieces], ITEM_INPUTS), config, watermark_ms=watermark_ms)
     for user_shard, table in split_by_shard(out["dense"], "user_id", user_shards):
-        yield beam.pvalue.TaggedOutput("dense", (user_shard, ("dense", table)))
+        yield beam.pvalue.TaggedOutput("dense", (user_shard, spill_piece("dense", table, spill)))
     for name in ("evicted", ITEM_FEATURES.name):
         if out[name].num_rows:
             yield _ITEM_OUTPUT_TABLES[name], f"item-{shard:05d}", out[name]
 
 
-def _shard_pieces(table: pa.Table, name: str, key: str, shards: int, keep: Any = None):
-    """``(shard, (name, rows))`` pieces of one input table; ``keep``: optional row filter (table -> mask)."""
+def _shard_pieces(table: pa.Table, name: str, key: str, shards: int, spill: str | None, keep: Any = None):
+    """``(shard, piece)`` of one input table (:func:`sequences.shards.spill_piece`); ``keep``:
+    optional row filter (table -> mask)."""
     if keep is not None:
         table = table.filter(keep(table))
     for shard, part in split_by_shard(table, key, shards):
-        yield shard, (name, part)
+        yield shard, spill_piece(name, part, spill)
 
 
 def _is_item(table: pa.Table):
@@ -141,36 +144,40 @@ class BuildIncrement(beam.PTransform):
         config: windows, sequence lengths, CTR prior, state lookback, shards.
         watermark_ms: newest event time after this batch (ms since epoch UTC).
         old_close_ms / close_ms: windows closed up to these times before / after this build.
+        spill_dir: when given, shard inputs travel through the shuffles as Arrow IPC files in this
+            directory (paths in the records; see :func:`sequences.shards.spill_piece`), else inline.
     """
 
-    def __init__(self, config: BuildConfig, *, watermark_ms: int, old_close_ms: int | None, close_ms: int) -> None:
+    def __init__(self, config: BuildConfig, *, watermark_ms: int, old_close_ms: int | None, close_ms: int,
+                 spill_dir: str | None = None) -> None:
         super().__init__()
+        self._spill_dir = spill_dir
         self._config = config
         self._watermark_ms = watermark_ms
         self._old_close_ms = old_close_ms
         self._close_ms = close_ms
 
     def expand(self, inputs: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
-        shards = self._config.shards
+        shards, spill = self._config.shards, self._spill_dir
         item_pieces = (
-            inputs["new"] | "NewByItem" >> beam.FlatMap(_shard_pieces, "new", "item_id", shards),
-            inputs["buffer"] | "BufferByItem" >> beam.FlatMap(_shard_pieces, "buffer", "item_id", shards),
-            inputs["evicted"] | "EvictedByItem" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, _is_item),
+            inputs["new"] | "NewByItem" >> beam.FlatMap(_shard_pieces, "new", "item_id", shards, spill),
+            inputs["buffer"] | "BufferByItem" >> beam.FlatMap(_shard_pieces, "buffer", "item_id", shards, spill),
+            inputs["evicted"] | "EvictedByItem" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, spill, _is_item),
         )
         item_out = (
             item_pieces
             | "ItemPieces" >> beam.Flatten()
             | "GroupByItemShard" >> beam.GroupByKey()
-            | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards)
+            | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards, spill)
             .with_outputs("dense", main="parts")
         )
         user_pieces = (
-            inputs["new"] | "NewByUser" >> beam.FlatMap(_shard_pieces, "new", "user_id", shards),
-            inputs["buffer"] | "BufferByUser" >> beam.FlatMap(_shard_pieces, "buffer", "user_id", shards),
-            inputs["seq"] | "SeqByUser" >> beam.FlatMap(_shard_pieces, "seq", "user_id", shards),
-            inputs["dseq"] | "DomainSeqByUser" >> beam.FlatMap(_shard_pieces, "dseq", "user_id", shards),
-            inputs["evicted"] | "EvictedByUser" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, _is_not_item),
-            inputs["pending"] | "PendingByUser" >> beam.FlatMap(_shard_pieces, "pending", "user_id", shards),
+            inputs["new"] | "NewByUser" >> beam.FlatMap(_shard_pieces, "new", "user_id", shards, spill),
+            inputs["buffer"] | "BufferByUser" >> beam.FlatMap(_shard_pieces, "buffer", "user_id", shards, spill),
+            inputs["seq"] | "SeqByUser" >> beam.FlatMap(_shard_pieces, "seq", "user_id", shards, spill),
+            inputs["dseq"] | "DomainSeqByUser" >> beam.FlatMap(_shard_pieces, "dseq", "user_id", shards, spill),
+            inputs["evicted"] | "EvictedByUser" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, spill, _is_not_item),
+            inputs["pending"] | "PendingByUser" >> beam.FlatMap(_shard_pieces, "pending", "user_id", shards, spill),
             item_out["dense"],
         )
         user_parts = (
@@ -435,7 +442,8 @@ def run_build(
             "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/pending"]),
         }
         parts = inputs | "BuildIncrement" >> BuildIncrement(
-            config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms)
+            config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms,
+            spill_dir=str(staging / "shuffle"))
         write = (str(lake), opts, str(staging), build, done)
         parts["item"] | "WriteItemParts" >> beam.Map(_write_part, *write)
         parts["user"] | "WriteUserParts" >> beam.Map(_write_part, *write)
@@ -457,6 +465,10 @@ def run_build(
             storage_options=opts,
         )
     shutil.rmtree(staging, ignore_errors=True)
+    # Each build writes up to one file per shard into a partition: compact only once a partition
+    # holds more than two builds' worth.
+    hygiene = dataclasses.replace(config.build.hygiene, compact_min_files=max(
+        config.build.hygiene.compact_min_files, 2 * config.build.shards + 1))
     for name in _OUTPUTS:
-        tidy(lake, name, config.build.hygiene, storage_options=opts)
+        tidy(lake, name, hygiene, storage_options=opts)
     return _result_from_lake(lake, version, skipped=False, published=published, opts=opts)

@@ -21,6 +21,8 @@ Tables (any row order, duplicates of events allowed):
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -111,6 +113,32 @@ def gather_inputs(pieces: list[tuple[str, pa.Table]], schemas: Mapping[str, pa.S
         parts[name].append(table.select(schemas[name].names).cast(schemas[name]))
     return {name: pa.concat_tables(parts[name]) if parts[name] else schema.empty_table()
             for name, schema in schemas.items()}
+
+
+def spill_piece(name: str, table: pa.Table, directory: str | None) -> tuple[str, pa.Table | str]:
+    """A shard input piece as it travels through the shuffle: ``(name, table)`` inline, or, with a
+    ``directory``, ``(name, path)`` of an Arrow IPC file holding the table.
+
+    Spilling keeps the shuffle's records small (a path instead of megabytes of pickled columns);
+    the directory must be visible to every worker (a local one for DirectRunner). File names are
+    random, so a retried bundle never overwrites a piece another attempt's consumer reads; files
+    of failed attempts are never referenced and go with the directory.
+    """
+    if directory is None:
+        return name, table
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}-{uuid.uuid4().hex}.arrow")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return name, path
+
+
+def load_piece(piece: tuple[str, pa.Table | str]) -> tuple[str, pa.Table]:
+    """Inverse of :func:`spill_piece`: ``(name, table)`` (an IPC file is memory-mapped, not copied)."""
+    name, value = piece
+    if isinstance(value, pa.Table):
+        return name, value
+    return name, pa.ipc.open_file(pa.memory_map(value)).read_all()
 
 
 def _grouped_rows(table: pa.Table, key: str) -> dict[str, list[dict[str, Any]]]:
@@ -208,5 +236,5 @@ def user_shard_reference(
 
 __all__ = [
     "DENSE_SCHEMA", "EVENT_SCHEMA", "ITEM_INPUTS", "ITEM_OUTPUTS", "USER_INPUTS", "USER_OUTPUTS", "gather_inputs",
-    "item_shard_reference", "shard_of", "split_by_shard", "user_shard_reference",
+    "item_shard_reference", "load_piece", "shard_of", "spill_piece", "split_by_shard", "user_shard_reference",
 ]
