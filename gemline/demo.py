@@ -46,7 +46,7 @@ def run_demo(
     seq_len_p99, quality_passed, quality_reports, auc, ne, calibration, eval_date, summary_path.
 
     ``nproc`` > 1 trains through torchrun with that many local processes
-    (trainer.launch.train_with_torchrun; needs ``trainer.model = "ranker"``).
+    (trainer.launch.train_with_torchrun; ``trainer.model`` gem, dlrm or ranker).
 
     Raises:
         ValueError: an unknown dataset, or a dataset that needs ``path`` without one.

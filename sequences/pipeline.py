@@ -1,13 +1,18 @@
 """The incremental build: new ``events`` rows + build state -> ``examples`` (appended), ``sequences``,
 ``sequences_by_domain``, ``features/{user,item,user_category}`` and the state (overwritten).
 
-    events@v_old..v  --ReadNewEvents--+                         +--> examples (append, once per impression)
-    state@k (buffer, sequences,       +--CoGroupByKey(user)--BuildUser--> sequences, sequences_by_domain,
-      evicted counts, pending)        |        ^ item dense              features/user, features/user_category,
-                                      +--CoGroupByKey(item)--BuildItem   buffer, evicted, pending
-                                                                 +--> features/item, evicted
+    events@v_old..v  --ReadNewEvents--+                              +--> examples (append, once per impression)
+    state@k (buffer, sequences,       +--GroupByKey(user shard)--BuildUserShard--> sequences, sequences_by_domain,
+      evicted counts, pending)        |        ^ item dense                   features/user, features/user_category,
+                                      +--GroupByKey(item shard)--BuildItemShard   buffer, evicted, pending
+                                                                      +--> features/item, evicted
 
-The per-entity logic is :mod:`sequences.incremental` (pure functions). New events are the rows of
+Elements are *shards* (:mod:`sequences.shards`): all users (items) hashing to one shard, as Arrow
+tables, spilled to IPC files so the shuffles carry paths; each shard is built vectorised over its
+users (:mod:`sequences.vectorized`), which equals looping the per-entity functions of
+:mod:`sequences.incremental` (the reference, ``build.shard_step = "reference"``). Workers write
+the outputs as data files straight into the tables, uncommitted, and list them in manifests; the
+driver commits each table's files once (:func:`gemline.lake.commit_files_once`). New events are the rows of
 the Parquet files the events table gained since the last built version (the table is append-only;
 if a version in between rewrote files, e.g. a compaction, the rows are found by Kafka offset
 instead). Nothing older than the state is reread.
