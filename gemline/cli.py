@@ -130,12 +130,17 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
-    from ingest.pipeline import run_ingest
+    from ingest.pipeline import ingest_backlog, run_ingest
 
     config = _config(args)
     extra = _beam_args(args, extra)
     if args.streaming:
         return _ingest_streaming(args, config, extra)
+    if config.ingest.max_offsets_per_partition is not None:
+        # Capped batches: read the whole backlog, one bounded batch (one JSON line) at a time.
+        for result in ingest_backlog(config, bootstrap=_require_bootstrap(config), beam_args=extra):
+            print(_as_json(result))
+        return 0
     result = run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra)
     print(_as_json(result))
     return 0

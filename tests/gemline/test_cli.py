@@ -25,7 +25,9 @@ def test_unknown_flags_rejected_where_nothing_passes_through():
 
 
 @pytest.mark.integration
-def test_generate_then_ingest_twice(tmp_path):
+@pytest.mark.parametrize("cap", [None, 7])
+def test_generate_then_ingest_twice(tmp_path, capsys, cap):
+    """Uncapped: one batch; capped at 7 offsets per partition: several bounded batches, same rows."""
     sets = ["--set", "generate.num_users=40", "--set", "generate.num_ads=20", "--set", "generate.days=1",
             "--set", "generate.bad_rate=0.05", "--set", "generate.seed=3"]
     expected = generate_records(GenerateConfig(num_users=40, num_ads=20, days=1.0, bad_rate=0.05, seed=3))
@@ -34,13 +36,17 @@ def test_generate_then_ingest_twice(tmp_path):
     with EmbeddedBroker() as broker:
         common = ["--lake", str(tmp_path), "--bootstrap", broker.bootstrap, "--topic", "syn"]
         assert main(["generate", *common, *sets]) == 0
-        assert main(["ingest", *common]) == 0
+        capsys.readouterr()
+        capped = [] if cap is None else ["--set", f"ingest.max_offsets_per_partition={cap}"]
+        assert main(["ingest", *common, *capped]) == 0
+        batches = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        assert len(batches) == 1 if cap is None else len(batches) > 1
         events = read_table(tmp_path, "events")
         dead = read_table(tmp_path, "dead_letter")
         assert events.num_rows == len(expected) - num_bad
         assert dead.num_rows == num_bad
         assert sorted(events["event_id"].to_pylist()) == sorted(r.event_id for r in expected if not isinstance(r, RawRecord))
-        assert main(["ingest", *common]) == 0  # nothing new: nothing added
+        assert main(["ingest", *common, *capped]) == 0  # nothing new: nothing added
         assert read_table(tmp_path, "events").num_rows == events.num_rows
         assert read_table(tmp_path, "dead_letter").num_rows == num_bad
 
