@@ -129,6 +129,28 @@ def committed_version(
     return dt.transaction_version(app_id)
 
 
+def _is_next_version(lake: str | Path, table: str, app_id: str, version: int,
+                     storage_options: StorageOptions | None) -> bool:
+    """False when (app_id, version) or a later version is committed; True when ``version`` is next.
+
+    Raises:
+        ValueError: ``version`` skips ahead of the last committed version + 1.
+    """
+    last = committed_version(lake, table, app_id, storage_options=storage_options)
+    if last is not None and version <= last:
+        return False
+    expected = 0 if last is None else last + 1
+    if version != expected:
+        raise ValueError(f"{table}: app {app_id!r} must commit version {expected} next, got {version}")
+    return True
+
+
+def _commit_properties(app_id: str, version: int, metadata: dict[str, Any] | None) -> CommitProperties:
+    """The app transaction (app_id, version) and the custom metadata :func:`commit_metadata` reads."""
+    custom = {"gemline": json.dumps({**(metadata or {}), "app_id": app_id, "txn_version": version}, sort_keys=True)}
+    return CommitProperties(custom_metadata=custom, app_transactions=[Transaction(app_id=app_id, version=version)])
+
+
 def commit_once(
     lake: str | Path,
     table: str,
@@ -157,13 +179,8 @@ def commit_once(
     Raises:
         ValueError: ``version`` skips ahead of the last committed version + 1.
     """
-    last = committed_version(lake, table, app_id, storage_options=storage_options)
-    if last is not None and version <= last:
+    if not _is_next_version(lake, table, app_id, version, storage_options):
         return False
-    expected = 0 if last is None else last + 1
-    if version != expected:
-        raise ValueError(f"{table}: app {app_id!r} must commit version {expected} next, got {version}")
-    custom = {"gemline": json.dumps({**(metadata or {}), "app_id": app_id, "txn_version": version}, sort_keys=True)}
     write_deltalake(
         table_uri(lake, table),
         data,
@@ -171,9 +188,7 @@ def commit_once(
         partition_by=partition_by,
         schema_mode="merge" if mode == "append" else "overwrite",
         storage_options=_options(lake, storage_options),
-        commit_properties=CommitProperties(
-            custom_metadata=custom, app_transactions=[Transaction(app_id=app_id, version=version)]
-        ),
+        commit_properties=_commit_properties(app_id, version, metadata),
     )
     return True
 
@@ -275,12 +290,8 @@ def commit_files_once(
 
     from deltalake.transaction import AddAction
 
-    last = committed_version(lake, table, app_id, storage_options=storage_options)
-    if last is not None and version <= last:
+    if not _is_next_version(lake, table, app_id, version, storage_options):
         return False
-    expected = 0 if last is None else last + 1
-    if version != expected:
-        raise ValueError(f"{table}: app {app_id!r} must commit version {expected} next, got {version}")
     dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         dt = DeltaTable.create(table_uri(lake, table), schema=schema, partition_by=partition_by, mode="ignore",
@@ -289,11 +300,9 @@ def commit_files_once(
     actions = [AddAction(path=f["path"], size=int(f["size"]), partition_values=dict(f["partition_values"]),
                          modification_time=now_ms, data_change=True,
                          stats=json.dumps({"numRecords": int(f["num_records"])})) for f in files]
-    custom = {"gemline": json.dumps({**(metadata or {}), "app_id": app_id, "txn_version": version}, sort_keys=True)}
     dt.create_write_transaction(
         actions, mode=mode, schema=schema, partition_by=partition_by,
-        commit_properties=CommitProperties(custom_metadata=custom,
-                                           app_transactions=[Transaction(app_id=app_id, version=version)]))
+        commit_properties=_commit_properties(app_id, version, metadata))
     return True
 
 
