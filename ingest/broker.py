@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,16 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """Runs in the broker's child process before exec: on Linux, ask the kernel to SIGTERM it when
+    the thread that started it exits, so a parent killed by SIGKILL (a crashed job or test) does not
+    leave an orphaned broker behind (prctl PR_SET_PDEATHSIG). Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 @dataclass
 class EmbeddedBroker:
     """A tansu broker on 127.0.0.1, as a context manager.
@@ -56,6 +67,9 @@ class EmbeddedBroker:
     Args:
         port: TCP port; None picks a free one.
         startup_timeout_s: seconds to wait for the port to accept connections.
+
+    On Linux the broker dies with the thread that started it (even when that process is killed),
+    so start it from a thread that outlives its use, e.g. the main thread.
     """
 
     port: int | None = None
@@ -91,6 +105,7 @@ class EmbeddedBroker:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C meant for us must not kill it before we stop it cleanly
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

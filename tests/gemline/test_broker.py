@@ -49,3 +49,30 @@ def test_port_in_use_is_a_clear_error():
     with EmbeddedBroker() as first:
         with pytest.raises(RuntimeError, match="already in use"):
             EmbeddedBroker(port=first.port).start()
+
+
+def test_broker_dies_with_a_killed_parent():
+    """A job killed by SIGKILL (no chance to stop the broker) leaves no orphaned broker behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; from ingest.broker import EmbeddedBroker; b = EmbeddedBroker().start(); "
+            "print(b._proc.pid, b.port, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid, port = map(int, parent.stdout.readline().split())
+    assert _accepts("127.0.0.1", port)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30  # liveness bound only: the kernel signals the broker at once
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)  # still there (or a zombie until init reaps it)?
+        except ProcessLookupError:
+            break
+        if not _accepts("127.0.0.1", port):
+            break
+        time.sleep(0.1)
+    assert not _accepts("127.0.0.1", port)
