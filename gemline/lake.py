@@ -248,8 +248,11 @@ def write_data_file(
         relative = "/".join([*(f"{c}={quote(str(key[c]), safe='')}" for c in partition_by), f"{name}.parquet"])
         path = f"{root}/{table}/{relative}"
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        # Column statistics only where readers can prune with them: min/max of a list column are
+        # not used by any reader and cost ~10% of the write.
+        flat = [f.name for f in part.schema if not pa.types.is_nested(f.type)]
         with fs.open_output_stream(path) as sink:
-            pq.write_table(part, sink, compression="zstd")
+            pq.write_table(part, sink, compression="zstd", write_statistics=flat)
         return {"path": relative, "size": fs.get_file_info(path).size,
                 "partition_values": {c: str(key[c]) for c in partition_by}, "num_records": part.num_rows}
 
