@@ -374,9 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and not args.passthrough:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "nproc", 1) < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         return args.func(args, extra)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
+        # Bad input or a missing table/file/config: the message says what to do; no traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

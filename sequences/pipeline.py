@@ -410,8 +410,12 @@ def run_build(
                          "examples are append-only, so the build cannot go back")
     old_close = meta.get("close_ms")
     if old_version == version:
+        # Nothing new: only closing windows further can publish anything, and only if impressions
+        # are pending; otherwise a rerun (e.g. a second `build --final`) is a no-op, not an empty version.
         wants_close = final or (close_windows_at is not None and close_windows_at > (old_close or 0))
-        if not wants_close:
+        moves = wants_close and (old_close is None or _close_point(
+            config.build, meta.get("watermark_ms") or 0, old_close, final, close_windows_at) > old_close)
+        if not moves or _rows(lake, f"{STATE_PREFIX}/pending", opts) == 0:
             return _result_from_lake(lake, version, skipped=True, opts=opts)
     _check_events(table.to_pyarrow_dataset().schema.names)
     new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"],

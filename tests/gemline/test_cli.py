@@ -81,3 +81,16 @@ def test_train_on_a_quarantined_version_is_a_one_line_error(tmp_path, capsys):
     assert main(["train", "--lake", str(tmp_path), "--version", "0"]) == 3
     err = capsys.readouterr().err
     assert err.startswith("error: examples@0 is quarantined") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train"], ["report", "--table", "nosuch"], ["build", "--config", "/nonexistent/gemline.toml"]])
+def test_missing_tables_and_files_are_one_line_errors(tmp_path, capsys, argv):
+    assert main([*argv, "--lake", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_nproc_below_one_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["train", "--nproc", "0", "--lake", str(tmp_path)])

@@ -71,6 +71,10 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
     row = [r for r in read_table(lake, "examples").to_pylist() if r["example_id"] == "b_imp2"][0]
     assert row["label_window_closed"] is False and row["seq_item_ids"] == ["i1"]
     assert _ids(lake) == ["a_imp1", "a_imp2", "b_imp1", "b_imp2"]  # each impression exactly once
+    # Nothing new and nothing pending: another final build is a no-op, not an empty examples version.
+    version = open_table(lake, "examples").version()
+    fourth = run_build(config, final=True)
+    assert fourth.skipped and open_table(lake, "examples").version() == version
 
 
 def test_run_build_without_events_table_raises(tmp_path):
