@@ -230,14 +230,26 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         if result is not None:
             print(_as_json(result))
         return 0
-    if args.nproc > 1:
-        from trainer.launch import train_with_torchrun
-
-        result = train_with_torchrun(_config(args), args.nproc, examples_version=args.version)
-        print(_as_json(result))
-        return 0
     from trainer.train import QuarantinedError, run_training
 
+    if args.nproc > 1:
+        from trainer.data import latest_examples_version
+        from trainer.launch import train_with_torchrun
+        from trainer.train import check_gate
+
+        config = _config(args)
+        # Check here what every rank would check, so a missing table or a quarantined version is
+        # one line, not torchrun's dump of each rank's traceback.
+        opts = config.lake_storage_options or None
+        version = latest_examples_version(config.lake, storage_options=opts) if args.version is None else args.version
+        try:
+            check_gate(config.lake, version, storage_options=opts)
+        except QuarantinedError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 3
+        result = train_with_torchrun(config, args.nproc, examples_version=version)
+        print(_as_json(result))
+        return 0
     try:
         result = run_training(_config(args), examples_version=args.version)
     except QuarantinedError as exc:

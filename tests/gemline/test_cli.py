@@ -1,5 +1,6 @@
 """The CLI: flags reach the config, bad flags exit 2, and generate -> ingest loses nothing."""
 
+import pyarrow as pa
 import pytest
 
 from gemline.cli import main
@@ -84,11 +85,21 @@ def test_train_on_a_quarantined_version_is_a_one_line_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [
-    ["train"], ["report", "--table", "nosuch"], ["build", "--config", "/nonexistent/gemline.toml"]])
+    ["train"], ["train", "--nproc", "2"], ["report", "--table", "nosuch"],
+    ["build", "--config", "/nonexistent/gemline.toml"]])
 def test_missing_tables_and_files_are_one_line_errors(tmp_path, capsys, argv):
     assert main([*argv, "--lake", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_sharded_train_of_a_never_validated_version_is_one_line(tmp_path, capsys):
+    from gemline.lake import commit_once
+
+    commit_once(tmp_path, "examples", pa.table({"x": [1]}), app_id="build", version=0)
+    assert main(["train", "--nproc", "2", "--lake", str(tmp_path)]) == 3  # refused before torchrun starts
+    err = capsys.readouterr().err
+    assert err.startswith("error: examples@0 was never validated") and "Traceback" not in err
 
 
 def test_nproc_below_one_is_refused(tmp_path):
