@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,6 @@ from gemline.config import GemlineConfig
 from gemline.hygiene import conform, tidy
 from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
                           open_table, read_table, write_data_file)
-from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
@@ -69,8 +67,7 @@ APP_ID = "build"
 STATE_PREFIX = "_build_state"
 
 # Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
-_EVENT_COLUMNS = [*EVENT_ARROW_SCHEMA.names, "created_ts_ms"]
-_EVENT_SCHEMA = EVENT_SCHEMA
+_EVENT_COLUMNS = list(EVENT_SCHEMA.names)
 
 
 _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
@@ -79,7 +76,7 @@ _OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
     USER_FEATURES.name: (USER_FEATURES.schema, list(USER_FEATURES.partition_by)),
     ITEM_FEATURES.name: (ITEM_FEATURES.schema, list(ITEM_FEATURES.partition_by)),
     USER_CATEGORY_FEATURES.name: (USER_CATEGORY_FEATURES.schema, list(USER_CATEGORY_FEATURES.partition_by)),
-    f"{STATE_PREFIX}/buffer": (_EVENT_SCHEMA, None),
+    f"{STATE_PREFIX}/buffer": (EVENT_SCHEMA, None),
     f"{STATE_PREFIX}/evicted": (EVICTED_SCHEMA, None),
     f"{STATE_PREFIX}/pending": (PENDING_SCHEMA, None),
     "examples": (EXAMPLES_SCHEMA, ["event_date"]),  # last: its commit marks the build complete
@@ -310,7 +307,7 @@ def new_event_rows(
     (topic, partition, offset) is past the old version's last offset per partition.
     """
     columns = list(_EVENT_COLUMNS) if columns is None else columns
-    schema = pa.schema([_EVENT_SCHEMA.field(name) for name in columns])
+    schema = pa.schema([EVENT_SCHEMA.field(name) for name in columns])
     opts = storage_options
     new = open_table(lake, "events", version, storage_options=opts)
     if old_version is None:

@@ -98,6 +98,19 @@ def _time_bounds(*columns: np.ndarray) -> tuple[int, int]:
     return int(min(c.min() for c in values)), int(max(c.max() for c in values))
 
 
+def _grouped(events: pl.DataFrame, queries: pl.DataFrame, keys: list[str], query_time: str = "event_time_ms",
+             reach_back_ms: int = 0) -> tuple[pl.DataFrame, _Groups, np.ndarray, np.ndarray]:
+    """``events`` coded by ``keys`` and sorted by (group, time, event_id), the :class:`_Groups` over
+    them, and the queries' (Q,) group codes and times (``query_time`` column); ``reach_back_ms``:
+    how far before a query time a search may go (the widest counter window)."""
+    events, queries = _code([events, queries], keys)
+    events = events.sort(["_g", *_ORDER])
+    times = events.get_column("event_time_ms").to_numpy()
+    q_times = queries.get_column(query_time).to_numpy()
+    lo, hi = _time_bounds(times, q_times, q_times - reach_back_ms)
+    return events, _Groups(events.get_column("_g").to_numpy(), times, lo, hi), queries.get_column("_g").to_numpy(), q_times
+
+
 # --------------------------------------------------------------------------------------------
 # Events
 
@@ -187,15 +200,9 @@ def _prior(evicted: pl.DataFrame, entity: str, rows: pl.DataFrame, keys: dict[st
 def _counter_frame(events: pl.DataFrame, keys: list[str], queries: pl.DataFrame, query_time: str,
                    windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
     """Windowed counts over ``events`` grouped by ``keys`` as of each query row (time < query time)."""
-    events, queries = _code([events, queries], keys)
-    events = events.sort(["_g", *_ORDER])
-    e_times = events.get_column("event_time_ms").to_numpy()
-    q_times = queries.get_column(query_time).to_numpy()
     widest = max((w for w in windows.values() if w is not None), default=0)
-    lo, hi = _time_bounds(e_times, q_times, q_times - widest)
-    groups = _Groups(events.get_column("_g").to_numpy(), e_times, lo, hi)
-    return _window_counts(groups, _prefix(events.get_column("event_type").to_numpy()),
-                          queries.get_column("_g").to_numpy(), q_times, windows)
+    events, groups, q_codes, q_times = _grouped(events, queries, keys, query_time, widest)
+    return _window_counts(groups, _prefix(events.get_column("event_type").to_numpy()), q_codes, q_times, windows)
 
 
 def _feature_rows(visible: pl.DataFrame, keys: list[str], evicted: pl.DataFrame, entity: str,
@@ -247,15 +254,9 @@ def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -
     """Entities with a query that some earlier event (time < query time) was appended after."""
     if queries.height == 0 or events.height == 0:
         return set()
-    events, queries = _code([events, queries], [entity])
-    events = events.sort(["_g", *_ORDER])
-    times = events.get_column("event_time_ms").to_numpy()
+    events, groups, q_codes, q_times = _grouped(events, queries, [entity])
     created = events.get_column("created_ts_ms").to_numpy()
     codes = events.get_column("_g").to_numpy()
-    q_times = queries.get_column("event_time_ms").to_numpy()
-    q_codes = queries.get_column("_g").to_numpy()
-    lo, hi = _time_bounds(times, q_times)
-    groups = _Groups(codes, times, lo, hi)
     end = groups.before(q_codes, q_times)
     start = groups.start(q_codes)
     # Running max of append times, restarted at every group.
@@ -348,13 +349,8 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
 def _gather_lists(cands: pl.DataFrame, group_keys: list[str], queries: pl.DataFrame, max_len: int,
                   prior_cut: np.ndarray, prefix: str, with_domains: bool) -> dict[str, pa.Array | np.ndarray]:
     """Point-in-time sequence columns of each query row from sorted candidates (fast case only)."""
-    cands, queries = _code([cands, queries], group_keys)
-    cands = cands.sort(["_g", *_ORDER])
+    cands, groups, q_codes, q_times = _grouped(cands, queries, group_keys)
     times = cands.get_column("event_time_ms").to_numpy()
-    q_times = queries.get_column("event_time_ms").to_numpy()
-    q_codes = queries.get_column("_g").to_numpy()
-    lo, hi = _time_bounds(times, q_times)
-    groups = _Groups(cands.get_column("_g").to_numpy(), times, lo, hi)
     end = groups.before(q_codes, q_times)
     first = groups.start(q_codes)
     start = np.maximum(first, end - max_len)
@@ -549,12 +545,17 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
     return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
 
 
+def _close_delays(config: BuildConfig, domains: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """(n,) int64 :meth:`BuildConfig.close_delay_ms` of each row's domain (looked up once per domain)."""
+    names = domains.to_pylist()
+    delays = {d: config.close_delay_ms(d) for d in set(names)}
+    return np.array([delays[d] for d in names], dtype=np.int64)
+
+
 def _publish_mask(table: pa.Table, is_new: np.ndarray, config: BuildConfig, old_close_ms: int | None,
                   close_ms: int) -> np.ndarray:
     t = table.column("event_time_ms").to_numpy()
-    domains = table.column("domain").to_numpy(zero_copy_only=False)
-    delays = {d: config.close_delay_ms(d) for d in set(domains.tolist())}
-    delay = np.array([delays[d] for d in domains.tolist()], dtype=np.int64)
+    delay = _close_delays(config, table.column("domain"))
     closed = t + delay <= close_ms
     was_closed = np.zeros_like(closed) if old_close_ms is None else (t + delay <= old_close_ms) & ~is_new
     return closed & ~was_closed
@@ -580,9 +581,8 @@ def _attach_labels(pending: pa.Table, recent: pl.DataFrame, config: BuildConfig,
             pl.when(pl.col("_label_ms") <= pl.col("event_time_ms") + pl.col("_w"))
             .then(pl.col("_label_ms") - pl.col("event_time_ms")).otherwise(None)).to_series()
         out[label] = latency
-    delays = {d: config.close_delay_ms(d) for d in domains}
-    t = rows.get_column("event_time_ms").to_numpy()
-    delay = np.array([delays[d] for d in rows.get_column("domain").to_list()], dtype=np.int64)
+    t = pending.column("event_time_ms").to_numpy()
+    delay = _close_delays(config, pending.column("domain"))
     cols = {
         "label_click": out["click"].is_not_null().cast(pl.Int32).to_arrow(),
         "label_conversion": out["conversion"].is_not_null().cast(pl.Int32).to_arrow(),
