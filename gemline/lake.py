@@ -30,12 +30,13 @@ Exactly-once writes follow delta-rs's app transactions: each commit carries
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
@@ -234,9 +235,16 @@ def write_data_file(
     if partition_by and data.num_rows:
         # One sort by the partition columns, then a slice per partition (not one filter each).
         data = data.take(pc.sort_indices(data, sort_keys=[(c, "ascending") for c in partition_by]))
-        keys = data.select(partition_by).to_pylist()
-        starts = [i for i in range(len(keys)) if i == 0 or keys[i] != keys[i - 1]]
-        slices = [(keys[a], data.slice(a, b - a)) for a, b in zip(starts, [*starts[1:], len(keys)], strict=True)]
+        n = data.num_rows
+        changed = np.zeros(n, dtype=bool)
+        changed[0] = True
+        for column in partition_by:  # a partition starts wherever any partition column changes
+            values = data.column(column)
+            changed[1:] |= pc.fill_null(pc.not_equal(values.slice(1), values.slice(0, n - 1)), True).to_numpy(
+                zero_copy_only=False)
+        starts = np.flatnonzero(changed).tolist()
+        slices = [(data.slice(a, 1).select(partition_by).to_pylist()[0], data.slice(a, b - a))
+                  for a, b in zip(starts, [*starts[1:], n], strict=True)]
     else:
         slices = [({}, data)]
     for key, _ in slices:
