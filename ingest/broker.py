@@ -7,7 +7,6 @@ through the same clients. Storage is in memory: the broker's data ends with its 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess

@@ -8,6 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from ingest.broker import free_port
@@ -36,3 +37,18 @@ def moto_endpoint():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def s3_bucket(endpoint: str, bucket: str) -> dict[str, str]:
+    """Create ``bucket`` on the moto server at ``endpoint``; the delta-rs storage options that reach it."""
+    admin = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+                              endpoint_override=endpoint.removeprefix("http://"), allow_bucket_creation=True)
+    admin.create_dir(bucket)
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
+    }

@@ -18,6 +18,8 @@ from gemline.config import load_config
 from gemline.lake import (commit_metadata, commit_once, committed_version, is_remote, lake_fs, open_table,
                           read_table, table_uri)
 
+from .conftest import s3_bucket
+
 pytestmark = pytest.mark.integration
 
 _buckets = itertools.count()
@@ -26,18 +28,8 @@ _buckets = itertools.count()
 @pytest.fixture
 def s3_lake(moto_endpoint):
     """(lake URI, storage options) for a fresh bucket."""
-    options = {
-        "AWS_ENDPOINT_URL": moto_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
-    }
     bucket = f"lake-{next(_buckets)}"
-    admin = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
-                              endpoint_override=moto_endpoint.removeprefix("http://"), allow_bucket_creation=True)
-    admin.create_dir(bucket)
+    options = s3_bucket(moto_endpoint, bucket)
     return f"s3://{bucket}/prefix", options
 
 

@@ -20,6 +20,8 @@ from ingest.datasets.types import RawRecord
 from ingest.generate import GenerateConfig, generate_records, stream_records
 from trainer.config import TrainerConfig
 
+from .conftest import s3_bucket
+
 pytestmark = pytest.mark.integration
 
 # Noon start: one day of traffic spans two event_date values, so the temporal split has a train
@@ -32,17 +34,7 @@ TOPIC, PARTITIONS = "s3e2e", 2
 @pytest.fixture(scope="module")
 def s3_lake(moto_endpoint):
     """(lake URI, storage options) of a fresh bucket on the module's moto_server."""
-    admin = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
-                              endpoint_override=moto_endpoint.removeprefix("http://"), allow_bucket_creation=True)
-    admin.create_dir("bucket")
-    return "s3://bucket/lake", {
-        "AWS_ENDPOINT_URL": moto_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
-    }
+    return "s3://bucket/lake", s3_bucket(moto_endpoint, "bucket")
 
 
 def _files(lake: str, opts: dict[str, str], under: str) -> list[str]:
