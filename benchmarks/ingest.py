@@ -8,8 +8,8 @@ produces one message per batch instead, as ``gemline replay`` does on tansu, whi
 consumer pay a record batch's overhead per message); then, in this process, on two fresh lakes:
 
 * baseline: a confluent-kafka consumer ``assign``-ed to every partition reads [0, high watermark),
-  each ``B`` messages become one Arrow batch (message fields straight into column lists, as the
-  pipeline's source does), are parsed by the same vectorised ``ingest.vectorized.parse_batch``,
+  each ``B`` messages become one Arrow batch (message fields straight into column lists with the
+  cyclic GC paused, as the pipeline's source does), are parsed by the same vectorised ``ingest.vectorized.parse_batch``,
   and are appended to Delta (events, dead_letter) with one ``write_deltalake`` per batch and
   table. No exactly-once bookkeeping, no dedup, no lateness.
 * pipeline: ``ingest.pipeline.run_ingest`` (plan, Beam DirectRunner, stage, dedup, lateness, the
@@ -26,6 +26,7 @@ Both runs see the same broker and host; numbers on a shared machine vary run to 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import tempfile
 import time
@@ -42,6 +43,7 @@ from gemline.lake import read_table, table_uri
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig, generate_records, stream_records
+from ingest.kafka_clients import gc_paused
 from ingest.kafka_source import RECORDS_SCHEMA
 from ingest.pipeline import run_ingest
 from ingest.replay import ensure_topic
@@ -96,15 +98,17 @@ def baseline(bootstrap: str, lake: Path, config: IngestConfig, batch_records: in
                 retention_ms=config.retention_ms)
     with tqdm(total=remaining, desc="baseline", unit="msg", disable=None) as progress:
         while remaining > 0:
-            msgs = consumer.consume(num_messages=min(batch_records, remaining), timeout=5.0)
-            if not msgs:
-                raise TimeoutError(f"baseline: no message in 5 s with {remaining} left")
-            msgs = [m for m in msgs if m.error() is None]
-            batch = pa.RecordBatch.from_arrays(
-                [pa.array([m.topic() for m in msgs], pa.string()), pa.array([m.partition() for m in msgs], pa.int32()),
-                 pa.array([m.offset() for m in msgs], pa.int64()), pa.array([m.key() for m in msgs], pa.binary()),
-                 pa.array([m.value() or b"" for m in msgs], pa.binary()),
-                 pa.array([m.timestamp()[1] for m in msgs], pa.int64())], schema=RECORDS_SCHEMA)
+            with gc_paused():  # as the pipeline's source does: see ingest.kafka_clients.gc_paused
+                msgs = consumer.consume(num_messages=min(batch_records, remaining), timeout=5.0)
+                if not msgs:
+                    raise TimeoutError(f"baseline: no message in 5 s with {remaining} left")
+                msgs = [m for m in msgs if m.error() is None]
+                batch = pa.RecordBatch.from_arrays(
+                    [pa.array([m.topic() for m in msgs], pa.string()),
+                     pa.array([m.partition() for m in msgs], pa.int32()),
+                     pa.array([m.offset() for m in msgs], pa.int64()), pa.array([m.key() for m in msgs], pa.binary()),
+                     pa.array([m.value() or b"" for m in msgs], pa.binary()),
+                     pa.array([m.timestamp()[1] for m in msgs], pa.int64())], schema=RECORDS_SCHEMA)
             events, dead = parse_batch(batch, **args)
             write_deltalake(table_uri(lake, "events"), events, mode="append", partition_by=["event_date"])
             write_deltalake(table_uri(lake, "dead_letter"), dead, mode="append")
@@ -147,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             ordered = sorted(records, key=event_time_sort_key)
             produce_batched(broker.bootstrap, TOPIC, (message_of(r) for r in ordered), args.partitions)
+            del ordered
+        # An ingest process does not hold the generated records: N live Python objects would make
+        # every cyclic garbage collection in the timed runs scan them.
+        del records
+        gc.collect()
         runs: list[Run] = []
         for rep in range(args.repeat):
             lake = Path(tmp) / f"base{rep}"

@@ -14,6 +14,8 @@ Source: the Kafka fetch semantics of librdkafka (``Consumer.consume``) and kafka
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +25,27 @@ import numpy as np
 import pyarrow as pa
 
 ClientName = Literal["confluent", "kafka-python"]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the block (restored after, exceptions included).
+
+    ``Consumer.consume(num_messages=10_000)`` allocates 10,000 GC-tracked ``Message`` objects at
+    once; every 700 allocations start a young-generation collection and every tenth of those an
+    older one, which walks the process's long-lived objects (Beam's, pyarrow's, polars'). Measured
+    with ``perf`` on the ingest benchmark: ~75% of the consume loop's CPU was ``gc_collect_main``;
+    paused, consuming costs 2.2 instead of 9-11 us per message. Messages hold no reference
+    cycles, so reference counting frees them all the same; the pause only defers collection.
+    Process-wide (``gc.disable``), so the block should not yield to other code.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -280,7 +303,8 @@ class ConfluentClient:
             next_offset = rng.start
             deadline = time.monotonic() + self._timeout_s
             while next_offset < rng.end:
-                msgs = self._consumer.consume(num_messages=min(10_000, rng.end - next_offset), timeout=0.5)
+                with gc_paused():
+                    msgs = self._consumer.consume(num_messages=min(10_000, rng.end - next_offset), timeout=0.5)
                 if not msgs:
                     _check_progress(rng, next_offset, deadline)
                     continue
@@ -322,26 +346,29 @@ class ConfluentClient:
             stamps: list[int] = []
             while next_offset < rng.end:
                 want = min(max_records - len(offsets), rng.end - next_offset)
-                msgs = self._consumer.consume(num_messages=want, timeout=0.5)
+                with gc_paused():
+                    msgs = self._consumer.consume(num_messages=want, timeout=0.5)
                 if not msgs:
                     _check_progress(rng, next_offset, deadline)
                     continue
                 deadline = time.monotonic() + self._timeout_s
-                for msg in msgs:
-                    if msg.error() is not None:
-                        raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()}")
-                    offset = msg.offset()
-                    # Guards against a message still queued from an earlier assignment or a re-fetch.
-                    if offset < next_offset or msg.partition() != partition or msg.topic() != topic:
-                        continue
-                    if offset >= rng.end:
-                        next_offset = rng.end
-                        break
-                    next_offset = offset + 1
-                    offsets.append(offset)
-                    keys.append(msg.key())
-                    values.append(msg.value() or b"")
-                    stamps.append(msg.timestamp()[1])
+                with gc_paused():
+                    for msg in msgs:
+                        if msg.error() is not None:
+                            raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()}")
+                        offset = msg.offset()
+                        # Guards against a message still queued from an earlier assignment or a re-fetch.
+                        if offset < next_offset or msg.partition() != partition or msg.topic() != topic:
+                            continue
+                        if offset >= rng.end:
+                            next_offset = rng.end
+                            break
+                        next_offset = offset + 1
+                        offsets.append(offset)
+                        keys.append(msg.key())
+                        values.append(msg.value() or b"")
+                        stamps.append(msg.timestamp()[1])
+                    del msgs
                 if len(offsets) >= max_records or (offsets and next_offset >= rng.end):
                     yield _partition_batch(topic, partition, offsets, keys, values, stamps)
                     offsets, keys, values, stamps = [], [], [], []
@@ -357,7 +384,9 @@ class ConfluentClient:
         if self._position != (topic, partition, offset):
             self._consumer.assign([TopicPartition(topic, partition, offset)])
         out: list[KafkaRecord] = []
-        for msg in self._consumer.consume(num_messages=max_records, timeout=timeout_s):
+        with gc_paused():
+            msgs = self._consumer.consume(num_messages=max_records, timeout=timeout_s)
+        for msg in msgs:
             if msg.error() is not None:
                 self._position = None
                 raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()} at offset >= {offset}")

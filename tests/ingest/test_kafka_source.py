@@ -416,3 +416,25 @@ def test_unbounded_polls_defer_and_advance_the_watermark_then_release_an_idle_pa
     assert poller.fetched_from == [5, 8, 8, 9, 9]
     # Idle from 102 s (last data) to 140 s: 38 s >= 30 s, so at the 4th poll the partition stopped
     # holding the watermark (moved to the wall clock, 140 s), and again at the 5th (200 s).
+
+
+def test_gc_paused_restores_the_collector_state_even_after_an_error():
+    import gc
+
+    from ingest.kafka_clients import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with gc_paused():
+            raise RuntimeError("boom")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "a collector the caller disabled stays disabled"
+    finally:
+        gc.enable()
