@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
+from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
 from gemline.hygiene import conform, tidy
 from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
@@ -437,7 +438,7 @@ def run_build(
     done = frozenset(name for name in _OUTPUTS
                      if (commit_metadata(lake, name, APP_ID, storage_options=opts) or {}).get("build") == build)
 
-    with beam.Pipeline(options=PipelineOptions(beam_args or [])) as pipeline:
+    with beam.Pipeline(options=PipelineOptions(local_runner_args(beam_args or []))) as pipeline:
         start = pipeline | "Start" >> beam.Create([None])
         inputs = {
             "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_table, ("new", lake, old_version, version, opts)),

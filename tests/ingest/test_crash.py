@@ -57,7 +57,7 @@ _topic_ids = itertools.count()
 
 STEPS = (
     ("ingest.pipeline", "_plan_batch"), ("ingest.pipeline", "_run_beam"), ("ingest.kafka_source", "claim_batch"),
-    ("ingest.vectorized", "parse_batch"), ("pyarrow.parquet", "write_table"), ("os", "replace"),
+    ("ingest.vectorized", "parse_batch"), ("pyarrow.feather", "write_feather"), ("os", "replace"),
     ("ingest.pipeline", "read_staged"), ("ingest.pipeline", "committed_ids"), ("ingest.pipeline", "drop_duplicates"),
     ("ingest.pipeline", "split_late"), ("ingest.pipeline", "commit_once"), ("ingest.pipeline", "_commit_at"),
     ("shutil", "rmtree"),
@@ -67,7 +67,7 @@ module at run time, so replacing the module attribute in the child intercepts it
 
 ZYGOTE = r'''
 import importlib, json, os, signal, sys, threading, time
-import apache_beam, deltalake, confluent_kafka, pyarrow.dataset, pyarrow.parquet  # noqa: F401  (warm imports)
+import apache_beam, deltalake, confluent_kafka, pyarrow.dataset, pyarrow.feather  # noqa: F401  (warm imports)
 import apache_beam.runners.direct.direct_runner  # noqa: F401
 import apache_beam.runners.portability.fn_api_runner  # noqa: F401
 import ingest.pipeline

@@ -23,6 +23,7 @@ from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_source import KafkaRecord, OffsetRange, ReadOffsetRanges, plan_snapshot
 from ingest.parse import event_date
 from ingest.pipeline import (
+    STAGED_SUFFIX,
     ReadRecordBatches,
     _check_batch,
     app_id_for,
@@ -221,6 +222,17 @@ def test_kafka_python_client_reads_the_same_records(broker, topic, tmp_path):
         assert _rows(read_table(tmp_path / "a", table)) == _rows(read_table(tmp_path / "b", table))
 
 
+def test_reshuffled_read_ingests_the_same_rows(broker, topic, tmp_path):
+    _produce(broker.bootstrap, topic, _good(0, 9) + BAD[:2])
+    a = run_ingest(_config(tmp_path / "a", topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    base = _config(tmp_path / "b", topic)
+    b = run_ingest(dataclasses.replace(base, ingest=dataclasses.replace(base.ingest, reshuffle=True, batch_max_records=2)),
+                   bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert a.events_written == b.events_written == 9 and a.dead_letter_written == b.dead_letter_written == 2
+    for table in ("events", "dead_letter"):
+        assert _rows(read_table(tmp_path / "a", table)) == _rows(read_table(tmp_path / "b", table))
+
+
 def test_plan_rejects_offsets_past_the_watermark(broker, topic):
     _produce(broker.bootstrap, topic, _good(0, 2))
     with pytest.raises(ValueError, match="past the high watermark"):
@@ -232,12 +244,13 @@ def test_plan_rejects_offsets_past_the_watermark(broker, topic):
 
 
 def test_read_staged_drops_duplicate_coordinates(tmp_path):
-    import pyarrow.parquet as pq
+    import pyarrow.feather as feather
 
     rows = [{"reason": "not_json", "detail": "d", "raw": b"x", "kafka_topic": "t", "kafka_partition": p,
              "kafka_offset": o, "created_ts_ms": 5} for p, o in [(1, 3), (0, 2), (1, 3), (0, 1)]]
-    pq.write_table(pa.Table.from_pylist(rows[:2], schema=DEAD_LETTER_SCHEMA), tmp_path / "a.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[2:], schema=DEAD_LETTER_SCHEMA), tmp_path / "b.parquet")
+    feather.write_feather(pa.Table.from_pylist(rows[:2], schema=DEAD_LETTER_SCHEMA), tmp_path / f"a{STAGED_SUFFIX}")
+    feather.write_feather(pa.Table.from_pylist(rows[2:], schema=DEAD_LETTER_SCHEMA), tmp_path / f"b{STAGED_SUFFIX}",
+                          compression="lz4")
     out = read_staged(tmp_path, DEAD_LETTER_SCHEMA)
     assert _coords(out) == [(0, 1), (0, 2), (1, 3)]
     assert read_staged(tmp_path / "missing", DEAD_LETTER_SCHEMA).num_rows == 0
@@ -275,7 +288,7 @@ def test_stale_staging_from_a_crashed_run_is_ignored(broker, topic, tmp_path):
     _produce(broker.bootstrap, topic, _good(0, 5))
     stale = staging_dir(cfg.lake, 0) / "events"
     stale.mkdir(parents=True)
-    (stale / "junk.parquet").write_bytes(b"half-written file of a run that died in the pipeline")
+    (stale / f"junk{STAGED_SUFFIX}").write_bytes(b"half-written file of a run that died in the pipeline")
     res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert res.events_written == 5 and read_table(cfg.lake, "events").num_rows == 5
 
@@ -393,12 +406,13 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
     assert commit_metadata(cfg.lake, "late_events", app_id_for(topic))["late_events"] == 1
 
 
-def test_read_record_batches_yields_every_offset_once_in_small_batches(broker, topic):
+@pytest.mark.parametrize("reshuffle", [False, True])
+def test_read_record_batches_yields_every_offset_once_in_small_batches(broker, topic, reshuffle):
     _produce(broker.bootstrap, topic, _good(0, 7))
     ranges = plan_snapshot(broker.bootstrap, topic, {})
     with test_pipeline.TestPipeline() as p:
         batches = p | beam.Create(ranges) | ReadRecordBatches(bootstrap=broker.bootstrap, client="confluent",
-                                                              timeout_s=20, max_records=2)
+                                                              timeout_s=20, max_records=2, reshuffle=reshuffle)
         shapes = batches | "Shape" >> beam.Map(
             lambda b: (b.num_rows <= 2, len(set(b.column("partition").to_pylist())) == 1,
                        b.column("offset").to_pylist() == sorted(b.column("offset").to_pylist())))
