@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events", type=int, default=20_000, help="messages to produce (default 20000)")
     parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--batch-records", type=int, default=10_000, help="messages per Arrow batch")
+    parser.add_argument("--batch-records", type=int, default=IngestConfig.batch_max_records,
+                        help=f"messages per Arrow batch, both runs (default {IngestConfig.batch_max_records})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=2,
                         help="time each run this many times on fresh lakes; the ratio uses the best (least CPU) of each")

@@ -259,6 +259,46 @@ def _check_progress(rng: OffsetRange, next_offset: int, deadline: float) -> None
         )
 
 
+def _take_columns(msgs: list[Any], rng: OffsetRange, next_offset: int, offsets: list[int],
+                  keys: list[bytes | None], values: list[bytes], timestamps_ms: list[int]) -> int:
+    """Append the fields of the confluent-kafka ``msgs`` of ``rng`` at or after ``next_offset`` to the
+    column lists; return the next offset to read (``rng.end`` once the range is done).
+
+    The usual chunk (this partition, offsets ascending inside the range) is taken by one list
+    comprehension per field, ~1 us per message less than a loop with the checks per message;
+    any other chunk takes that loop, which skips what is outside the range.
+
+    Raises:
+        RuntimeError: a message carries a Kafka error.
+    """
+    errors = [m for m in msgs if m.error() is not None]
+    if errors:
+        raise RuntimeError(f"{rng.topic}[{rng.partition}]: Kafka error {errors[0].error()}")
+    got = [m.offset() for m in msgs]
+    n = len(msgs)
+    if (n and next_offset <= got[0] and got[-1] < rng.end
+            and [m.partition() for m in msgs].count(rng.partition) == n
+            and [m.topic() for m in msgs].count(rng.topic) == n
+            and (n == 1 or bool(np.all(np.diff(np.asarray(got, dtype=np.int64)) > 0)))):
+        offsets.extend(got)
+        keys.extend([m.key() for m in msgs])
+        values.extend([m.value() or b"" for m in msgs])
+        timestamps_ms.extend([m.timestamp()[1] for m in msgs])
+        return got[-1] + 1
+    for msg, offset in zip(msgs, got):
+        # Guards against a message still queued from an earlier assignment or a re-fetch.
+        if offset < next_offset or msg.partition() != rng.partition or msg.topic() != rng.topic:
+            continue
+        if offset >= rng.end:
+            return rng.end
+        next_offset = offset + 1
+        offsets.append(offset)
+        keys.append(msg.key())
+        values.append(msg.value() or b"")
+        timestamps_ms.append(msg.timestamp()[1])
+    return next_offset
+
+
 class ConfluentClient:
     """:class:`KafkaClient` over confluent-kafka (librdkafka).
 
@@ -353,21 +393,7 @@ class ConfluentClient:
                     continue
                 deadline = time.monotonic() + self._timeout_s
                 with gc_paused():
-                    for msg in msgs:
-                        if msg.error() is not None:
-                            raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()}")
-                        offset = msg.offset()
-                        # Guards against a message still queued from an earlier assignment or a re-fetch.
-                        if offset < next_offset or msg.partition() != partition or msg.topic() != topic:
-                            continue
-                        if offset >= rng.end:
-                            next_offset = rng.end
-                            break
-                        next_offset = offset + 1
-                        offsets.append(offset)
-                        keys.append(msg.key())
-                        values.append(msg.value() or b"")
-                        stamps.append(msg.timestamp()[1])
+                    next_offset = _take_columns(msgs, rng, next_offset, offsets, keys, values, stamps)
                     del msgs
                 if len(offsets) >= max_records or (offsets and next_offset >= rng.end):
                     yield _partition_batch(topic, partition, offsets, keys, values, stamps)

@@ -214,6 +214,11 @@ class _StageArrowFn(beam.DoFn):
             return
         table = pa.concat_tables(self._tables + [pa.Table.from_pylist(self._rows, schema=self._schema)])
         name = uuid.uuid4().hex
+        if table.num_rows and {"kafka_partition", "kafka_offset"} <= set(table.column_names):
+            # Named by the first (partition, offset), so that the files of bundles that each read
+            # one partition in order list in (partition, offset) order and read_staged need not sort.
+            first = (table["kafka_partition"][0].as_py(), table["kafka_offset"][0].as_py())
+            name = f"{first[0]:010d}-{first[1]:020d}-{name}"
         tmp = os.path.join(self._dir, f".{name}.tmp")
         feather.write_feather(table, tmp, compression="lz4")
         os.replace(tmp, os.path.join(self._dir, f"{name}{STAGED_SUFFIX}"))
@@ -255,12 +260,15 @@ def read_staged(directory: str | Path, schema: pa.Schema) -> pa.Table:
     table = pads.dataset(files, format="ipc", schema=schema).to_table()
     if table.schema != schema:
         raise ValueError(f"staged rows in {directory}: expected schema {schema}, got {table.schema}")
-    table = table.sort_by([("kafka_partition", "ascending"), ("kafka_offset", "ascending")])
     parts = table["kafka_partition"].to_numpy()
     offsets = table["kafka_offset"].to_numpy()
+    order = np.lexsort((offsets, parts))
+    # Taking every column in a new order costs ~1 us per row: skip it when the files already are.
+    if not np.array_equal(order, np.arange(len(order))):
+        table, parts, offsets = table.take(pa.array(order)), parts[order], offsets[order]
     keep = np.ones(len(table), dtype=bool)
     keep[1:] = (parts[1:] != parts[:-1]) | (offsets[1:] != offsets[:-1])
-    return table.filter(pa.array(keep))
+    return table if keep.all() else table.filter(pa.array(keep))
 
 
 def _check_batch(events: pa.Table, dead: pa.Table, ranges: tuple[OffsetRange, ...]) -> None:

@@ -64,7 +64,10 @@ _INT32 = (-(2**31), 2**31 - 1)
 _FRAMED = r"^ *\{[^\x00-\x1f]*\} *$"
 _DECLARED = pa.schema([pa.field(n, pa.string()) for n in _STRING_FIELDS] + [pa.field(n, pa.int64()) for n in _INT_FIELDS])
 _PARSE_OPTIONS = pajson.ParseOptions(explicit_schema=_DECLARED, unexpected_field_behavior="ignore")
-_READ_OPTIONS = pajson.ReadOptions(use_threads=False, block_size=1 << 26)
+# 1 MiB blocks: a block that stays in the CPU cache while it is parsed; measured 2.1-2.4 us per
+# 244-byte event against 3.7 with 64 MiB blocks. A row longer than a block fails the read and goes
+# down the bisection to the per-record reference, as any row the reader rejects.
+_READ_OPTIONS = pajson.ReadOptions(use_threads=False, block_size=1 << 20)
 
 
 def _check_records(batch: pa.RecordBatch) -> None:
@@ -149,8 +152,9 @@ def _decode(strings: pa.Array, rows: np.ndarray, slow: np.ndarray) -> list[tuple
     """
     if len(rows) == 0:
         return []
+    chosen = strings if len(rows) == len(strings) else strings.take(pa.array(rows))  # rows are ascending, unique
     try:
-        table = pajson.read_json(pa.BufferReader(_joined_lines(strings.take(pa.array(rows)))),
+        table = pajson.read_json(pa.BufferReader(_joined_lines(chosen)),
                                  read_options=_READ_OPTIONS, parse_options=_PARSE_OPTIONS)
         ok = table.num_rows == len(rows)  # ``{..}{..}`` on one line reads as two rows
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -281,9 +285,12 @@ def parse_batch(
         else:
             dead_rows.append(row)
 
-    events = pa.concat_tables(fast_tables + [pa.Table.from_pylist(ok_rows, schema=EVENTS_TABLE_SCHEMA)])
-    order = np.argsort(np.concatenate(fast_index + [np.asarray(ok_index, dtype=np.int64)]), kind="stable")
-    events = events.take(pa.array(order)) if events.num_rows else events
+    if ok_rows or len(fast_tables) != 1:
+        events = pa.concat_tables(fast_tables + [pa.Table.from_pylist(ok_rows, schema=EVENTS_TABLE_SCHEMA)])
+        order = np.argsort(np.concatenate(fast_index + [np.asarray(ok_index, dtype=np.int64)]), kind="stable")
+        events = events.take(pa.array(order)) if events.num_rows else events
+    else:  # one decoded part and no row from the reference: already in batch order
+        events = fast_tables[0]
     dead = pa.Table.from_pylist(dead_rows, schema=DEAD_LETTER_SCHEMA)
     return events, dead
 

@@ -438,3 +438,59 @@ def test_gc_paused_restores_the_collector_state_even_after_an_error():
         assert not gc.isenabled(), "a collector the caller disabled stays disabled"
     finally:
         gc.enable()
+
+
+class _Msg:
+    """The accessors of a confluent_kafka.Message that the reader uses."""
+
+    def __init__(self, partition, offset, topic="t", error=None):
+        self._p, self._o, self._t, self._e = partition, offset, topic, error
+
+    def error(self):
+        return self._e
+
+    def offset(self):
+        return self._o
+
+    def partition(self):
+        return self._p
+
+    def topic(self):
+        return self._t
+
+    def key(self):
+        return None if self._o % 2 else b"k%d" % self._o
+
+    def value(self):
+        return None if self._o == 13 else b"v%d" % self._o
+
+    def timestamp(self):
+        return (1, 1000 + self._o)
+
+
+@pytest.mark.parametrize(("chunk", "start", "taken", "next_offset"), [
+    ([(0, o) for o in range(10, 15)], 10, [10, 11, 12, 13, 14], 15),  # the usual chunk: every message
+    ([(0, 8), (0, 9), (0, 10), (0, 11)], 10, [10, 11], 12),  # re-fetched offsets before the position
+    ([(1, 10), (0, 10), (0, 11)], 10, [10, 11], 12),  # a message of another partition still queued
+    ([(0, 18), (0, 19), (0, 20), (0, 21)], 18, [18, 19], 20),  # the range ends inside the chunk
+    ([(0, 10), (0, 12)], 10, [10, 12], 13),  # an offset gap (compaction, transaction markers)
+    ([], 10, [], 10),
+])
+def test_take_columns_keeps_exactly_the_messages_of_the_range(chunk, start, taken, next_offset):
+    from ingest.kafka_clients import _take_columns
+
+    cols = ([], [], [], [])
+    got = _take_columns([_Msg(p, o) for p, o in chunk], OffsetRange("t", 0, 0, 20), start, *cols)
+    assert got == next_offset
+    assert cols == (taken, [None if o % 2 else b"k%d" % o for o in taken],
+                    [b"" if o == 13 else b"v%d" % o for o in taken], [1000 + o for o in taken])
+
+
+def test_take_columns_raises_on_a_kafka_error_and_checks_the_topic():
+    from ingest.kafka_clients import _take_columns
+
+    with pytest.raises(RuntimeError, match="Kafka error BROKER_DOWN"):
+        _take_columns([_Msg(0, 1), _Msg(0, 2, error="BROKER_DOWN")], OffsetRange("t", 0, 0, 9), 0, [], [], [], [])
+    cols = ([], [], [], [])
+    assert _take_columns([_Msg(0, 1, topic="other"), _Msg(0, 2)], OffsetRange("t", 0, 0, 9), 0, *cols) == 3
+    assert cols[0] == [2]

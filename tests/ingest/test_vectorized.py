@@ -164,6 +164,20 @@ def test_large_batch_with_scattered_bad_rows_bisects_to_the_same_answer():
     assert len(dead) == len(range(0, len(values), 37))
 
 
+def test_batch_over_many_read_blocks_with_a_row_longer_than_a_block():
+    from ingest.vectorized import _READ_OPTIONS
+
+    block = _READ_OPTIONS.block_size
+    values = [_j(_obj(i, category="c" * (i % 300))) for i in range(3 * block // 150)]  # rows straddle block ends
+    values[len(values) // 2] = _j(_obj(7, category="x" * (block + 10)))  # a valid event longer than a block
+    values[len(values) // 3] = b"{oops"
+    assert sum(map(len, values)) > 3 * block
+    good, dead = _check_twins(values)
+    assert [d["reason"] for d in dead] == ["not_json"]
+    assert len(good) == len(values) - 1
+    assert any(len(g["category"] or "") > block for g in good), "the long row is kept, by the reference path"
+
+
 _scalar = st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats(allow_nan=False) | st.text(max_size=6)
 _field_value = {
     "event_id": st.text(max_size=4) | _scalar,
