@@ -86,17 +86,18 @@ def drop_duplicates(events: pa.Table, committed: pa.Table, window_ms: int) -> tu
     kept_times: dict[str, list[int]] = {}
     for eid, ms in zip(committed["event_id"].to_pylist(), committed["event_time_ms"].to_pylist()):
         kept_times.setdefault(eid, []).append(ms)
-    suspect = pc.is_in(ids, value_set=repeated).to_numpy(zero_copy_only=False)
+    suspect = np.flatnonzero(pc.is_in(ids, value_set=repeated).to_numpy(zero_copy_only=False))
     times = events["event_time_ms"].to_numpy()
     keep = np.ones(events.num_rows, dtype=bool)
-    id_list = ids.to_pylist()
-    for i in np.flatnonzero(suspect):
-        earlier = kept_times.setdefault(id_list[i], [])
+    for i, eid in zip(suspect, ids.take(pa.array(suspect)).to_pylist()):
+        earlier = kept_times.setdefault(eid, [])
         if any(abs(int(times[i]) - t) <= window_ms for t in earlier):
             keep[i] = False
         else:
             earlier.append(int(times[i]))
-    return events.filter(pa.array(keep)), int((~keep).sum())
+    dropped = int((~keep).sum())
+    # Copying every column costs ~0.3 us per row: only when something is dropped.
+    return (events.filter(pa.array(keep)) if dropped else events), dropped
 
 
 def split_late(
@@ -125,13 +126,17 @@ def split_late(
     has_mark = (known[slot] == parts) if len(known) else np.zeros(len(parts), dtype=bool)
     marks = np.where(has_mark, known_marks[slot] if len(known) else 0, np.iinfo(np.int64).min)
     late = has_mark & (times < np.where(has_mark, marks - allowed_lateness_ms, 0))
-    on_time = events.filter(pa.array(~late))
-    late_rows = events.filter(pa.array(late))
+    any_late = bool(late.any())
+    on_time = events.filter(pa.array(~late)) if any_late else events  # no copy in the usual case
+    late_rows = events.filter(pa.array(late)) if any_late else events.slice(0, 0)
     late_rows = late_rows.append_column(LATE_EVENTS_SCHEMA.field("watermark_ms"), pa.array(marks[late], pa.int64()))
     late_rows = late_rows.append_column(LATE_EVENTS_SCHEMA.field("lateness_ms"),
                                         pa.array(marks[late] - times[late], pa.int64()))
     new_marks = {int(p): int(w) for p, w in watermarks_ms.items()}
-    for p in np.unique(parts[~late]):
-        batch_max = int(times[(parts == p) & ~late].max())
-        new_marks[int(p)] = max(new_marks.get(int(p), batch_max), batch_max)
+    on_parts, on_times = parts[~late], times[~late]
+    if len(on_parts):
+        order = np.argsort(on_parts, kind="stable")
+        uniq, starts = np.unique(on_parts[order], return_index=True)
+        for p, batch_max in zip(uniq, np.maximum.reduceat(on_times[order], starts)):
+            new_marks[int(p)] = max(new_marks.get(int(p), int(batch_max)), int(batch_max))
     return on_time, late_rows.cast(LATE_EVENTS_SCHEMA), new_marks

@@ -386,15 +386,18 @@ class ConfluentClient:
             stamps: list[int] = []
             while next_offset < rng.end:
                 want = min(max_records - len(offsets), rng.end - next_offset)
+                # One pause over consume and unpack, the messages freed inside it: alive at the
+                # re-enable, they would make the next young-generation collection walk all of them.
                 with gc_paused():
                     msgs = self._consumer.consume(num_messages=want, timeout=0.5)
-                if not msgs:
+                    got = len(msgs)
+                    if got:
+                        next_offset = _take_columns(msgs, rng, next_offset, offsets, keys, values, stamps)
+                    del msgs
+                if not got:
                     _check_progress(rng, next_offset, deadline)
                     continue
                 deadline = time.monotonic() + self._timeout_s
-                with gc_paused():
-                    next_offset = _take_columns(msgs, rng, next_offset, offsets, keys, values, stamps)
-                    del msgs
                 if len(offsets) >= max_records or (offsets and next_offset >= rng.end):
                     yield _partition_batch(topic, partition, offsets, keys, values, stamps)
                     offsets, keys, values, stamps = [], [], [], []

@@ -89,6 +89,11 @@ def test_split_late_partitions_rows_and_never_lowers_watermarks(rows, marks, lat
         assert p not in marks or r["event_time_ms"] >= marks[p] - lateness
         assert new_marks[p] >= r["event_time_ms"]
     assert all(new_marks[p] >= w for p, w in marks.items())
+    expected = dict(marks)  # brute force: each partition's watermark is max(W, its on-time event times)
+    for r in on_time.to_pylist():
+        p = r["kafka_partition"]
+        expected[p] = max(expected.get(p, r["event_time_ms"]), r["event_time_ms"])
+    assert new_marks == expected
 
 
 def test_committed_ids_reads_only_the_window_and_the_ids(tmp_path):
