@@ -390,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         return args.func(args, extra)
-    except (ValueError, FileNotFoundError) as exc:
-        # Bad input or a missing table/file/config: the message says what to do; no traceback.
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        # Bad input, a missing table/file/config, an unreachable broker: the message says what to do.
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +26,46 @@ import numpy as np
 import pyarrow as pa
 
 ClientName = Literal["confluent", "kafka-python"]
+
+
+class _FirstOfEach(logging.Filter):
+    """Passes a record unless one of the same kind (level + text up to its first digit) passed
+    less than ``every_s`` seconds before it.
+
+    librdkafka retries a refused connection every ~50 ms and logs each try: against a wrong
+    ``--bootstrap`` that was 600 identical lines before the real error. A long-running stream
+    still hears of a broker that goes away again later.
+    """
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        super().__init__()
+        self._every_s = every_s
+        self._last: dict[tuple[int, str], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        key = (record.levelno, text[: next((i for i, c in enumerate(text) if c.isdigit()), len(text))])
+        last = self._last.get(key)
+        if last is not None and record.created - last < self._every_s:
+            return False
+        self._last[key] = record.created
+        return True
+
+
+def rdkafka_logger() -> logging.Logger:
+    """The Python logger librdkafka's log lines go to (confluent-kafka's ``logger`` setting), each
+    kind of line at most once a minute; the first call installs the filter."""
+    logger = logging.getLogger("ingest.rdkafka")
+    if not any(isinstance(f, _FirstOfEach) for f in logger.filters):
+        logger.addFilter(_FirstOfEach())
+    return logger
+
+
+def unreachable(bootstrap: str, timeout_s: float, exc: BaseException | None = None) -> ConnectionError:
+    """The error for a Kafka cluster that did not answer a request within ``timeout_s`` seconds."""
+    detail = f" ({exc})" if exc is not None and str(exc) else ""
+    return ConnectionError(f"no answer from the Kafka cluster at {bootstrap} within {timeout_s:g} s{detail}; "
+                           "is the broker up and --bootstrap right?")
 
 
 @contextlib.contextmanager
@@ -310,6 +351,7 @@ class ConfluentClient:
         from confluent_kafka import Consumer
 
         self._timeout_s = timeout_s
+        self._bootstrap = bootstrap
         self._position: tuple[str, int, int] | None = None  # (topic, partition, next offset) assigned
         self._consumer = Consumer(
             {
@@ -319,13 +361,23 @@ class ConfluentClient:
                 "enable.auto.offset.store": False,
                 "enable.partition.eof": False,
                 "auto.offset.reset": "error",
+                "logger": rdkafka_logger(),
             }
         )
 
     def end_offsets(self, topic: str) -> dict[int, tuple[int, int]]:
-        from confluent_kafka import TopicPartition
+        """See :meth:`KafkaClient.end_offsets`.
 
-        meta = self._consumer.list_topics(topic, timeout=self._timeout_s).topics.get(topic)
+        Raises:
+            ConnectionError: no metadata from the cluster within the timeout.
+            ValueError: the topic does not exist.
+        """
+        from confluent_kafka import KafkaException, TopicPartition
+
+        try:
+            meta = self._consumer.list_topics(topic, timeout=self._timeout_s).topics.get(topic)
+        except KafkaException as exc:
+            raise unreachable(self._bootstrap, self._timeout_s, exc) from exc
         if meta is None or meta.error is not None or not meta.partitions:
             raise ValueError(f"topic {topic!r} not found on the cluster ({meta and meta.error}); create it first")
         return {

@@ -12,6 +12,7 @@ second replay appends the records again, and the ingest job drops the repeats by
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -20,6 +21,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tqdm import tqdm
 
 from ingest.datasets import load_records
+from ingest.kafka_clients import rdkafka_logger, unreachable
 from ingest.datasets.types import RawRecord, Record, event_time_sort_key
 from ingest.schema import Event
 
@@ -44,12 +46,15 @@ class DeliveryError(RuntimeError):
 
 def _create_or_describe(bootstrap: str, topic: str, partitions: int, timeout_s: float) -> int:
     """Create ``topic`` unless it exists; return its partition count as the broker reports it."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": rdkafka_logger()})
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
                                   request_timeout=timeout_s)
     # exception() rather than result(): a raised-and-caught error would tie this frame (and the
     # client's open connection) into a reference cycle that lives until the next gc pass.
-    error = futures[topic].exception(timeout=timeout_s)
+    try:
+        error = futures[topic].exception(timeout=timeout_s)
+    except concurrent.futures.TimeoutError as exc:
+        raise unreachable(bootstrap, timeout_s, exc) from None
     if error is not None and error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
         raise error
     metadata = admin.list_topics(topic=topic, timeout=timeout_s)
@@ -142,6 +147,7 @@ def replay(
 
     producer = Producer({
         "bootstrap.servers": bootstrap,
+        "logger": rdkafka_logger(),
         "batch.num.messages": batch_messages,
         "linger.ms": 0,
         "enable.idempotence": False,  # tansu 0.x does not implement producer ids

@@ -105,3 +105,29 @@ def test_sharded_train_of_a_never_validated_version_is_one_line(tmp_path, capsys
 def test_nproc_below_one_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--nproc", "0", "--lake", str(tmp_path)])
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on exit: connections to it are refused
+
+
+def test_ingest_against_an_unreachable_broker_is_a_short_one_line_error(tmp_path, capsys, caplog):
+    import logging
+
+    from ingest.kafka_clients import _FirstOfEach
+
+    rdkafka = logging.getLogger("ingest.rdkafka")
+    for old in [f for f in rdkafka.filters if isinstance(f, _FirstOfEach)]:
+        rdkafka.removeFilter(old)  # a fresh filter: earlier tests' lines must not hide this one's
+    bootstrap = f"127.0.0.1:{_closed_port()}"
+    code = main(["ingest", "--lake", str(tmp_path), "--bootstrap", bootstrap, "--set", "ingest.read_timeout_s=2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"error: no answer from the Kafka cluster at {bootstrap} within 2 s" in err
+    assert "Traceback" not in err
+    retries = [r for r in caplog.records if r.name == "ingest.rdkafka"]
+    assert 1 <= len(retries) <= 3, "librdkafka's lines reach Python logging, once per kind, not every 50 ms"

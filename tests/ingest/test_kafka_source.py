@@ -494,3 +494,23 @@ def test_take_columns_raises_on_a_kafka_error_and_checks_the_topic():
     cols = ([], [], [], [])
     assert _take_columns([_Msg(0, 1, topic="other"), _Msg(0, 2)], OffsetRange("t", 0, 0, 9), 0, *cols) == 3
     assert cols[0] == [2]
+
+
+def test_rdkafka_log_lines_pass_once_per_kind():
+    import logging
+
+    from ingest.kafka_clients import _FirstOfEach
+
+    keep = _FirstOfEach(every_s=60)
+
+    def passes(level, text, at):
+        record = logging.LogRecord("ingest.rdkafka", level, __file__, 1, text, None, None)
+        record.created = at
+        return keep.filter(record)
+
+    assert passes(logging.ERROR, "FAIL Connect to ipv4#127.0.0.1:1 failed (after 0ms)", 100.0)
+    assert not passes(logging.ERROR, "FAIL Connect to ipv4#127.0.0.1:1 failed (after 3ms)", 100.05)  # same kind
+    assert passes(logging.WARNING, "FAIL Connect to ipv4#127.0.0.1:1 failed (after 0ms)", 100.1)  # another level
+    assert passes(logging.ERROR, "SSL handshake failed", 100.2)
+    assert not passes(logging.ERROR, "FAIL Connect to ipv4#127.0.0.1:1 failed (after 0ms)", 159.0)
+    assert passes(logging.ERROR, "FAIL Connect to ipv4#127.0.0.1:1 failed (after 0ms)", 161.0)  # a minute on
