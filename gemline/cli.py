@@ -228,7 +228,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         )
         # Only the node that hosted global rank 0 has a result; the others print nothing.
         if result is not None:
-            print(_as_json(result))
+            print(_train_summary(result))
         return 0
     from trainer.train import QuarantinedError, run_training
 
@@ -248,14 +248,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 3
         result = train_with_torchrun(config, args.nproc, examples_version=version)
-        print(_as_json(result))
+        print(_train_summary(result))
         return 0
     try:
         result = run_training(_config(args), examples_version=args.version)
     except QuarantinedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    print(_as_json(result))
+    print(_train_summary(result))
     return 0
 
 
@@ -281,6 +281,19 @@ def _as_json(result: object) -> str:
     import dataclasses
 
     data = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+    return json.dumps(data, indent=2, default=str)
+
+
+def _train_summary(result: object) -> str:
+    """A training result as JSON with the per-step loss curve cut to its ends: the curve is a plot
+    (``loss_curve.png`` in the checkpoint), not thousands of printed numbers."""
+    import dataclasses
+
+    data = dict(dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result)
+    curve = data.get("loss_curve") or []
+    if curve:
+        data["loss_curve"] = {"steps": len(curve), "first": curve[0], "last": curve[-1],
+                              "plot": str(Path(str(data.get("checkpoint_path", ""))) / "loss_curve.png")}
     return json.dumps(data, indent=2, default=str)
 
 

@@ -131,3 +131,20 @@ def test_ingest_against_an_unreachable_broker_is_a_short_one_line_error(tmp_path
     assert "Traceback" not in err
     retries = [r for r in caplog.records if r.name == "ingest.rdkafka"]
     assert 1 <= len(retries) <= 3, "librdkafka's lines reach Python logging, once per kind, not every 50 ms"
+
+
+def test_train_output_cuts_the_loss_curve_to_its_ends():
+    import json
+
+    from gemline.cli import _train_summary
+    from trainer.train import TrainResult
+
+    curve = [1.0 - i / 2000 for i in range(1000)]
+    result = TrainResult(examples_version=3, train_examples=10, eval_examples=4, eval_date="2026-01-02",
+                         metrics={"click": {}}, checkpoint_path="/lake/_checkpoints/step-1000", steps=1000,
+                         loss_curve=curve)
+    out = json.loads(_train_summary(result))
+    assert out["loss_curve"] == {"steps": 1000, "first": 1.0, "last": curve[-1],
+                                 "plot": "/lake/_checkpoints/step-1000/loss_curve.png"}
+    assert out["steps"] == 1000 and out["examples_version"] == 3
+    assert result.loss_curve == curve, "the result itself keeps the whole curve"
