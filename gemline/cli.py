@@ -139,7 +139,7 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     if config.ingest.max_offsets_per_partition is not None:
         # Capped batches: read the whole backlog, one bounded batch (one JSON line) at a time.
         for result in ingest_backlog(config, bootstrap=_require_bootstrap(config), beam_args=extra):
-            print(_as_json(result))
+            print(_json_line(result), flush=True)  # now, not at exit: a killed run still shows what it committed
         return 0
     result = run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra)
     print(_as_json(result))
@@ -284,6 +284,13 @@ def _as_json(result: object) -> str:
     return json.dumps(data, indent=2, default=str)
 
 
+def _json_line(result: object) -> str:
+    """``result`` (a dataclass) as one line of JSON."""
+    import dataclasses
+
+    return json.dumps(dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result, default=str)
+
+
 def _train_summary(result: object) -> str:
     """A training result as JSON with the per-step loss curve cut to its ends: the curve is a plot
     (``loss_curve.png`` in the checkpoint), not thousands of printed numbers."""
@@ -403,6 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         return args.func(args, extra)
+    except KeyboardInterrupt:
+        # Every stage commits idempotently, so a rerun finishes an interrupted batch; no traceback.
+        print(f"\ninterrupted: {args.command} stopped; run the same command again to finish "
+              "(committed work is kept, a half-done batch is redone, nothing is written twice)", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, ConnectionError) as exc:
         # Bad input, a missing table/file/config, an unreachable broker: the message says what to do.
         print(f"error: {exc}", file=sys.stderr)

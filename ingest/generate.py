@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingest.datasets.types import RawRecord, Record, event_time_sort_key
+from ingest.datasets.types import RawRecord, Record
 from ingest.schema import SCHEMA_VERSION, Event
 
 GEM_DOMAINS: tuple[str, ...] = ("facebook", "instagram", "messaging")
@@ -223,6 +223,19 @@ def generate_records(cfg: GenerateConfig) -> list[Record]:
     return records
 
 
+def in_time_order(records: list[Record]) -> list[Record]:
+    """``records`` with the Events in event-time order (stable) and each RawRecord (a bad message)
+    kept right after the Event it followed, so bad messages stay spread through the stream
+    (``event_time_sort_key`` would put them all last, at the end of every partition)."""
+    keys: list[int] = []
+    last = -(2**63)
+    for rec in records:
+        if isinstance(rec, Event):
+            last = rec.event_time_ms
+        keys.append(last)
+    return [records[i] for i in sorted(range(len(records)), key=keys.__getitem__)]
+
+
 def stream_records(records: list[Record], *, bootstrap: str, topic: str, partitions: int,
                    rate_per_s: float | None = None, batch_messages: int = 1, progress: bool = True) -> int:
     """Produce ``records`` to Kafka, at most ``rate_per_s`` events/s (as fast as possible if None).
@@ -238,7 +251,7 @@ def stream_records(records: list[Record], *, bootstrap: str, topic: str, partiti
 
     if rate_per_s is not None and rate_per_s <= 0:
         raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
-    ordered = sorted(records, key=event_time_sort_key)
+    ordered = in_time_order(records)
     step = len(ordered) if rate_per_s is None else max(1, int(rate_per_s))
     produced = 0
     for start in range(0, len(ordered), step):

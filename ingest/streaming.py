@@ -87,6 +87,10 @@ class StreamingSummary:
     """Batch versions this call committed (recovered ones included)."""
     events_written: int = 0
     dead_letter_written: int = 0
+    late_events_written: int = 0
+    """Rows moved to ``late_events`` (behind the watermark by more than the allowed lateness)."""
+    duplicates_dropped: int = 0
+    """Second deliveries of an event_id dropped (counted, not written)."""
     stopped_by: str = "max_batches"
     """'max_batches' or 'stop' (signal or caller's event)."""
 
@@ -155,6 +159,8 @@ def run_streaming(
             summary.committed.append(result.batch_version)
             summary.events_written += result.events_written
             summary.dead_letter_written += result.dead_letter_written
+            summary.late_events_written += result.late_events_written
+            summary.duplicates_dropped += result.duplicates_dropped
         if on_batch is not None:
             on_batch(result)
         if streaming.max_batches is not None and summary.batches >= streaming.max_batches:

@@ -197,6 +197,8 @@ def latest_report(
     Raises:
         FileNotFoundError: no report exists for that table (or version); validate it first.
     """
+    if table not in VALIDATED_TABLES:
+        raise ValueError(f"no quality suite (so no report) for table {table!r}; reports exist for {VALIDATED_TABLES}")
     if is_remote(lake):
         return _latest_remote_report(str(lake), table, version, storage_options)
     if version is None:

@@ -1,5 +1,7 @@
 """The CLI: flags reach the config, bad flags exit 2, and generate -> ingest loses nothing."""
 
+import json
+
 import pyarrow as pa
 import pytest
 
@@ -44,6 +46,11 @@ def test_generate_then_ingest_twice(tmp_path, capsys, cap):
         assert len(batches) == 1 if cap is None else len(batches) > 1
         events = read_table(tmp_path, "events")
         dead = read_table(tmp_path, "dead_letter")
+        if cap is not None:  # one JSON line per batch, and the lines add up to the tables
+            results = [json.loads(line) for line in batches]
+            assert sum(r["events_written"] for r in results) == events.num_rows
+            assert sum(r["dead_letter_written"] for r in results) == dead.num_rows
+            assert [r["batch_version"] for r in results] == list(range(len(results)))
         assert events.num_rows == len(expected) - num_bad
         assert dead.num_rows == num_bad
         assert sorted(events["event_id"].to_pylist()) == sorted(r.event_id for r in expected if not isinstance(r, RawRecord))
@@ -148,3 +155,23 @@ def test_train_output_cuts_the_loss_curve_to_its_ends():
                                  "plot": "/lake/_checkpoints/step-1000/loss_curve.png"}
     assert out["steps"] == 1000 and out["examples_version"] == 3
     assert result.loss_curve == curve, "the result itself keeps the whole curve"
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    import gemline.cli as cli
+
+    def interrupted(args, extra):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_build", interrupted)
+    assert cli.main(["build", "--lake", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: build stopped; run the same command again to finish" in err
+    assert "Traceback" not in err
+
+
+def test_report_on_a_table_without_a_quality_suite_says_so(tmp_path, capsys):
+    assert main(["report", "--table", "dead_letter", "--lake", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no quality suite (so no report) for table 'dead_letter'" in err
+    assert "gemline validate --table dead_letter" not in err

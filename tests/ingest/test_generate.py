@@ -98,3 +98,19 @@ def test_power_law_users():
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GenerateConfig(**kwargs)
+
+
+def test_time_order_for_producing_keeps_bad_records_among_the_events(records):
+    from ingest.generate import in_time_order
+
+    raw = [RawRecord(b"x1", b"k", "test"), RawRecord(b"x2", b"k", "test")]
+    ev = [r for r in records if isinstance(r, Event)][:3]
+    early, mid, late = sorted(ev, key=lambda e: e.event_time_ms)
+    assert in_time_order([raw[0], late, raw[1], early, mid]) == [raw[0], early, mid, late, raw[1]]
+
+    ordered = in_time_order(records)
+    assert sorted(map(id, ordered)) == sorted(map(id, records)), "every record once"
+    times = [r.event_time_ms for r in ordered if isinstance(r, Event)]
+    assert times == sorted(times)
+    where = [i for i, r in enumerate(ordered) if isinstance(r, RawRecord)]
+    assert where and where[0] < len(ordered) // 2, "bad records are spread through the stream, not all at its end"
