@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
+from gemline.locks import LakeBusyError
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -400,6 +401,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_interrupt(exc: BaseException) -> bool:
+    """Ctrl-C inside a Beam DoFn reaches the caller as ``RuntimeError: KeyboardInterrupt [while running ...]``."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt) or str(seen).startswith("KeyboardInterrupt"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _interrupted(command: str) -> int:
+    # Every stage commits idempotently, so a rerun finishes an interrupted batch; no traceback.
+    print(f"\ninterrupted: {command} stopped; run the same command again to finish "
+          "(committed work is kept, a half-done batch is redone, nothing is written twice)", file=sys.stderr)
+    return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `gemline` console script; returns the process exit code."""
     parser = build_parser()
@@ -410,12 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         return args.func(args, extra)
+    except RuntimeError as exc:
+        if not _is_interrupt(exc):
+            raise
+        return _interrupted(args.command)
     except KeyboardInterrupt:
-        # Every stage commits idempotently, so a rerun finishes an interrupted batch; no traceback.
-        print(f"\ninterrupted: {args.command} stopped; run the same command again to finish "
-              "(committed work is kept, a half-done batch is redone, nothing is written twice)", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        return _interrupted(args.command)
+    except (ValueError, FileNotFoundError, ConnectionError, LakeBusyError) as exc:
         # Bad input, a missing table/file/config, an unreachable broker: the message says what to do.
         print(f"error: {exc}", file=sys.stderr)
         return 2

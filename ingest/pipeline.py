@@ -56,6 +56,7 @@ import pyarrow.feather as feather
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from gemline.beam_runner import local_runner_args
+from gemline.locks import exclusive
 from gemline.config import GemlineConfig
 from deltalake import CommitProperties, Transaction, write_deltalake
 
@@ -368,7 +369,20 @@ def run_ingest(
             topic does not exist.
         RuntimeError: the two tables hold inconsistent batches, or staged rows break the
             exactly-once invariants.
+        gemline.locks.LakeBusyError: another ingest is running on this lake.
     """
+    with exclusive(config.lake, "ingest"):
+        return _run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms)
+
+
+def _run_ingest(
+    config: GemlineConfig,
+    *,
+    bootstrap: str,
+    beam_args: list[str] | None = None,
+    now_ms: int | None = None,
+) -> IngestResult:
+    """run_ingest without the lake lock."""
     lake, app_id, opts = config.lake, app_id_for(config.kafka.topic), config.lake_storage_options
     plan = _plan_batch(config, bootstrap, now_ms)
     planned = sum(r.num_offsets for r in plan.ranges)

@@ -51,6 +51,7 @@ from tqdm import tqdm
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.beam_runner import local_runner_args
+from gemline.locks import exclusive
 from gemline.config import GemlineConfig
 from gemline.hygiene import conform, tidy
 from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
@@ -393,7 +394,21 @@ def run_build(
     Raises:
         ValueError: no ``events`` table (run ingest first), missing columns, an ``events_version``
             older than the last built one, or ``close_windows_at`` < 0.
+        gemline.locks.LakeBusyError: another build is running on this lake.
     """
+    with exclusive(config.lake, "build"):
+        return _run_build(config, events_version=events_version, beam_args=beam_args, final=final, close_windows_at=close_windows_at)
+
+
+def _run_build(
+    config: GemlineConfig,
+    *,
+    events_version: int | None = None,
+    beam_args: list[str] | None = None,
+    final: bool = False,
+    close_windows_at: int | None = None,
+) -> BuildResult:
+    """run_build without the lake lock."""
     lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
     table = open_table(lake, "events", events_version, storage_options=opts)
     if table is None:

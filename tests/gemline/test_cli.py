@@ -175,3 +175,13 @@ def test_report_on_a_table_without_a_quality_suite_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no quality suite (so no report) for table 'dead_letter'" in err
     assert "gemline validate --table dead_letter" not in err
+
+
+def test_ctrl_c_inside_a_beam_step_is_recognised():
+    from gemline.cli import _is_interrupt
+
+    assert _is_interrupt(RuntimeError("KeyboardInterrupt [while running 'ParseBatches/ParseBatch']"))
+    wrapped = RuntimeError("step failed")
+    wrapped.__cause__ = KeyboardInterrupt()
+    assert _is_interrupt(wrapped)
+    assert not _is_interrupt(RuntimeError("records (0, 1) were staged to both tables"))

@@ -1,0 +1,59 @@
+"""One writer per stage per lake: an exclusive lock file under ``LAKE/_locks/``.
+
+Two ingests (or two builds) of the same lake at once share a staging directory and race between
+"is this batch version already committed?" and the commit; delta-rs accepts a repeated app
+transaction version, so the loser can double the rows. The lock makes the second run fail at
+once with a message instead.
+
+``fcntl.flock`` on a local file: the kernel drops the lock when its holder exits, ``kill -9``
+included, so a crashed run never leaves a stale lock. Object-store lakes (``s3://...``) have no
+such primitive and are not locked: run one writer per stage there.
+
+Source: flock(2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from gemline.lake import is_remote
+
+
+class LakeBusyError(RuntimeError):
+    """Another process holds the lock of this stage on this lake."""
+
+
+@contextlib.contextmanager
+def exclusive(lake: str | Path, name: str) -> Iterator[None]:
+    """Hold ``LAKE/_locks/<name>.lock`` exclusively for the block; no-op for an object-store lake.
+
+    The file's text names the holder (pid, host, start time, UTC) for the error of a second run.
+
+    Raises:
+        LakeBusyError: another process holds it.
+    """
+    if is_remote(lake):
+        yield
+        return
+    path = Path(lake) / "_locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text(encoding="utf-8", errors="replace").strip() or "unknown"
+            raise LakeBusyError(f"another {name} is running on this lake ({holder}); wait for it to finish: "
+                                f"two at once would race on the same batch") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}".encode())
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
