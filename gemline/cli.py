@@ -430,16 +430,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     try:
         return args.func(args, extra)
-    except RuntimeError as exc:
-        if not _is_interrupt(exc):
-            raise
-        return _interrupted(args.command)
-    except KeyboardInterrupt:
-        return _interrupted(args.command)
-    except (ValueError, FileNotFoundError, ConnectionError, LakeBusyError) as exc:
-        # Bad input, a missing table/file/config, an unreachable broker: the message says what to do.
+    except (ValueError, FileNotFoundError, NotADirectoryError, ConnectionError, TimeoutError, LakeBusyError) as exc:
+        # Bad input, a missing table/file/config, an unreachable broker, a busy lake: the message says what to do.
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if _is_interrupt(exc):
+            return _interrupted(args.command)
+        if str(exc).startswith("TimeoutError: "):
+            # A Kafka read timed out inside a Beam step (e.g. the broker went away): its message
+            # says what to check; Beam's traceback of the step adds nothing.
+            print(f"error: {str(exc).removeprefix('TimeoutError: ')}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        return _interrupted(args.command)
 
 
 if __name__ == "__main__":

@@ -185,3 +185,24 @@ def test_ctrl_c_inside_a_beam_step_is_recognised():
     wrapped.__cause__ = KeyboardInterrupt()
     assert _is_interrupt(wrapped)
     assert not _is_interrupt(RuntimeError("records (0, 1) were staged to both tables"))
+
+
+def test_a_second_ingest_on_a_busy_lake_is_one_line(tmp_path, capsys):
+    from gemline.locks import exclusive
+
+    with exclusive(tmp_path, "ingest"):
+        assert main(["ingest", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: another ingest is running on this lake (pid ") and "Traceback" not in err
+
+
+def test_a_kafka_timeout_inside_a_beam_step_is_one_line(monkeypatch, capsys, tmp_path):
+    import gemline.cli as cli
+
+    def timed_out(args, extra):
+        raise RuntimeError("TimeoutError: t[0]: no record at offset >= 5 within the read timeout; is the broker up? "
+                           "[while running 'ReadKafka/ReadRange']")
+
+    monkeypatch.setattr(cli, "cmd_ingest", timed_out)
+    assert cli.main(["ingest", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("error: t[0]: no record at offset >= 5 within the read timeout")
