@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -59,6 +60,30 @@ def rdkafka_logger() -> logging.Logger:
     if not any(isinstance(f, _FirstOfEach) for f in logger.filters):
         logger.addFilter(_FirstOfEach())
     return logger
+
+
+def all_refused(bootstrap: str, *, timeout_s: float = 2.0) -> bool:
+    """True when every ``HOST:PORT`` of ``bootstrap`` refuses a TCP connection (nothing listens there).
+
+    librdkafka retries a refused connection until the request timeout (30 s by default) before it
+    reports anything; a refusal is definitive, so callers check this first and fail at once. Any
+    other outcome (a connection, a timeout, an unparsable address) is False: the client decides.
+    """
+    addresses = []
+    for item in bootstrap.split(","):
+        host, _, port = item.strip().split("://")[-1].rpartition(":")
+        if not host or not port.isdigit():
+            return False
+        addresses.append((host.strip("[]"), int(port)))
+    for address in addresses:
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+            return False
+        except ConnectionRefusedError:
+            continue
+        except OSError:
+            return False
+    return bool(addresses)
 
 
 def unreachable(bootstrap: str, timeout_s: float, exc: BaseException | None = None) -> ConnectionError:
@@ -352,6 +377,7 @@ class ConfluentClient:
 
         self._timeout_s = timeout_s
         self._bootstrap = bootstrap
+        self._probed = False  # the bootstrap servers were tried once (see all_refused)
         self._position: tuple[str, int, int] | None = None  # (topic, partition, next offset) assigned
         self._consumer = Consumer(
             {
@@ -374,6 +400,10 @@ class ConfluentClient:
         """
         from confluent_kafka import KafkaException, TopicPartition
 
+        if not self._probed and all_refused(self._bootstrap):
+            raise ConnectionError(f"connection refused by {self._bootstrap}: nothing listens there; is the broker "
+                                  "up and --bootstrap right?")
+        self._probed = True
         try:
             meta = self._consumer.list_topics(topic, timeout=self._timeout_s).topics.get(topic)
         except KafkaException as exc:
