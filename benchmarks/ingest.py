@@ -9,8 +9,8 @@ consumer pay a record batch's overhead per message); then, in this process, on t
 
 * baseline: a confluent-kafka consumer ``assign``-ed to every partition reads [0, high watermark),
   each ``B`` messages become one Arrow batch (message fields straight into column lists with the
-  cyclic GC paused, as the pipeline's source does), are parsed by the same vectorised ``ingest.vectorized.parse_batch``,
-  and are appended to Delta (events, dead_letter) with one ``write_deltalake`` per batch and
+  cyclic GC paused, as the pipeline's source does), are parsed by the same vectorised
+  ``ingest.vectorized.parse_batch``, and are appended to Delta (events, dead_letter) with one ``write_deltalake`` per batch and
   table. No exactly-once bookkeeping, no dedup, no lateness.
 * pipeline: ``ingest.pipeline.run_ingest`` (plan, Beam DirectRunner, stage, dedup, lateness, the
   three idempotent commits).

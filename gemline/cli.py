@@ -278,26 +278,25 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if summary["quality_passed"] else 3
 
 
-def _as_json(result: object) -> str:
+def _as_dict(result: object) -> Any:
     import dataclasses
 
-    data = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
-    return json.dumps(data, indent=2, default=str)
+    return dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+
+
+def _as_json(result: object) -> str:
+    return json.dumps(_as_dict(result), indent=2, default=str)
 
 
 def _json_line(result: object) -> str:
     """``result`` (a dataclass) as one line of JSON."""
-    import dataclasses
-
-    return json.dumps(dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result, default=str)
+    return json.dumps(_as_dict(result), default=str)
 
 
 def _train_summary(result: object) -> str:
     """A training result as JSON with the per-step loss curve cut to its ends: the curve is a plot
     (``loss_curve.png`` in the checkpoint), not thousands of printed numbers."""
-    import dataclasses
-
-    data = dict(dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result)
+    data = dict(_as_dict(result))
     curve = data.get("loss_curve") or []
     if curve:
         data["loss_curve"] = {"steps": len(curve), "first": curve[0], "last": curve[-1],

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from gemline.lake import is_remote
 
@@ -57,3 +59,25 @@ def exclusive(lake: str | Path, name: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def holding(name: str) -> Callable[[_F], _F]:
+    """Decorator: run the function with :func:`exclusive` ``(config.lake, name)`` held, where
+    ``config`` (a ``GemlineConfig``) is its first argument.
+
+    Raises:
+        LakeBusyError: another process holds the lock (before the function runs).
+    """
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def locked(config: Any, *args: Any, **kwargs: Any) -> Any:
+            with exclusive(config.lake, name):
+                return fn(config, *args, **kwargs)
+
+        return locked  # type: ignore[return-value]
+
+    return wrap

@@ -86,6 +86,17 @@ def all_refused(bootstrap: str, *, timeout_s: float = 2.0) -> bool:
     return bool(addresses)
 
 
+def check_not_refused(bootstrap: str) -> None:
+    """Fail at once when nothing listens at any server of ``bootstrap`` (see :func:`all_refused`).
+
+    Raises:
+        ConnectionError: every bootstrap server refused the connection.
+    """
+    if all_refused(bootstrap):
+        raise ConnectionError(f"connection refused by {bootstrap}: nothing listens there; is the broker up and "
+                              "--bootstrap right?")
+
+
 def unreachable(bootstrap: str, timeout_s: float, exc: BaseException | None = None) -> ConnectionError:
     """The error for a Kafka cluster that did not answer a request within ``timeout_s`` seconds."""
     detail = f" ({exc})" if exc is not None and str(exc) else ""
@@ -377,7 +388,7 @@ class ConfluentClient:
 
         self._timeout_s = timeout_s
         self._bootstrap = bootstrap
-        self._probed = False  # the bootstrap servers were tried once (see all_refused)
+        self._probed = False  # the bootstrap servers were tried once (check_not_refused)
         self._position: tuple[str, int, int] | None = None  # (topic, partition, next offset) assigned
         self._consumer = Consumer(
             {
@@ -400,10 +411,9 @@ class ConfluentClient:
         """
         from confluent_kafka import KafkaException, TopicPartition
 
-        if not self._probed and all_refused(self._bootstrap):
-            raise ConnectionError(f"connection refused by {self._bootstrap}: nothing listens there; is the broker "
-                                  "up and --bootstrap right?")
-        self._probed = True
+        if not self._probed:
+            check_not_refused(self._bootstrap)
+            self._probed = True
         try:
             meta = self._consumer.list_topics(topic, timeout=self._timeout_s).topics.get(topic)
         except KafkaException as exc:

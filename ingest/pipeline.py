@@ -56,11 +56,11 @@ import pyarrow.feather as feather
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from gemline.beam_runner import local_runner_args
-from gemline.locks import exclusive
 from gemline.config import GemlineConfig
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.lake import commit_metadata, commit_once, committed_version, is_remote, open_table, table_uri
+from gemline.locks import holding
 from ingest.dedup import committed_ids, drop_duplicates, split_late
 from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, plan_snapshot
 from ingest.parse import DEAD_LETTER, GOOD
@@ -342,6 +342,7 @@ def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, b
         _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
 
 
+@holding("ingest")
 def run_ingest(
     config: GemlineConfig,
     *,
@@ -371,18 +372,6 @@ def run_ingest(
             exactly-once invariants.
         gemline.locks.LakeBusyError: another ingest is running on this lake.
     """
-    with exclusive(config.lake, "ingest"):
-        return _run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms)
-
-
-def _run_ingest(
-    config: GemlineConfig,
-    *,
-    bootstrap: str,
-    beam_args: list[str] | None = None,
-    now_ms: int | None = None,
-) -> IngestResult:
-    """run_ingest without the lake lock."""
     lake, app_id, opts = config.lake, app_id_for(config.kafka.topic), config.lake_storage_options
     plan = _plan_batch(config, bootstrap, now_ms)
     planned = sum(r.num_offsets for r in plan.ranges)

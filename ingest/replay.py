@@ -21,7 +21,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tqdm import tqdm
 
 from ingest.datasets import load_records
-from ingest.kafka_clients import all_refused, rdkafka_logger, unreachable
+from ingest.kafka_clients import check_not_refused, rdkafka_logger, unreachable
 from ingest.datasets.types import RawRecord, Record, event_time_sort_key
 from ingest.schema import Event
 
@@ -46,9 +46,7 @@ class DeliveryError(RuntimeError):
 
 def _create_or_describe(bootstrap: str, topic: str, partitions: int, timeout_s: float) -> int:
     """Create ``topic`` unless it exists; return its partition count as the broker reports it."""
-    if all_refused(bootstrap):
-        raise ConnectionError(f"connection refused by {bootstrap}: nothing listens there; is the broker up and "
-                              "--bootstrap right?")
+    check_not_refused(bootstrap)
     admin = AdminClient({"bootstrap.servers": bootstrap, "logger": rdkafka_logger()})
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
                                   request_timeout=timeout_s)

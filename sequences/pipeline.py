@@ -51,11 +51,11 @@ from tqdm import tqdm
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.beam_runner import local_runner_args
-from gemline.locks import exclusive
 from gemline.config import GemlineConfig
 from gemline.hygiene import conform, tidy
 from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
                           open_table, read_table, write_data_file)
+from gemline.locks import holding
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
@@ -365,6 +365,7 @@ def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | Non
     return close
 
 
+@holding("build")
 def run_build(
     config: GemlineConfig,
     *,
@@ -396,19 +397,6 @@ def run_build(
             older than the last built one, or ``close_windows_at`` < 0.
         gemline.locks.LakeBusyError: another build is running on this lake.
     """
-    with exclusive(config.lake, "build"):
-        return _run_build(config, events_version=events_version, beam_args=beam_args, final=final, close_windows_at=close_windows_at)
-
-
-def _run_build(
-    config: GemlineConfig,
-    *,
-    events_version: int | None = None,
-    beam_args: list[str] | None = None,
-    final: bool = False,
-    close_windows_at: int | None = None,
-) -> BuildResult:
-    """run_build without the lake lock."""
     lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
     table = open_table(lake, "events", events_version, storage_options=opts)
     if table is None:
