@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
 
     events = synthetic_events(args.users, args.events_per_user, pareto=args.pareto,
                               max_events_per_user=args.max_events_per_user)
-    build = BuildConfig(max_seq_len=args.max_seq_len, shards=args.shards)
+    build = BuildConfig(max_seq_len=args.max_seq_len, shards=args.shards, events_gate="off")  # raw synthetic events
     # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
     # start-up); build a tiny lake once so the timed runs measure the build, not the imports.
     with tempfile.TemporaryDirectory() as tmp:

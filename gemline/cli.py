@@ -165,9 +165,14 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 
 def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from sequences.pipeline import run_build
+    from validation.gate import GateClosedError
 
-    result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
-                       final=args.final)
+    try:
+        result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
+                           final=args.final)
+    except GateClosedError as exc:  # quarantined or never-validated events: exit 3, as a refused train
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(_as_json(result))
     return 0
 

@@ -48,6 +48,10 @@ def run_demo(
     ``nproc`` > 1 trains through torchrun with that many local processes
     (trainer.launch.train_with_torchrun; ``trainer.model`` gem, dlrm or ranker).
 
+    When the events gate refuses the build (validation.gate.GateClosedError: the ingested events
+    are quarantined), the demo stops there with ``quality_passed`` False and ``examples`` None,
+    after printing the refusal and the release command.
+
     Raises:
         ValueError: an unknown dataset, or a dataset that needs ``path`` without one.
     """
@@ -55,6 +59,7 @@ def run_demo(
     from ingest.replay import replay_dataset
     from sequences.pipeline import run_build
     from trainer.train import run_training
+    from validation.gate import GateClosedError
     from validation.run import validate_table
 
     console = console or Console()
@@ -98,7 +103,16 @@ def run_demo(
     reports["events"] = _quality_line(console, events_quality)
 
     console.rule("build (Beam): sequences, features, examples")
-    built = run_build(config, beam_args=beam_args, final=True)  # a bounded replay: close every window
+    summary.update({"examples": None, "seq_len_p50": None, "seq_len_p99": None,
+                    "auc": None, "ne": None, "calibration": None, "eval_date": None})
+    try:
+        built = run_build(config, beam_args=beam_args, final=True)  # a bounded replay: close every window
+    except GateClosedError as exc:
+        # The events gate holds the build: nothing is built or trained on quarantined events.
+        console.print(str(exc), style="red", markup=False)
+        summary["quality_passed"] = False
+        summary["quality_reports"] = reports
+        return _finish(config, console, run_id, summary, started)
     summary["examples"] = built.num_examples
     summary["seq_len_p50"] = built.seq_length_p50
     summary["seq_len_p99"] = built.seq_length_p99
@@ -109,7 +123,6 @@ def run_demo(
     summary["quality_passed"] = bool(events_quality.passed and examples_quality.passed)
     summary["quality_reports"] = reports
 
-    summary.update({"auc": None, "ne": None, "calibration": None, "eval_date": None})
     if examples_quality.passed:
         console.rule("train (TorchRec) on all days but the last; evaluate on the last")
         if nproc > 1:
@@ -127,7 +140,12 @@ def run_demo(
         )
     else:
         console.print(f"[red]examples@{built.examples_version} quarantined: not trained on[/]")
+    return _finish(config, console, run_id, summary, started)
 
+
+def _finish(config: GemlineConfig, console: Console, run_id: str, summary: dict[str, Any],
+            started: float) -> dict[str, Any]:
+    """Add the wall time and the summary path to ``summary``, write and print it; return it."""
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     summary["summary_path"] = _write_summary(config, run_id, summary)
     _print_summary(console, summary)

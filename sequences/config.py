@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 MS_PER_DAY = 24 * 3600 * 1000
 
@@ -40,6 +41,10 @@ class BuildConfig:
     shards: int = 4
     """Users (and items) are hashed into this many shards, one Beam element each per build step;
     more shards give a distributed runner more parallelism, fewer keep per-element cost low."""
+    events_gate: Literal["required", "off"] = "required"
+    """Which ``events`` versions the build reads: "required" only those the quality gate allows
+    (validated and passed, or released; a quarantined or never-validated version stops the build,
+    see validation.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
 
     def __post_init__(self) -> None:
         self.hygiene  # noqa: B018  (validates the hygiene fields)
@@ -57,6 +62,8 @@ class BuildConfig:
             )
         if self.shard_step not in ("vectorized", "reference"):
             raise ValueError(f"build.shard_step must be 'vectorized' or 'reference', got {self.shard_step!r}")
+        if self.events_gate not in ("required", "off"):
+            raise ValueError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
         if self.shards < 1:
             raise ValueError(f"build.shards must be >= 1, got {self.shards}")
         if self.max_seq_len < 1:

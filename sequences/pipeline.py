@@ -64,6 +64,7 @@ from sequences.shards import (EVENT_SCHEMA, ITEM_INPUTS, USER_INPUTS, USER_OUTPU
 from sequences.shards import item_shard_reference, user_shard_reference
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
+from validation.gate import require_allowed
 
 APP_ID = "build"
 STATE_PREFIX = "_build_state"
@@ -392,10 +393,19 @@ def run_build(
     Restartable: a build of an already-built events version returns ``skipped=True`` and changes
     nothing; a crashed build is redone from the state of the previous one.
 
+    The quality gate holds the build (``config.build.events_gate = "required"``, the default):
+    ``events@version`` must have passed its newest validation or been released by hand, and no
+    version between the last built one and it may be quarantined
+    (:func:`validation.gate.require_allowed`); a never-validated version is refused too (validate
+    it first). Nothing is written before that check. A rerun with nothing new reads no events and
+    is not checked.
+
     Raises:
         ValueError: no ``events`` table (run ingest first), missing columns, an ``events_version``
             older than the last built one, or ``close_windows_at`` < 0.
         gemline.locks.LakeBusyError: another build is running on this lake.
+        validation.gate.GateClosedError: an events version to be read is quarantined, or
+            ``events@version`` was never validated (one line naming the version and the command).
     """
     lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
     table = open_table(lake, "events", events_version, storage_options=opts)
@@ -419,6 +429,10 @@ def run_build(
         if not moves or _rows(lake, f"{STATE_PREFIX}/pending", opts) == 0:
             return _result_from_lake(lake, version, skipped=True, opts=opts)
     _check_events(table.to_pyarrow_dataset().schema.names)
+    if config.build.events_gate == "required" and version != old_version:
+        # Only the events versions the quality gate allows are built (the rows read are those of
+        # old_version (exclusive) .. version); a refusal names the version and the command to run.
+        require_allowed(lake, "events", version, since=old_version, reader="build", storage_options=opts)
     new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"],
                                storage_options=opts).column("event_time_ms")
     newest = pc.max(new_times).as_py() if len(new_times) else None

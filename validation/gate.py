@@ -4,11 +4,15 @@
 one row per release a person made (expectation ``__release__``). A version is quarantined when
 any ``critical`` expectation failed in its newest validation run and no release row follows it.
 A version that was never validated is not allowed either: the gate fails closed.
+
+Readers: the trainer (``examples``) and the build (``events``, :func:`require_allowed`) read only
+versions the gate allows.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,12 +69,28 @@ def gate_decision(lake: str | Path, table: str, table_version: int, *,
 
     Never raises for a missing quality table: it answers not allowed ("never validated").
     """
+    return gate_decisions(lake, table, [table_version], storage_options=storage_options)[table_version]
+
+
+def gate_decisions(lake: str | Path, table: str, table_versions: Iterable[int], *,
+                   storage_options: StorageOptions | None = None) -> dict[int, GateDecision]:
+    """:func:`gate_decision` of each of ``table_versions`` from one read of the ``quality`` table.
+
+    Returns ``{version: GateDecision}``; never raises for a missing quality table.
+    """
+    versions = list(table_versions)
     quality = read_table(lake, QUALITY_TABLE, storage_options=storage_options)
-    if quality is None:
-        return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated",
-                            validated=False)
-    mask = pc.and_(pc.equal(quality["table"], table), pc.equal(quality["table_version"], table_version))
-    rows = quality.filter(mask).to_pylist()
+    by_version: dict[int, list[dict]] = {v: [] for v in versions}
+    if quality is not None and versions:
+        mask = pc.and_(pc.equal(quality["table"], table),
+                       pc.is_in(quality["table_version"], value_set=pa.array(versions, pa.int64())))
+        for row in quality.filter(mask).to_pylist():
+            by_version[row["table_version"]].append(row)
+    return {v: _decide(table, v, by_version[v]) for v in versions}
+
+
+def _decide(table: str, table_version: int, rows: list[dict]) -> GateDecision:
+    """The decision for one version from its ``quality`` rows (checks of every run, and releases)."""
     checks = [r for r in rows if r["expectation"] != RELEASE]
     if not checks:
         return GateDecision(table, table_version, False, f"{table}@{table_version} was never validated",
@@ -89,6 +109,54 @@ def gate_decision(lake: str | Path, table: str, table_version: int, *,
     return GateDecision(
         table, table_version, False, f"{table}@{table_version} is quarantined: critical expectations failed: {', '.join(failed)}"
     )
+
+
+class GateClosedError(RuntimeError):
+    """A stage refused to read a table version that the quality gate does not allow.
+
+    ``decision`` is the refused version's :class:`GateDecision`; the message is one line that names
+    the version and the command that opens the gate (validate, or release by hand).
+    """
+
+    def __init__(self, decision: GateDecision, reader: str) -> None:
+        self.decision = decision
+        table, version = decision.table, decision.table_version
+        if decision.validated:
+            action = (f"inspect it (`gemline report --table {table} --version {version}`), then "
+                      f"`gemline quality release {version} --table {table} --reason \"...\"` to let it through")
+        else:
+            action = f"run `gemline validate --table {table} --version {version}` first"
+        super().__init__(f"{reader} refused: {decision.reason}; {action}")
+
+
+def require_allowed(lake: str | Path, table: str, version: int, *, since: int | None = None, reader: str,
+                    storage_options: StorageOptions | None = None) -> GateDecision:
+    """Check that a reader may read the rows ``table`` gained after version ``since`` up to ``version``.
+
+    ``table@version`` itself must be allowed (passed its newest validation, or released after it);
+    a version that was never validated is refused, as the gate fails closed. The versions in
+    between (``since`` exclusive, None: from version 0) are refused only when quarantined: their
+    rows are part of ``table@version``, which a validation reads whole, but a batch-level check
+    (dead-letter rate, drift) that closed one of them must not be skipped by reading past it.
+
+    Args:
+        reader: who reads, for the message (e.g. "build").
+
+    Returns:
+        The decision of ``table@version`` (allowed).
+
+    Raises:
+        GateClosedError: ``version`` is quarantined or never validated, or a version in between is
+            quarantined (the oldest such version is named).
+    """
+    first = 0 if since is None else since + 1
+    decisions = gate_decisions(lake, table, range(first, version + 1), storage_options=storage_options)
+    for v in range(first, version):
+        if decisions[v].validated and not decisions[v].allowed:
+            raise GateClosedError(decisions[v], reader)
+    if not decisions[version].allowed:
+        raise GateClosedError(decisions[version], reader)
+    return decisions[version]
 
 
 def release(lake: str | Path, table: str, table_version: int, reason: str, *, now_ms: int | None = None,

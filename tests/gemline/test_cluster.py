@@ -203,7 +203,11 @@ def produced(cluster):
 def _config(lake) -> GemlineConfig:
     from ingest.config import KafkaConfig
 
-    return GemlineConfig(lake=str(lake), kafka=KafkaConfig(topic=TOPIC, partitions=PARTITIONS))
+    from sequences.config import BuildConfig
+
+    # Runner equivalence, not the quality gate: the build reads the raw ingested events.
+    return GemlineConfig(lake=str(lake), kafka=KafkaConfig(topic=TOPIC, partitions=PARTITIONS),
+                         build=BuildConfig(events_gate="off"))
 
 
 @pytest.fixture(scope="module")

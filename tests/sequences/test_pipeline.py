@@ -13,7 +13,9 @@ from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA
 from sequences.pipeline import run_build
 
-CONFIG = BuildConfig(max_seq_len=3, click_window_ms=100, conversion_window_ms=1_000)
+# These tests are about the build on a raw lake, not the quality gate (tests/sequences/test_events_gate.py).
+CONFIG = BuildConfig(max_seq_len=3, click_window_ms=100, conversion_window_ms=1_000, events_gate="off")
+UNGATED = BuildConfig(events_gate="off")
 
 
 def _events(make_event):
@@ -79,7 +81,7 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
 
 def test_run_build_without_events_table_raises(tmp_path):
     with pytest.raises(ValueError, match="no events table"):
-        run_build(GemlineConfig(lake=str(tmp_path / "lake")))
+        run_build(GemlineConfig(lake=str(tmp_path / "lake"), build=UNGATED))
 
 
 def test_run_build_rejects_events_without_required_columns(tmp_path, make_event):
@@ -88,7 +90,7 @@ def test_run_build_rejects_events_without_required_columns(tmp_path, make_event)
     del row["created_ts_ms"]
     write_deltalake(f"{lake}/events", pa.Table.from_pylist([row]))
     with pytest.raises(ValueError, match=r"events table lacks columns \['created_ts_ms'\]"):
-        run_build(GemlineConfig(lake=lake))
+        run_build(GemlineConfig(lake=lake, build=UNGATED))
 
 
 @pytest.mark.slow
@@ -163,7 +165,7 @@ def test_taobao_conversion_labels_match_polars(tmp_path):
     rows = [{**event_to_row(r), "created_ts_ms": r.event_time_ms} for r in records]
     lake = str(tmp_path / "lake")
     write_events(lake, rows, version=0)
-    result = run_build(GemlineConfig(lake=lake), final=True)
+    result = run_build(GemlineConfig(lake=lake, build=UNGATED), final=True)
     examples = read_table(lake, "examples", columns=["example_id", "label_conversion", "event_time_ms",
                                                      "seq_event_time_ms", "seq_same_domain_event_time_ms"])
     for row in examples.to_pylist():  # leakage: nothing at or after the example's time

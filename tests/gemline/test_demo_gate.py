@@ -1,0 +1,60 @@
+"""The demo stops before the build when the events gate refuses it (the stages themselves are stubbed)."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+from rich.console import Console
+
+import gemline.demo as demo
+import ingest.pipeline
+import ingest.replay
+import sequences.pipeline
+import validation.run
+from gemline.config import GemlineConfig
+from validation.gate import GateClosedError, GateDecision
+
+
+class _NoBroker:
+    bootstrap = "127.0.0.1:1"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo, "EmbeddedBroker", _NoBroker)
+    monkeypatch.setattr(ingest.replay, "replay_dataset",
+                        lambda *a, **k: types.SimpleNamespace(num_events=5, num_raw=1))
+    monkeypatch.setattr(ingest.pipeline, "run_ingest", lambda *a, **k: types.SimpleNamespace(
+        events_written=5, dead_letter_written=1, skipped=False))
+
+    def validate(config, table, version=None, **kwargs):
+        calls.append(("validate", table))
+        return types.SimpleNamespace(table=table, table_version=2, passed=False, report_html="r.html")
+
+    refused = GateDecision("events", 2, False, "events@2 is quarantined: critical expectations failed: unique:event_id")
+
+    def build(*args, **kwargs):
+        calls.append(("build",))
+        raise GateClosedError(refused, "build")
+
+    monkeypatch.setattr(validation.run, "validate_table", validate)
+    monkeypatch.setattr(sequences.pipeline, "run_build", build)
+    console = Console(record=True, width=400)
+    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console)
+
+    assert calls == [("validate", "events"), ("build",)]  # no examples validation, no training
+    assert (summary["quality_passed"], summary["examples"], summary["auc"]) == (False, None, None)
+    text = console.export_text()
+    assert ("build refused: events@2 is quarantined: critical expectations failed: unique:event_id; inspect it "
+            "(`gemline report --table events --version 2`), then `gemline quality release 2 --table events "
+            '--reason "..."` to let it through') in text
+    saved = json.loads(Path(summary["summary_path"]).read_text())
+    assert saved["quality_reports"]["events"] == {"version": 2, "passed": False, "report_html": "r.html"}
