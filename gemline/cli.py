@@ -300,8 +300,16 @@ def _json_line(result: object) -> str:
 
 def _train_summary(result: object) -> str:
     """A training result as JSON with the per-step loss curve cut to its ends: the curve is a plot
-    (``loss_curve.png`` in the checkpoint), not thousands of printed numbers."""
+    (``loss_curve.png`` in the checkpoint), not thousands of printed numbers. Undefined metrics are
+    null, and ``undefined_metrics`` lists why each overall one is (trainer.metrics.describe_undefined)."""
+    from trainer.metrics import describe_undefined, nan_to_none
+
     data = dict(_as_dict(result))
+    # An undefined metric (AUC of an eval day without positives) is null with its reason, not NaN.
+    data["metrics"] = nan_to_none(data.get("metrics"))
+    notes = describe_undefined(data["metrics"] or {}, scope=f"eval day {data.get('eval_date')}")
+    if notes:
+        data["undefined_metrics"] = notes
     curve = data.get("loss_curve") or []
     if curve:
         data["loss_curve"] = {"steps": len(curve), "first": curve[0], "last": curve[-1],

@@ -11,7 +11,9 @@ Shape letters: N examples. Labels are 0/1, predictions are probabilities in [0, 
 
 A metric that is undefined on the given data (AUC with one class, NE with base rate 0 or 1,
 calibration with no positives) is NaN rather than an error: a small domain on one eval day
-often has no conversions, and that must not stop training.
+often has no conversions, and that must not stop training. :func:`binary_metrics` says why
+under ``"undefined"`` (:func:`why_undefined`), and :func:`describe_undefined` turns that into
+lines for people; JSON output writes the NaN as null (:func:`nan_to_none`).
 """
 
 from __future__ import annotations
@@ -118,8 +120,37 @@ def calibration(labels: np.ndarray, probs: np.ndarray) -> float:
     return float(probs.sum()) / positives
 
 
-def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
-    """``auc``, ``ne``, ``calibration``, ``num_examples``, ``base_rate`` of one task on (N,) arrays."""
+def why_undefined(labels: np.ndarray) -> dict[str, str]:
+    """Why each metric of :func:`binary_metrics` is undefined (NaN) on (N,) 0/1 ``labels``.
+
+    Returns ``{metric: reason}`` for ``auc``, ``ne``, ``calibration`` and ``base_rate`` where they are
+    undefined; empty when every metric is defined (both classes present).
+    """
+    labels = np.asarray(labels, dtype=np.float64)
+    n = int(labels.size)
+    if n == 0:
+        reason = "no examples"
+        return {"auc": reason, "ne": reason, "calibration": reason, "base_rate": reason}
+    num_pos = int(labels.sum())
+    if 0 < num_pos < n:
+        return {}
+    if num_pos == 0:
+        missing = f"no positive labels among {n} examples"
+        return {"auc": f"{missing}; AUC ranks positives against negatives and needs both",
+                "ne": f"{missing}; the base rate is 0, so the entropy NE divides by is 0",
+                "calibration": f"{missing}; calibration divides the predicted sum by the number of positives"}
+    missing = f"no negative labels among {n} examples"
+    return {"auc": f"{missing}; AUC ranks positives against negatives and needs both",
+            "ne": f"{missing}; the base rate is 1, so the entropy NE divides by is 0"}
+
+
+def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict:
+    """``auc``, ``ne``, ``calibration``, ``num_examples``, ``base_rate`` of one task on (N,) arrays,
+    and ``undefined``: ``{metric: reason}`` for each of them that is NaN (:func:`why_undefined`).
+
+    Raises:
+        ValueError: as :func:`log_loss`.
+    """
     labels, probs = _check(labels, probs)
     return {
         "auc": auc(labels, probs),
@@ -127,7 +158,35 @@ def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
         "calibration": calibration(labels, probs),
         "num_examples": int(labels.size),
         "base_rate": float(labels.mean()) if labels.size else math.nan,
+        "undefined": why_undefined(labels),
     }
+
+
+def describe_undefined(metrics: dict, *, scope: str = "eval set") -> list[str]:
+    """One line per undefined overall metric of :func:`evaluate`'s output, e.g. ``"click auc is
+    undefined on the eval set: no positive labels among 536 examples; AUC ranks ..."``.
+
+    Per-domain metrics are left out (a small domain without conversions is common); their reasons
+    stay under each domain's ``undefined`` key. Tasks or metrics missing from ``metrics`` are skipped.
+    """
+    lines = []
+    for task in TASKS:
+        overall = (metrics.get(task) or {}).get("overall") or {}
+        for name, reason in (overall.get("undefined") or {}).items():
+            if name != "base_rate":
+                lines.append(f"{task} {name} is undefined on the {scope}: {reason}")
+    return lines
+
+
+def nan_to_none(value):
+    """``value`` with every NaN float inside dicts and lists replaced by None (JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [nan_to_none(v) for v in value]
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
 
 
 def evaluate(labels: np.ndarray, probs: np.ndarray, domains: np.ndarray | list[str]) -> dict:

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.metrics import auc, binary_metrics, calibration, evaluate, log_loss, normalized_entropy
+from trainer.metrics import (auc, binary_metrics, calibration, describe_undefined, evaluate, log_loss, nan_to_none,
+                             normalized_entropy, why_undefined)
 
 
 def brute_force_auc(labels, scores) -> float:
@@ -63,6 +64,46 @@ def test_undefined_metrics_are_nan():
     m = binary_metrics(np.array([0, 0]), np.array([0.1, 0.2]))
     assert math.isnan(m["auc"]) and math.isnan(m["ne"]) and math.isnan(m["calibration"])
     assert m["num_examples"] == 2 and m["base_rate"] == 0.0
+    assert m["undefined"] == {
+        "auc": "no positive labels among 2 examples; AUC ranks positives against negatives and needs both",
+        "ne": "no positive labels among 2 examples; the base rate is 0, so the entropy NE divides by is 0",
+        "calibration": "no positive labels among 2 examples; calibration divides the predicted sum by the number "
+                       "of positives",
+    }
+
+
+@pytest.mark.parametrize(("labels", "expected"), [
+    ([0, 1, 0], {}),
+    ([1, 1, 1], {"auc": "no negative labels among 3 examples; AUC ranks positives against negatives and needs both",
+                 "ne": "no negative labels among 3 examples; the base rate is 1, so the entropy NE divides by is 0"}),
+    ([], {"auc": "no examples", "ne": "no examples", "calibration": "no examples", "base_rate": "no examples"}),
+])
+def test_why_undefined_names_exactly_the_nan_metrics(labels, expected):
+    labels = np.array(labels, dtype=float)
+    assert why_undefined(labels) == expected
+    m = binary_metrics(labels, np.full(labels.shape, 0.5))
+    nan = {k for k in ("auc", "ne", "calibration", "base_rate") if math.isnan(m[k])}
+    assert nan == set(expected)
+
+
+def test_describe_undefined_lists_overall_metrics_only():
+    labels = np.array([[0, 0], [0, 0], [1, 0], [0, 0]])  # clicks only in "reels"; no conversion at all
+    probs = np.full(labels.shape, 0.3)
+    out = evaluate(labels, probs, ["feed", "feed", "reels", "reels"])
+    assert describe_undefined(out, scope="eval day 2026-01-03") == [
+        "conversion auc is undefined on the eval day 2026-01-03: no positive labels among 4 examples; AUC ranks "
+        "positives against negatives and needs both",
+        "conversion ne is undefined on the eval day 2026-01-03: no positive labels among 4 examples; the base rate "
+        "is 0, so the entropy NE divides by is 0",
+        "conversion calibration is undefined on the eval day 2026-01-03: no positive labels among 4 examples; "
+        "calibration divides the predicted sum by the number of positives",
+    ]
+    assert out["click"]["by_domain"]["feed"]["undefined"]["auc"].startswith("no positive labels among 2 examples")
+    assert out["click"]["overall"]["undefined"] == {}
+    assert describe_undefined({"click": {}}) == []
+    safe = nan_to_none(out)
+    assert safe["conversion"]["overall"]["auc"] is None and safe["click"]["overall"]["auc"] == out["click"]["overall"]["auc"]
+    assert nan_to_none([1.0, math.nan, {"a": (math.nan,)}]) == [1.0, None, {"a": [None]}]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -192,3 +194,33 @@ def test_warm_start_from_a_sharded_runs_checkpoint(make_lake):
     assert set(final["optimizers"]) == {"dense", "embeddings"}
     for key, value in saved.state_dict().items():
         torch.testing.assert_close(final["model"][key], value, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_cli_train_says_why_auc_is_undefined_on_an_eval_day_without_clicks(tmp_path, make_examples, capsys):
+    from gemline.cli import main
+
+    from .conftest import mark_quality, write_examples
+
+    table = make_examples(["2026-01-01", "2026-01-02"], 120, 3)
+    is_eval = pc.equal(table["event_date"], "2026-01-02")
+    for name in ("label_click", "label_conversion"):  # the eval day has no positive label at all
+        column = table.schema.get_field_index(name)
+        table = table.set_column(column, name, pc.if_else(is_eval, 0, table[name]).cast(pa.int32()))
+    lake = str(tmp_path / "lake")
+    version = write_examples(lake, table)
+    mark_quality(lake, version, passed=True)
+    assert pc.sum(table.filter(pc.invert(is_eval))["label_click"]).as_py() > 0  # the train day has clicks
+
+    capsys.readouterr()
+    assert main(["train", "--lake", lake, "--set", "trainer.model=lr", "--set", "trainer.batch_size=64"]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out
+    result = json.loads(out)  # strict JSON: no NaN tokens
+    click = result["metrics"]["click"]["overall"]
+    assert (click["auc"], click["ne"], click["calibration"], click["num_examples"]) == (None, None, None, 120)
+    assert click["undefined"]["auc"] == (
+        "no positive labels among 120 examples; AUC ranks positives against negatives and needs both")
+    assert result["undefined_metrics"][0] == (
+        "click auc is undefined on the eval day 2026-01-02: no positive labels among 120 examples; AUC ranks "
+        "positives against negatives and needs both")
+    assert len(result["undefined_metrics"]) == 6  # auc, ne, calibration of click and of conversion
