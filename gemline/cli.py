@@ -6,6 +6,7 @@
     gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N]]
                    [--runner dask --dask-address HOST:PORT] [beam flags ...]
     gemline build [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
+    gemline backfill --late-events
     gemline cluster up [--workers N] [--port P]
     gemline validate --table T [--version V]
     gemline report [--table T] [--version V]
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
+from gemline.lake import CommitConflictError
 from gemline.locks import LakeBusyError
 
 
@@ -114,6 +116,12 @@ def cmd_replay(args: argparse.Namespace, extra: list[str]) -> int:
         batch_messages=config.kafka.producer_batch_messages,
     )
     print(json.dumps(result.__dict__ if hasattr(result, "__dict__") else str(result), default=str))
+    from ingest.datasets import EARLIEST_EVENT_MS
+
+    floor = EARLIEST_EVENT_MS.get(args.dataset)
+    if floor is not None and floor < config.ingest.min_event_time_ms:
+        print(f"note: {args.dataset} events start before ingest.min_event_time_ms; ingest them with "
+              f"--set ingest.min_event_time_ms={floor}", file=sys.stderr)
     return 0
 
 
@@ -138,12 +146,23 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     if args.streaming:
         return _ingest_streaming(args, config, extra)
     if config.ingest.max_offsets_per_partition is not None:
-        # Capped batches: read the whole backlog, one bounded batch (one JSON line) at a time.
-        for result in ingest_backlog(config, bootstrap=_require_bootstrap(config), beam_args=extra):
-            print(_json_line(result), flush=True)  # now, not at exit: a killed run still shows what it committed
-        return 0
-    result = run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra)
-    print(_as_json(result))
+        # Capped batches: read the whole backlog, one bounded batch (one JSON line) at a time, each
+        # printed as it commits: a run killed later still shows what it committed.
+        results = ingest_backlog(config, bootstrap=_require_bootstrap(config), beam_args=extra,
+                                 reset_topic=args.reset_topic,
+                                 on_batch=lambda result: print(_json_line(result), flush=True))
+    else:
+        results = [run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra,
+                              reset_topic=args.reset_topic)]
+        print(_as_json(results[0]))
+    gaps = [gap for result in results for gap in result.gaps]
+    if gaps and not config.ingest.accept_gaps:
+        lost = sum(end - start for _, start, end in gaps)
+        where = ", ".join(f"[{p}] {start}..{end - 1}" for p, start, end in gaps)
+        print(f"error: {lost} record(s) of {config.kafka.topic} were deleted by retention before they were ingested "
+              f"(offsets {where}); the gap is recorded in the events commit and ingest went on after it. "
+              "Pass --set ingest.accept_gaps=true to accept gaps without this exit code.", file=sys.stderr)
+        return 4
     return 0
 
 
@@ -174,6 +193,13 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     print(_as_json(result))
+    return 0
+
+
+def cmd_backfill(args: argparse.Namespace, extra: list[str]) -> int:
+    from ingest.backfill import backfill_late_events
+
+    print(_json_line(backfill_late_events(_config(args))), flush=True)
     return 0
 
 
@@ -346,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run until SIGINT/SIGTERM, one exactly-once micro-batch per --commit-interval-s")
     p.add_argument("--commit-interval-s", type=float, default=5.0, help="streaming: seconds between micro-batches")
     p.add_argument("--max-batches", type=int, default=None, help="streaming: stop after N micro-batches (tests)")
+    p.add_argument("--reset-topic", action="store_true",
+                   help="the topic was recreated on purpose: forget the committed offsets and start over from its "
+                        "beginning (recorded in the events commit)")
     _runner_flags(p)
     p.set_defaults(func=cmd_ingest, passthrough=True)
 
@@ -359,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
+
+    p = sub.add_parser("backfill", help="re-admit late_events rows into events, exactly once (ingest.backfill)")
+    _common(p)
+    p.add_argument("--late-events", action="store_true", required=True,
+                   help="the rows late_events gained since the last backfill (the only source so far)")
+    p.set_defaults(func=cmd_backfill, passthrough=False)
 
     p = sub.add_parser("cluster", help="a local Dask cluster for Beam pipelines (--runner dask)")
     csub = p.add_subparsers(dest="action", required=True)
@@ -432,6 +467,19 @@ def _interrupted(command: str) -> int:
     return 130
 
 
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (a service manager or ``kill``) stops a command as Ctrl-C does: one line, exit 130,
+    committed work kept. ``ingest --streaming`` installs its own handlers over this one."""
+    import signal
+    import threading
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `gemline` console script; returns the process exit code."""
     parser = build_parser()
@@ -440,10 +488,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "nproc", 1) < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    _sigterm_as_interrupt()
     try:
         return args.func(args, extra)
-    except (ValueError, FileNotFoundError, NotADirectoryError, ConnectionError, TimeoutError, LakeBusyError) as exc:
-        # Bad input, a missing table/file/config, an unreachable broker, a busy lake: the message says what to do.
+    except (ValueError, FileNotFoundError, NotADirectoryError, ConnectionError, TimeoutError, LakeBusyError,
+            CommitConflictError) as exc:
+        # Bad input, a missing table/file/config, an unreachable broker, a busy lake, a second writer's
+        # commit: the message says what to do.
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:

@@ -24,6 +24,7 @@ from rich.table import Table
 from gemline.config import GemlineConfig
 from gemline.lake import is_remote, lake_fs
 from ingest.broker import EmbeddedBroker
+from ingest.datasets import EARLIEST_EVENT_MS
 
 
 def _demo_topic(config: GemlineConfig, dataset: str, limit: int | None) -> str:
@@ -66,6 +67,9 @@ def run_demo(
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     topic = _demo_topic(config, dataset, limit)
     config = dataclasses.replace(config, kafka=dataclasses.replace(config.kafka, topic=topic))
+    floor = EARLIEST_EVENT_MS.get(dataset)
+    if floor is not None and floor < config.ingest.min_event_time_ms:  # MovieLens is from 1997-98
+        config = dataclasses.replace(config, ingest=dataclasses.replace(config.ingest, min_event_time_ms=floor))
     remote = is_remote(config.lake)
     if not remote:
         Path(config.lake).mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,16 @@ class IngestConfig:
     """Reshuffle the record batches after the Kafka read (a fusion break: parse on more workers than
     partitions, retries replay the shuffle instead of re-reading Kafka), at ~5 us of CPU per event on
     the DirectRunner. Off: each partition's batches are parsed where they were read."""
+    min_event_time_ms: int = 946_684_800_000
+    """Events before this time (ms since epoch UTC; default 2000-01-01) are dead-lettered
+    (too_early_event_time): 0, -1 or 1914 are clock bugs or wrong units. Lower it to replay older
+    data (MovieLens-100K is from 1997-98: the demo and ``replay`` say so)."""
+    max_message_bytes: int = 1 << 20
+    """A message value larger than this (bytes) is dead-lettered as too_large with its size and its
+    first KiB; the reader keeps no more of it. 1 MiB, Kafka's default ``message.max.bytes``."""
+    accept_gaps: bool = False
+    """Go on when retention deleted records before they were ingested (the gap is recorded in the
+    commit either way); False stops the run with exit code 4 after committing what was there."""
     max_offsets_per_partition: int | None = None
     """Offsets one ingest batch reads per partition at most, bounding a batch's memory (the driver holds
     its rows to dedup and commit); the rest is left to the next batch. None: up to the high watermark."""
@@ -89,6 +99,8 @@ class IngestConfig:
             raise ValueError(f"ingest.dedup_window_ms must be >= 0, got {self.dedup_window_ms}")
         if self.allowed_lateness_ms < 0:
             raise ValueError(f"ingest.allowed_lateness_ms must be >= 0, got {self.allowed_lateness_ms}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"ingest.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.batch_max_records < 1:
             raise ValueError(f"ingest.batch_max_records must be >= 1, got {self.batch_max_records}")
         if self.max_offsets_per_partition is not None and self.max_offsets_per_partition < 1:

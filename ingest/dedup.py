@@ -10,6 +10,7 @@ Shape letters: N events rows in the batch, C committed (event_id, event_time_ms)
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Mapping
 
 import numpy as np
@@ -100,8 +101,88 @@ def drop_duplicates(events: pa.Table, committed: pa.Table, window_ms: int) -> tu
     return (events.filter(pa.array(keep)) if dropped else events), dropped
 
 
+PAYLOAD_FIELDS: tuple[str, ...] = ("event_id", "event_time_us", "user_id", "item_id", "domain", "event_type",
+                                   "category", "position", "ad_format", "age", "gender", "location")
+"""What two deliveries of an event must agree on to be copies of one event (the Event fields, time in us)."""
+
+
+def committed_payloads(dataset: pads.Dataset | None, ids: pa.Array, times_ms: pa.Array, window_ms: int) -> pa.Table:
+    """The :data:`PAYLOAD_FIELDS` (and ``event_time_ms``) of committed events with an id in ``ids`` (a filtered
+    read like :func:`committed_ids`; ``times_ms`` bound the ``event_date`` partitions read, ms since epoch UTC)."""
+    columns = ["event_time_ms", *PAYLOAD_FIELDS]
+    if dataset is None or len(ids) == 0:
+        return pa.table({c: pa.array([], pa.int64() if c.endswith(("_ms", "_us")) else pa.string()) for c in columns})
+    dates = dates_between(pc.min(times_ms).as_py() - window_ms, pc.max(times_ms).as_py() + window_ms)
+    filt = pc.field("event_date").isin(dates) & pc.field("event_id").isin(ids)
+    return dataset.to_table(columns=columns, filter=filt)
+
+
+def split_conflicts(batch: pa.Table, kept: pa.Table, committed: pa.Table, window_ms: int) -> tuple[pa.Table, int]:
+    """Of the rows :func:`drop_duplicates` dropped, those whose payload matches no copy they were dropped for.
+
+    A dropped row was a second delivery of an ``event_id`` within ``window_ms`` of a kept copy
+    (committed, or kept in this batch). If its :data:`PAYLOAD_FIELDS` equal those of one such copy it
+    is a true duplicate (only counted); otherwise two different events share an id and the later one
+    would be lost silently: it goes to ``dead_letter`` as ``duplicate_conflict``.
+
+    Args:
+        batch: the N events rows before dedup, in Kafka order.
+        kept: the rows ``drop_duplicates`` kept (a subset of ``batch``, same order).
+        committed: :func:`committed_payloads` of the batch's ids.
+        window_ms: the dedup window, ms.
+
+    Returns:
+        (the conflicting dropped rows, of the events table schema; the number of identical duplicates).
+    """
+    if batch.num_rows == kept.num_rows:
+        return batch.slice(0, 0), 0
+    def coords(t: pa.Table) -> np.ndarray:
+        return (t["kafka_partition"].to_numpy().astype(np.int64) << 40) | t["kafka_offset"].to_numpy().astype(np.int64)
+
+    was_dropped = ~np.isin(coords(batch), coords(kept))
+    dropped_ids = pc.unique(batch["event_id"].filter(pa.array(was_dropped)))
+    # Only rows sharing an id with a dropped row matter: few, so Python is fine from here.
+    same_id = pc.is_in(batch["event_id"], value_set=dropped_ids).to_numpy(zero_copy_only=False)
+    involved = np.flatnonzero(same_id)
+    rows = batch.take(pa.array(involved)).to_pylist()
+    dropped = [j for j, i in enumerate(involved) if was_dropped[i]]
+    dropped_set = set(dropped)
+    copies: dict[str, list[tuple[int, tuple]]] = {}
+    for r in committed.to_pylist() + [r for j, r in enumerate(rows) if j not in dropped_set]:
+        copies.setdefault(r["event_id"], []).append((r["event_time_ms"], tuple(r[f] for f in PAYLOAD_FIELDS)))
+    conflict = []
+    for i in dropped:
+        r = rows[i]
+        payload = tuple(r[f] for f in PAYLOAD_FIELDS)
+        near = [p for t, p in copies.get(r["event_id"], []) if abs(t - r["event_time_ms"]) <= window_ms]
+        if payload not in near:
+            conflict.append(i)
+    table = batch.take(pa.array(involved[conflict], pa.int64())) if conflict else batch.slice(0, 0)
+    return table, len(dropped) - len(conflict)
+
+
+def conflict_dead_letter(conflicts: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``dead_letter`` rows (reason ``duplicate_conflict``) for the rows of :func:`split_conflicts`.
+
+    The message's bytes are not kept past parsing, so ``raw`` holds the parsed event re-encoded as
+    JSON (its Event fields) and ``kafka_key`` is null.
+    """
+    out = []
+    for r in conflicts.to_pylist():
+        event = {f: r[f] for f in ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type",
+                                   "category", "position", "ad_format", "age", "gender", "location",
+                                   "schema_version")}
+        out.append({"reason": "duplicate_conflict",
+                    "detail": f"event_id {r['event_id']!r} was already ingested within the dedup window with "
+                              "another payload; this delivery is not the same event",
+                    "raw": json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode(),
+                    "kafka_topic": r["kafka_topic"], "kafka_partition": r["kafka_partition"],
+                    "kafka_offset": r["kafka_offset"], "created_ts_ms": r["created_ts_ms"], "kafka_key": None})
+    return pa.Table.from_pylist(out, schema=schema)
+
+
 def split_late(
-    events: pa.Table, watermarks_ms: Mapping[int, int], allowed_lateness_ms: int
+    events: pa.Table, watermarks_ms: Mapping[int, int], allowed_lateness_ms: int, *, now_ms: int
 ) -> tuple[pa.Table, pa.Table, dict[int, int]]:
     """Split events into on-time rows and late rows, and advance the per-partition watermarks.
 
@@ -109,14 +190,25 @@ def split_late(
     partition by earlier batches) and ``event_time_ms < W - allowed_lateness_ms``. Within one batch
     the watermark does not move: the batch is judged against what was committed before it.
 
+    The watermark never runs ahead of the ingest clock: an on-time event may lie up to
+    ``IngestConfig.max_future_skew_ms`` after ``now_ms`` (a producer's clock running fast), and
+    were it to become W, the partition's next batches of events at the true time would be judged
+    against a future W and could go to ``late_events``. So an event time counts towards the new
+    W only up to ``now_ms``. Watermarks never move back either: a W already above ``now_ms``
+    (committed before this rule, or by a host whose clock ran ahead) is kept until the clock
+    passes it, so with one clock, W <= now_ms of the batch that last moved it.
+
     Args:
         events: N rows of the events table schema.
         watermarks_ms: partition -> W, ms since epoch UTC (absent: no watermark yet, nothing is late).
         allowed_lateness_ms: tolerated lag behind W, ms.
+        now_ms: the batch's ingest clock, ms since epoch UTC (``run_ingest``'s ``now_ms``, reused
+            by a recovery run, so the new watermarks are the same).
 
     Returns:
         (on-time rows, late rows of ``LATE_EVENTS_SCHEMA`` with ``watermark_ms`` and ``lateness_ms =
-        W - event_time_ms``, the new watermarks: max(W, max on-time event time) per partition).
+        W - event_time_ms``, the new watermarks: max(W, min(max on-time event time, now_ms)) per
+        partition; a partition without W gets min(max on-time event time, now_ms)).
     """
     parts = events["kafka_partition"].to_numpy().astype(np.int64)
     times = events["event_time_ms"].to_numpy()
@@ -138,5 +230,6 @@ def split_late(
         order = np.argsort(on_parts, kind="stable")
         uniq, starts = np.unique(on_parts[order], return_index=True)
         for p, batch_max in zip(uniq, np.maximum.reduceat(on_times[order], starts)):
-            new_marks[int(p)] = max(new_marks.get(int(p), int(batch_max)), int(batch_max))
+            capped = min(int(batch_max), int(now_ms))
+            new_marks[int(p)] = max(new_marks.get(int(p), capped), capped)
     return on_time, late_rows.cast(LATE_EVENTS_SCHEMA), new_marks

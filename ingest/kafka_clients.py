@@ -165,15 +165,20 @@ class KafkaRecord:
     """One Kafka message as read.
 
     ``timestamp_ms`` is the record timestamp (ms since epoch UTC; log-append or create time as the
-    topic is configured), -1 when the broker gives none.
+    topic is configured), -1 when the broker gives none. ``value`` is None for a tombstone (a
+    message without a value, as log compaction uses them), ``b""`` for an empty value.
+    ``value_size`` is None when ``value`` is the whole value; a reader that met a value larger than
+    its ``max_message_bytes`` keeps only its first :data:`RAW_PREFIX_BYTES` and sets ``value_size``
+    to the full size in bytes, so that one huge message never has to travel through the pipeline.
     """
 
     topic: str
     partition: int
     offset: int
     key: bytes | None
-    value: bytes
+    value: bytes | None
     timestamp_ms: int
+    value_size: int | None = None
 
 
 RECORDS_SCHEMA = pa.schema(
@@ -182,11 +187,45 @@ RECORDS_SCHEMA = pa.schema(
         pa.field("partition", pa.int32(), nullable=False),
         pa.field("offset", pa.int64(), nullable=False),
         pa.field("key", pa.binary()),
-        pa.field("value", pa.binary(), nullable=False),
+        pa.field("value", pa.binary()),  # null: a tombstone
         pa.field("timestamp_ms", pa.int64(), nullable=False),
+        pa.field("value_size", pa.int64()),  # bytes of a value cut to its first RAW_PREFIX_BYTES; null: whole
     ]
 )
 """Arrow schema of a batch of Kafka messages (the fields of :class:`KafkaRecord`)."""
+
+RECEIVE_MAX_BYTES = 2_147_483_647
+"""librdkafka's largest ``receive.message.max.bytes``: any message a broker can store is received."""
+
+RAW_PREFIX_BYTES = 1024
+"""Bytes of a too-large value that are kept (and dead-lettered as ``too_large``)."""
+
+
+def cut_large(values: list[bytes | None], max_bytes: int | None) -> list[int | None] | None:
+    """Cut, in place, every value longer than ``max_bytes`` to its first :data:`RAW_PREFIX_BYTES`.
+
+    Args:
+        values: N message values (None: a tombstone).
+        max_bytes: the largest value kept whole, bytes; None keeps every value whole.
+
+    Returns:
+        None when no value was cut (the usual case, checked at C speed), else N sizes: the original
+        size in bytes of each cut value, None for the others.
+    """
+    if max_bytes is None or not values:
+        return None
+    try:
+        longest = max(map(len, values))
+    except TypeError:  # a tombstone among them
+        longest = max((len(v) for v in values if v is not None), default=0)
+    if longest <= max_bytes:
+        return None
+    sizes: list[int | None] = [None] * len(values)
+    for i, v in enumerate(values):
+        if v is not None and len(v) > max_bytes:
+            sizes[i] = len(v)
+            values[i] = v[:RAW_PREFIX_BYTES]
+    return sizes
 
 
 def records_to_batch(records: Sequence[KafkaRecord]) -> pa.RecordBatch:
@@ -199,15 +238,19 @@ def records_to_batch(records: Sequence[KafkaRecord]) -> pa.RecordBatch:
             pa.array([r.key for r in records], pa.binary()),
             pa.array([r.value for r in records], pa.binary()),
             pa.array([r.timestamp_ms for r in records], pa.int64()),
+            pa.array([r.value_size for r in records], pa.int64()),
         ],
         schema=RECORDS_SCHEMA,
     )
 
 
 def _partition_batch(topic: str, partition: int, offsets: list[int], keys: list[bytes | None],
-                     values: list[bytes], timestamps_ms: list[int]) -> pa.RecordBatch:
-    """N messages of one partition, given column-wise, as a RecordBatch of :data:`RECORDS_SCHEMA`."""
+                     values: list[bytes | None], timestamps_ms: list[int],
+                     max_message_bytes: int | None = None) -> pa.RecordBatch:
+    """N messages of one partition, given column-wise, as a RecordBatch of :data:`RECORDS_SCHEMA`
+    (values above ``max_message_bytes`` cut, :func:`cut_large`)."""
     n = len(offsets)
+    sizes = cut_large(values, max_message_bytes)
     return pa.RecordBatch.from_arrays(
         [
             pa.array([topic] * n, pa.string()),
@@ -216,9 +259,18 @@ def _partition_batch(topic: str, partition: int, offsets: list[int], keys: list[
             pa.array(keys, pa.binary()),
             pa.array(values, pa.binary()),
             pa.array(timestamps_ms, pa.int64()),
+            pa.nulls(n, pa.int64()) if sizes is None else pa.array(sizes, pa.int64()),
         ],
         schema=RECORDS_SCHEMA,
     )
+
+
+def _record(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, timestamp_ms: int,
+            max_message_bytes: int | None) -> KafkaRecord:
+    """A KafkaRecord, its value cut to :data:`RAW_PREFIX_BYTES` when above ``max_message_bytes``."""
+    if max_message_bytes is not None and value is not None and len(value) > max_message_bytes:
+        return KafkaRecord(topic, partition, offset, key, value[:RAW_PREFIX_BYTES], timestamp_ms, len(value))
+    return KafkaRecord(topic, partition, offset, key, value, timestamp_ms)
 
 
 def batches_of(records: Iterator[KafkaRecord], max_records: int) -> Iterator[pa.RecordBatch]:
@@ -293,6 +345,11 @@ class KafkaClient(Protocol):
         """
         ...
 
+    def topic_id(self, topic: str) -> str | None:
+        """The topic's id (a UUID the broker gives a topic at creation, KIP-516) or None where the
+        broker or client gives none; a recreated topic gets a new one."""
+        ...
+
     def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
         """The records with offsets in ``[rng.start, rng.end)``, in offset order.
 
@@ -359,7 +416,7 @@ def _take_columns(msgs: list[Any], rng: OffsetRange, next_offset: int, offsets: 
             and (n == 1 or bool(np.all(np.diff(np.asarray(got, dtype=np.int64)) > 0)))):
         offsets.extend(got)
         keys.extend([m.key() for m in msgs])
-        values.extend([m.value() or b"" for m in msgs])
+        values.extend([m.value() for m in msgs])
         timestamps_ms.extend([m.timestamp()[1] for m in msgs])
         return got[-1] + 1
     for msg, offset in zip(msgs, got):
@@ -371,7 +428,7 @@ def _take_columns(msgs: list[Any], rng: OffsetRange, next_offset: int, offsets: 
         next_offset = offset + 1
         offsets.append(offset)
         keys.append(msg.key())
-        values.append(msg.value() or b"")
+        values.append(msg.value())
         timestamps_ms.append(msg.timestamp()[1])
     return next_offset
 
@@ -383,10 +440,11 @@ class ConfluentClient:
     ``assign``-ed, auto commit is off and nothing is ever committed.
     """
 
-    def __init__(self, bootstrap: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, bootstrap: str, *, timeout_s: float = 30.0, max_message_bytes: int | None = None) -> None:
         from confluent_kafka import Consumer
 
         self._timeout_s = timeout_s
+        self._max_message_bytes = max_message_bytes
         self._bootstrap = bootstrap
         self._probed = False  # the bootstrap servers were tried once (check_not_refused)
         self._position: tuple[str, int, int] | None = None  # (topic, partition, next offset) assigned
@@ -399,6 +457,11 @@ class ConfluentClient:
                 "enable.partition.eof": False,
                 "auto.offset.reset": "error",
                 "logger": rdkafka_logger(),
+                # librdkafka refuses a fetch response above this (default 100 MB: "Invalid response
+                # size"), and one message larger than fetch.max.bytes still comes whole (KIP-74), so a
+                # message the broker accepted could block its partition. At librdkafka's maximum any
+                # message a broker can hold is received; ingest.max_message_bytes then decides its fate.
+                "receive.message.max.bytes": RECEIVE_MAX_BYTES,
             }
         )
 
@@ -424,6 +487,20 @@ class ConfluentClient:
             p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=self._timeout_s, cached=False)
             for p in sorted(meta.partitions)
         }
+
+    def topic_id(self, topic: str) -> str | None:
+        """See :meth:`KafkaClient.topic_id` (AdminClient ``describe_topics``; None when it fails)."""
+        from confluent_kafka import KafkaException, TopicCollection
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self._bootstrap, "logger": rdkafka_logger()})
+        try:
+            future = admin.describe_topics(TopicCollection([topic]), request_timeout=self._timeout_s)[topic]
+            uuid = future.result(timeout=self._timeout_s).topic_id
+        except (KafkaException, TimeoutError, ValueError, TypeError, AttributeError):
+            return None
+        text = None if uuid is None else str(uuid)
+        return None if not text or text == "AAAAAAAAAAAAAAAAAAAAAA" else text  # the all-zero id means "none"
 
     def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
         from confluent_kafka import TopicPartition
@@ -452,7 +529,7 @@ class ConfluentClient:
                         break
                     next_offset = msg.offset() + 1
                     _, ts = msg.timestamp()
-                    yield KafkaRecord(rng.topic, rng.partition, msg.offset(), msg.key(), msg.value() or b"", ts)
+                    yield _record(rng.topic, rng.partition, msg.offset(), msg.key(), msg.value(), ts, self._max_message_bytes)
         finally:
             self._consumer.unassign()
             self._position = None
@@ -491,7 +568,7 @@ class ConfluentClient:
                     continue
                 deadline = time.monotonic() + self._timeout_s
                 if len(offsets) >= max_records or (offsets and next_offset >= rng.end):
-                    yield _partition_batch(topic, partition, offsets, keys, values, stamps)
+                    yield _partition_batch(topic, partition, offsets, keys, values, stamps, self._max_message_bytes)
                     offsets, keys, values, stamps = [], [], [], []
         finally:
             self._consumer.unassign()
@@ -514,7 +591,7 @@ class ConfluentClient:
             if msg.topic() != topic or msg.partition() != partition or msg.offset() < offset:
                 continue
             _, ts = msg.timestamp()
-            out.append(KafkaRecord(topic, partition, msg.offset(), msg.key(), msg.value() or b"", ts))
+            out.append(_record(topic, partition, msg.offset(), msg.key(), msg.value(), ts, self._max_message_bytes))
         self._position = (topic, partition, out[-1].offset + 1 if out else offset)
         return out
 
@@ -525,10 +602,11 @@ class ConfluentClient:
 class KafkaPythonClient:
     """:class:`KafkaClient` over kafka-python (no consumer group: ``group_id=None``)."""
 
-    def __init__(self, bootstrap: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, bootstrap: str, *, timeout_s: float = 30.0, max_message_bytes: int | None = None) -> None:
         from kafka import KafkaConsumer
 
         self._timeout_s = timeout_s
+        self._max_message_bytes = max_message_bytes
         self._position: tuple[str, int, int] | None = None
         self._consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                                        request_timeout_ms=int(timeout_s * 1000) + 1000)
@@ -544,6 +622,10 @@ class KafkaPythonClient:
         low = self._consumer.beginning_offsets(tps, timeout_ms=timeout_ms)
         high = self._consumer.end_offsets(tps, timeout_ms=timeout_ms)
         return {tp.partition: (low[tp], high[tp]) for tp in tps}
+
+    def topic_id(self, topic: str) -> str | None:
+        """See :meth:`KafkaClient.topic_id`: kafka-python does not expose topic ids, so None."""
+        return None
 
     def read_range(self, rng: OffsetRange) -> Iterator[KafkaRecord]:
         from kafka import TopicPartition
@@ -570,7 +652,7 @@ class KafkaPythonClient:
                         next_offset = rng.end
                         break
                     next_offset = r.offset + 1
-                    yield KafkaRecord(rng.topic, rng.partition, r.offset, r.key, r.value or b"", r.timestamp)
+                    yield _record(rng.topic, rng.partition, r.offset, r.key, r.value, r.timestamp, self._max_message_bytes)
         finally:
             self._consumer.unsubscribe()
             self._position = None
@@ -596,7 +678,7 @@ class KafkaPythonClient:
             self._consumer.assign([tp])
             self._consumer.seek(tp, offset)
         records = self._poll(tp, timeout_s, max_records, f"{topic}[{partition}] from {offset}")
-        out = [KafkaRecord(topic, partition, r.offset, r.key, r.value or b"", r.timestamp)
+        out = [_record(topic, partition, r.offset, r.key, r.value, r.timestamp, self._max_message_bytes)
                for r in records if r.offset >= offset]
         self._position = (topic, partition, out[-1].offset + 1 if out else offset)
         return out
@@ -605,14 +687,15 @@ class KafkaPythonClient:
         self._consumer.close()
 
 
-def make_client(client: ClientName, bootstrap: str, *, timeout_s: float = 30.0) -> KafkaClient:
+def make_client(client: ClientName, bootstrap: str, *, timeout_s: float = 30.0,
+                max_message_bytes: int | None = None) -> KafkaClient:
     """The :class:`KafkaClient` implementation named by ``KafkaConfig.client``.
 
     Raises:
         ValueError: an unknown client name.
     """
     if client == "confluent":
-        return ConfluentClient(bootstrap, timeout_s=timeout_s)
+        return ConfluentClient(bootstrap, timeout_s=timeout_s, max_message_bytes=max_message_bytes)
     if client == "kafka-python":
-        return KafkaPythonClient(bootstrap, timeout_s=timeout_s)
+        return KafkaPythonClient(bootstrap, timeout_s=timeout_s, max_message_bytes=max_message_bytes)
     raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")

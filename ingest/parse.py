@@ -7,12 +7,25 @@ fails names the dead-letter reason:
 ==============================  =============================================================
 reason                          meaning
 ==============================  =============================================================
+``tombstone``                   the message has no value (a null value, as log compaction uses;
+                                an empty value is ``not_json``)
+``too_large``                   the value is larger than ``IngestConfig.max_message_bytes``
+                                (``raw`` keeps its first :data:`RAW_PREFIX_BYTES`; the detail
+                                gives its size)
+``lone_surrogate``              the value or the key holds a UTF-16 surrogate code point that is
+                                not part of a pair: escaped in a JSON string (``"\\ud800"``) or
+                                raw (the 3-byte WTF-8/CESU-8 form, invalid UTF-8). Python's
+                                ``json`` reads the escape into a string no UTF-8 column can hold
+``too_deep``                    the JSON nests objects/arrays deeper than :data:`MAX_JSON_DEPTH`
+                                (Python's ``json`` would fail at a depth that depends on the
+                                stack, Arrow's reader at another: one rule for both)
 ``not_json``                    the value is not UTF-8 JSON
 ``not_object``                  valid JSON, but not an object (a list, a string, ...)
 ``unsupported_schema_version``  ``schema_version`` is not an int, or not a version we read
                                 (absent means the current version, as ``Event`` defaults it)
-``missing_field``               a required field is absent, null or an empty string (detail
-                                names every such field)
+``missing_field``               a required field is absent, null, or a string that is empty
+                                after trimming Unicode White_Space (:data:`BLANK`; detail names
+                                every such field)
 ``wrong_type``                  a field has another JSON type than declared (booleans are not
                                 ints; optional fields, when present and not null, too), an
                                 int outside its column's range (int64 times, int32 position/age),
@@ -21,9 +34,19 @@ reason                          meaning
 ``unknown_event_type``          ``event_type`` is not one of ``EVENT_TYPES``
 ``unknown_domain``              ``domain`` is not one of the configured domains
 ``future_event_time``           event time ``> now_ms + max_future_skew_ms``
+``too_early_event_time``        event time ``< min_event_time_ms`` (``IngestConfig``; default
+                                2000-01-01: 0, -1 or 1914 are clock bugs, not events)
 ``expired_event_time``          event time ``< now_ms - retention_ms`` (only when a retention
                                 is configured)
+``parse_failure``               the parser itself failed on the message (a bug, never expected:
+                                the detail names the exception) instead of failing the batch
 ==============================  =============================================================
+
+The record timestamp becomes ``created_ts_ms`` (when the event could first be known, which the
+point-in-time rules of the build use). A timestamp that cannot be that time -- none (< 0), before
+``min_event_time_ms``, or after ``now_ms + max_future_skew_ms`` (a producer clock in the year
+3000 would hide the event from every history) -- is replaced by ``now_ms``, the ingest clock:
+the event was surely appended by then (:func:`known_since`).
 
 Event time (wire field ``event_time_ms``) is normalised to UTC microseconds (``event_time_us``;
 ``event_time_ms = floor(event_time_us / 1000)``). Accepted forms:
@@ -46,12 +69,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import apache_beam as beam
 
-from ingest.kafka_source import KafkaRecord
+from ingest.kafka_clients import RAW_PREFIX_BYTES, KafkaRecord
 from ingest.schema import EVENT_TYPES, OPTIONAL_FIELDS, REQUIRED_FIELDS, SCHEMA_VERSION
 
 GOOD = "good"
@@ -60,6 +84,10 @@ DEAD_LETTER = "dead_letter"
 """Tag of ParseEvents' dead-letter-row output."""
 
 REASONS: tuple[str, ...] = (
+    "tombstone",
+    "too_large",
+    "lone_surrogate",
+    "too_deep",
     "not_json",
     "not_object",
     "unsupported_schema_version",
@@ -68,10 +96,28 @@ REASONS: tuple[str, ...] = (
     "unknown_event_type",
     "unknown_domain",
     "future_event_time",
+    "too_early_event_time",
     "expired_event_time",
+    "parse_failure",
 )
 """Every dead-letter reason code :func:`parse_record` emits."""
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of JSON objects/arrays a message may have (events are flat: 1)."""
+
+BLANK = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+         "\u2028\u2029\u202f\u205f\u3000")
+"""Unicode White_Space, the characters trimmed before an id counts as blank. Spelled out because
+Python's ``str.strip()`` also trims U+001C..U+001F and Rust's (polars') ``trim`` does not: both
+parsers trim exactly these."""
+
+DEFAULT_MIN_EVENT_TIME_MS = 946_684_800_000
+"""2000-01-01T00:00:00Z in ms since epoch: ``IngestConfig.min_event_time_ms``'s default."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_RAW_SURROGATE = re.compile(b"\xed[\xa0-\xbf]")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 _FIELD_TYPES: dict[str, tuple[type, tuple[int, int] | None]] = {
@@ -166,15 +212,65 @@ def _type_error(name: str, value: Any) -> str | None:
 
 
 def _dead(rec: KafkaRecord, reason: str, detail: str) -> tuple[Literal["dead"], dict[str, Any]]:
-    return "dead", {
+    return "dead", dead_row(rec, reason, detail)
+
+
+def dead_row(rec: KafkaRecord, reason: str, detail: str) -> dict[str, Any]:
+    """A ``DEAD_LETTER_SCHEMA`` row for ``rec``: the reason, the detail (cut to 1,000 characters), the
+    raw value (``b""`` for a tombstone; the first :data:`RAW_PREFIX_BYTES` of a too-large one), the
+    Kafka key and coordinates."""
+    value = b"" if rec.value is None else rec.value
+    return {
         "reason": reason,
-        "detail": detail,
-        "raw": rec.value,
+        "detail": detail[:1000],
+        "raw": value[:RAW_PREFIX_BYTES] if reason == "too_large" else value,
         "kafka_topic": rec.topic,
         "kafka_partition": rec.partition,
         "kafka_offset": rec.offset,
         "created_ts_ms": rec.timestamp_ms,
+        "kafka_key": rec.key,
     }
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of objects and arrays in JSON ``text`` (brackets inside strings ignored); 0 for a scalar.
+
+    Computed on the text, so that it is defined for any input, valid JSON or not.
+    """
+    depth = deepest = 0
+    for bracket in _BRACKET.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _has_surrogate(obj: Any) -> bool:
+    """True when a string anywhere in the decoded JSON ``obj`` (keys included) holds a surrogate."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def known_since(record_ts_ms: int, *, now_ms: int, max_future_skew_ms: int, min_event_time_ms: int | None) -> int:
+    """``created_ts_ms`` of an event: its Kafka record timestamp, or ``now_ms`` where that cannot be
+    when the event became known (rule in the module docstring). All times ms since epoch UTC."""
+    floor = 0 if min_event_time_ms is None else max(min_event_time_ms, 0)
+    if record_ts_ms < floor or record_ts_ms > now_ms + max_future_skew_ms:
+        return now_ms
+    return record_ts_ms
+
+
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip(BLANK) == "")
 
 
 def parse_record(
@@ -184,6 +280,8 @@ def parse_record(
     now_ms: int,
     max_future_skew_ms: int,
     retention_ms: int | None = None,
+    min_event_time_ms: int | None = None,
+    max_message_bytes: int | None = None,
 ) -> Outcome:
     """Validate one Kafka record against the Event schema.
 
@@ -193,17 +291,51 @@ def parse_record(
         now_ms: the ingest clock, ms since epoch UTC (fixed per batch so that a rerun decides alike).
         max_future_skew_ms: tolerated lead of event time over ``now_ms``, ms.
         retention_ms: oldest accepted event time, as a lag behind ``now_ms`` in ms; None accepts any age.
+        min_event_time_ms: earliest plausible event time, ms since epoch UTC; None: no floor.
+        max_message_bytes: largest value read, bytes; None: no limit (a reader may already have cut
+            a larger value, ``rec.value_size``).
 
     Returns:
-        ``("ok", row)`` with a row of ``EVENTS_TABLE_SCHEMA`` (Event fields, ``created_ts_ms`` =
-        the Kafka record timestamp, ``event_date`` = UTC date of ``event_time_ms``, Kafka
-        coordinates, ``event_time_us``), or ``("dead", row)`` with a row of ``DEAD_LETTER_SCHEMA`` whose ``reason``
-        is one of :data:`REASONS` (see the module docstring).
+        ``("ok", row)`` with a row of ``EVENTS_TABLE_SCHEMA`` (Event fields, ``created_ts_ms`` from
+        :func:`known_since`, ``event_date`` = UTC date of ``event_time_ms``, Kafka coordinates,
+        ``event_time_us``), or ``("dead", row)`` with a row of ``DEAD_LETTER_SCHEMA`` whose ``reason``
+        is one of :data:`REASONS` (see the module docstring). Never raises on any message.
     """
     try:
-        obj = json.loads(rec.value.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # ValueError covers bad UTF-8, bad JSON, ints too long to parse
+        return _parse(rec, domains=domains, now_ms=now_ms, max_future_skew_ms=max_future_skew_ms,
+                      retention_ms=retention_ms, min_event_time_ms=min_event_time_ms,
+                      max_message_bytes=max_message_bytes)
+    except Exception as exc:  # noqa: BLE001 -- one message must never fail the batch
+        return _dead(rec, "parse_failure", f"{type(exc).__name__}: {exc}")
+
+
+def _parse(rec: KafkaRecord, *, domains: Iterable[str], now_ms: int, max_future_skew_ms: int,
+           retention_ms: int | None, min_event_time_ms: int | None, max_message_bytes: int | None) -> Outcome:
+    if rec.value is None:
+        return _dead(rec, "tombstone", "the message has no value (a tombstone)")
+    size = rec.value_size if rec.value_size is not None else len(rec.value)
+    if rec.value_size is not None or (max_message_bytes is not None and size > max_message_bytes):
+        limit = "the reader's limit" if max_message_bytes is None else f"ingest.max_message_bytes = {max_message_bytes}"
+        return _dead(rec, "too_large", f"value is {size} bytes, above {limit}; raw keeps its first "
+                                       f"{RAW_PREFIX_BYTES} bytes")
+    if rec.key is not None and _RAW_SURROGATE.search(rec.key):
+        return _dead(rec, "lone_surrogate", "the Kafka key holds a UTF-16 surrogate (invalid UTF-8)")
+    try:
+        text = rec.value.decode("utf-8")
+    except ValueError as exc:
+        if _RAW_SURROGATE.search(rec.value):
+            return _dead(rec, "lone_surrogate", "the value holds a raw UTF-16 surrogate (WTF-8/CESU-8 bytes, "
+                                                "invalid UTF-8)")
         return _dead(rec, "not_json", f"value is not UTF-8 JSON: {exc}"[:500])
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        return _dead(rec, "too_deep", f"JSON nested {depth} deep; at most {MAX_JSON_DEPTH} is read")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # ValueError covers bad JSON and ints too long to parse
+        return _dead(rec, "not_json", f"value is not UTF-8 JSON: {exc}"[:500])
+    if _has_surrogate(obj):
+        return _dead(rec, "lone_surrogate", "a JSON string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
     if not isinstance(obj, dict):
         return _dead(rec, "not_object", f"expected a JSON object, got {type(obj).__name__}")
 
@@ -212,9 +344,9 @@ def parse_record(
         return _dead(rec, "unsupported_schema_version",
                      f"schema_version: expected {SCHEMA_VERSION}, got {version!r:.80}; upgrade gemline to read it")
 
-    missing = [name for name in REQUIRED_FIELDS if obj.get(name) is None or obj.get(name) == ""]
+    missing = [name for name in REQUIRED_FIELDS if _blank(obj.get(name)) or obj.get(name) == ""]
     if missing:
-        return _dead(rec, "missing_field", f"required field(s) absent, null or empty: {', '.join(missing)}")
+        return _dead(rec, "missing_field", f"required field(s) absent, null or blank: {', '.join(missing)}")
 
     time_us = 0
     for name in REQUIRED_FIELDS + OPTIONAL_FIELDS:
@@ -240,13 +372,17 @@ def parse_record(
     limit_ms = now_ms + max_future_skew_ms
     if time_us > limit_ms * 1000:
         return _dead(rec, "future_event_time", future_detail(time_us, now_ms, max_future_skew_ms))
+    if min_event_time_ms is not None and time_us < min_event_time_ms * 1000:
+        return _dead(rec, "too_early_event_time", f"event time {time_ms} ms is before ingest.min_event_time_ms = "
+                                                  f"{min_event_time_ms} ms (a clock bug or a wrong unit?)")
     if retention_ms is not None and time_us < (now_ms - retention_ms) * 1000:
         return _dead(rec, "expired_event_time", expired_detail(time_us, now_ms, retention_ms))
 
     row: dict[str, Any] = {name: obj.get(name) for name in REQUIRED_FIELDS + OPTIONAL_FIELDS}
     row["event_time_ms"] = time_ms
     row["schema_version"] = version
-    row["created_ts_ms"] = rec.timestamp_ms
+    row["created_ts_ms"] = known_since(rec.timestamp_ms, now_ms=now_ms, max_future_skew_ms=max_future_skew_ms,
+                                       min_event_time_ms=min_event_time_ms)
     row["event_date"] = event_date(time_ms)
     row["kafka_topic"] = rec.topic
     row["kafka_partition"] = rec.partition

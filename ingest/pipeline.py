@@ -35,6 +35,7 @@ Run one ingest job per topic at a time: two concurrent runs would plan the same 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -43,7 +44,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.feather as feather
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -61,8 +63,16 @@ from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.lake import commit_metadata, commit_once, committed_version, is_remote, open_table, table_uri
 from gemline.locks import holding
-from ingest.dedup import committed_ids, drop_duplicates, split_late
-from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, plan_snapshot
+from ingest.dedup import (
+    committed_ids,
+    committed_payloads,
+    conflict_dead_letter,
+    drop_duplicates,
+    split_conflicts,
+    split_late,
+)
+from ingest.config import IngestConfig
+from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, TopicIdentity, plan_topic
 from ingest.parse import DEAD_LETTER, GOOD
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, LATE_EVENTS_SCHEMA
 from ingest.vectorized import ParseBatches
@@ -95,6 +105,14 @@ class IngestResult:
     """Duplicate deliveries of an event_id within ``dedup_window_ms`` this batch dropped."""
     late_events_written: int = 0
     """Rows this call committed to ``late_events`` (behind the watermark by more than the allowed lateness)."""
+    duplicate_conflicts: int = 0
+    """Second deliveries of an event_id with another payload, dead-lettered as ``duplicate_conflict``."""
+    gaps: tuple[tuple[int, int, int], ...] = ()
+    """(partition, first, end) offsets retention deleted before they were ingested; recorded in the commit."""
+    rules_changed: tuple[str, ...] = ()
+    """Fate-deciding settings changed since the recovered batch was planned (the batch kept the old ones)."""
+    reset: bool = False
+    """True when this batch started over on the topic (``--reset-topic``)."""
 
 
 def app_id_for(topic: str) -> str:
@@ -128,6 +146,23 @@ def _stage_for(lake: str | Path, batch_version: int) -> Path:
     return staging_dir(lake, batch_version)
 
 
+RULE_FIELDS: tuple[str, ...] = ("domains", "max_future_skew_ms", "retention_days", "dedup_window_ms",
+                                 "allowed_lateness_ms", "min_event_time_ms", "max_message_bytes")
+"""The ``IngestConfig`` settings that decide a message's fate (events, dead_letter, late_events or
+dropped). Recorded with each batch; a recovery run reuses the crashed batch's values."""
+
+
+def rules_of(ingest: IngestConfig) -> dict[str, Any]:
+    """The :data:`RULE_FIELDS` of ``ingest`` as JSON values."""
+    return {name: list(getattr(ingest, name)) if name == "domains" else getattr(ingest, name) for name in RULE_FIELDS}
+
+
+def with_rules(ingest: IngestConfig, rules: dict[str, Any]) -> IngestConfig:
+    """``ingest`` with the recorded ``rules`` (fields missing from an older record keep ``ingest``'s value)."""
+    known = {k: (tuple(v) if k == "domains" else v) for k, v in rules.items() if k in RULE_FIELDS}
+    return dataclasses.replace(ingest, **known)
+
+
 @dataclass(frozen=True)
 class _Plan:
     batch_version: int
@@ -136,6 +171,12 @@ class _Plan:
     now_ms: int
     recovered: bool
     watermarks_ms: dict[int, int]
+    rules: IngestConfig
+    """The ingest settings this batch decides by (the crashed run's on recovery)."""
+    identity: TopicIdentity
+    gaps: dict[int, tuple[int, int]]
+    rules_changed: tuple[str, ...] = ()
+    reset: dict[str, Any] | None = None
 
 
 def cap_ranges(ranges: list[OffsetRange], max_offsets: int | None) -> list[OffsetRange]:
@@ -152,8 +193,8 @@ def cap_ranges(ranges: list[OffsetRange], max_offsets: int | None) -> list[Offse
     return [OffsetRange(r.topic, r.partition, r.start, min(r.end, r.start + max_offsets)) for r in ranges]
 
 
-def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _Plan:
-    """Decide the batch: version, ranges, clock (fresh, or recovered from a dead_letter commit)."""
+def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset_topic: bool = False) -> _Plan:
+    """Decide the batch: version, ranges, clock, rules (fresh, or recovered from a dead_letter commit)."""
     lake, topic, opts = config.lake, config.kafka.topic, config.lake_storage_options
     app_id = app_id_for(topic)
     last_events = committed_version(lake, EVENTS_TABLE, app_id, storage_options=opts)
@@ -161,6 +202,9 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _P
     events_meta = commit_metadata(lake, EVENTS_TABLE, app_id, storage_options=opts) or {}
     prev_ends = {int(p): int(e) for p, e in events_meta.get("end_offsets", {}).items()}
     marks = {int(p): int(w) for p, w in events_meta.get("watermarks_ms", {}).items()}
+    identity = events_meta.get("topic_identity")
+    previous = None if identity is None else TopicIdentity.from_dict(identity)
+    plan_args = dict(client=config.kafka.client, timeout_s=config.ingest.read_timeout_s)
 
     last_dead = committed_version(lake, DEAD_LETTER_TABLE, app_id, storage_options=opts)
     if last_dead is not None and last_dead > batch_version:
@@ -171,16 +215,36 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None) -> _P
         assert meta is not None, "dead_letter has a txn version but no gemline metadata"
         ranges = tuple(OffsetRange.from_dict(d) for d in meta["offset_ranges"])
         ends = {int(p): int(e) for p, e in meta["end_offsets"].items()}
+        rules = with_rules(config.ingest, meta.get("rules", {}))
+        changed = tuple(k for k in RULE_FIELDS if getattr(rules, k) != getattr(config.ingest, k))
+        if changed:
+            log.warning("ingest %s: recovering batch %d with the settings it was planned with; changed since: %s "
+                        "(the new values apply from the next batch)", app_id, batch_version, ", ".join(changed))
+        recorded = meta.get("topic_identity")
+        snapshot_identity = previous if recorded is None else TopicIdentity.from_dict(recorded)
+        if recorded is not None:  # the crashed run's topic must still be there
+            plan_topic(bootstrap, topic, {}, previous=snapshot_identity, fixed=list(ranges), **plan_args)
         log.info("ingest %s: recovering batch %d from its dead_letter commit (%d ranges)",
                  app_id, batch_version, len(ranges))
-        return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True, watermarks_ms=marks)
+        gaps = {int(g["partition"]): (int(g["start"]), int(g["end"])) for g in meta.get("gaps", [])}
+        return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True, watermarks_ms=marks,
+                     rules=rules, identity=snapshot_identity or TopicIdentity(None, 0, {}), gaps=gaps,
+                     rules_changed=changed, reset=meta.get("reset"))
 
-    ranges = tuple(cap_ranges(plan_snapshot(bootstrap, topic, prev_ends, client=config.kafka.client,
-                                            timeout_s=config.ingest.read_timeout_s),
-                              config.ingest.max_offsets_per_partition))
-    ends = {**prev_ends, **{r.partition: r.end for r in ranges}}
+    reset = None
+    if reset_topic:
+        reset = {"previous_end_offsets": {str(p): e for p, e in sorted(prev_ends.items())},
+                 "previous_topic_id": None if previous is None else previous.topic_id,
+                 "at_ms": int(time.time() * 1000)}
+        prev_ends, previous = {}, None
+    snap = plan_topic(bootstrap, topic, prev_ends, previous=previous,
+                      max_offsets=config.ingest.max_offsets_per_partition, **plan_args)
+    ranges = tuple(snap.ranges)
+    ends = {**prev_ends, **{r.partition: r.end for r in ranges}} if not reset_topic else {r.partition: r.end
+                                                                                           for r in ranges}
     clock_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
-    return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks)
+    return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks, rules=config.ingest,
+                 identity=snap.identity, gaps=snap.gaps, reset=reset)
 
 
 STAGED_SUFFIX = ".arrow"
@@ -314,9 +378,10 @@ class ReadRecordBatches(beam.PTransform):
     """
 
     def __init__(self, *, bootstrap: str, client: ClientName, timeout_s: float, max_records: int,
-                 reshuffle: bool = False) -> None:
+                 reshuffle: bool = False, max_message_bytes: int | None = None) -> None:
         super().__init__()
-        self._read = ReadPartitionFn(client, bootstrap, timeout_s, batch_records=max_records)
+        self._read = ReadPartitionFn(client, bootstrap, timeout_s, batch_records=max_records,
+                                     max_message_bytes=max_message_bytes)
         self._reshuffle = reshuffle
 
     def expand(self, ranges: beam.PCollection) -> beam.PCollection:
@@ -334,9 +399,11 @@ def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, b
             | "ReadKafka" >> ReadRecordBatches(bootstrap=bootstrap, client=config.kafka.client,
                                                timeout_s=config.ingest.read_timeout_s,
                                                max_records=config.ingest.batch_max_records,
-                                               reshuffle=config.ingest.reshuffle)
-            | "ParseBatches" >> ParseBatches(config.ingest.domains, plan.now_ms, config.ingest.max_future_skew_ms,
-                                             config.ingest.retention_ms)
+                                               reshuffle=config.ingest.reshuffle,
+                                               max_message_bytes=plan.rules.max_message_bytes)
+            | "ParseBatches" >> ParseBatches(plan.rules.domains, plan.now_ms, plan.rules.max_future_skew_ms,
+                                             plan.rules.retention_ms, min_event_time_ms=plan.rules.min_event_time_ms,
+                                             max_message_bytes=plan.rules.max_message_bytes)
         )
         _ = parsed[GOOD] | "StageEvents" >> StageRows(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)
         _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
@@ -349,6 +416,7 @@ def run_ingest(
     bootstrap: str,
     beam_args: list[str] | None = None,
     now_ms: int | None = None,
+    reset_topic: bool = False,
 ) -> IngestResult:
     """Ingest one bounded snapshot of ``config.kafka.topic`` into ``events`` and ``dead_letter``.
 
@@ -361,21 +429,25 @@ def run_ingest(
         beam_args: extra Beam pipeline flags (e.g. ``["--direct_num_workers=2"]``).
         now_ms: the ingest clock for ``future_event_time``, ms since epoch UTC; None reads the
             wall clock. A recovered batch uses the clock recorded by the crashed run instead.
+        reset_topic: start over on the topic as it is now (from its low watermarks), forgetting the
+            committed offsets and topic identity; recorded in the commit (``reset``). For a topic
+            that was deliberately recreated.
 
     Returns:
-        An :class:`IngestResult`.
+        An :class:`IngestResult`; ``gaps`` lists records retention deleted before they were read.
 
     Raises:
-        ValueError: the lake's offsets and the topic disagree (see ``plan_snapshot``), or the
-            topic does not exist.
+        ingest.kafka_source.TopicChangedError: the topic is not the one the lake read (recreated,
+            another partition count, offsets went backwards); ``reset_topic`` accepts it.
+        ValueError: the topic does not exist.
         RuntimeError: the two tables hold inconsistent batches, or staged rows break the
             exactly-once invariants.
         gemline.locks.LakeBusyError: another ingest is running on this lake.
     """
     lake, app_id, opts = config.lake, app_id_for(config.kafka.topic), config.lake_storage_options
-    plan = _plan_batch(config, bootstrap, now_ms)
+    plan = _plan_batch(config, bootstrap, now_ms, reset_topic)
     planned = sum(r.num_offsets for r in plan.ranges)
-    if planned == 0:
+    if planned == 0 and plan.reset is None and not plan.gaps:
         log.info("ingest %s: nothing new (batch %d skipped)", app_id, plan.batch_version)
         return IngestResult(plan.batch_version, 0, 0, plan.ranges, skipped=True)
 
@@ -391,10 +463,21 @@ def run_ingest(
     dead = read_staged(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
     _check_batch(events, dead, plan.ranges)
     existing = open_table(lake, EVENTS_TABLE, storage_options=opts)
-    committed = committed_ids(None if existing is None else existing.to_pyarrow_dataset(), events,
-                              config.ingest.dedup_window_ms)
-    events, duplicates = drop_duplicates(events, committed, config.ingest.dedup_window_ms)
-    events, late, watermarks = split_late(events, plan.watermarks_ms, config.ingest.allowed_lateness_ms)
+    rules = plan.rules
+    dataset = None if existing is None else existing.to_pyarrow_dataset()
+    committed = committed_ids(dataset, events, rules.dedup_window_ms)
+    parsed = events
+    events, duplicates = drop_duplicates(parsed, committed, rules.dedup_window_ms)
+    n_conflicts = 0
+    if duplicates:
+        payloads = committed_payloads(dataset, pc.unique(parsed["event_id"]), parsed["event_time_ms"],
+                                      rules.dedup_window_ms)
+        conflicts, duplicates = split_conflicts(parsed, events, payloads, rules.dedup_window_ms)
+        n_conflicts = conflicts.num_rows
+        if n_conflicts:
+            dead = pa.concat_tables([dead, conflict_dead_letter(conflicts, DEAD_LETTER_SCHEMA)])
+    events, late, watermarks = split_late(events, plan.watermarks_ms, rules.allowed_lateness_ms,
+                                          now_ms=plan.now_ms)
     metadata = {
         "offset_ranges": [r.to_dict() for r in plan.ranges],
         "end_offsets": {str(p): e for p, e in sorted(plan.end_offsets.items())},
@@ -402,6 +485,10 @@ def run_ingest(
         "watermarks_ms": {str(p): w for p, w in sorted(watermarks.items())},
         "duplicates_dropped": duplicates,
         "late_events": late.num_rows,
+        "rules": rules_of(rules),
+        "topic_identity": plan.identity.to_dict(),
+        "gaps": [{"partition": p, "start": a, "end": b, "count": b - a} for p, (a, b) in sorted(plan.gaps.items())],
+        **({"reset": plan.reset} if plan.reset is not None else {}),
     }
     wrote_dead = commit_once(lake, DEAD_LETTER_TABLE, dead, app_id=app_id, version=plan.batch_version,
                              metadata=metadata, storage_options=opts)
@@ -421,6 +508,10 @@ def run_ingest(
         recovered=plan.recovered,
         duplicates_dropped=duplicates,
         late_events_written=late.num_rows if wrote_late else 0,
+        duplicate_conflicts=n_conflicts,
+        gaps=tuple((p, a, b) for p, (a, b) in sorted(plan.gaps.items())),
+        rules_changed=plan.rules_changed,
+        reset=plan.reset is not None,
     )
 
 
@@ -450,6 +541,8 @@ def ingest_backlog(
     beam_args: list[str] | None = None,
     now_ms: int | None = None,
     max_batches: int | None = None,
+    reset_topic: bool = False,
+    on_batch: Callable[[IngestResult], None] | None = None,
 ) -> list[IngestResult]:
     """Run :func:`run_ingest` until the topic is caught up (a run is skipped) or ``max_batches`` ran.
 
@@ -459,6 +552,8 @@ def ingest_backlog(
 
     Args:
         max_batches: stop after this many batches (skipped ones included); None: until caught up.
+        reset_topic: as for :func:`run_ingest`, for the first batch.
+        on_batch: called with each committed batch's result as soon as it committed (progress lines).
         bootstrap, beam_args, now_ms: as for :func:`run_ingest` (one ``now_ms`` for every batch).
 
     Returns:
@@ -470,9 +565,12 @@ def ingest_backlog(
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"ingest_backlog: expected max_batches >= 1 or None, got {max_batches}")
     results: list[IngestResult] = []
-    for _ in itertools.count() if max_batches is None else range(max_batches):
-        result = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms)
+    for i in itertools.count() if max_batches is None else range(max_batches):
+        result = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms,
+                            reset_topic=reset_topic and i == 0)
         if result.skipped:
             break
         results.append(result)
+        if on_batch is not None:
+            on_batch(result)
     return results

@@ -128,10 +128,12 @@ DEAD_LETTER_SCHEMA = pa.schema(
         pa.field("kafka_topic", pa.string(), nullable=False),
         pa.field("kafka_partition", pa.int32(), nullable=False),
         pa.field("kafka_offset", pa.int64(), nullable=False),
-        pa.field("created_ts_ms", pa.int64(), nullable=False),
+        pa.field("created_ts_ms", pa.int64(), nullable=False),  # the Kafka record timestamp as read
+        pa.field("kafka_key", pa.binary()),  # the message key as read (null: none); dead_letter rows before it lack it
     ]
 )
-"""Arrow schema of the ``dead_letter`` Delta table."""
+"""Arrow schema of the ``dead_letter`` Delta table. ``raw`` is ``b""`` for a tombstone (reason
+``tombstone``) and for an empty value (reason ``not_json``)."""
 
 
 def event_to_row(event: Event) -> dict[str, Any]:

@@ -24,6 +24,13 @@ DATASETS: dict[str, RowReader] = {
 }
 """Dataset name -> its adapter's ``read_rows``."""
 
+EARLIEST_EVENT_MS: dict[str, int] = {
+    "movielens": 874_724_710_000,  # MovieLens-100K: 1997-09-20 .. 1998-04-22 (before ingest.min_event_time_ms)
+}
+"""Datasets whose real events predate ``IngestConfig.min_event_time_ms``'s default (2000-01-01): the
+earliest event time, ms since epoch UTC. ``gemline demo`` lowers the floor to it for that dataset;
+replaying one by hand needs ``--set ingest.min_event_time_ms=...`` (``replay`` prints the value)."""
+
 
 def iter_source_rows(name: str, *, path: str | os.PathLike | None = None,
                      cache_dir: str | os.PathLike | None = None) -> Iterator[list[Record]]:

@@ -69,7 +69,8 @@ def test_dedup_matches_brute_force(rows, committed, window):
 
 def test_split_late_hand_checked():
     events = _events([("a", 10 * DAY, 0), ("b", 7 * DAY, 0), ("c", 8 * DAY, 0), ("d", 1, 1), ("e", 5 * DAY, 2)])
-    on_time, late, marks = split_late(events, {0: 9 * DAY, 2: 3 * DAY, 5: 42}, allowed_lateness_ms=DAY + 1)
+    on_time, late, marks = split_late(events, {0: 9 * DAY, 2: 3 * DAY, 5: 42}, allowed_lateness_ms=DAY + 1,
+                                      now_ms=100 * DAY)
     assert on_time["event_id"].to_pylist() == ["a", "c", "d", "e"]  # c is exactly DAY behind: allowed
     assert late.schema == LATE_EVENTS_SCHEMA
     assert [(r["event_id"], r["watermark_ms"], r["lateness_ms"]) for r in late.to_pylist()] == [("b", 9 * DAY, 2 * DAY)]
@@ -78,22 +79,50 @@ def test_split_late_hand_checked():
 
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(_ids, _times, st.integers(0, 2)), max_size=30),
-       st.dictionaries(st.integers(0, 2), _times, max_size=3), st.integers(0, 5000))
-def test_split_late_partitions_rows_and_never_lowers_watermarks(rows, marks, lateness):
-    on_time, late, new_marks = split_late(_events(rows), marks, lateness)
+       st.dictionaries(st.integers(0, 2), _times, max_size=3), st.integers(0, 5000), _times)
+def test_split_late_partitions_rows_and_never_lowers_watermarks(rows, marks, lateness, now_ms):
+    on_time, late, new_marks = split_late(_events(rows), marks, lateness, now_ms=now_ms)
     assert on_time.num_rows + late.num_rows == len(rows)
     for r in late.to_pylist():
         assert r["lateness_ms"] == marks[r["kafka_partition"]] - r["event_time_ms"] > lateness
     for r in on_time.to_pylist():
         p = r["kafka_partition"]
         assert p not in marks or r["event_time_ms"] >= marks[p] - lateness
-        assert new_marks[p] >= r["event_time_ms"]
+        assert new_marks[p] >= min(r["event_time_ms"], now_ms)
     assert all(new_marks[p] >= w for p, w in marks.items())
-    expected = dict(marks)  # brute force: each partition's watermark is max(W, its on-time event times)
+    # Never ahead of the clock, unless the committed watermark already was (it never moves back).
+    assert all(w <= max(now_ms, marks.get(p, now_ms)) for p, w in new_marks.items())
+    expected = dict(marks)  # brute force: max(W, each on-time event time capped at the clock)
     for r in on_time.to_pylist():
-        p = r["kafka_partition"]
-        expected[p] = max(expected.get(p, r["event_time_ms"]), r["event_time_ms"])
+        p, t = r["kafka_partition"], min(r["event_time_ms"], now_ms)
+        expected[p] = max(expected.get(p, t), t)
     assert new_marks == expected
+
+
+def test_split_late_watermark_is_capped_at_the_clock():
+    now, skew, lateness = 1_750_000_000_000, 5 * 60_000, 60_000  # the default 5 min skew; 1 min lateness
+    # Batch 1: partition 0 has W = now - 10 s; one event 4 min ahead of the clock (inside the skew,
+    # so parsing accepted it) and one at now - 2 s. Partition 1 (no W yet) sees only a future event.
+    first = _events([("a", now + 4 * 60_000, 0), ("b", now - 2_000, 0), ("c", now + 3 * 60_000, 1)])
+    on_time, late, marks = split_late(first, {0: now - 10_000}, lateness, now_ms=now)
+    assert 4 * 60_000 < skew and on_time.num_rows == 3 and late.num_rows == 0
+    assert marks == {0: now, 1: now}  # uncapped these would be now + 4 min and now + 3 min
+    # Batch 2, a second later: events at the true time, up to 50 s old. Against an uncapped W of
+    # now + 4 min they would be 3-4 min behind, more than the 1 min allowed, and all go to late_events.
+    second = _events([("d", now, 0), ("e", now - 50_000, 0), ("f", now - 30_000, 1)])
+    on_time, late, marks = split_late(second, marks, lateness, now_ms=now + 1_000)
+    assert on_time["event_id"].to_pylist() == ["d", "e", "f"] and late.num_rows == 0
+    assert marks == {0: now, 1: now}
+    # A row more than the allowed lateness behind the capped W is still late, measured from W = now.
+    third = _events([("g", now - 61_000, 0)])
+    _, late, _ = split_late(third, marks, lateness, now_ms=now + 2_000)
+    assert [(r["event_id"], r["watermark_ms"], r["lateness_ms"]) for r in late.to_pylist()] == [("g", now, 61_000)]
+
+
+def test_split_late_keeps_a_watermark_already_past_the_clock():
+    # A W committed ahead of this batch's clock (an older lake, or a host whose clock ran fast) does not move back.
+    on_time, late, marks = split_late(_events([("a", 900, 0), ("b", 5_000, 0)]), {0: 2_000}, 10_000, now_ms=1_000)
+    assert on_time.num_rows == 2 and late.num_rows == 0 and marks == {0: 2_000}
 
 
 def test_committed_ids_reads_only_the_window_and_the_ids(tmp_path):

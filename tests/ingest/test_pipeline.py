@@ -392,13 +392,17 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
     assert meta["watermarks_ms"] == {str(part): max(r["event_time_ms"] for r in events.values())}
 
     watermark = meta["watermarks_ms"][str(part)]
-    second_batch = [_ev(0, BASE_MS + 1000),  # e0 again, 1 s later: still a duplicate (window 1 h), across batches
+    second_batch = [_ev(0, BASE_MS),  # e0 again, the same event: a duplicate across batches, only counted
+                    _ev(0, BASE_MS + 1000),  # e0 1 s later: within the window (1 h) but another payload: a conflict
                     _ev(0, BASE_MS + 2 * 3_600_000),  # e0 2 h later: outside the window, a new event
                     _ev(5, watermark - day - 1),  # behind the watermark by more than a day: late
                     _ev(6, watermark - day)]  # exactly the allowed lateness: on time
     _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in second_batch])
     res2 = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
-    assert (res2.events_written, res2.dead_letter_written, res2.duplicates_dropped, res2.late_events_written) == (2, 0, 1, 1)
+    assert (res2.events_written, res2.dead_letter_written, res2.duplicates_dropped, res2.late_events_written,
+            res2.duplicate_conflicts) == (2, 1, 1, 1, 1)
+    conflict, = [r for r in read_table(cfg.lake, "dead_letter").to_pylist() if r["reason"] == "duplicate_conflict"]
+    assert json.loads(conflict["raw"])["event_time_ms"] == BASE_MS + 1000 and "e0" in conflict["detail"]
     late = read_table(cfg.lake, "late_events").to_pylist()
     assert [(r["event_id"], r["watermark_ms"], r["lateness_ms"]) for r in late] == [("e5", watermark, day + 1)]
     ids = read_table(cfg.lake, "events")["event_id"].to_pylist()

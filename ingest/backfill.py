@@ -1,0 +1,224 @@
+"""Deliberate re-admission of ``late_events`` rows into ``events`` (``gemline backfill --late-events``).
+
+Ingest moves an event more than ``allowed_lateness_ms`` behind its partition's watermark to
+``late_events`` (:func:`ingest.dedup.split_late`) instead of ``events``. This job appends those rows
+to ``events`` when someone decides they should count after all, exactly once per row:
+
+1. Hold the ingest lock (``LAKE/_locks/ingest.lock``): this job writes ``events`` too. Refuse while
+   the configured topic's ingest batch is half committed (``dead_letter`` / ``late_events`` hold a
+   batch ``events`` lacks): finish it with ``gemline ingest`` first, so that its recovery decides
+   against the lake it was planned on.
+2. Read the rows ``late_events`` gained after the version the last backfill consumed (its commit
+   metadata ``late_events_version``; from the start the first time) up to the current version:
+   the Parquet files added in between, or, when a version in between rewrote files (a compaction),
+   the rows whose (topic, partition, offset, event_id) were not there yet.
+3. In Kafka order, drop rows whose event_id already has a copy in ``events`` (or earlier in this
+   batch) within ``IngestConfig.dedup_window_ms`` (:func:`ingest.dedup.committed_ids`,
+   :func:`ingest.dedup.drop_duplicates`: ingest's own rule).
+4. Commit the rest to ``events`` (``EVENTS_TABLE_SCHEMA``, partitioned by ``event_date``) in one
+   commit tagged with the app transaction (``backfill:late_events``, k) and metadata
+   ``{"late_events_version", "late_rows_read", "rows_readmitted", "duplicates_skipped", "backfill_ms"}``.
+
+One atomic commit per run carries both the rows and the consumed ``late_events`` version, so a crash
+at any point leaves either nothing (the rerun redoes the batch) or everything (the rerun finds nothing
+new); and the dedup of step 3 would catch a re-admitted row again. ``late_events`` is left as it is:
+it stays the record of what ingest judged late, with the original append time.
+
+Point in time. ``created_ts_ms`` is "when we could know it"; the build shows an event to an
+example only if it was appended no later than the example's impression
+(:func:`sequences.history.point_in_time_gather`). A late event sat in ``late_events``, invisible to
+everything built from ``events``, from its Kafka append until this backfill. Keeping the Kafka
+append time would slip it into the history and features of impressions appended in between (and
+not yet built), which no model serving then could have seen. So a re-admitted row's
+``created_ts_ms`` is ``max(Kafka append time, backfill clock)``: it counts only for impressions
+appended after the backfill, like any event that arrives now with an old event time (the build's
+backfill rule; published examples are never rewritten). The Kafka append time stays in ``late_events``.
+
+Times are ms since epoch UTC.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+from deltalake import DeltaTable
+
+from gemline.config import GemlineConfig
+from gemline.lake import commit_metadata, commit_once, committed_version, open_table
+from gemline.locks import holding
+from ingest.dedup import committed_ids, drop_duplicates
+from ingest.pipeline import DEAD_LETTER_TABLE, EVENTS_TABLE, LATE_EVENTS_TABLE, app_id_for
+from ingest.schema import EVENTS_TABLE_SCHEMA
+
+log = logging.getLogger(__name__)
+
+BACKFILL_APP_ID = "backfill:late_events"
+"""Writer identity of this job's ``events`` commits (app transactions)."""
+
+_COORDS = ["kafka_topic", "kafka_partition", "kafka_offset", "event_id"]
+
+
+@dataclass(frozen=True)
+class BackfillResult:
+    """What one :func:`backfill_late_events` call did."""
+
+    late_events_version: int | None
+    """``late_events`` version consumed up to (inclusive); None when there is no ``late_events`` table."""
+    late_rows_read: int
+    """Rows ``late_events`` gained since the previous backfill, read by this call."""
+    rows_readmitted: int
+    """Rows this call committed to ``events``."""
+    duplicates_skipped: int
+    """Read rows not written: their event_id has a copy in ``events`` or earlier in the batch within
+    ``IngestConfig.dedup_window_ms``."""
+    batch_version: int | None
+    """App-transaction version of this call's ``events`` commit; None when skipped."""
+    skipped: bool
+    """True when ``late_events`` had nothing new and nothing was written."""
+    backfill_ms: int
+    """The backfill clock, ms since epoch UTC: the re-admitted rows' ``created_ts_ms`` is at least this."""
+
+
+def _consumed_version(config: GemlineConfig) -> tuple[int | None, int]:
+    """(late_events version the last backfill consumed up to, or None; this run's batch version)."""
+    opts = config.lake_storage_options
+    last = committed_version(config.lake, EVENTS_TABLE, BACKFILL_APP_ID, storage_options=opts)
+    if last is None:
+        return None, 0
+    meta = commit_metadata(config.lake, EVENTS_TABLE, BACKFILL_APP_ID, storage_options=opts)
+    assert meta is not None and "late_events_version" in meta, "backfill commit without its metadata"
+    return int(meta["late_events_version"]), last + 1
+
+
+def _check_ingest_settled(config: GemlineConfig) -> None:
+    """Raise ValueError when the configured topic's ingest batch is committed to ``dead_letter`` or
+    ``late_events`` but not yet to ``events`` (a crashed ingest)."""
+    app_id, opts = app_id_for(config.kafka.topic), config.lake_storage_options
+    done = committed_version(config.lake, EVENTS_TABLE, app_id, storage_options=opts)
+    for table in (DEAD_LETTER_TABLE, LATE_EVENTS_TABLE):
+        ahead = committed_version(config.lake, table, app_id, storage_options=opts)
+        if ahead is not None and (done is None or ahead > done):
+            raise ValueError(f"ingest batch {ahead} of {app_id!r} is in {table} but not yet in {EVENTS_TABLE} "
+                             "(an ingest crashed mid-commit): run `gemline ingest` to finish it, then backfill")
+
+
+def _appends_only(table: DeltaTable, old_version: int) -> bool:
+    """True when every commit after ``old_version`` up to ``table``'s version only appended files."""
+    return all(
+        entry.get("operation") in ("WRITE", "CREATE TABLE")
+        and entry.get("operationParameters", {}).get("mode", "Append") == "Append"
+        for entry in table.history(table.version() - old_version)
+    )
+
+
+def late_rows_since(
+    lake: str, old_version: int | None, version: int, *, storage_options: dict[str, str] | None = None
+) -> pa.Table:
+    """Rows ``late_events`` gained after ``old_version`` (exclusive; None: from nothing) up to ``version``
+    (inclusive), in the table's columns.
+
+    Reads only the data files added in between when every commit in between was an append;
+    otherwise (a compaction rewrote files) every row of ``version`` whose (kafka_topic,
+    kafka_partition, kafka_offset, event_id) is not in ``old_version``.
+
+    Raises:
+        ValueError: ``old_version > version``, or ``late_events`` does not exist at ``version``.
+    """
+    if old_version is not None and old_version > version:
+        raise ValueError(f"late_rows_since: expected old_version <= version, got {old_version} > {version}")
+    new = open_table(lake, LATE_EVENTS_TABLE, version, storage_options=storage_options)
+    if new is None:
+        raise ValueError(f"no {LATE_EVENTS_TABLE} table under {lake!r}")
+    dataset = new.to_pyarrow_dataset()
+    if old_version is None:
+        return dataset.to_table()
+    old = open_table(lake, LATE_EVENTS_TABLE, old_version, storage_options=storage_options)
+    assert old is not None, "late_events exists at a later version but not at an earlier one"
+    if _appends_only(new, old_version):
+        seen = {frag.path for frag in old.to_pyarrow_dataset().get_fragments()}
+        added = [frag for frag in dataset.get_fragments() if frag.path not in seen]
+        return pads.FileSystemDataset(added, dataset.schema, dataset.format, dataset.filesystem).to_table()
+    before = old.to_pyarrow_dataset().to_table(columns=_COORDS)
+    return dataset.to_table().join(before, _COORDS, join_type="left anti")
+
+
+def _as_events(late: pa.Table, backfill_ms: int) -> pa.Table:
+    """``late_events`` rows as ``events`` rows in Kafka order: without ``watermark_ms`` / ``lateness_ms``,
+    ``created_ts_ms`` raised to ``backfill_ms`` (see the module docstring)."""
+    columns = []
+    for field in EVENTS_TABLE_SCHEMA:
+        if field.name in late.column_names:
+            columns.append(late.column(field.name))
+        elif field.nullable:  # a column late_events gained after these rows were written
+            columns.append(pa.nulls(late.num_rows, field.type))
+        else:
+            raise ValueError(f"{LATE_EVENTS_TABLE} lacks the events column {field.name!r}; "
+                             f"expected the columns of ingest.schema.LATE_EVENTS_SCHEMA")
+    rows = pa.Table.from_arrays(columns, names=EVENTS_TABLE_SCHEMA.names).cast(EVENTS_TABLE_SCHEMA)
+    created = pc.max_element_wise(rows.column("created_ts_ms"), pa.scalar(backfill_ms, pa.int64()))
+    rows = rows.set_column(rows.schema.get_field_index("created_ts_ms"), EVENTS_TABLE_SCHEMA.field("created_ts_ms"),
+                           created)
+    return rows.sort_by([(c, "ascending") for c in ("kafka_topic", "kafka_partition", "kafka_offset")])
+
+
+@holding("ingest")
+def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) -> BackfillResult:
+    """Re-admit the rows ``late_events`` gained since the last backfill into ``events``, exactly once.
+
+    See the module docstring for the protocol and the ``created_ts_ms`` rule. Safe to rerun at any
+    time: a run after a crash redoes the uncommitted batch; a run with nothing new writes nothing.
+
+    Args:
+        config: ``lake``, ``lake_storage_options``, ``kafka.topic`` (the ingest whose crash state is
+            checked) and ``ingest.dedup_window_ms`` are used.
+        now_ms: the backfill clock, ms since epoch UTC (the re-admitted rows' ``created_ts_ms`` is at
+            least this); None reads the wall clock.
+
+    Returns:
+        A :class:`BackfillResult`.
+
+    Raises:
+        ValueError: the topic's ingest batch is half committed (run ``gemline ingest`` first),
+            ``late_events`` is older than the version the last backfill consumed (restored alone), or
+            it lacks an events column.
+        gemline.locks.LakeBusyError: an ingest (or another backfill) is running on this lake.
+    """
+    lake, opts = config.lake, config.lake_storage_options
+    backfill_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
+    _check_ingest_settled(config)
+    consumed, batch_version = _consumed_version(config)
+    late_table = open_table(lake, LATE_EVENTS_TABLE, storage_options=opts)
+    if late_table is None:
+        return BackfillResult(None, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
+    version = late_table.version()
+    if consumed is not None and consumed > version:
+        raise ValueError(f"{LATE_EVENTS_TABLE} is at version {version} but the last backfill consumed it up to "
+                         f"version {consumed}: it was replaced or restored alone; restore {LATE_EVENTS_TABLE} and "
+                         f"{EVENTS_TABLE} to the same point together")
+    late = (late_rows_since(lake, consumed, version, storage_options=opts) if consumed != version
+            else late_table.to_pyarrow_dataset().schema.empty_table())
+    if late.num_rows == 0:
+        # Nothing to re-admit (ingest commits late_events every batch, mostly empty): no events commit.
+        log.info("backfill: nothing new in %s up to version %d", LATE_EVENTS_TABLE, version)
+        return BackfillResult(version, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
+
+    rows = _as_events(late, backfill_ms)
+    existing = open_table(lake, EVENTS_TABLE, storage_options=opts)
+    window_ms = config.ingest.dedup_window_ms
+    committed = committed_ids(None if existing is None else existing.to_pyarrow_dataset(), rows, window_ms)
+    rows, duplicates = drop_duplicates(rows, committed, window_ms)
+    metadata = {"late_events_version": version, "late_rows_read": late.num_rows, "rows_readmitted": rows.num_rows,
+                "duplicates_skipped": duplicates, "backfill_ms": backfill_ms}
+    # Even when every row was a duplicate, the (possibly empty) commit records the consumed version.
+    wrote = commit_once(lake, EVENTS_TABLE, rows, app_id=BACKFILL_APP_ID, version=batch_version,
+                        partition_by=["event_date"], metadata=metadata, storage_options=opts)
+    assert wrote, "the backfill batch was committed by someone else while the ingest lock was held"
+    log.info("backfill: %d of %d late rows re-admitted to %s (%d duplicates), %s consumed up to version %d",
+             rows.num_rows, late.num_rows, EVENTS_TABLE, duplicates, LATE_EVENTS_TABLE, version)
+    return BackfillResult(version, late.num_rows, rows.num_rows, duplicates, batch_version, skipped=False,
+                          backfill_ms=backfill_ms)
