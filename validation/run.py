@@ -61,7 +61,7 @@ def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[Che
     )
     sample_rows = config.validation.gx_sample_rows
     if table == "events":
-        return validate_events(data, **bounds, sample_rows=sample_rows)
+        return validate_events(data, **bounds, sample_rows=sample_rows, dedup_window_ms=config.ingest.dedup_window_ms)
     if table == "sequences":
         return validate_sequences(data, max_seq_len=config.build.max_seq_len, min_time_ms=bounds["min_time_ms"],
                                   max_time_ms=bounds["max_time_ms"], sample_rows=sample_rows)

@@ -244,6 +244,21 @@ def check_unique(table: pa.Table, columns: Sequence[str]) -> dict[str, Any]:
     return _rows_result(bad.combine_chunks(), _ids(table), table.num_rows)
 
 
+def check_unique_within(table: pa.Table, key: str, time_column: str, window_ms: int) -> dict[str, Any]:
+    """Rows whose non-null ``key`` occurs again within ``window_ms`` of ``time_column`` (ms): duplicates as
+    the ingest job defines them (``IngestConfig.dedup_window_ms``, ``ingest.dedup.drop_duplicates``), so
+    that the gate and the dedup agree; copies farther apart are distinct events sharing an id. Every
+    row of a too-close pair is unexpected, as in :func:`check_unique`."""
+    keys = table.column(key).to_pylist()
+    times = table.column(time_column).to_pylist()
+    order = sorted((k, t, i) for i, (k, t) in enumerate(zip(keys, times)) if k is not None and t is not None)
+    bad: set[int] = set()
+    for (k0, t0, i0), (k1, t1, i1) in zip(order, order[1:]):
+        if k0 == k1 and t1 - t0 <= window_ms:
+            bad.update((i0, i1))
+    return _rows_result(pa.array(sorted(bad), pa.int64()), _ids(table), table.num_rows)
+
+
 def _run_custom(check: _Custom, table: pa.Table) -> CheckResult:
     kind = f"custom:{check.name.split(':')[0]}"
     try:
@@ -383,7 +398,8 @@ def _order(results: list[CheckResult], names: list[str]) -> list[CheckResult]:
 
 
 def validate_events(
-    table: pa.Table, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int, sample_rows: int | None = None
+    table: pa.Table, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int, sample_rows: int | None = None,
+    dedup_window_ms: int | None = None,
 ) -> list[CheckResult]:
     """Run the events suite on a batch of the ``events`` table (schema ``EVENTS_TABLE_SCHEMA``).
 
@@ -393,6 +409,8 @@ def validate_events(
         min_time_ms, max_time_ms: inclusive sane range of ``event_time_ms``, ms since epoch UTC.
         sample_rows: GX value checks read a deterministic sample of this many rows when N is larger
             (see :func:`run_specs`); None reads all rows.
+        dedup_window_ms: ``unique:event_id`` flags only ids repeated within this many ms of event
+            time (``IngestConfig.dedup_window_ms``); None: any repeat.
 
     Returns:
         One result per check, in suite order. Never raises for bad data.
@@ -401,7 +419,11 @@ def validate_events(
     specs = _common(EVENTS_TABLE_SCHEMA, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
                     max_time_ms=max_time_ms)
     specs.append(_named(gxe.ExpectColumnValuesToBeInSet(column="event_type", value_set=list(EVENT_TYPES)), "in_set:event_type", "critical"))
-    specs.append(_unique(["event_id"]))
+    if dedup_window_ms is None:
+        specs.append(_unique(["event_id"]))
+    else:  # what ingest calls a duplicate: the same id within the dedup window
+        specs.append(_Custom("unique:event_id", "critical",
+                             lambda t: check_unique_within(t, "event_id", "event_time_ms", dedup_window_ms)))
     specs.append(_Custom("schema_types", "critical", lambda t: check_schema_types(t, EVENTS_TABLE_SCHEMA)))
     return run_specs(specs, table, sample_rows=sample_rows)
 

@@ -216,3 +216,24 @@ def test_a_suite_run_that_raises_falls_back_to_one_expectation_at_a_time(monkeyp
     results = {r.name: r for r in validate_events(events_table(changes={1: {"domain": "myspace"}}), **bounds)}
     assert results["in_set:event_type"].observed == "error: RuntimeError: boom"
     assert failed(results.values()) == {"in_set:event_type": "critical", "in_set:domain": "critical"}
+
+
+def test_unique_event_id_agrees_with_the_ingest_dedup_window(events_table, bounds):
+    from ingest.dedup import drop_duplicates
+
+    table = events_table()
+    times = table["event_time_ms"].to_pylist()
+    ids = table["event_id"].to_pylist()
+    hour = 3_600_000
+    # Row 1 repeats row 0's id 2 h later (distinct events to the dedup), row 3 repeats row 2's id 1 s later.
+    ids[1], times[1] = ids[0], times[0] + 2 * hour
+    ids[3], times[3] = ids[2], times[2] + 1000
+    table = table.set_column(table.schema.get_field_index("event_id"), "event_id", pa.array(ids, pa.string()))
+    table = table.set_column(table.schema.get_field_index("event_time_ms"), "event_time_ms", pa.array(times, pa.int64()))
+    results = {r.name: r for r in validate_events(table, **bounds, dedup_window_ms=hour)}
+    assert not results["unique:event_id"].success
+    assert results["unique:event_id"].details["unexpected_count"] == 2  # rows 2 and 3 only
+    kept, dropped = drop_duplicates(table, table.slice(0, 0).select(["event_id", "event_time_ms"]), hour)
+    assert dropped == 1  # the dedup drops exactly the pair the check flags, and keeps rows 0 and 1
+    results = {r.name: r for r in validate_events(kept, **bounds, dedup_window_ms=hour)}
+    assert results["unique:event_id"].success
