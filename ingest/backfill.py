@@ -14,10 +14,14 @@ to ``events`` when someone decides they should count after all, exactly once per
    the rows whose (topic, partition, offset, event_id) were not there yet.
 3. In Kafka order, drop rows whose event_id already has a copy in ``events`` (or earlier in this
    batch) within ``IngestConfig.dedup_window_ms`` (:func:`ingest.dedup.committed_ids`,
-   :func:`ingest.dedup.drop_duplicates`: ingest's own rule).
+   :func:`ingest.dedup.drop_duplicates`: ingest's own rule). A dropped row whose payload differs
+   from every such copy (:func:`ingest.dedup.split_conflicts`) is counted apart as a conflict: it
+   is not re-admitted and stays in ``late_events`` (ingest would dead-letter it as
+   ``duplicate_conflict``; this job writes only ``events``).
 4. Commit the rest to ``events`` (``EVENTS_TABLE_SCHEMA``, partitioned by ``event_date``) in one
    commit tagged with the app transaction (``backfill:late_events``, k) and metadata
-   ``{"late_events_version", "late_rows_read", "rows_readmitted", "duplicates_skipped", "backfill_ms"}``.
+   ``{"late_events_version", "late_rows_read", "rows_readmitted", "duplicates_skipped",
+   "conflicts_skipped", "backfill_ms"}``.
 
 One atomic commit per run carries both the rows and the consumed ``late_events`` version, so a crash
 at any point leaves either nothing (the rerun redoes the batch) or everything (the rerun finds nothing
@@ -51,7 +55,7 @@ from deltalake import DeltaTable
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, commit_once, committed_version, open_table
 from gemline.locks import holding
-from ingest.dedup import committed_ids, drop_duplicates
+from ingest.dedup import committed_ids, committed_payloads, drop_duplicates, split_conflicts
 from ingest.pipeline import DEAD_LETTER_TABLE, EVENTS_TABLE, LATE_EVENTS_TABLE, app_id_for
 from ingest.schema import EVENTS_TABLE_SCHEMA
 
@@ -76,6 +80,9 @@ class BackfillResult:
     duplicates_skipped: int
     """Read rows not written: their event_id has a copy in ``events`` or earlier in the batch within
     ``IngestConfig.dedup_window_ms``."""
+    conflicts_skipped: int
+    """Read rows not written because their event_id has a copy within the dedup window with another payload
+    (two events sharing an id); they stay in ``late_events``."""
     batch_version: int | None
     """App-transaction version of this call's ``events`` commit; None when skipped."""
     skipped: bool
@@ -194,7 +201,7 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
     consumed, batch_version = _consumed_version(config)
     late_table = open_table(lake, LATE_EVENTS_TABLE, storage_options=opts)
     if late_table is None:
-        return BackfillResult(None, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
+        return BackfillResult(None, 0, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
     version = late_table.version()
     if consumed is not None and consumed > version:
         raise ValueError(f"{LATE_EVENTS_TABLE} is at version {version} but the last backfill consumed it up to "
@@ -205,20 +212,28 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
     if late.num_rows == 0:
         # Nothing to re-admit (ingest commits late_events every batch, mostly empty): no events commit.
         log.info("backfill: nothing new in %s up to version %d", LATE_EVENTS_TABLE, version)
-        return BackfillResult(version, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
+        return BackfillResult(version, 0, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
 
     rows = _as_events(late, backfill_ms)
     existing = open_table(lake, EVENTS_TABLE, storage_options=opts)
     window_ms = config.ingest.dedup_window_ms
-    committed = committed_ids(None if existing is None else existing.to_pyarrow_dataset(), rows, window_ms)
-    rows, duplicates = drop_duplicates(rows, committed, window_ms)
+    dataset = None if existing is None else existing.to_pyarrow_dataset()
+    candidates = rows
+    rows, duplicates = drop_duplicates(candidates, committed_ids(dataset, candidates, window_ms), window_ms)
+    conflicts = 0
+    if duplicates:
+        payloads = committed_payloads(dataset, pc.unique(candidates["event_id"]), candidates["event_time_ms"],
+                                      window_ms)
+        conflicting, duplicates = split_conflicts(candidates, rows, payloads, window_ms)
+        conflicts = conflicting.num_rows
     metadata = {"late_events_version": version, "late_rows_read": late.num_rows, "rows_readmitted": rows.num_rows,
-                "duplicates_skipped": duplicates, "backfill_ms": backfill_ms}
+                "duplicates_skipped": duplicates, "conflicts_skipped": conflicts, "backfill_ms": backfill_ms}
     # Even when every row was a duplicate, the (possibly empty) commit records the consumed version.
     wrote = commit_once(lake, EVENTS_TABLE, rows, app_id=BACKFILL_APP_ID, version=batch_version,
                         partition_by=["event_date"], metadata=metadata, storage_options=opts)
     assert wrote, "the backfill batch was committed by someone else while the ingest lock was held"
-    log.info("backfill: %d of %d late rows re-admitted to %s (%d duplicates), %s consumed up to version %d",
-             rows.num_rows, late.num_rows, EVENTS_TABLE, duplicates, LATE_EVENTS_TABLE, version)
-    return BackfillResult(version, late.num_rows, rows.num_rows, duplicates, batch_version, skipped=False,
-                          backfill_ms=backfill_ms)
+    log.info("backfill: %d of %d late rows re-admitted to %s (%d duplicates, %d conflicts), %s consumed up to "
+             "version %d", rows.num_rows, late.num_rows, EVENTS_TABLE, duplicates, conflicts, LATE_EVENTS_TABLE,
+             version)
+    return BackfillResult(version, late.num_rows, rows.num_rows, duplicates, conflicts, batch_version,
+                          skipped=False, backfill_ms=backfill_ms)

@@ -83,20 +83,24 @@ def test_readmits_exactly_the_late_rows_then_nothing_then_only_new_ones(tmp_path
     assert (second.late_events_version, second.rows_readmitted, second.skipped) == (0, 0, True)
     assert open_table(config.lake, "events").version() == version
 
-    # Batch 1: a new late event z, a late second delivery of a (its copy is in events, within the
-    # dedup window) and two late deliveries of w in one batch (the first in Kafka order is kept).
+    # Batch 1: a new late event z; a late second delivery of a (same payload as the copy in events,
+    # within the dedup window: a duplicate); a late event b2 sharing b's id with another item (a
+    # conflict: kept out, it stays in late_events); two identical late deliveries of w in one batch
+    # (the first in Kafka order is kept).
     c = _row("c", T + 2, 4, created=T + 20)
     z = _row("z", T - 4 * DAY, 5, created=T + 21)
-    a2 = _row("a", T + 1_000, 6, created=T + 22)
+    a2 = _row("a", T, 6, created=T + 22)
+    b2 = _row("b", T + 1, 8, created=T + 25, item="other")
     w1, w2 = _row("w", T - DAY, 7, created=T + 23), _row("w", T - DAY, 2, created=T + 24, partition=1)
-    _ingest_batch(config, 1, [c], [_late(r, T + 2) for r in (w2, a2, z, w1)])
+    _ingest_batch(config, 1, [c], [_late(r, T + 2) for r in (w2, a2, z, w1, b2)])
     third = backfill_late_events(config, now_ms=BACKFILL_MS)
     assert (third.late_events_version, third.late_rows_read, third.rows_readmitted, third.duplicates_skipped,
-            third.batch_version) == (1, 4, 2, 2, 1)
+            third.conflicts_skipped, third.batch_version) == (1, 5, 2, 2, 1, 1)
     ids = [r["event_id"] for r in _events(config.lake)]
     assert sorted(ids) == ["a", "b", "c", "w", "x", "y", "z"]
     kept_w = [r for r in _events(config.lake) if r["event_id"] == "w"]
     assert [(r["kafka_partition"], r["kafka_offset"]) for r in kept_w] == [(0, 7)]
+    assert [r["item_id"] for r in _events(config.lake) if r["event_id"] == "b"] == ["i1"]
     assert backfill_late_events(config, now_ms=BACKFILL_MS).skipped
 
 
@@ -171,7 +175,8 @@ def test_cli_prints_one_json_line(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     summary = json.loads(lines[0])
-    assert (summary["rows_readmitted"], summary["duplicates_skipped"], summary["late_events_version"]) == (1, 0, 0)
+    assert (summary["rows_readmitted"], summary["duplicates_skipped"], summary["conflicts_skipped"],
+            summary["late_events_version"]) == (1, 0, 0, 0)
     assert main(["backfill", "--late-events", "--lake", config.lake]) == 0
     assert json.loads(capsys.readouterr().out)["rows_readmitted"] == 0
 
