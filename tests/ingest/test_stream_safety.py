@@ -313,3 +313,25 @@ def test_every_produced_message_is_accounted_for(broker, tmp_path, seed):
     reasons = read_table(lake, "dead_letter")["reason"].to_pylist() if counts["dead_letter"] else []
     assert reasons.count("too_large") == sum(1 for _, v in messages if v is not None and len(v) > 1024)
     assert reasons.count("tombstone") == sum(1 for _, v in messages if v is None)
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does(monkeypatch, capsys, tmp_path):
+    import os
+    import signal
+
+    from gemline import cli
+
+    def slow_ingest(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # a service manager stopping the job mid-run
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(pipeline, "run_ingest", slow_ingest)
+    try:
+        rc = cli.main(["ingest", "--bootstrap", "127.0.0.1:9", "--topic", "t", "--lake", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert rc == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("interrupted: ingest stopped")
