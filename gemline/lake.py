@@ -14,23 +14,31 @@
 The lake root is a local directory or an object-store URI (``s3://bucket/prefix``). Every function
 takes ``storage_options`` (delta-rs object-store keys such as ``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``,
-``AWS_S3_ALLOW_UNSAFE_RENAME``; see delta-rs "AWS S3 Storage Backend" and "Writing to S3 with a
-locking provider"), ignored for local paths. Plain files (reports, checkpoints, staging) go
-through :func:`lake_fs`, a ``pyarrow.fs`` filesystem for the same root.
+``AWS_CONDITIONAL_PUT``; see delta-rs "AWS S3 Storage Backend"), ignored for local paths. Plain
+files (reports, checkpoints, staging) go through :func:`lake_fs`, a ``pyarrow.fs`` filesystem for
+the same root.
 
-On S3 a commit is atomic only with a locking provider (``AWS_S3_LOCKING_PROVIDER=dynamodb``) or
-a store with conditional puts; ``AWS_S3_ALLOW_UNSAFE_RENAME=true`` is safe for one writer per
-table at a time, which is gemline's model (one ingest job per topic, one build).
+On S3 a commit is a conditional put: delta-rs (1.x) writes ``_delta_log/<N>.json`` with
+``If-None-Match: *`` (``AWS_CONDITIONAL_PUT=etag``, object_store's default, spelled out in the
+lake options so the requirement is visible; ``disabled`` makes every commit fail), so of two
+writers that both commit version N one gets a conflict instead of overwriting the other's commit.
+No rename, no ``AWS_S3_ALLOW_UNSAFE_RENAME`` and no DynamoDB lock are involved. The guarantee is
+the store's: an S3-compatible server that ignores ``If-None-Match`` gives none.
 
 Exactly-once writes follow delta-rs's app transactions: each commit carries
 ``Transaction(app_id, version)`` and the writer first checks ``DeltaTable.transaction_version``
-(delta-rs itself accepts a repeated (app_id, version) and would write the rows twice).
+(delta-rs itself accepts a repeated (app_id, version) and would write the rows twice). The check
+and the commit use one snapshot of the table, so two writers of the same (app_id, version) racing
+each other cannot both commit: the loser's commit meets the winner's transaction in delta-rs's
+conflict check and :class:`CommitConflictError` is raised (nothing of it is committed). Writers
+of different app ids do not conflict: delta-rs commits the loser at the next version.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from deltalake.exceptions import TableNotFoundError
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 TABLES = ("events", "dead_letter", "sequences", "examples", "features/user", "features/item", "quality")
 
@@ -130,20 +138,38 @@ def committed_version(
     return dt.transaction_version(app_id)
 
 
-def _is_next_version(lake: str | Path, table: str, app_id: str, version: int,
-                     storage_options: StorageOptions | None) -> bool:
-    """False when (app_id, version) or a later version is committed; True when ``version`` is next.
+class CommitConflictError(RuntimeError):
+    """Another writer committed the same app transaction to a table while this writer was
+    committing; this commit was refused whole (its data files stay unreferenced until vacuum)."""
+
+
+def _is_next_version(dt: DeltaTable | None, table: str, app_id: str, version: int) -> bool:
+    """False when (app_id, version) or a later version is committed in the snapshot ``dt`` (None:
+    no table yet); True when ``version`` is next.
 
     Raises:
         ValueError: ``version`` skips ahead of the last committed version + 1.
     """
-    last = committed_version(lake, table, app_id, storage_options=storage_options)
+    last = None if dt is None else dt.transaction_version(app_id)
     if last is not None and version <= last:
         return False
     expected = 0 if last is None else last + 1
     if version != expected:
         raise ValueError(f"{table}: app {app_id!r} must commit version {expected} next, got {version}")
     return True
+
+
+@contextlib.contextmanager
+def _conflict_is_an_error(lake: str | Path, table: str, app_id: str, version: int) -> Iterator[None]:
+    """Turn delta-rs's refusal of a commit that lost a race into :class:`CommitConflictError`."""
+    try:
+        yield
+    except CommitFailedError as exc:
+        raise CommitConflictError(
+            f"{table_uri(lake, table)}: another writer committed to this table while this one committed "
+            f"(app {app_id!r}, version {version}); this commit was refused and nothing of it is in the table. "
+            f"Run one writer per table; a rerun continues from what is committed (delta-rs: {exc})"
+        ) from exc
 
 
 def _commit_properties(app_id: str, version: int, metadata: dict[str, Any] | None) -> CommitProperties:
@@ -179,18 +205,21 @@ def commit_once(
 
     Raises:
         ValueError: ``version`` skips ahead of the last committed version + 1.
+        CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
-    if not _is_next_version(lake, table, app_id, version, storage_options):
+    dt = open_table(lake, table, storage_options=storage_options)
+    if not _is_next_version(dt, table, app_id, version):
         return False
-    write_deltalake(
-        table_uri(lake, table),
-        data,
-        mode=mode,
-        partition_by=partition_by,
-        schema_mode="merge" if mode == "append" else "overwrite",
-        storage_options=_options(lake, storage_options),
-        commit_properties=_commit_properties(app_id, version, metadata),
-    )
+    with _conflict_is_an_error(lake, table, app_id, version):
+        write_deltalake(
+            table_uri(lake, table) if dt is None else dt,  # commit on the snapshot just checked
+            data,
+            mode=mode,
+            partition_by=partition_by,
+            schema_mode="merge" if mode == "append" else "overwrite",
+            storage_options=_options(lake, storage_options),
+            commit_properties=_commit_properties(app_id, version, metadata),
+        )
     return True
 
 
@@ -296,14 +325,15 @@ def commit_files_once(
 
     Raises:
         ValueError: ``version`` skips ahead of the last committed version + 1.
+        CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
     import time
 
     from deltalake.transaction import AddAction
 
-    if not _is_next_version(lake, table, app_id, version, storage_options):
-        return False
     dt = open_table(lake, table, storage_options=storage_options)
+    if not _is_next_version(dt, table, app_id, version):
+        return False
     if dt is None:
         dt = DeltaTable.create(table_uri(lake, table), schema=schema, partition_by=partition_by, mode="ignore",
                                storage_options=_options(lake, storage_options))
@@ -311,9 +341,10 @@ def commit_files_once(
     actions = [AddAction(path=f["path"], size=int(f["size"]), partition_values=dict(f["partition_values"]),
                          modification_time=now_ms, data_change=True,
                          stats=json.dumps({"numRecords": int(f["num_records"])})) for f in files]
-    dt.create_write_transaction(
-        actions, mode=mode, schema=schema, partition_by=partition_by,
-        commit_properties=_commit_properties(app_id, version, metadata))
+    with _conflict_is_an_error(lake, table, app_id, version):
+        dt.create_write_transaction(
+            actions, mode=mode, schema=schema, partition_by=partition_by,
+            commit_properties=_commit_properties(app_id, version, metadata))
     return True
 
 

@@ -50,5 +50,5 @@ def s3_bucket(endpoint: str, bucket: str) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_REGION": "us-east-1",
         "AWS_ALLOW_HTTP": "true",
-        "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
+        "AWS_CONDITIONAL_PUT": "etag",  # commits are put-if-absent: a second writer of version N conflicts
     }

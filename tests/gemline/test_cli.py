@@ -213,3 +213,17 @@ def test_a_kafka_timeout_inside_a_beam_step_is_one_line(monkeypatch, capsys, tmp
     monkeypatch.setattr(cli, "cmd_ingest", timed_out)
     assert cli.main(["ingest", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err.startswith("error: t[0]: no record at offset >= 5 within the read timeout")
+
+
+def test_a_lost_commit_race_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    import gemline.cli as cli
+    from gemline.lake import CommitConflictError
+
+    def conflicting(args, extra):
+        raise CommitConflictError("s3://b/lake/events: another writer committed to this table while this one "
+                                  "committed (app 'ingest:t', version 1)")
+
+    monkeypatch.setattr(cli, "cmd_ingest", conflicting)
+    assert cli.main(["ingest", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == ("error: s3://b/lake/events: another writer committed to this table while this "
+                                       "one committed (app 'ingest:t', version 1)\n")

@@ -9,13 +9,14 @@ commit metadata the stages restart from.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
 from gemline.config import load_config
-from gemline.lake import (commit_metadata, commit_once, committed_version, is_remote, lake_fs, open_table,
+from gemline.lake import (CommitConflictError, commit_metadata, commit_once, committed_version, is_remote, lake_fs, open_table,
                           read_table, table_uri)
 
 from .conftest import s3_bucket
@@ -115,3 +116,142 @@ def test_config_carries_storage_options(tmp_path):
     toml.write_text('[lake_storage_options]\nAWS_ALLOW_HTTP = true\n')
     with pytest.raises(ValueError, match="lake_storage_options.AWS_ALLOW_HTTP: expected a string"):
         load_config(toml)
+
+
+def test_lake_options_commit_by_conditional_put(s3_lake):
+    _, opts = s3_lake
+    assert opts["AWS_CONDITIONAL_PUT"] == "etag" and "AWS_S3_ALLOW_UNSAFE_RENAME" not in opts
+
+
+def _log_entry(lake: str, opts: dict[str, str], table: str, version: int) -> list[dict]:
+    """The actions of ``table``'s commit ``version``, read straight from ``_delta_log``."""
+    import json
+
+    fs, root = lake_fs(lake, opts)
+    with fs.open_input_stream(f"{root}/{table}/_delta_log/{version:020d}.json") as src:
+        return [json.loads(line) for line in src.read().decode().splitlines() if line]
+
+
+def _race(writers, barrier_timeout_s: float = 60.0) -> dict[int, object]:
+    """Run each writer in its own thread; {index: return value or the exception it raised}."""
+    import threading
+
+    results: dict[int, object] = {}
+
+    def run(i, writer):
+        try:
+            results[i] = writer()
+        except Exception as exc:  # noqa: BLE001  (the race's loser: asserted on below)
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(barrier_timeout_s)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def test_two_writers_of_one_version_one_wins_the_other_conflicts(s3_lake):
+    """Two delta-rs writers on snapshots of version 1 both commit version 2 at once, retries off:
+    the conditional put lets exactly one write ``_delta_log/...002.json``; the other fails."""
+    import threading
+
+    from deltalake import CommitProperties, DeltaTable, write_deltalake
+    from deltalake.exceptions import CommitFailedError
+
+    lake, opts = s3_lake
+    uri = table_uri(lake, "events")
+    for ids in ([1], [2]):
+        write_deltalake(uri, _events(ids, "2026-01-01"), mode="append", storage_options=opts)
+    snapshots = [DeltaTable(uri, storage_options=opts) for _ in range(2)]
+    assert [s.version() for s in snapshots] == [1, 1]
+    start = threading.Barrier(2, timeout=60)
+
+    def writer(i):
+        def write():
+            start.wait()
+            write_deltalake(snapshots[i], _events([10 + i], "2026-01-01"), mode="append",
+                            commit_properties=CommitProperties(max_commit_retries=0))
+            return "committed"
+        return write
+
+    results = _race([writer(0), writer(1)])
+    winners = [i for i, r in results.items() if r == "committed"]
+    losers = [r for r in results.values() if r != "committed"]
+    assert len(winners) == 1 and len(losers) == 1 and isinstance(losers[0], CommitFailedError), results
+    table = DeltaTable(uri, storage_options=opts)
+    assert table.version() == 2
+    assert sorted(read_table(lake, "events", storage_options=opts)["value"].to_pylist()) == [1, 2, 10 + winners[0]]
+    # The log's commit 2 is the winner's, whole: one added file, the winner's row.
+    adds = [a["add"] for a in _log_entry(lake, opts, "events", 2) if "add" in a]
+    assert len(adds) == 1 and json.loads(adds[0]["stats"])["numRecords"] == 1
+    assert [e["version"] for e in table.history()] == [2, 1, 0]
+
+
+def test_two_commits_of_one_batch_one_wins_the_other_raises(s3_lake, monkeypatch):
+    """Two runs commit the same batch (app "ingest:t", version 1) at once, each having checked that
+    version 1 is next: exactly one commits, the other gets CommitConflictError, no row twice."""
+    import threading
+
+    import gemline.lake as lake_module
+
+    lake, opts = s3_lake
+    assert commit_once(lake, "events", _events([1, 2], "2026-01-01"), app_id="ingest:t", version=0,
+                       partition_by=["event_date"], storage_options=opts)
+    checked = threading.Barrier(2, timeout=60)
+    is_next = lake_module._is_next_version
+
+    def is_next_then_wait(*args, **kwargs):
+        answer = is_next(*args, **kwargs)
+        checked.wait()  # both writers have read the snapshot and passed the check before either commits
+        return answer
+
+    monkeypatch.setattr(lake_module, "_is_next_version", is_next_then_wait)
+
+    def writer(ids):
+        return lambda: commit_once(lake, "events", _events(ids, "2026-01-02"), app_id="ingest:t", version=1,
+                                   partition_by=["event_date"], metadata={"writer": ids[0]}, storage_options=opts)
+
+    results = _race([writer([3, 4]), writer([5, 6])])
+    winners = [i for i, r in results.items() if r is True]
+    losers = [r for r in results.values() if r is not True]
+    assert len(winners) == 1 and len(losers) == 1, results
+    assert isinstance(losers[0], CommitConflictError)
+    assert "another writer committed to this table" in str(losers[0]) and "'ingest:t', version 1" in str(losers[0])
+    won = [[3, 4], [5, 6]][winners[0]]
+    assert sorted(read_table(lake, "events", storage_options=opts)["value"].to_pylist()) == [1, 2, *won]
+    assert committed_version(lake, "events", "ingest:t", storage_options=opts) == 1
+    assert open_table(lake, "events", storage_options=opts).version() == 1
+    assert commit_metadata(lake, "events", "ingest:t", storage_options=opts)["writer"] == won[0]
+
+
+def test_two_writers_of_different_apps_both_land(s3_lake, monkeypatch):
+    """Two different writers (app ids) commit at once from the same snapshot: neither commit is lost
+    or overwritten; delta-rs puts the second at the next version."""
+    import threading
+
+    import gemline.lake as lake_module
+
+    lake, opts = s3_lake
+    assert commit_once(lake, "events", _events([1], "2026-01-01"), app_id="a", version=0, storage_options=opts)
+    checked = threading.Barrier(2, timeout=60)
+    is_next = lake_module._is_next_version
+
+    def is_next_then_wait(*args, **kwargs):
+        answer = is_next(*args, **kwargs)
+        checked.wait()
+        return answer
+
+    monkeypatch.setattr(lake_module, "_is_next_version", is_next_then_wait)
+    results = _race([
+        lambda: commit_once(lake, "events", _events([2], "2026-01-01"), app_id="a", version=1, storage_options=opts),
+        lambda: commit_once(lake, "events", _events([3], "2026-01-01"), app_id="b", version=0, storage_options=opts),
+    ])
+    assert results == {0: True, 1: True}
+    assert sorted(read_table(lake, "events", storage_options=opts)["value"].to_pylist()) == [1, 2, 3]
+    assert open_table(lake, "events", storage_options=opts).version() == 2
+    txns = sorted((a["txn"]["appId"], a["txn"]["version"]) for v in (1, 2)
+                  for a in _log_entry(lake, opts, "events", v) if "txn" in a)
+    assert txns == [("a", 1), ("b", 0)]  # one commit each, neither overwritten
