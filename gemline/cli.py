@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -467,6 +468,30 @@ def _interrupted(command: str) -> int:
     return 130
 
 
+class _DropInterrupts(logging.Filter):
+    """Drops a log record about a KeyboardInterrupt: Beam's DoFn runner logs the interrupted step with its
+    whole traceback (``apache_beam.runners.common``) before the interrupt reaches the CLI, which then
+    says in one line what happened and what to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0] if record.exc_info else None
+        if exc is not None and issubclass(exc, KeyboardInterrupt):
+            return False
+        return not str(record.msg).startswith("KeyboardInterrupt")
+
+
+INTERRUPT_LOGGERS = ("apache_beam.runners.common", "apache_beam.runners.worker.sdk_worker",
+                     "apache_beam.runners.portability.fn_api_runner.fn_runner")
+"""Loggers whose records about a KeyboardInterrupt the CLI drops (:class:`_DropInterrupts`)."""
+
+
+def _quiet_interrupts() -> None:
+    for name in INTERRUPT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropInterrupts) for f in logger.filters):
+            logger.addFilter(_DropInterrupts())
+
+
 def _sigterm_as_interrupt() -> None:
     """SIGTERM (a service manager or ``kill``) stops a command as Ctrl-C does: one line, exit 130,
     committed work kept. ``ingest --streaming`` installs its own handlers over this one."""
@@ -489,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "nproc", 1) < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     _sigterm_as_interrupt()
+    _quiet_interrupts()
     try:
         return args.func(args, extra)
     except (ValueError, FileNotFoundError, NotADirectoryError, ConnectionError, TimeoutError, LakeBusyError,

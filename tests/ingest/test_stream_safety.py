@@ -335,3 +335,22 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(monkeypatch, capsys, tmp_path):
     assert rc == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("interrupted: ingest stopped")
+
+
+def test_ctrl_c_inside_a_beam_step_is_not_logged_with_its_traceback(capsys, caplog):
+    import logging
+
+    from gemline import cli
+
+    cli._quiet_interrupts()
+    beam_log = logging.getLogger("apache_beam.runners.common")
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        beam_log.exception("KeyboardInterrupt [while running 'ParseBatches/ParseBatch/ParDo(_ParseBatchFn)']")
+    try:
+        raise ValueError("a real bug")
+    except ValueError:
+        beam_log.exception("ValueError [while running 'ParseBatches']")
+    messages = [r.getMessage() for r in caplog.records if r.name == "apache_beam.runners.common"]
+    assert messages == ["ValueError [while running 'ParseBatches']"], "only the interrupt is dropped"
