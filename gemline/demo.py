@@ -25,6 +25,7 @@ from gemline.config import GemlineConfig
 from gemline.lake import is_remote, lake_fs
 from ingest.broker import EmbeddedBroker
 from ingest.datasets import EARLIEST_EVENT_MS
+from trainer.metrics import describe_undefined, nan_to_none
 
 
 def _demo_topic(config: GemlineConfig, dataset: str, limit: int | None) -> str:
@@ -135,7 +136,9 @@ def run_demo(
             trained = train_with_torchrun(config, nproc, examples_version=built.examples_version)
         else:
             trained = run_training(config, examples_version=built.examples_version)
-        click = trained.metrics["click"]["overall"]
+        click = nan_to_none(trained.metrics["click"]["overall"])  # summary.json is JSON: no NaN
+        for line in describe_undefined(trained.metrics, scope=f"eval day {trained.eval_date}"):
+            console.print(f"[yellow]{line}[/]")
         summary.update(
             auc=click["auc"], ne=click["ne"], calibration=click["calibration"], eval_date=trained.eval_date,
             train_examples=trained.train_examples, eval_examples=trained.eval_examples,
@@ -178,6 +181,8 @@ def _quality_line(console: Console, result: Any) -> dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return "undefined (see above)"
     if isinstance(value, float):
         return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4f}"
     return str(value)

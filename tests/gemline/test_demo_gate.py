@@ -58,3 +58,30 @@ def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch):
             '--reason "..."` to let it through') in text
     saved = json.loads(Path(summary["summary_path"]).read_text())
     assert saved["quality_reports"]["events"] == {"version": 2, "passed": False, "report_html": "r.html"}
+
+
+def test_demo_names_an_undefined_auc_instead_of_printing_nan(tmp_path, monkeypatch):
+    import math
+
+    import trainer.train
+
+    monkeypatch.setattr(demo, "EmbeddedBroker", _NoBroker)
+    monkeypatch.setattr(ingest.replay, "replay_dataset", lambda *a, **k: types.SimpleNamespace(num_events=5, num_raw=0))
+    monkeypatch.setattr(ingest.pipeline, "run_ingest", lambda *a, **k: types.SimpleNamespace(
+        events_written=5, dead_letter_written=0, skipped=False))
+    monkeypatch.setattr(validation.run, "validate_table", lambda config, table, version=None, **k: types.SimpleNamespace(
+        table=table, table_version=1, passed=True, report_html="r.html"))
+    monkeypatch.setattr(sequences.pipeline, "run_build", lambda *a, **k: types.SimpleNamespace(
+        num_examples=40, seq_length_p50=3, seq_length_p99=9, examples_version=1))
+    overall = {"auc": math.nan, "ne": math.nan, "calibration": math.nan, "base_rate": 0.0, "count": 40,
+               "undefined": {"auc": "no positive labels among 40 examples"}}
+    metrics = {"click": {"overall": overall, "by_domain": {}}}
+    monkeypatch.setattr(trainer.train, "run_training", lambda *a, **k: types.SimpleNamespace(
+        metrics=metrics, eval_date="2026-01-02", train_examples=30, eval_examples=10, checkpoint_path="ck"))
+    console = Console(record=True, width=400)
+    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console)
+    assert summary["auc"] is None and summary["ne"] is None
+    text = console.export_text()
+    assert "nan" not in text.lower().replace("nanoseconds", "")
+    assert "click auc is undefined on the eval day 2026-01-02: no positive labels among 40 examples" in text
+    assert json.loads(Path(summary["summary_path"]).read_text())["auc"] is None
