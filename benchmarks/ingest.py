@@ -95,7 +95,8 @@ def baseline(bootstrap: str, lake: Path, config: IngestConfig, batch_records: in
     consumer.assign([TopicPartition(TOPIC, p, 0) for p in parts])
     remaining, written = sum(ends.values()), 0
     args = dict(domains=config.domains, now_ms=now_ms, max_future_skew_ms=config.max_future_skew_ms,
-                retention_ms=config.retention_ms)
+                retention_ms=config.retention_ms, min_event_time_ms=config.min_event_time_ms,
+                max_message_bytes=config.max_message_bytes)
     with tqdm(total=remaining, desc="baseline", unit="msg", disable=None) as progress:
         while remaining > 0:
             with gc_paused():  # as the pipeline's source does: see ingest.kafka_clients.gc_paused
@@ -107,8 +108,9 @@ def baseline(bootstrap: str, lake: Path, config: IngestConfig, batch_records: in
                     [pa.array([m.topic() for m in msgs], pa.string()),
                      pa.array([m.partition() for m in msgs], pa.int32()),
                      pa.array([m.offset() for m in msgs], pa.int64()), pa.array([m.key() for m in msgs], pa.binary()),
-                     pa.array([m.value() or b"" for m in msgs], pa.binary()),
-                     pa.array([m.timestamp()[1] for m in msgs], pa.int64())], schema=RECORDS_SCHEMA)
+                     pa.array([m.value() for m in msgs], pa.binary()),
+                     pa.array([m.timestamp()[1] for m in msgs], pa.int64()), pa.nulls(len(msgs), pa.int64())],
+                    schema=RECORDS_SCHEMA)
             events, dead = parse_batch(batch, **args)
             write_deltalake(table_uri(lake, "events"), events, mode="append", partition_by=["event_date"])
             write_deltalake(table_uri(lake, "dead_letter"), dead, mode="append")
