@@ -3,19 +3,15 @@
 Beam's ``ReadFromKafka`` is a Java cross-language transform (it needs a JVM expansion service),
 so gemline reads Kafka itself, at the pipeline edge only:
 
-1. :func:`plan_snapshot` (on the driver) fixes, per partition, the half-open range
-   ``[start, end)`` where ``start`` comes from the lake (the last committed end offset) and
-   ``end`` is the partition's high watermark seen now. Fixing the ends up front makes the read
-   bounded and repeatable: the same ranges always yield the same records.
-2. :class:`ReadOffsetRanges` (bounded) and :class:`ReadFromKafkaPartitions` (unbounded) both run
-   :class:`ReadPartitionFn`, a splittable DoFn (SDF) whose restriction is an offset range claimed
-   through Beam's ``OffsetRestrictionTracker``: ``[start, end)`` for an :class:`OffsetRange`
-   element, ``[start, inf)`` for a :class:`PartitionStart` element. The unbounded read polls,
-   defers its remainder when a poll returns nothing (``tracker.defer_remainder``) and reports a
-   per-partition event-time watermark through its own watermark estimator; a partition idle for
-   longer than ``idle_timeout_s`` stops holding the watermark back (it advances to the wall clock).
-   All progress lives in the restriction and the estimator state, which the runner checkpoints,
-   so the same code is correct on portable runners (no driver-side or global state).
+1. :func:`plan_topic` (on the driver) checks that the topic is the one the lake read and fixes,
+   per partition, the half-open range ``[start, end)`` where ``start`` comes from the lake (the
+   last committed end offset) and ``end`` is the end of the partition seen now. Fixing the ends up
+   front makes the read bounded and repeatable: the same ranges always yield the same records.
+2. :class:`ReadPartitionFn` (run by ``ingest.pipeline.ReadRecordBatches``) is a splittable DoFn
+   (SDF) whose restriction is an element's offset range ``[start, end)``, claimed through Beam's
+   ``OffsetRestrictionTracker`` one Arrow record batch at a time (:func:`claim_batch`). All
+   progress lives in the restriction, which the runner checkpoints and may split, so the same
+   code is correct on portable runners (no driver-side or global state).
 
 Consumers are ``assign``-ed and never commit to a consumer group: the lake, not Kafka, is the
 source of truth for what has been consumed.
@@ -25,8 +21,8 @@ confluent-kafka (librdkafka; the default, much faster, every codec built in) or 
 Python; snappy, lz4 and zstd need extra Python modules, probed before a read starts:
 :func:`missing_codecs`).
 
-Source: Beam programming guide, "Splittable DoFns" (sections 12.1-12.4: restrictions, trackers,
-watermark estimation, user-initiated checkpoints); the Kafka fetch semantics of librdkafka /
+Source: Beam programming guide, "Splittable DoFns" (sections 12.1-12.3: restrictions, trackers,
+dynamic splits); the Kafka fetch semantics of librdkafka /
 kafka-python.
 """
 
@@ -34,9 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +40,10 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.io.restriction_trackers import OffsetRange as BeamOffsetRange
 from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
-from apache_beam.io.watermark_estimators import WatermarkEstimator
-from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
-from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
+from apache_beam.transforms.core import RestrictionProvider
 from tqdm import tqdm
+
+from gemline.errors import GemlineError
 
 # The clients and record types live in ingest.kafka_clients; they are importable from here too.
 from ingest.kafka_clients import (  # noqa: F401
@@ -70,57 +65,6 @@ from ingest.kafka_clients import (  # noqa: F401
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PartitionStart:
-    """Unbounded read of one topic partition from offset ``start`` on (restriction ``[start, inf)``).
-
-    Raises:
-        ValueError: a negative partition or offset.
-    """
-
-    topic: str
-    partition: int
-    start: int
-
-    def __post_init__(self) -> None:
-        if self.partition < 0 or self.start < 0:
-            raise ValueError(f"PartitionStart: expected partition >= 0 and start >= 0, got {self}")
-
-
-def plan_snapshot(
-    bootstrap: str,
-    topic: str,
-    start_offsets: dict[int, int],
-    *,
-    client: ClientName = "confluent",
-    timeout_s: float = 30.0,
-) -> list[OffsetRange]:
-    """One bounded snapshot: per partition of ``topic``, ``[start_offsets[p], high watermark)``.
-
-    A partition absent from ``start_offsets`` was never ingested and starts at its low watermark
-    (0 unless retention already deleted its head, which then was never ours to read).
-
-    Returns:
-        One OffsetRange per partition, sorted by partition; empty ranges included.
-
-    Raises:
-        ValueError: the topic does not exist; the client cannot decode the topic's codec
-            (kafka-python without e.g. ``lz4``: probed with :func:`probe_ranges`); a start offset lies past the high watermark (the
-            topic was recreated or the lake belongs to another cluster) or below the low watermark
-            (retention deleted records that were never ingested). Either way the lake and the
-            topic disagree: a person must decide (reset the lake or move the offsets).
-    """
-    kc = make_client(client, bootstrap, timeout_s=timeout_s)
-    try:
-        watermarks = kc.end_offsets(topic)
-        ranges = _ranges_from(topic, start_offsets, watermarks)
-        if missing_codecs(client):
-            probe_ranges(kc, ranges, timeout_s=timeout_s)
-    finally:
-        kc.close()
-    return ranges
-
-
 def probe_ranges(kc: KafkaClient, ranges: list[OffsetRange], *, timeout_s: float) -> None:
     """Decode the first record of each non-empty range, so that a codec the client lacks fails
     the job before it starts instead of mid-pipeline (never "healthy, reading nothing").
@@ -137,29 +81,10 @@ def probe_ranges(kc: KafkaClient, ranges: list[OffsetRange], *, timeout_s: float
             _check_progress(rng, rng.start, deadline)
 
 
-def _ranges_from(topic: str, start_offsets: dict[int, int],
-                 watermarks: dict[int, tuple[int, int]]) -> list[OffsetRange]:
-    unknown = sorted(set(start_offsets) - set(watermarks))
-    if unknown:
-        raise ValueError(f"topic {topic!r}: lake has offsets for partitions {unknown} the topic lacks "
-                         f"(has {sorted(watermarks)}); was the topic recreated?")
-    ranges = []
-    for partition, (low, high) in watermarks.items():
-        start = start_offsets.get(partition, low)
-        if start > high:
-            raise ValueError(f"{topic}[{partition}]: committed offset {start} is past the high watermark {high}; "
-                             "was the topic recreated? Reset the lake or the offsets.")
-        if start < low:
-            raise ValueError(f"{topic}[{partition}]: next offset {start} is below the low watermark {low}: "
-                             f"records [{start}, {low}) were deleted before ingest.")
-        ranges.append(OffsetRange(topic, partition, start, high))
-    return ranges
-
-
-class TopicChangedError(ValueError):
+class TopicChangedError(GemlineError, ValueError):
     """The topic is not the one the lake's offsets were committed from: recreated (another topic id,
     another record at a committed offset), its partition count changed, or its offsets went backwards.
-    ``gemline ingest --reset-topic`` starts over on the new topic deliberately."""
+    ``gemline ingest --reset-topic`` starts over on the new topic deliberately. Exit 2."""
 
 
 @dataclass(frozen=True)
@@ -363,151 +288,30 @@ def plan_topic(
 # The splittable DoFn
 # ---------------------------------------------------------------------------------------------
 
-UNBOUNDED_END = sys.maxsize
-"""Stop offset standing for "no end" in an unbounded restriction ``[start, UNBOUNDED_END)``."""
-
-
-class _UnboundedOffsetTracker(OffsetRestrictionTracker):
-    """An OffsetRestrictionTracker that tells the runner its restriction ``[start, inf)`` is unbounded."""
-
-    def is_bounded(self) -> bool:
-        return self.current_restriction().stop != UNBOUNDED_END
-
-
 class KafkaRestrictionProvider(RestrictionProvider):
-    """Restrictions of :class:`ReadPartitionFn`: Beam ``OffsetRange(start, stop)`` over Kafka offsets.
+    """Restrictions of :class:`ReadPartitionFn`: Beam ``OffsetRange(start, end)`` over Kafka offsets.
 
-    An :class:`OffsetRange` element gives ``[start, end)`` (bounded); a :class:`PartitionStart`
-    gives ``[start, UNBOUNDED_END)``. The initial restriction is not split: one consumer reads one
-    partition sequentially, and the runner can still split dynamically (``try_split``).
+    An :class:`OffsetRange` element gives ``[start, end)``. The initial restriction is not split:
+    one consumer reads one partition sequentially, and the runner can still split dynamically
+    (``try_split``).
 
     Raises:
         TypeError: an element of another type.
     """
 
-    def initial_restriction(self, element: OffsetRange | PartitionStart) -> BeamOffsetRange:
+    def initial_restriction(self, element: OffsetRange) -> BeamOffsetRange:
         if isinstance(element, OffsetRange):
             return BeamOffsetRange(element.start, element.end)
-        if isinstance(element, PartitionStart):
-            return BeamOffsetRange(element.start, UNBOUNDED_END)
-        raise TypeError(f"Kafka read: expected OffsetRange or PartitionStart elements, got {type(element).__name__}")
+        raise TypeError(f"Kafka read: expected OffsetRange elements, got {type(element).__name__}")
 
     def create_tracker(self, restriction: BeamOffsetRange) -> OffsetRestrictionTracker:
-        if restriction.stop == UNBOUNDED_END:
-            return _UnboundedOffsetTracker(restriction)
         return OffsetRestrictionTracker(restriction)
 
     def restriction_size(self, element: Any, restriction: BeamOffsetRange) -> int:
         return restriction.size()
 
     def truncate(self, element: Any, restriction: BeamOffsetRange) -> BeamOffsetRange | None:
-        # On drain an unbounded read stops where it is; a bounded one finishes its range.
-        return None if restriction.stop == UNBOUNDED_END else restriction
-
-
-@dataclass(frozen=True)
-class WatermarkState:
-    """Per-partition watermark estimator state, checkpointed with the restriction.
-
-    ``watermark_ms`` is the event-time watermark (ms since epoch UTC; None = not yet known, i.e.
-    Beam's minimum timestamp); ``last_data_ms`` the wall-clock time the partition last returned
-    records (None before the first poll).
-    """
-
-    watermark_ms: int | None
-    last_data_ms: int | None
-
-
-def advance_watermark(state: WatermarkState, record_ts_ms: list[int], now_ms: int, *, idle_timeout_ms: int,
-                      max_out_of_order_ms: int) -> WatermarkState:
-    """The estimator state after one poll that returned records with timestamps ``record_ts_ms``.
-
-    Records: the watermark becomes ``max(record_ts_ms) - max_out_of_order_ms`` (record timestamps
-    of one partition are close to ordered: log-append or producer time). No records: once the
-    partition has been idle for ``idle_timeout_ms`` of wall clock it stops holding the watermark,
-    which moves to ``now_ms - max_out_of_order_ms``: a record arriving later with an older
-    timestamp is then late, the usual price of idleness detection (Flink's
-    ``WatermarkStrategy.withIdleness`` makes the same trade). The watermark never decreases;
-    timestamps < 0 (Kafka's "no timestamp") do not move it.
-
-    Args:
-        record_ts_ms: record timestamps, ms since epoch UTC; empty for an empty poll.
-        now_ms: wall clock, ms since epoch UTC (passed in so that the function is pure).
-
-    Raises:
-        ValueError: a negative timeout or out-of-order bound.
-    """
-    if idle_timeout_ms < 0 or max_out_of_order_ms < 0:
-        raise ValueError(f"advance_watermark: expected idle_timeout_ms >= 0 and max_out_of_order_ms >= 0, got "
-                         f"{idle_timeout_ms} and {max_out_of_order_ms}")
-    old = state.watermark_ms
-    valid = [t for t in record_ts_ms if t >= 0]
-    if record_ts_ms:
-        candidate = max(valid) - max_out_of_order_ms if valid else old
-        new = candidate if old is None or (candidate is not None and candidate > old) else old
-        return WatermarkState(new, now_ms)
-    if state.last_data_ms is None:
-        return WatermarkState(old, now_ms)  # first poll: the idle clock starts now
-    if now_ms - state.last_data_ms >= idle_timeout_ms:
-        candidate = now_ms - max_out_of_order_ms
-        return WatermarkState(candidate if old is None or candidate > old else old, state.last_data_ms)
-    return state
-
-
-def _to_timestamp(ms: int | None) -> Timestamp:
-    return MIN_TIMESTAMP if ms is None else Timestamp(micros=ms * 1000)
-
-
-class PartitionWatermarkEstimator(WatermarkEstimator):
-    """Watermark estimator of one partition's read; the SDF sets its state with :func:`advance_watermark`."""
-
-    def __init__(self, state: WatermarkState) -> None:
-        self._state = state
-
-    def observe_timestamp(self, timestamp: Timestamp) -> None:
-        pass  # the watermark follows the partition, not individual outputs
-
-    def current_watermark(self) -> Timestamp:
-        return _to_timestamp(self._state.watermark_ms)
-
-    def get_estimator_state(self) -> WatermarkState:
-        return self._state
-
-    def set_state(self, state: WatermarkState) -> None:
-        """Replace the state (the watermark must not go back; :func:`advance_watermark` ensures it)."""
-        self._state = state
-
-
-class PartitionWatermarkProvider(WatermarkEstimatorProvider):
-    """Creates :class:`PartitionWatermarkEstimator`; the initial state knows nothing yet."""
-
-    def initial_estimator_state(self, element: Any, restriction: BeamOffsetRange) -> WatermarkState:
-        return WatermarkState(None, None)
-
-    def create_watermark_estimator(self, estimator_state: WatermarkState) -> PartitionWatermarkEstimator:
-        return PartitionWatermarkEstimator(estimator_state)
-
-
-@dataclass(frozen=True)
-class PollSettings:
-    """How the unbounded read polls (times in seconds; see ``ingest.streaming.StreamingConfig``)."""
-
-    poll_timeout_s: float = 1.0
-    max_records_per_poll: int = 10_000
-    resume_delay_s: float = 0.5
-    idle_timeout_s: float = 30.0
-    max_out_of_order_ms: int = 0
-    finish_when_idle_s: float | None = None
-    """End the unbounded read of a partition once idle this long (backfills, tests); None: never."""
-
-    def __post_init__(self) -> None:
-        for name in ("poll_timeout_s", "resume_delay_s", "idle_timeout_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"PollSettings.{name}: expected >= 0, got {getattr(self, name)}")
-        if self.max_records_per_poll < 1:
-            raise ValueError(f"PollSettings.max_records_per_poll: expected >= 1, got {self.max_records_per_poll}")
-        if self.finish_when_idle_s is not None and not self.finish_when_idle_s > 0:
-            raise ValueError(f"PollSettings.finish_when_idle_s: expected > 0 or None, got {self.finish_when_idle_s}")
+        return restriction  # on drain a bounded read finishes its range
 
 
 def claim_batch(tracker: OffsetRestrictionTracker, offsets: np.ndarray) -> int:
@@ -544,78 +348,45 @@ def claim_batch(tracker: OffsetRestrictionTracker, offsets: np.ndarray) -> int:
 
 
 class ReadPartitionFn(beam.DoFn):
-    """Splittable DoFn: OffsetRange | PartitionStart -> KafkaRecord (or RecordBatch), each offset claimed once.
+    """Splittable DoFn: OffsetRange -> pa.RecordBatch of :data:`RECORDS_SCHEMA`, each offset claimed once.
 
-    Bounded (:class:`OffsetRange`): reads ``[start, end)`` and emits records with the element's
-    timestamp (the batch ingest does not window); with ``batch_records`` set it emits
-    ``pyarrow.RecordBatch`` es of :data:`RECORDS_SCHEMA` of up to that many messages instead, each
-    claimed at once (:func:`claim_batch`), so that Beam's per-element cost is paid per batch. Unbounded (:class:`PartitionStart`): one poll per
-    call; records are emitted at their Kafka timestamp (ms -> Beam seconds), then the remainder is
-    deferred (sooner after data, ``resume_delay_s`` after an empty poll), and the partition's
-    watermark is advanced with :func:`advance_watermark`.
+    Reads ``[start, end)`` and emits record batches of up to ``batch_records`` messages of one
+    partition, each claimed at once (:func:`claim_batch`), so that Beam's per-element cost is paid
+    per batch; they carry the element's timestamp (the batch ingest does not window). A dynamic
+    split ends the read at the new stop; the residual is read by another call.
 
-    One client per DoFn instance (``setup``/``teardown``). The wall clock is ``clock`` (seconds,
-    like ``time.time``), injectable for tests.
+    One client per DoFn instance (``setup``/``teardown``).
 
     Raises:
         ValueError: ``batch_records < 1``.
     """
 
-    def __init__(self, client: ClientName, bootstrap: str, timeout_s: float,
-                 poll: PollSettings | None = None, clock: Callable[[], float] = time.time,
-                 batch_records: int | None = None, max_message_bytes: int | None = None) -> None:
-        if batch_records is not None and batch_records < 1:
-            raise ValueError(f"ReadPartitionFn: expected batch_records >= 1 or None, got {batch_records}")
+    def __init__(self, client: ClientName, bootstrap: str, timeout_s: float, *,
+                 batch_records: int, max_message_bytes: int | None = None) -> None:
+        if batch_records < 1:
+            raise ValueError(f"ReadPartitionFn: expected batch_records >= 1, got {batch_records}")
         self._batch_records = batch_records
         self._max_message_bytes = max_message_bytes
         self._client_name = client
         self._bootstrap = bootstrap
         self._timeout_s = timeout_s
-        self._poll = poll or PollSettings()
-        self._clock = clock
         self._client: KafkaClient | None = None
-        # One consumer per polled partition: switching one consumer's assignment between partitions
-        # would drop its prefetched records on every poll.
-        self._pollers: dict[tuple[str, int], KafkaClient] = {}
 
     def setup(self) -> None:
         self._client = make_client(self._client_name, self._bootstrap, timeout_s=self._timeout_s,
                                    max_message_bytes=self._max_message_bytes)
-        self._pollers = {}
 
     def process(
         self,
-        element: OffsetRange | PartitionStart,
+        element: OffsetRange,
         tracker: OffsetRestrictionTracker = beam.DoFn.RestrictionParam(KafkaRestrictionProvider()),
-        watermark: PartitionWatermarkEstimator = beam.DoFn.WatermarkEstimatorParam(PartitionWatermarkProvider()),
-    ) -> Iterator[Any]:
+    ) -> Iterator[pa.RecordBatch]:
         assert self._client is not None, "setup() not called"
-        if isinstance(element, OffsetRange) and self._batch_records is not None:
-            yield from self._read_bounded_batches(element, tracker)
-        elif isinstance(element, OffsetRange):
-            yield from self._read_bounded(element, tracker)
-        else:
-            yield from self._poll_once(element, tracker, watermark)
-
-    def _read_bounded(self, element: OffsetRange, tracker: OffsetRestrictionTracker) -> Iterator[KafkaRecord]:
-        assert self._client is not None
-        rest = tracker.current_restriction()
-        rng = OffsetRange(element.topic, element.partition, rest.start, rest.stop)
-        desc = f"read {rng.topic}[{rng.partition}]"
-        records = self._client.read_range(rng)
-        try:
-            for rec in tqdm(records, total=rng.num_offsets, desc=desc, unit="rec", leave=False, disable=None):
-                if not tracker.try_claim(rec.offset):
-                    return  # the runner split the range: the rest belongs to the residual
-                yield rec
-        finally:
-            records.close()
-        # Gaps at the end of the range (compaction) must still count as done.
-        tracker.try_claim(tracker.current_restriction().stop)
+        yield from self._read_bounded_batches(element, tracker)
 
     def _read_bounded_batches(self, element: OffsetRange,
                               tracker: OffsetRestrictionTracker) -> Iterator[pa.RecordBatch]:
-        assert self._client is not None and self._batch_records is not None
+        assert self._client is not None
         rest = tracker.current_restriction()
         rng = OffsetRange(element.topic, element.partition, rest.start, rest.stop)
         batches = self._client.read_batches(rng, max_records=self._batch_records)
@@ -633,77 +404,8 @@ class ReadPartitionFn(beam.DoFn):
             batches.close()
         tracker.try_claim(tracker.current_restriction().stop)  # gaps at the end (compaction) count as done
 
-    def _poll_once(self, element: PartitionStart, tracker: OffsetRestrictionTracker,
-                   watermark: PartitionWatermarkEstimator) -> Iterator[Any]:
-        assert self._client is not None
-        settings = self._poll
-        start = tracker.current_restriction().start
-        key = (element.topic, element.partition)
-        if key not in self._pollers:
-            self._pollers[key] = make_client(self._client_name, self._bootstrap, timeout_s=self._timeout_s)
-        records = self._pollers[key].fetch(element.topic, element.partition, start,
-                                     max_records=settings.max_records_per_poll, timeout_s=settings.poll_timeout_s)
-        now_ms = int(self._clock() * 1000)
-        before = watermark.get_estimator_state()
-        for rec in records:
-            if not tracker.try_claim(rec.offset):
-                break
-            yield beam.window.TimestampedValue(rec, Timestamp(micros=max(rec.timestamp_ms, 0) * 1000))
-        watermark.set_state(advance_watermark(
-            before, [r.timestamp_ms for r in records], now_ms,
-            idle_timeout_ms=int(settings.idle_timeout_s * 1000), max_out_of_order_ms=settings.max_out_of_order_ms))
-        if not records and settings.finish_when_idle_s is not None and before.last_data_ms is not None \
-                and now_ms - before.last_data_ms >= settings.finish_when_idle_s * 1000:
-            tracker.try_claim(UNBOUNDED_END)  # claims nothing; marks the restriction done
-            return
-        tracker.defer_remainder(Duration.of(0 if records else settings.resume_delay_s))
-
     def teardown(self) -> None:
-        for poller in self._pollers.values():
-            poller.close()
-        self._pollers = {}
         if self._client is not None:
             self._client.close()
             self._client = None
 
-
-class ReadOffsetRanges(beam.PTransform):
-    """PCollection[OffsetRange] -> PCollection[KafkaRecord], every offset of every range once (bounded).
-
-    A wrapper over :class:`ReadPartitionFn`. A Reshuffle follows the read so that parsing is
-    spread across workers (one range is one element, so without it a partition's records would
-    stay in one bundle) and a downstream retry replays the checkpointed records instead of
-    re-reading Kafka.
-    """
-
-    def __init__(self, *, bootstrap: str, client: ClientName = "confluent", timeout_s: float = 30.0) -> None:
-        super().__init__()
-        self._bootstrap = bootstrap
-        self._client = client
-        self._timeout_s = timeout_s
-
-    def expand(self, ranges: beam.PCollection) -> beam.PCollection:
-        return (
-            ranges
-            | "ReadRange" >> beam.ParDo(ReadPartitionFn(self._client, self._bootstrap, self._timeout_s))
-            | "Reshuffle" >> beam.Reshuffle()
-        )
-
-
-class ReadFromKafkaPartitions(beam.PTransform):
-    """PCollection[PartitionStart] -> unbounded PCollection[KafkaRecord] timestamped by Kafka time.
-
-    Each element is read from its start offset on, forever (or until idle for
-    ``poll.finish_when_idle_s``), with a per-partition event-time watermark (see
-    :class:`ReadPartitionFn`). Written for portable streaming runners; on the Python
-    DirectRunner it runs with ``finish_when_idle_s`` set (tests) since that runner has no way to
-    stop an unbounded read other than cancelling the pipeline.
-    """
-
-    def __init__(self, *, bootstrap: str, client: ClientName = "confluent", timeout_s: float = 30.0,
-                 poll: PollSettings | None = None, clock: Callable[[], float] = time.time) -> None:
-        super().__init__()
-        self._fn = ReadPartitionFn(client, bootstrap, timeout_s, poll, clock)
-
-    def expand(self, starts: beam.PCollection) -> beam.PCollection:
-        return starts | "PollPartitions" >> beam.ParDo(self._fn)

@@ -5,7 +5,7 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
 
 1. Plan. Start offsets are the ``end_offsets`` in the metadata of the app's last ``events``
    commit (the low watermark, normally 0, for a partition never seen); ends are the high watermarks now
-   (:func:`ingest.kafka_source.plan_snapshot`). If ``dead_letter`` already holds
+   (:func:`ingest.kafka_source.plan_topic`). If ``dead_letter`` already holds
    ``batch_version`` (a crash between the two commits), the ranges and the clock recorded in
    that commit are reused instead, so the rerun reads and decides exactly as the crashed run did.
    With ``IngestConfig.max_offsets_per_partition`` set, each range is cut to that many offsets

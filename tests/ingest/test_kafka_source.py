@@ -1,4 +1,4 @@
-"""The splittable Kafka source: restrictions, watermarks, splits, unbounded reads, codecs, clients."""
+"""The splittable Kafka source: restrictions, batch claims, splits, codecs, clients."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from apache_beam.io.restriction_trackers import OffsetRange as BeamOffsetRange
 from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
 from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
-from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import given, settings
@@ -21,108 +20,31 @@ from hypothesis import strategies as st
 from ingest.broker import EmbeddedBroker
 from ingest.kafka_source import (
     CODECS,
-    UNBOUNDED_END,
     KafkaRecord,
     KafkaRestrictionProvider,
     OffsetRange,
-    PartitionStart,
-    PartitionWatermarkEstimator,
-    PollSettings,
-    ReadFromKafkaPartitions,
-    ReadOffsetRanges,
     ReadPartitionFn,
-    WatermarkState,
-    advance_watermark,
     batches_of,
     claim_batch,
     make_client,
     records_to_batch,
     missing_codecs,
-    plan_snapshot,
+    plan_topic,
 )
+from ingest.pipeline import ReadRecordBatches
 
 _topic_ids = itertools.count()
 
 
 # ---- pure parts -----------------------------------------------------------------------------
 
-WM_CASES = [
-    # (state, record timestamps, now_ms, idle_timeout_ms, max_out_of_order_ms, expected)
-    (WatermarkState(None, None), [5, 9, 7], 100, 50, 0, WatermarkState(9, 100)),
-    (WatermarkState(None, None), [5, 9, 7], 100, 50, 4, WatermarkState(5, 100)),
-    (WatermarkState(20, 90), [5, 9], 100, 50, 0, WatermarkState(20, 100)),  # never goes back
-    (WatermarkState(20, 90), [-1], 100, 50, 0, WatermarkState(20, 100)),  # "no timestamp" records
-    (WatermarkState(None, None), [], 100, 50, 0, WatermarkState(None, 100)),  # first poll starts the idle clock
-    (WatermarkState(20, 90), [], 139, 50, 0, WatermarkState(20, 90)),  # idle 49 ms < 50: holds
-    (WatermarkState(20, 90), [], 140, 50, 0, WatermarkState(140, 90)),  # idle 50 ms: moves to the wall clock
-    (WatermarkState(20, 90), [], 140, 50, 30, WatermarkState(110, 90)),
-    (WatermarkState(500, 90), [], 140, 50, 0, WatermarkState(500, 90)),  # wall clock behind: keeps 500
-]
-
-
-@pytest.mark.parametrize(("state", "ts", "now", "idle", "ooo", "expected"), WM_CASES)
-def test_advance_watermark_hand_checked(state, ts, now, idle, ooo, expected):
-    assert advance_watermark(state, ts, now, idle_timeout_ms=idle, max_out_of_order_ms=ooo) == expected
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(-1, 10**6), max_size=5), st.integers(0, 10**4)), max_size=20),
-       st.integers(0, 500), st.integers(0, 100))
-def test_watermark_is_monotone_and_never_passes_a_record(polls, idle, ooo):
-    state, now = WatermarkState(None, None), 0
-    for ts, step in polls:
-        now += step
-        new = advance_watermark(state, ts, now, idle_timeout_ms=idle, max_out_of_order_ms=ooo)
-        if state.watermark_ms is not None:
-            assert new.watermark_ms >= state.watermark_ms
-        valid = [t for t in ts if t >= 0]
-        if valid and (state.watermark_ms is None or state.watermark_ms <= max(valid) - ooo):
-            assert new.watermark_ms == max(valid) - ooo  # the newest record minus the bound, not past it
-        state = new
-
-
-def test_advance_watermark_rejects_negative_bounds():
-    with pytest.raises(ValueError, match="expected idle_timeout_ms >= 0"):
-        advance_watermark(WatermarkState(None, None), [], 0, idle_timeout_ms=-1, max_out_of_order_ms=0)
-
-
-def test_estimator_reports_state_as_beam_timestamps():
-    est = PartitionWatermarkEstimator(WatermarkState(None, None))
-    assert est.current_watermark() == MIN_TIMESTAMP
-    est.set_state(WatermarkState(1_750_000_000_123, 5))
-    assert est.current_watermark() == Timestamp(micros=1_750_000_000_123_000)
-    assert est.get_estimator_state() == WatermarkState(1_750_000_000_123, 5)
-
-
-def test_restrictions_bounded_and_unbounded():
+def test_restrictions_are_the_offset_ranges():
     prov = KafkaRestrictionProvider()
     bounded = prov.initial_restriction(OffsetRange("t", 0, 3, 8))
     assert (bounded.start, bounded.stop) == (3, 8) and prov.create_tracker(bounded).is_bounded()
-    unbounded = prov.initial_restriction(PartitionStart("t", 1, 4))
-    assert (unbounded.start, unbounded.stop) == (4, UNBOUNDED_END)
-    assert not prov.create_tracker(unbounded).is_bounded()
-    assert prov.truncate(None, unbounded) is None and prov.truncate(None, bounded) is bounded
-    with pytest.raises(TypeError, match="expected OffsetRange or PartitionStart elements, got tuple"):
+    assert prov.truncate(None, bounded) is bounded
+    with pytest.raises(TypeError, match="expected OffsetRange elements, got tuple"):
         prov.initial_restriction(("t", 0, 3))
-
-
-BAD_SETTINGS = [
-    ({"poll_timeout_s": -1}, "poll_timeout_s: expected >= 0"),
-    ({"max_records_per_poll": 0}, "max_records_per_poll: expected >= 1"),
-    ({"finish_when_idle_s": 0}, "finish_when_idle_s: expected > 0 or None"),
-    ({"idle_timeout_s": float("nan")}, "idle_timeout_s: expected >= 0"),
-]
-
-
-@pytest.mark.parametrize(("kwargs", "match"), BAD_SETTINGS)
-def test_poll_settings_reject_bad_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        PollSettings(**kwargs)
-
-
-def test_partition_start_validates():
-    with pytest.raises(ValueError, match="expected partition >= 0 and start >= 0"):
-        PartitionStart("t", 0, -3)
 
 
 class _ListClient:
@@ -143,29 +65,17 @@ class _ListClient:
         pass
 
 
-def _bounded_fn(log):
-    fn = ReadPartitionFn("confluent", "unused:1", 1.0)
+def _bounded_fn(log, batch_records=1):
+    fn = ReadPartitionFn("confluent", "unused:1", 1.0, batch_records=batch_records)
     fn._client = _ListClient(log)  # setup() would connect to a broker
     return fn
 
 
-def test_bounded_read_stops_at_a_dynamic_split():
-    fn = _bounded_fn({o: f"v{o}".encode() for o in range(10)})
-    tracker = OffsetRestrictionTracker(BeamOffsetRange(2, 10))
-    out = []
-    for rec in fn._read_bounded(OffsetRange("t", 0, 2, 10), tracker):
-        out.append(rec.offset)
-        if rec.offset == 4:
-            primary, residual = tracker.try_split(0.5)  # the runner hands [7, 10) to another worker
-            assert (primary.stop, residual.start, residual.stop) == (7, 7, 10)
-    assert out == [2, 3, 4, 5, 6]
-    tracker.check_done()
-
-
 def test_bounded_read_with_a_gap_at_the_end_is_done():
-    fn = _bounded_fn({0: b"a", 1: b"b", 4: b"c"})  # offsets 5..7 compacted away
+    fn = _bounded_fn({0: b"a", 1: b"b", 4: b"c"}, batch_records=2)  # offsets 5..7 compacted away
     tracker = OffsetRestrictionTracker(BeamOffsetRange(0, 8))
-    assert [r.offset for r in fn._read_bounded(OffsetRange("t", 0, 0, 8), tracker)] == [0, 1, 4]
+    batches = list(fn._read_bounded_batches(OffsetRange("t", 0, 0, 8), tracker))
+    assert [b.column("offset").to_pylist() for b in batches] == [[0, 1], [4]]
     tracker.check_done()
 
 
@@ -213,14 +123,12 @@ def test_claim_batch_keeps_its_part_when_a_split_races_the_claim():
 
 @given(st.integers(0, 50), st.integers(0, 60), st.sets(st.integers(0, 80), max_size=40), st.integers(1, 7))
 @settings(max_examples=60, deadline=None)
-def test_batched_bounded_read_equals_the_per_record_read(start, length, log_offsets, batch_records):
-    """Batches (with any split the runner makes half way) cover exactly the per-record read's offsets."""
+def test_batched_bounded_read_yields_the_logs_offsets_in_the_range(start, length, log_offsets, batch_records):
+    """Batches cover exactly the offsets of the range the log holds, in order, gaps allowed."""
     log = {o: f"v{o}".encode() for o in log_offsets}
     rng = OffsetRange("t", 0, start, start + length)
-    per_record = [r.offset for r in _bounded_fn(log)._read_bounded(rng, OffsetRestrictionTracker(
-        BeamOffsetRange(rng.start, rng.end)))]
-    fn = ReadPartitionFn("confluent", "unused:1", 1.0, batch_records=batch_records)
-    fn._client = _ListClient(log)
+    per_record = [o for o in sorted(log) if rng.start <= o < rng.end]
+    fn = _bounded_fn(log, batch_records)
     tracker = OffsetRestrictionTracker(BeamOffsetRange(rng.start, rng.end))
     batches = list(fn._read_bounded_batches(rng, tracker))
     tracker.check_done()
@@ -245,7 +153,7 @@ def test_batched_bounded_read_stops_at_a_dynamic_split():
 
 
 def test_batch_records_must_be_positive():
-    with pytest.raises(ValueError, match="expected batch_records >= 1 or None, got 0"):
+    with pytest.raises(ValueError, match="expected batch_records >= 1, got 0"):
         ReadPartitionFn("confluent", "unused:1", 1.0, batch_records=0)
     with pytest.raises(ValueError, match="expected max_records >= 1, got 0"):
         list(batches_of(iter([]), 0))
@@ -291,40 +199,24 @@ def _produce(bootstrap, topic, n, *, partitions, compression="none"):
 
 
 @pytest.mark.integration
-def test_unbounded_read_emits_every_record_once_at_its_kafka_time(broker):
-    topic = _topic(broker, 2)
-    records = _produce(broker.bootstrap, topic, 9, partitions=2)
-    starts = [PartitionStart(topic, 0, 0), PartitionStart(topic, 1, 2)]
-    expected = [(r.partition, r.offset, r.value, r.timestamp_ms) for r in records
-                if r.partition == 0 or r.offset >= 2]
-    poll = PollSettings(poll_timeout_s=0.2, resume_delay_s=0.05, finish_when_idle_s=2.0)
-    with test_pipeline.TestPipeline() as p:
-        out = (
-            p
-            | beam.Create(starts)
-            | ReadFromKafkaPartitions(bootstrap=broker.bootstrap, poll=poll)
-            | beam.Map(lambda r, ts=beam.DoFn.TimestampParam: (r.partition, r.offset, r.value, ts.micros // 1000))
-        )
-        assert_that(out, equal_to(expected))
-
-
-@pytest.mark.integration
 @pytest.mark.parametrize("codec", CODECS)
 def test_compressed_topics_read_back_with_both_clients(broker, codec):
     topic = _topic(broker, 2)
     records = _produce(broker.bootstrap, topic, 8, partitions=2, compression=codec)
-    ranges = plan_snapshot(broker.bootstrap, topic, {}, client="confluent", timeout_s=20)
+    ranges = plan_topic(broker.bootstrap, topic, {}, previous=None, client="confluent", timeout_s=20).ranges
     assert [r.num_offsets for r in ranges] == [4, 4]
     with test_pipeline.TestPipeline() as p:
-        out = p | beam.Create(ranges) | ReadOffsetRanges(bootstrap=broker.bootstrap, client="confluent", timeout_s=20)
+        out = (p | beam.Create(ranges)
+               | ReadRecordBatches(bootstrap=broker.bootstrap, client="confluent", timeout_s=20, max_records=3)
+               | beam.FlatMap(lambda b: [KafkaRecord(**row) for row in b.to_pylist()]))
         assert_that(out, equal_to(records))
 
     if codec in missing_codecs("kafka-python"):
         # Fails at start, naming the codec, instead of timing out or reading nothing.
         with pytest.raises(ValueError, match=f"codecs missing here: .*{codec} \\(pip install"):
-            plan_snapshot(broker.bootstrap, topic, {}, client="kafka-python", timeout_s=20)
+            plan_topic(broker.bootstrap, topic, {}, previous=None, client="kafka-python", timeout_s=20)
         return
-    assert plan_snapshot(broker.bootstrap, topic, {}, client="kafka-python", timeout_s=20) == ranges
+    assert plan_topic(broker.bootstrap, topic, {}, previous=None, client="kafka-python", timeout_s=20).ranges == ranges
     kc = make_client("kafka-python", broker.bootstrap, timeout_s=20)
     try:
         got = [rec for rng in ranges for rec in kc.read_range(rng)]
@@ -367,55 +259,6 @@ def test_fetch_polls_forward_and_returns_empty_at_the_end(broker, client):
         assert kc.fetch(topic, 0, 5, max_records=2, timeout_s=0.3) == []
     finally:
         kc.close()
-
-
-class _ScriptedPoller:
-    """A KafkaClient whose fetches return scripted batches (one list per poll)."""
-
-    def __init__(self, batches: list[list[int]]):
-        self.batches = batches
-        self.fetched_from: list[int] = []
-
-    def fetch(self, topic, partition, offset, *, max_records, timeout_s):
-        self.fetched_from.append(offset)
-        offsets = self.batches.pop(0) if self.batches else []
-        return [KafkaRecord(topic, partition, o, None, b"v", 1_000 * o) for o in offsets]
-
-    def close(self):
-        pass
-
-
-def test_unbounded_polls_defer_and_advance_the_watermark_then_release_an_idle_partition():
-    from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
-
-    wall_s = iter([100.0, 101.0, 102.0, 140.0, 200.0])  # the wall clock at each poll
-    poll = PollSettings(idle_timeout_s=30, resume_delay_s=0.5)
-    fn = ReadPartitionFn("confluent", "unused:1", 1.0, poll, clock=lambda: next(wall_s))
-    fn._client = object()  # not used by polls
-    poller = _ScriptedPoller([[5, 6, 7], [], [8], [], []])
-    fn._pollers = {("t", 0): poller}
-    estimator = PartitionWatermarkEstimator(WatermarkState(None, None))
-    element, start = PartitionStart("t", 0, 5), 5
-    seen = []
-    delays = []
-
-    class _View(RestrictionTrackerView):
-        def defer_remainder(self, deferred_time=None):
-            delays.append(deferred_time)
-            super().defer_remainder(deferred_time)
-
-    for expected_wm_ms, expected_delay_s in [(7_000, 0), (7_000, 0.5), (8_000, 0), (140_000, 0.5), (200_000, 0.5)]:
-        tracker = ThreadsafeRestrictionTracker(OffsetRestrictionTracker(BeamOffsetRange(start, UNBOUNDED_END)))
-        out = list(fn.process(element, _View(tracker), estimator))
-        seen += [(v.value.offset, v.timestamp.micros // 1000) for v in out]
-        assert estimator.current_watermark() == Timestamp(micros=expected_wm_ms * 1000)
-        assert delays.pop() == Duration.of(expected_delay_s)
-        residual, _ = tracker.deferred_status()
-        start = residual.start  # the runner resumes the residual [next offset, inf)
-    assert seen == [(5, 5_000), (6, 6_000), (7, 7_000), (8, 8_000)]
-    assert poller.fetched_from == [5, 8, 8, 9, 9]
-    # Idle from 102 s (last data) to 140 s: 38 s >= 30 s, so at the 4th poll the partition stopped
-    # holding the watermark (moved to the wall clock, 140 s), and again at the 5th (200 s).
 
 
 def test_gc_paused_restores_the_collector_state_even_after_an_error():

@@ -15,12 +15,11 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import gemline.lake as lake_mod
-import ingest.kafka_source as kafka_source
 from gemline.config import GemlineConfig
 from gemline.lake import commit_metadata, committed_version, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
-from ingest.kafka_source import KafkaRecord, OffsetRange, ReadOffsetRanges, plan_snapshot
+from ingest.kafka_source import KafkaRecord, OffsetRange, plan_topic
 from ingest.parse import event_date
 from ingest.pipeline import (
     STAGED_SUFFIX,
@@ -95,7 +94,8 @@ def _coords(table: pa.Table | None) -> list[tuple[int, int]]:
 
 
 def _all_offsets(bootstrap: str, topic: str) -> set[tuple[int, int]]:
-    return {(r.partition, o) for r in plan_snapshot(bootstrap, topic, {}) for o in range(r.start, r.end)}
+    return {(r.partition, o) for r in plan_topic(bootstrap, topic, {}, previous=None).ranges
+            for o in range(r.start, r.end)}
 
 
 def test_ingest_is_exactly_once_and_incremental(broker, topic, tmp_path):
@@ -142,7 +142,7 @@ def test_capped_batches_ingest_a_backlog_like_one_uncapped_batch(broker, topic, 
                                  ingest=IngestConfig(max_offsets_per_partition=3))
     assert [r.skipped for r in ingest_backlog(whole, bootstrap=broker.bootstrap, now_ms=NOW_MS)] == [False]
     results = ingest_backlog(capped, bootstrap=broker.bootstrap, now_ms=NOW_MS)
-    longest = max(r.num_offsets for r in plan_snapshot(broker.bootstrap, topic, {}))
+    longest = max(r.num_offsets for r in plan_topic(broker.bootstrap, topic, {}, previous=None).ranges)
     assert len(results) == -(-longest // 3)  # ceil: one batch per 3 offsets of the longest partition
     assert [r.batch_version for r in results] == list(range(len(results)))
     assert all(r.num_offsets <= 3 for res in results for r in res.offset_ranges)
@@ -235,12 +235,12 @@ def test_reshuffled_read_ingests_the_same_rows(broker, topic, tmp_path):
 
 def test_plan_rejects_offsets_past_the_watermark(broker, topic):
     _produce(broker.bootstrap, topic, _good(0, 2))
-    with pytest.raises(ValueError, match="past the high watermark"):
-        plan_snapshot(broker.bootstrap, topic, {0: 10_000})
+    with pytest.raises(ValueError, match="past the end of the partition"):
+        plan_topic(broker.bootstrap, topic, {0: 10_000}, previous=None)
     with pytest.raises(ValueError, match="partitions \\[7\\]"):
-        plan_snapshot(broker.bootstrap, topic, {7: 0})
+        plan_topic(broker.bootstrap, topic, {7: 0}, previous=None)
     with pytest.raises(ValueError, match="not found"):
-        plan_snapshot(broker.bootstrap, "no-such-topic", {})
+        plan_topic(broker.bootstrap, "no-such-topic", {}, previous=None)
 
 
 def test_read_staged_drops_duplicate_coordinates(tmp_path):
@@ -265,7 +265,7 @@ def test_offset_range_validates_and_round_trips():
 
 
 @pytest.mark.parametrize("client", ["confluent", "kafka-python"])
-def test_read_offset_ranges_emits_exactly_the_range(broker, topic, client):
+def test_read_record_batches_emits_exactly_the_range(broker, topic, client):
     msgs = [(f"k{i}".encode(), f"v{i}".encode()) for i in range(9)]
     producer = Producer({"bootstrap.servers": broker.bootstrap, "batch.num.messages": 1, "linger.ms": 0})
     for i, (key, value) in enumerate(msgs):
@@ -279,7 +279,9 @@ def test_read_offset_ranges_emits_exactly_the_range(broker, topic, client):
         KafkaRecord(topic, 1, 1, b"k3", b"v3", 1_003),
     ]
     with test_pipeline.TestPipeline() as p:
-        out = p | beam.Create(ranges) | ReadOffsetRanges(bootstrap=broker.bootstrap, client=client, timeout_s=20)
+        out = (p | beam.Create(ranges)
+               | ReadRecordBatches(bootstrap=broker.bootstrap, client=client, timeout_s=20, max_records=2)
+               | beam.FlatMap(lambda b: [KafkaRecord(**row) for row in b.to_pylist()]))
         assert_that(out, equal_to(expected))
 
 
@@ -291,39 +293,6 @@ def test_stale_staging_from_a_crashed_run_is_ignored(broker, topic, tmp_path):
     (stale / f"junk{STAGED_SUFFIX}").write_bytes(b"half-written file of a run that died in the pipeline")
     res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert res.events_written == 5 and read_table(cfg.lake, "events").num_rows == 5
-
-
-class _FakeClient:
-    def __init__(self, watermarks):
-        self._watermarks = watermarks
-
-    def end_offsets(self, topic):
-        return self._watermarks
-
-    def close(self):
-        pass
-
-
-PLAN_ERRORS = [
-    # (start offsets, expected message)
-    ({0: 2}, "below the low watermark 5"),
-    ({0: 6, 1: 4}, "past the high watermark 3"),
-    ({2: 0}, "partitions \\[2\\] the topic lacks"),
-]
-
-
-@pytest.mark.parametrize(("starts", "match"), PLAN_ERRORS)
-def test_plan_snapshot_rejects_offsets_the_topic_disagrees_with(monkeypatch, starts, match):
-    monkeypatch.setattr(kafka_source, "make_client", lambda *a, **k: _FakeClient({0: (5, 10), 1: (0, 3)}))
-    with pytest.raises(ValueError, match=match):
-        plan_snapshot("unused:1", "t", starts)
-
-
-def test_plan_snapshot_starts_at_committed_offsets(monkeypatch):
-    monkeypatch.setattr(kafka_source, "make_client", lambda *a, **k: _FakeClient({0: (5, 10), 1: (0, 3)}))
-    assert plan_snapshot("unused:1", "t", {}) == [OffsetRange("t", 0, 5, 10), OffsetRange("t", 1, 0, 3)]
-    assert plan_snapshot("unused:1", "t", {0: 7}) == [OffsetRange("t", 0, 7, 10), OffsetRange("t", 1, 0, 3)]
-    assert plan_snapshot("unused:1", "t", {0: 10, 1: 3}) == [OffsetRange("t", 0, 10, 10), OffsetRange("t", 1, 3, 3)]
 
 
 def _coord_table(coords):
@@ -413,7 +382,7 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
 @pytest.mark.parametrize("reshuffle", [False, True])
 def test_read_record_batches_yields_every_offset_once_in_small_batches(broker, topic, reshuffle):
     _produce(broker.bootstrap, topic, _good(0, 7))
-    ranges = plan_snapshot(broker.bootstrap, topic, {})
+    ranges = plan_topic(broker.bootstrap, topic, {}, previous=None).ranges
     with test_pipeline.TestPipeline() as p:
         batches = p | beam.Create(ranges) | ReadRecordBatches(bootstrap=broker.bootstrap, client="confluent",
                                                               timeout_s=20, max_records=2, reshuffle=reshuffle)
