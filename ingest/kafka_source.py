@@ -43,8 +43,6 @@ from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
 from apache_beam.transforms.core import RestrictionProvider
 from tqdm import tqdm
 
-from gemline.errors import GemlineError
-
 # The clients and record types live in ingest.kafka_clients; they are importable from here too.
 from ingest.kafka_clients import (  # noqa: F401
     CODECS,
@@ -81,10 +79,10 @@ def probe_ranges(kc: KafkaClient, ranges: list[OffsetRange], *, timeout_s: float
             _check_progress(rng, rng.start, deadline)
 
 
-class TopicChangedError(GemlineError, ValueError):
+class TopicChangedError(ValueError):
     """The topic is not the one the lake's offsets were committed from: recreated (another topic id,
     another record at a committed offset), its partition count changed, or its offsets went backwards.
-    ``gemline ingest --reset-topic`` starts over on the new topic deliberately. Exit 2."""
+    ``gemline ingest --reset-topic`` starts over on the new topic deliberately."""
 
 
 @dataclass(frozen=True)
