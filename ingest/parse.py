@@ -70,18 +70,16 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Literal
-
-import apache_beam as beam
 
 from ingest.kafka_clients import RAW_PREFIX_BYTES, KafkaRecord
 from ingest.schema import EVENT_TYPES, OPTIONAL_FIELDS, REQUIRED_FIELDS, SCHEMA_VERSION
 
 GOOD = "good"
-"""Tag of ParseEvents' events-row output."""
+"""Tag of the events output of ``ingest.vectorized.ParseBatches``."""
 DEAD_LETTER = "dead_letter"
-"""Tag of ParseEvents' dead-letter-row output."""
+"""Tag of the dead-letter output of ``ingest.vectorized.ParseBatches``."""
 
 REASONS: tuple[str, ...] = (
     "tombstone",
@@ -402,49 +400,3 @@ def expired_detail(time_us: int, now_ms: int, retention_ms: int) -> str:
     return (f"event time {time_us} us is before the ingest clock {now_ms} ms - retention {retention_ms} ms = "
             f"{now_ms - retention_ms} ms")
 
-
-class _ParseFn(beam.DoFn):
-    def __init__(self, domains: tuple[str, ...], now_ms: int, max_future_skew_ms: int, retention_ms: int | None) -> None:
-        self._domains = frozenset(domains)
-        self._now_ms = now_ms
-        self._skew_ms = max_future_skew_ms
-        self._retention_ms = retention_ms
-
-    def process(self, rec: KafkaRecord) -> Iterator[Any]:
-        kind, row = parse_record(rec, domains=self._domains, now_ms=self._now_ms, max_future_skew_ms=self._skew_ms,
-                                 retention_ms=self._retention_ms)
-        if kind == "ok":
-            yield row
-        else:
-            yield beam.pvalue.TaggedOutput(DEAD_LETTER, row)
-
-
-class ParseEvents(beam.PTransform):
-    """PCollection[KafkaRecord] -> tagged outputs ``good`` (events rows) and ``dead_letter`` rows.
-
-    Use as ``out = records | ParseEvents(...)``; then ``out.good`` / ``out.dead_letter`` (or
-    ``out[GOOD]`` / ``out[DEAD_LETTER]``). Each record lands in exactly one output; see
-    :func:`parse_record` for the rules and the reason codes.
-
-    Raises:
-        ValueError: no domains, or a negative skew.
-    """
-
-    def __init__(self, domains: Iterable[str], now_ms: int, max_future_skew_ms: int,
-                 retention_ms: int | None = None) -> None:
-        super().__init__()
-        self._domains = tuple(domains)
-        if not self._domains:
-            raise ValueError("ParseEvents: expected at least one domain, got none")
-        if max_future_skew_ms < 0:
-            raise ValueError(f"ParseEvents: expected max_future_skew_ms >= 0, got {max_future_skew_ms}")
-        self._now_ms = int(now_ms)
-        self._skew_ms = int(max_future_skew_ms)
-        if retention_ms is not None and retention_ms < 0:
-            raise ValueError(f"ParseEvents: expected retention_ms >= 0 or None, got {retention_ms}")
-        self._retention_ms = retention_ms
-
-    def expand(self, records: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
-        return records | "Parse" >> beam.ParDo(_ParseFn(self._domains, self._now_ms, self._skew_ms, self._retention_ms)).with_outputs(
-            DEAD_LETTER, main=GOOD
-        )

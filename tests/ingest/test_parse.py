@@ -1,24 +1,18 @@
-"""parse_record: every dead-letter reason from a table of cases, hand-checked valid rows, and ParseEvents."""
+"""parse_record: every dead-letter reason from a table of cases and hand-checked valid rows."""
 
 from __future__ import annotations
 
 import json
 
-import apache_beam as beam
 import pyarrow as pa
 import pytest
-from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
-from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.kafka_source import KafkaRecord
 from ingest.parse import (
     BLANK,
-    DEAD_LETTER,
-    GOOD,
     REASONS,
-    ParseEvents,
     event_date,
     event_time_to_us,
     json_depth,
@@ -272,21 +266,3 @@ def test_event_date_matches_datetime():
     for ms in (0, 1, -1, 1_700_000_000_000, 253_402_300_799_999):
         expected = (dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(milliseconds=ms)).date().isoformat()
         assert event_date(ms) == expected
-
-
-def test_parse_events_transform_tags_both_outputs():
-    good = _rec(_j(_obj(event_id="g1", event_time_ms=86_400)), offset=1)  # seconds by the unit rule
-    bad_json = _rec(b"nope", offset=2)
-    bad_domain = _rec(_j(_obj(domain="tiktok")), offset=3)
-    with test_pipeline.TestPipeline() as p:
-        out = p | beam.Create([good, bad_json, bad_domain]) | ParseEvents(DOMAINS, NOW_MS, SKEW_MS)
-        assert_that(out[GOOD] | "GoodKeys" >> beam.Map(lambda r: (r["event_id"], r["event_date"], r["kafka_offset"])),
-                    equal_to([("g1", "1970-01-02", 1)]), label="CheckGood")
-        assert_that(out[DEAD_LETTER] | "DeadKeys" >> beam.Map(lambda r: (r["reason"], r["kafka_offset"])),
-                    equal_to([("not_json", 2), ("unknown_domain", 3)]), label="CheckDead")
-
-
-@pytest.mark.parametrize(("domains", "skew", "retention", "match"), [((), 0, None, "at least one domain"), (DOMAINS, -1, None, "skew_ms >= 0"), (DOMAINS, 0, -1, "retention_ms >= 0")])
-def test_parse_events_rejects_bad_arguments(domains, skew, retention, match):
-    with pytest.raises(ValueError, match=match):
-        ParseEvents(domains, NOW_MS, skew, retention)
