@@ -42,12 +42,12 @@ from gemline.config import GemlineConfig
 from gemline.lake import read_table, table_uri
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
+from ingest.datasets.types import event_time_sort_key
 from ingest.generate import GenerateConfig, generate_records, stream_records
 from ingest.kafka_clients import gc_paused
 from ingest.kafka_source import RECORDS_SCHEMA
 from ingest.pipeline import run_ingest
 from ingest.replay import ensure_topic
-from ingest.datasets.types import event_time_sort_key
 from ingest.vectorized import parse_batch
 
 TOPIC = "bench.events"

@@ -30,8 +30,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 

@@ -18,14 +18,14 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from torchrec import KeyedJaggedTensor
 from tqdm import tqdm
 
 from sequences.schema import SPARSE_FEATURES
 from trainer.config import TrainerConfig
 from trainer.data import SEQUENCE_KEYS, Batch
-from trainer.models import build_model, encode_domains
+from trainer.models import build_model
 from trainer.train import train_step
-from torchrec import KeyedJaggedTensor
 
 DOMAINS = ("feed", "reels", "marketplace")
 

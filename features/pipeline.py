@@ -21,7 +21,6 @@ from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEA
 from sequences.config import BuildConfig
 from sequences.history import Event, sorted_unique_events
 
-
 Prior = Mapping[tuple[str, str], Mapping[str, int]]
 
 

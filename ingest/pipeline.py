@@ -56,13 +56,13 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.feather as feather
 from apache_beam.options.pipeline_options import PipelineOptions
+from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
-from deltalake import CommitProperties, Transaction, write_deltalake
-
 from gemline.lake import commit_metadata, commit_once, committed_version, is_remote, open_table, table_uri
 from gemline.locks import holding
+from ingest.config import IngestConfig
 from ingest.dedup import (
     committed_ids,
     committed_payloads,
@@ -71,10 +71,9 @@ from ingest.dedup import (
     split_conflicts,
     split_late,
 )
-from ingest.config import IngestConfig
 from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, TopicIdentity, plan_topic
 from ingest.parse import DEAD_LETTER, GOOD
-from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, LATE_EVENTS_SCHEMA
+from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA
 from ingest.vectorized import ParseBatches
 
 log = logging.getLogger(__name__)

@@ -36,10 +36,9 @@ through), so the pipeline accepts either element type from ``ReadOffsetRanges``;
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
-
 import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -60,7 +59,6 @@ from ingest.parse import (
     MIN_EVENT_TIME_US,
     SECONDS_BELOW,
     dead_row,
-    known_since,
     parse_record,
 )
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENT_TYPES, EVENTS_TABLE_SCHEMA, REQUIRED_FIELDS, SCHEMA_VERSION

@@ -30,15 +30,27 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from features.definitions import (COUNTED_TYPES, ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES, WINDOWS_MS,
-                                  smoothed_ctr)
+from features.definitions import (
+    COUNTED_TYPES,
+    ITEM_FEATURES,
+    USER_CATEGORY_FEATURES,
+    USER_FEATURES,
+    WINDOWS_MS,
+    smoothed_ctr,
+)
 from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, LABEL_COLUMNS, PENDING_SCHEMA, USER_DENSE
 from sequences.incremental import EVICTED_SCHEMA
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, SPARSE_FEATURES
-from sequences.shards import (DENSE_SCHEMA, EVENT_SCHEMA, ITEM_OUTPUTS, USER_OUTPUTS, item_shard_reference,
-                              user_shard_reference)
+from sequences.shards import (
+    DENSE_SCHEMA,
+    EVENT_SCHEMA,
+    ITEM_OUTPUTS,
+    USER_OUTPUTS,
+    item_shard_reference,
+    user_shard_reference,
+)
 
 _REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type", "created_ts_ms")
 _IMPRESSIONS = sorted(IMPRESSION_TYPES)

@@ -50,13 +50,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
 from sequences.schema import SPARSE_FEATURES
-from trainer.config import CPU_SHARDING_TYPES, GPU_ONLY_SHARDING_TYPES, DistributedConfig, ShardingTypeName, TrainerConfig
+from trainer.config import (
+    CPU_SHARDING_TYPES,
+    GPU_ONLY_SHARDING_TYPES,
+    DistributedConfig,
+    ShardingTypeName,
+    TrainerConfig,
+)
 from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
+
 # _segment_ids is the model's own row-index helper; reusing it keeps the maths identical.
 from trainer.model import TwoTaskRanker, _segment_ids, segment_mean_pool, segment_softmax_pool
 

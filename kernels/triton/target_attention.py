@@ -28,7 +28,7 @@ def _target_fwd_kernel(q, k, v, offsets, out, lse, H, Dh, scale, BLOCK_L: tl.con
     d_ok = d < Dh
     qv = tl.load(q + (row * H + head) * Dh + d, mask=d_ok, other=0.0).to(tl.float32)
     m = float("-inf")
-    l = 0.0
+    denom = 0.0  # the softmax denominator (flash attention's l)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for b in range(0, length, BLOCK_L):
         pos = b + tl.arange(0, BLOCK_L).to(tl.int64)
@@ -41,13 +41,13 @@ def _target_fwd_kernel(q, k, v, offsets, out, lse, H, Dh, scale, BLOCK_L: tl.con
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
-        l = l * alpha + tl.sum(p, axis=0)
+        denom = denom * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         m = m_new
     nonempty = length > 0
-    res = tl.where(nonempty, acc / tl.where(nonempty, l, 1.0), 0.0)
+    res = tl.where(nonempty, acc / tl.where(nonempty, denom, 1.0), 0.0)
     tl.store(out + (row * H + head) * Dh + d, res.to(out.dtype.element_ty), mask=d_ok)
-    tl.store(lse + row * H + head, tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), 0.0))
+    tl.store(lse + row * H + head, tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), 0.0))
 
 
 @triton.jit

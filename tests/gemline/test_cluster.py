@@ -7,7 +7,6 @@ Seeds are fixed (``GenerateConfig.seed``) and the ingest clock is ``NOW_MS``.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import sys
@@ -25,8 +24,7 @@ from apache_beam.transforms.window import GlobalWindows
 from apache_beam.utils.windowed_value import WindowedValue
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from gemline.cluster import (RUNNER, dask_beam_args, group_partition, run_dofn_bundle, select_tag,
-                             stable_key_hash)
+from gemline.cluster import RUNNER, dask_beam_args, group_partition, run_dofn_bundle, select_tag, stable_key_hash
 from gemline.config import GemlineConfig
 from gemline.lake import read_table
 
@@ -202,7 +200,6 @@ def produced(cluster):
 
 def _config(lake) -> GemlineConfig:
     from ingest.config import KafkaConfig
-
     from sequences.config import BuildConfig
 
     # Runner equivalence, not the quality gate: the build reads the raw ingested events.

@@ -16,8 +16,17 @@ import pyarrow.fs as pafs
 import pytest
 
 from gemline.config import load_config
-from gemline.lake import (CommitConflictError, commit_metadata, commit_once, committed_version, is_remote, lake_fs, open_table,
-                          read_table, table_uri)
+from gemline.lake import (
+    CommitConflictError,
+    commit_metadata,
+    commit_once,
+    committed_version,
+    is_remote,
+    lake_fs,
+    open_table,
+    read_table,
+    table_uri,
+)
 
 from .conftest import s3_bucket
 

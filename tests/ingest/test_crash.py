@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import selectors
 import signal

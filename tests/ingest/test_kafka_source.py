@@ -27,9 +27,9 @@ from ingest.kafka_source import (
     batches_of,
     claim_batch,
     make_client,
-    records_to_batch,
     missing_codecs,
     plan_topic,
+    records_to_batch,
 )
 from ingest.pipeline import ReadRecordBatches
 

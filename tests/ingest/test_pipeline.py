@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import itertools
+import json
 
 import apache_beam as beam
 import pyarrow as pa

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sequences.config import BuildConfig
 from sequences.shards import EVENT_SCHEMA, ITEM_OUTPUTS, USER_OUTPUTS, item_shard_reference, user_shard_reference
-from sequences.vectorized import _needs_reference, _events, item_shard_vectorized, user_shard_vectorized
+from sequences.vectorized import _events, _needs_reference, item_shard_vectorized, user_shard_vectorized
 
 from .conftest import event
 

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import TrainState, checkpoints_root, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from trainer.checkpoint import (
+    TrainState,
+    checkpoints_root,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 
 
 def make_model_and_optimizers(seed: int):

@@ -96,7 +96,13 @@ def _worker(out_dir: Path, cases: list[str]) -> None:
     import torch.distributed as dist
 
     from trainer.data import make_batch
-    from trainer.distributed import build_shardable_model, distributed_train_step, full_state_dict, shard_model, split_rows
+    from trainer.distributed import (
+        build_shardable_model,
+        distributed_train_step,
+        full_state_dict,
+        shard_model,
+        split_rows,
+    )
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

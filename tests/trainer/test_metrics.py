@@ -9,8 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.metrics import (auc, binary_metrics, calibration, describe_undefined, evaluate, log_loss, nan_to_none,
-                             normalized_entropy, why_undefined)
+from trainer.metrics import (
+    auc,
+    binary_metrics,
+    calibration,
+    describe_undefined,
+    evaluate,
+    log_loss,
+    nan_to_none,
+    normalized_entropy,
+    why_undefined,
+)
 
 
 def brute_force_auc(labels, scores) -> float:

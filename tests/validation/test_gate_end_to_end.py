@@ -4,7 +4,6 @@ and the HTML report's verdict banner as headless Chromium renders it (a screensh
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 from pathlib import Path
 

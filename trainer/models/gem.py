@@ -30,7 +30,6 @@ from trainer.models.interformer import InterFormer
 from trainer.models.sequence import SequenceSummary, keep_newest, token_rows
 from trainer.models.towers import DomainTowers, RankingModel, mlp, sequence_tables, sparse_bags
 
-
 CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
 """History key -> the sparse feature whose id is the candidate's entry in that key's table."""
 

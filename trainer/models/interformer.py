@@ -45,12 +45,12 @@ class InterFormer(nn.Module):
         widths = [num_inputs] + [num_fm_outputs + num_lcb_outputs] * num_layers
         self.interaction_arch = nn.ModuleList(
             WukongLayer(
-                num_inputs=widths[l] + SequenceSummary.num_tokens, dim=dim, num_fm_outputs=num_fm_outputs,
+                num_inputs=widths[i] + SequenceSummary.num_tokens, dim=dim, num_fm_outputs=num_fm_outputs,
                 num_lcb_outputs=num_lcb_outputs, rank=fm_rank, mlp_hidden=mlp_hidden,
             )
-            for l in range(num_layers)
+            for i in range(num_layers)
         )
-        self.conditions = nn.ModuleList(nn.Linear(widths[l] * dim, dim) for l in range(num_layers))
+        self.conditions = nn.ModuleList(nn.Linear(widths[i] * dim, dim) for i in range(num_layers))
         self.num_outputs = widths[-1]
 
     def forward(self, interaction: torch.Tensor, tokens: Jagged, target: torch.Tensor) -> tuple[torch.Tensor, Jagged, torch.Tensor]:

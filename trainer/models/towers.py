@@ -19,7 +19,6 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from torchrec.modules.embedding_configs import PoolingType
 
 from sequences.schema import SPARSE_FEATURES
-from trainer.data import SEQUENCE_KEYS
 
 INIT_RANGE = 0.05
 """Uniform init bound of embedding rows; TorchRec's default (1/sqrt(rows)) is ~0.003 at 1e5 rows."""
