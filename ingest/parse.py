@@ -204,7 +204,7 @@ def _type_error(name: str, value: Any) -> str | None:
     # bool is a subclass of int in Python, but true/false is not a number on the wire.
     if not isinstance(value, want) or isinstance(value, bool):
         return f"{name}: expected {want.__name__}, got {type(value).__name__} {value!r:.80}"
-    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+    if bounds is not None and not bounds[0] <= int(value) <= bounds[1]:
         return f"{name}: expected an int in [{bounds[0]}, {bounds[1]}], got {value}"
     return None
 

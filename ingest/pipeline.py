@@ -158,7 +158,7 @@ def rules_of(ingest: IngestConfig) -> dict[str, Any]:
 
 def with_rules(ingest: IngestConfig, rules: dict[str, Any]) -> IngestConfig:
     """``ingest`` with the recorded ``rules`` (fields missing from an older record keep ``ingest``'s value)."""
-    known = {k: (tuple(v) if k == "domains" else v) for k, v in rules.items() if k in RULE_FIELDS}
+    known: dict[str, Any] = {k: (tuple(v) if k == "domains" else v) for k, v in rules.items() if k in RULE_FIELDS}
     return dataclasses.replace(ingest, **known)
 
 
@@ -203,7 +203,7 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset
     marks = {int(p): int(w) for p, w in events_meta.get("watermarks_ms", {}).items()}
     identity = events_meta.get("topic_identity")
     previous = None if identity is None else TopicIdentity.from_dict(identity)
-    plan_args = dict(client=config.kafka.client, timeout_s=config.ingest.read_timeout_s)
+    plan_args: dict[str, Any] = dict(client=config.kafka.client, timeout_s=config.ingest.read_timeout_s)
 
     last_dead = committed_version(lake, DEAD_LETTER_TABLE, app_id, storage_options=opts)
     if last_dead is not None and last_dead > batch_version:

@@ -210,7 +210,7 @@ def _decode(strings: pa.Array, rows: np.ndarray, slow: np.ndarray) -> list[tuple
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         ok = False
     if ok:
-        return [(rows, pl.from_arrow(table))]
+        return [(rows, pl.DataFrame(table))]
     if len(rows) <= LEAF_ROWS:
         slow[rows] = True
         return []
@@ -218,7 +218,7 @@ def _decode(strings: pa.Array, rows: np.ndarray, slow: np.ndarray) -> list[tuple
     return _decode(strings, rows[:half], slow) + _decode(strings, rows[half:], slow)
 
 
-def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:
+def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType | type[pl.DataType]) -> pl.Series:
     if name in frame.columns:
         return frame[name].cast(dtype)
     return pl.Series(name, [None] * frame.height, dtype=dtype)
@@ -317,7 +317,7 @@ def parse_batch(
         TypeError: ``batch`` is not of :data:`RECORDS_SCHEMA`.
     """
     _check_records(batch)
-    rules = dict(domains=frozenset(domains), now_ms=now_ms, max_future_skew_ms=max_future_skew_ms,
+    rules: dict[str, Any] = dict(domains=frozenset(domains), now_ms=now_ms, max_future_skew_ms=max_future_skew_ms,
                  retention_ms=retention_ms, min_event_time_ms=min_event_time_ms, max_message_bytes=max_message_bytes)
     if batch.num_rows == 0:
         return EVENTS_TABLE_SCHEMA.empty_table(), DEAD_LETTER_SCHEMA.empty_table()
@@ -461,7 +461,7 @@ class BatchRecords(beam.PTransform):
 class _ParseBatchFn(beam.DoFn):
     def __init__(self, domains: tuple[str, ...], now_ms: int, skew_ms: int, retention_ms: int | None,
                  min_event_time_ms: int | None, max_message_bytes: int | None) -> None:
-        self._args = dict(domains=domains, now_ms=now_ms, max_future_skew_ms=skew_ms, retention_ms=retention_ms,
+        self._args: dict[str, Any] = dict(domains=domains, now_ms=now_ms, max_future_skew_ms=skew_ms, retention_ms=retention_ms,
                           min_event_time_ms=min_event_time_ms, max_message_bytes=max_message_bytes)
 
     def process(self, batch: pa.RecordBatch) -> Iterator[Any]:

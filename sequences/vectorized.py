@@ -25,6 +25,7 @@ Times are ms since epoch UTC throughout.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -133,7 +134,7 @@ def _events(table: pa.Table) -> pl.DataFrame:
         if table.column(name).null_count:
             raise ValueError(f"events lack required field {name!r} in {table.column(name).null_count} row(s); "
                              "expected rows of ingest.schema.EVENTS_TABLE_SCHEMA with created_ts_ms")
-    return pl.from_arrow(table.select(EVENT_SCHEMA.names).cast(EVENT_SCHEMA))
+    return pl.DataFrame(table.select(EVENT_SCHEMA.names).cast(EVENT_SCHEMA))
 
 
 def _sorted_unique(frame: pl.DataFrame, entity: str) -> pl.DataFrame:
@@ -145,7 +146,7 @@ def _sorted_unique(frame: pl.DataFrame, entity: str) -> pl.DataFrame:
 def _stored(seq: pa.Table) -> pl.DataFrame:
     """A stored sequences (or sequences_by_domain) table as minimal events, like
     :func:`sequences.incremental.stored_events`."""
-    frame = pl.from_arrow(seq.select(SEQUENCES_SCHEMA.names))
+    frame = pl.DataFrame(seq.select(SEQUENCES_SCHEMA.names))
     lists = {"seq_event_ids": "event_id", "seq_event_time_ms": "event_time_ms", "seq_created_ts_ms": "created_ts_ms",
              "seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type",
              "seq_domains": "domain"}
@@ -330,7 +331,7 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
         fast_tables, slow_tables = _split(tables, {"new": "item_id", "buffer": "item_id", "evicted": "key"}, slow)
         return _concat_outputs(item_shard_vectorized(fast_tables, config, watermark_ms=watermark_ms),
                                item_shard_reference(slow_tables, config, watermark_ms), ITEM_OUTPUTS)
-    evicted = pl.from_arrow(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
+    evicted = pl.DataFrame(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
 
     # Item counters of the new impressions, per (item, domain), as of each impression.
     dense_windows = {"7d": WINDOWS_MS["7d"], "all": None}
@@ -453,13 +454,13 @@ def user_shard_vectorized(
         keys = {"new": "user_id", "buffer": "user_id", "seq": "user_id", "dseq": "user_id", "evicted": "key",
                 "pending": "user_id", "dense": "user_id"}
         fast_tables, slow_tables = _split(tables, keys, slow)
-        kwargs = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
+        kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
         return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs),
                                user_shard_reference(slow_tables, config, **kwargs), USER_OUTPUTS)
 
-    evicted = pl.from_arrow(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
-    seq_table = pl.from_arrow(tables["seq"].select(["user_id", "seq_truncated"]))
-    dseq_table = pl.from_arrow(tables["dseq"].select(["user_id", "domain", "seq_truncated"]))
+    evicted = pl.DataFrame(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
+    seq_table = pl.DataFrame(tables["seq"].select(["user_id", "seq_truncated"]))
+    dseq_table = pl.DataFrame(tables["dseq"].select(["user_id", "domain", "seq_truncated"]))
     pending_old = tables["pending"].select(PENDING_SCHEMA.names).cast(PENDING_SCHEMA)
     new_pending = _new_pending(tables, queries, fresh, seq_stored, dseq_stored, seq_table, dseq_table, recent,
                                evicted, config)
@@ -469,7 +470,7 @@ def user_shard_vectorized(
     examples = _attach_labels(all_pending.filter(pa.array(publish)), recent, config, watermark_ms, close_ms)
 
     owners = pl.concat([
-        pl.from_arrow(tables[name].select([key])).rename({key: "user_id"})
+        pl.DataFrame(tables[name].select([key])).rename({key: "user_id"})
         for name, key in (("new", "user_id"), ("buffer", "user_id"), ("seq", "user_id"), ("dseq", "user_id"),
                           ("evicted", "key"), ("pending", "user_id"))
     ]).unique().sort("user_id")
@@ -520,7 +521,7 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
     if queries.height == 0:
         return PENDING_SCHEMA.empty_table()
     queries = queries.sort(["user_id", *_ORDER])
-    dense = pl.from_arrow(tables["dense"].select(DENSE_SCHEMA.names)).unique(subset=["example_id"], keep="first")
+    dense = pl.DataFrame(tables["dense"].select(DENSE_SCHEMA.names)).unique(subset=["example_id"], keep="first")
     joined = queries.join(dense.drop("user_id"), left_on="event_id", right_on="example_id", how="left",
                           maintain_order="left")
     missing = joined.filter(pl.col(next(iter(ITEM_DENSE))).is_null()).get_column("event_id").to_list()
@@ -576,7 +577,7 @@ def _publish_mask(table: pa.Table, is_new: np.ndarray, config: BuildConfig, old_
 def _attach_labels(pending: pa.Table, recent: pl.DataFrame, config: BuildConfig, watermark_ms: int,
                    close_ms: int) -> pa.Table:
     """:func:`sequences.examples.attach_labels` for many users: first label in [t, t + window]."""
-    rows = pl.from_arrow(pending.select(["user_id", "item_id", "domain", "event_time_ms"])).with_row_index("_row")
+    rows = pl.DataFrame(pending.select(["user_id", "item_id", "domain", "event_time_ms"])).with_row_index("_row")
     domains = rows.get_column("domain").unique().to_list()
     out = {}
     for label in ("click", "conversion"):
