@@ -1,4 +1,5 @@
-"""Token-to-row index maps for jagged tensors (pure PyTorch).
+"""Token-to-row index maps for jagged tensors (pure PyTorch): the one segment-id helper, used by
+the reference twins and the trainer's models.
 
 Shape letters: B batch size, T total tokens, offsets (B+1,) int64.
 """

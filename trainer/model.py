@@ -12,8 +12,8 @@ length of example i, T = sum L_i.
 
 The attention is DIN's idea (Zhou et al. 2018, "Deep Interest Network for Click-Through Rate
 Prediction", §4.3) with a bilinear score instead of DIN's MLP score and a softmax within each
-row. Segment operations live in :func:`segment_softmax_pool` and :func:`segment_mean_pool`
-so a jagged kernel (``kernels/``) can replace them.
+row. :func:`segment_softmax_pool` and :func:`segment_mean_pool` are compositions of the jagged
+kernels (``kernels.softmax``, ``kernels.pooling``, reference backend).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
+from kernels.pooling import segment_mean, segment_sum
+from kernels.segments import token_rows
+from kernels.softmax import jagged_softmax
+from kernels.types import Jagged
 from sequences.schema import SPARSE_FEATURES
 from trainer.data import SEQUENCE_KEYS
 
@@ -34,28 +38,16 @@ _SEQ_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "seq_ev
 
 
 def _segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """(B+1,) int64 offsets -> (T,) int64 row index of each element.
+    """(B+1,) int64 offsets -> (T,) int64 row index of each element: :func:`kernels.segments.token_rows`.
 
-    ``searchsorted`` rather than ``repeat_interleave``: the latter's parallel path stalls on a
-    busy CPU (measured ~25 ms vs 0.01 ms for B=64 on 2 shared cores).
+    Only ``trainer.distributed`` still calls it; it goes once that module imports ``token_rows``.
     """
-    positions = torch.arange(int(offsets[-1]), device=offsets.device)
-    return torch.searchsorted(offsets[1:], positions, right=True)
-
-
-def _segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Row sums of jagged ``values`` (T, ...) -> (B, ...); empty rows give 0.
-
-    ``torch.segment_reduce`` rather than ``index_add``: on a busy 2-core CPU, index_add's
-    parallel scatter measured ~3000x slower for these sizes.
-    """
-    return torch.segment_reduce(values, "sum", offsets=offsets, axis=0, initial=0)
+    return token_rows(offsets, int(offsets[-1]))
 
 
 def segment_mean_pool(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Mean of each jagged row: values (T, D), offsets (B+1,) int64 -> (B, D); empty rows give 0."""
-    lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(values.dtype)
-    return _segment_sum(values, offsets) / lengths.unsqueeze(1)
+    return segment_mean(Jagged(values, offsets))
 
 
 def segment_softmax_pool(values: torch.Tensor, scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -69,13 +61,9 @@ def segment_softmax_pool(values: torch.Tensor, scores: torch.Tensor, offsets: to
     Returns:
         (B, D): ``sum_t softmax(scores of row i)_t * values_t``; an empty row gives zeros.
     """
-    seg = _segment_ids(offsets)
-    # The row max only stabilises exp(); it is a constant of the softmax, so no gradient through it.
-    # Empty rows get -inf here but no element reads them.
-    row_max = torch.segment_reduce(scores.detach(), "max", offsets=offsets, axis=0)
-    weights = torch.exp(scores - row_max[seg])
-    weights = weights / _segment_sum(weights, offsets)[seg]
-    return _segment_sum(weights.unsqueeze(1) * values, offsets)
+    rows = Jagged(values, offsets)
+    weights = jagged_softmax(rows.with_values(scores)).values
+    return segment_sum(rows.with_values(weights.unsqueeze(1) * values))
 
 
 class TwoTaskRanker(nn.Module):
@@ -145,7 +133,7 @@ class TwoTaskRanker(nn.Module):
         jagged = self.sequence_arch(sequence)
         values = sum(jagged[key].values() for key in SEQUENCE_KEYS)
         offsets = jagged[SEQUENCE_KEYS[0]].offsets()
-        seg = _segment_ids(offsets)
+        seg = token_rows(offsets, values.shape[0])
         scores = (self.attention(values) * candidate[seg]).sum(dim=1) / math.sqrt(self.embedding_dim)
         return torch.cat([segment_softmax_pool(values, scores, offsets), segment_mean_pool(values, offsets)], dim=1)
 

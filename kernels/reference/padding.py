@@ -7,7 +7,7 @@ longer than L are truncated.
 
 import torch
 
-from kernels.reference.segments import token_positions, token_rows
+from kernels.segments import token_positions, token_rows
 
 
 def jagged_to_padded(

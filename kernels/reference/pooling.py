@@ -5,7 +5,7 @@ Shape letters: B batch, T total tokens, D trailing feature shape. Empty rows poo
 
 import torch
 
-from kernels.reference.segments import token_rows
+from kernels.segments import token_rows
 
 
 def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

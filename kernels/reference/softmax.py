@@ -6,7 +6,7 @@ column is normalised over that row's tokens. Computed in float32.
 
 import torch
 
-from kernels.reference.segments import token_rows
+from kernels.segments import token_rows
 
 
 def jagged_softmax(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ Computed in float32 without padding, reusing the reference jagged softmax and su
 import torch
 
 from kernels.reference.pooling import segment_sum
-from kernels.reference.segments import token_rows
 from kernels.reference.softmax import jagged_softmax
+from kernels.segments import token_rows
 
 
 def target_attention(

@@ -36,8 +36,9 @@ def test_pooling_matches_padded_reference(lengths):
     torch.manual_seed(0)
     lengths = [int(n) for n in lengths]
     total = sum(lengths)
-    values = (torch.randn(total, 8, dtype=torch.float64) * 3).requires_grad_()
-    scores = (torch.randn(total, dtype=torch.float64) * 10).requires_grad_()  # large logits test stability
+    # float32: the jagged kernels' dtype (they take float32/bf16/fp16 and compute in float32).
+    values = (torch.randn(total, 8, dtype=torch.float32) * 3).requires_grad_()
+    scores = (torch.randn(total, dtype=torch.float32) * 10).requires_grad_()  # large logits test stability
     offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
 
     got_att, got_mean = segment_softmax_pool(values, scores, offsets), segment_mean_pool(values, offsets)
@@ -49,7 +50,7 @@ def test_pooling_matches_padded_reference(lengths):
         if n == 0:
             assert torch.all(got_att[i] == 0) and torch.all(got_mean[i] == 0)
 
-    upstream = torch.randn(len(lengths), 8, dtype=torch.float64)
+    upstream = torch.randn(len(lengths), 8, dtype=torch.float32)
     grads = torch.autograd.grad(((got_att + got_mean) * upstream).sum(), [values, scores])
     ref_grads = torch.autograd.grad(((ref_att + ref_mean) * upstream).sum(), [values, scores])
     for g, r in zip(grads, ref_grads):

@@ -25,18 +25,9 @@ import torch
 from torch import nn
 
 from kernels.causal_attention import causal_attention
+from kernels.segments import token_rows
 from kernels.target_attention import target_attention
 from kernels.types import Backend, Jagged
-
-
-def token_rows(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """(T,) int64 row of each token of offsets (B+1,) int64.
-
-    ``searchsorted`` rather than ``repeat_interleave``: the latter's parallel path stalls on a busy
-    CPU (see trainer/model.py).
-    """
-    positions = torch.arange(num_tokens, device=offsets.device)
-    return torch.searchsorted(offsets[1:], positions, right=True)
 
 
 def pyramid_lengths(lengths: torch.Tensor, ratio: float, layer: int) -> torch.Tensor:
