@@ -54,6 +54,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
+from kernels.segments import token_rows
 from sequences.schema import SPARSE_FEATURES
 from trainer.config import (
     CPU_SHARDING_TYPES,
@@ -63,9 +64,7 @@ from trainer.config import (
     TrainerConfig,
 )
 from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
-
-# _segment_ids is the model's own row-index helper; reusing it keeps the maths identical.
-from trainer.model import TwoTaskRanker, _segment_ids, segment_mean_pool, segment_softmax_pool
+from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
 
 DENSE_MODULES = ("attention", "mlp", "heads")
 """Sub-modules of the ranker wrapped by fully_shard (and compiled with trainer.compile)."""
@@ -107,7 +106,7 @@ class ShardableRanker(TwoTaskRanker):
         total = int(offsets[-1])
         history_rows = sum(jagged[key].values()[:total] for key in SEQUENCE_KEYS)
         candidate = sum(jagged[key].values()[total:] for key in candidate_ids)
-        seg = _segment_ids(offsets)
+        seg = token_rows(offsets, total)
         scores = (self.attention(history_rows) * candidate[seg]).sum(dim=1) / math.sqrt(self.embedding_dim)
         summary = torch.cat([segment_softmax_pool(history_rows, scores, offsets), segment_mean_pool(history_rows, offsets)], dim=1)
         return summary, candidate

@@ -37,14 +37,6 @@ _INIT_RANGE = 0.05
 _SEQ_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "seq_event_types": "t_event_type"}
 
 
-def _segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """(B+1,) int64 offsets -> (T,) int64 row index of each element: :func:`kernels.segments.token_rows`.
-
-    Only ``trainer.distributed`` still calls it; it goes once that module imports ``token_rows``.
-    """
-    return token_rows(offsets, int(offsets[-1]))
-
-
 def segment_mean_pool(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Mean of each jagged row: values (T, D), offsets (B+1,) int64 -> (B, D); empty rows give 0."""
     return segment_mean(Jagged(values, offsets))

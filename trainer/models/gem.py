@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from kernels.segments import token_rows
 from kernels.types import Backend, Jagged
 from sequences.schema import SPARSE_FEATURES
 from trainer.data import SEQUENCE_KEYS
 from trainer.models.interformer import InterFormer
-from trainer.models.sequence import SequenceSummary, keep_newest, token_rows
+from trainer.models.sequence import SequenceSummary, keep_newest
 from trainer.models.towers import DomainTowers, RankingModel, mlp, sequence_tables, sparse_bags
 
 CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
