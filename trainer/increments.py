@@ -1,0 +1,233 @@
+"""Incremental reads of a Delta table: the rows the commits after a cursor added, in bounded batches.
+
+A continuously running trainer must read only what is new, never the whole table again. Each Delta
+commit lists the data files it added (``add`` actions); those with ``dataChange = true`` carry new
+rows, while a compaction (``OPTIMIZE``) rewrites existing rows with ``dataChange = false`` and is never
+read again. The position in the stream is a :class:`Cursor` (table id, version, file index, row offset):
+the next row to read is row ``row_offset`` of the ``file_index``-th file that ``version`` added, the way
+Spark's Delta streaming source tracks ``(reservoirVersion, index)``.
+
+Files are read straight from their Parquet footers in batches of at most ``batch_rows`` rows, so
+memory is bounded by one batch, whatever a version holds. Partition columns (not stored in the files)
+are filled from the ``add`` action's partition values; columns the table gained after a file was written
+are null in that file's rows.
+
+Failures that must stop a trainer instead of training on the wrong rows raise :class:`CursorError`:
+the table was recreated under the same path (another table id), a commit's log entry or a data file
+under the cursor is gone (log cleanup, VACUUM).
+
+Source: Delta Lake transaction protocol (github.com/delta-io/delta, PROTOCOL.md: "Add File and Remove
+File", ``dataChange``; "Metadata", table ``id``); Spark's Delta streaming source offsets
+(``DeltaSourceOffset``: reservoirId, reservoirVersion, index).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gemline.lake import StorageOptions, lake_fs, open_table
+
+
+class CursorError(ValueError):
+    """The cursor cannot continue on this table: recreated, or its log entries or files are gone."""
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The next row to read: row ``row_offset`` of the ``file_index``-th data file (in log order) that
+    commit ``version`` of the table with id ``table_id`` added with ``dataChange = true``.
+
+    Raises:
+        ValueError: a negative version, index or offset.
+    """
+
+    table_id: str
+    version: int
+    file_index: int = 0
+    row_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.version, self.file_index, self.row_offset) < 0:
+            raise ValueError(f"Cursor: expected version, file_index, row_offset >= 0, got {self}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (stored in checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Cursor":
+        """Inverse of :meth:`to_dict`."""
+        return cls(str(data["table_id"]), int(data["version"]), int(data["file_index"]), int(data["row_offset"]))
+
+
+@dataclass(frozen=True)
+class AddedFile:
+    """One data file a commit added: path relative to the table root, size in bytes, partition values
+    (strings as the log stores them; None for a null partition), rows (None when the log has no stats)."""
+
+    path: str
+    size: int
+    partition_values: dict[str, str | None]
+    num_records: int | None
+
+
+@dataclass(frozen=True)
+class Increment:
+    """What commit ``version`` changed: its operation (``WRITE``, ``OPTIMIZE``, ...) and the files it
+    added with ``dataChange = true`` (``files``; empty for a compaction or a metadata-only commit)."""
+
+    version: int
+    operation: str
+    files: tuple[AddedFile, ...]
+
+    @property
+    def num_records(self) -> int | None:
+        """Rows the version added (None if a file lacks stats)."""
+        counts = [f.num_records for f in self.files]
+        return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
+
+
+def table_id(lake: str | Path, table: str, *, storage_options: StorageOptions | None = None) -> str | None:
+    """The Delta table id (``metaData.id``, fixed at creation: a table recreated under the same path has
+    another), or None when the table does not exist."""
+    dt = open_table(lake, table, storage_options=storage_options)
+    return None if dt is None else str(dt.metadata().id)
+
+
+def latest_version(lake: str | Path, table: str, *, storage_options: StorageOptions | None = None) -> int | None:
+    """The table's newest version, or None when it does not exist."""
+    dt = open_table(lake, table, storage_options=storage_options)
+    return None if dt is None else int(dt.version())
+
+
+def _log_path(root: str, table: str, version: int) -> str:
+    return f"{root}/{table}/_delta_log/{version:020d}.json"
+
+
+def read_increment(lake: str | Path, table: str, version: int, *,
+                   storage_options: StorageOptions | None = None) -> Increment:
+    """The files commit ``version`` of ``table`` added with ``dataChange = true``, in log order.
+
+    Raises:
+        CursorError: the commit's log entry is gone (log retention removed it after a checkpoint).
+    """
+    fs, root = lake_fs(lake, storage_options)
+    path = _log_path(root, table, version)
+    try:
+        with fs.open_input_stream(path) as stream:
+            text = stream.read().decode()
+    except (FileNotFoundError, OSError) as exc:
+        raise CursorError(f"{table}@{version}: its log entry {path} is gone (log retention after a checkpoint?); "
+                          "the rows it added cannot be read incrementally; start a new run with "
+                          "`gemline train --from-scratch`") from exc
+    operation, files = "UNKNOWN", []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        action = json.loads(line)
+        if "commitInfo" in action:
+            operation = str(action["commitInfo"].get("operation", operation))
+        add = action.get("add")
+        if add is None or not add.get("dataChange", True):
+            continue
+        stats = json.loads(add["stats"]) if add.get("stats") else {}
+        files.append(AddedFile(urllib.parse.unquote(add["path"]), int(add.get("size", 0)),
+                               dict(add.get("partitionValues") or {}),
+                               int(stats["numRecords"]) if "numRecords" in stats else None))
+    return Increment(version, operation, tuple(files))
+
+
+def _conform(batch: pa.RecordBatch, file: AddedFile, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` as rows of ``schema``: partition columns from the file's partition values, columns the
+    file lacks (added to the table later) as nulls, types cast to the table's."""
+    arrays = []
+    for field in schema:
+        if field.name in batch.schema.names:
+            arrays.append(batch.column(field.name).cast(field.type))
+        elif field.name in file.partition_values:
+            value = file.partition_values[field.name]
+            arrays.append(pa.array([value] * batch.num_rows, pa.string()).cast(field.type))
+        else:
+            arrays.append(pa.nulls(batch.num_rows, field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def read_from(
+    lake: str | Path,
+    table: str,
+    cursor: Cursor,
+    *,
+    batch_rows: int = 65_536,
+    columns: Sequence[str] | None = None,
+    until_version: int | None = None,
+    storage_options: StorageOptions | None = None,
+) -> Iterator[tuple[int, pa.RecordBatch | None, Cursor]]:
+    """Stream the rows added after ``cursor``: ``(version, batch, cursor after the batch)`` triples.
+
+    Versions are read in order up to ``until_version`` (default: the newest now); within a version its
+    added files in log order, each in batches of at most ``batch_rows`` rows. After a version's last
+    file the cursor moves to ``(version + 1, 0, 0)``. A version with nothing left to read (a compaction,
+    an empty write, a metadata change) yields one ``(version, None, next cursor)``, so the caller can
+    record that it passed it. A cursor past the newest version yields nothing.
+
+    Args:
+        columns: the columns to read (partition columns included); None: all of the table's schema now.
+
+    Raises:
+        CursorError: the table is missing or was recreated (another id), a log entry or a data file under
+            the cursor is gone.
+        KeyError: a requested column is not in the table's schema.
+        ValueError: ``batch_rows < 1``.
+    """
+    if batch_rows < 1:
+        raise ValueError(f"read_from: expected batch_rows >= 1, got {batch_rows}")
+    dt = open_table(lake, table, storage_options=storage_options)
+    if dt is None:
+        raise CursorError(f"{table}: no such table in {lake}; the cursor points at table id {cursor.table_id}")
+    if str(dt.metadata().id) != cursor.table_id:
+        raise CursorError(f"{table} was recreated: its table id is {dt.metadata().id}, the cursor's is "
+                          f"{cursor.table_id}; start a new run with `gemline train --from-scratch`")
+    full = pa.schema(dt.schema().to_arrow())  # arro3 -> pyarrow
+    schema = full if columns is None else pa.schema([full.field(c) for c in columns])
+    last = int(dt.version()) if until_version is None else min(int(until_version), int(dt.version()))
+    fs, root = lake_fs(lake, storage_options)
+    version, file_index, row_offset = cursor.version, cursor.file_index, cursor.row_offset
+    while version <= last:
+        inc = read_increment(lake, table, version, storage_options=storage_options)
+        yielded = False
+        for index in range(file_index, len(inc.files)):
+            file = inc.files[index]
+            path = f"{root}/{table}/{file.path}"
+            try:
+                parquet = pq.ParquetFile(fs.open_input_file(path))
+            except (FileNotFoundError, OSError) as exc:
+                raise CursorError(f"{table}@{version}: data file {file.path} under the cursor is gone (vacuumed?); "
+                                  "start a new run with `gemline train --from-scratch`") from exc
+            stored = [c for c in schema.names if c in parquet.schema_arrow.names]
+            done = 0
+            for raw in parquet.iter_batches(batch_size=batch_rows, columns=stored):
+                if done + raw.num_rows <= row_offset:  # consumed before the cursor
+                    done += raw.num_rows
+                    continue
+                skip = max(row_offset - done, 0)
+                done += raw.num_rows
+                batch = raw.slice(skip) if skip else raw
+                at_end = done >= parquet.metadata.num_rows
+                after = (Cursor(cursor.table_id, version, index + 1, 0) if at_end
+                         else Cursor(cursor.table_id, version, index, done))
+                if at_end and index + 1 == len(inc.files):
+                    after = Cursor(cursor.table_id, version + 1, 0, 0)
+                yield version, _conform(batch, file, schema), after
+                yielded = True
+            row_offset = 0
+        if not yielded:  # nothing (left) to read in this version: the caller still learns the cursor moved
+            yield version, None, Cursor(cursor.table_id, version + 1, 0, 0)
+        version, file_index, row_offset = version + 1, 0, 0
