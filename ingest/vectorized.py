@@ -29,9 +29,8 @@ disagree, the reference decides:
   reference, message by message, and a message the reference's row cannot be stored for is
   dead-lettered (``parse_failure``), so that no message can fail a batch.
 
-:class:`BatchRecords` turns ``KafkaRecord`` elements into record batches (and passes batches
-through), so the pipeline accepts either element type from ``ReadOffsetRanges``;
-:class:`ParseBatches` applies :func:`parse_batch`.
+:class:`ParseBatches` applies :func:`parse_batch` to the record batches that
+``ingest.pipeline.ReadRecordBatches`` reads.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
-# RECORDS_SCHEMA and records_to_batch live with the source that emits the batches; importable from here too.
-from ingest.kafka_source import RECORDS_SCHEMA, KafkaRecord, records_to_batch
+# RECORDS_SCHEMA lives with the source that emits the batches.
+from ingest.kafka_source import RECORDS_SCHEMA, KafkaRecord
 from ingest.parse import (
     BLANK,
     DEAD_LETTER,
@@ -404,60 +403,6 @@ def _parse_fast(batch: pa.RecordBatch, *, domains: frozenset[str], now_ms: int, 
     return events, dead
 
 
-class _BatchFn(beam.DoFn):
-    """Buffers KafkaRecords per (topic, partition) within a bundle; emits a batch per ``max_records``."""
-
-    def __init__(self, max_records: int) -> None:
-        self._max = max_records
-        self._buffers: dict[tuple[str, int], list[KafkaRecord]] = {}
-
-    def start_bundle(self) -> None:
-        self._buffers = {}
-
-    def process(self, element: Any) -> Iterator[pa.RecordBatch]:
-        if isinstance(element, pa.RecordBatch):
-            yield element
-            return
-        if not isinstance(element, KafkaRecord):
-            raise TypeError(f"BatchRecords: expected KafkaRecord or pyarrow.RecordBatch elements, "
-                            f"got {type(element).__name__}")
-        buf = self._buffers.setdefault((element.topic, element.partition), [])
-        buf.append(element)
-        if len(buf) >= self._max:
-            yield records_to_batch(sorted(buf, key=lambda r: r.offset))
-            buf.clear()
-
-    def finish_bundle(self) -> Iterator[beam.utils.windowed_value.WindowedValue]:
-        for buf in self._buffers.values():
-            if buf:
-                yield beam.utils.windowed_value.WindowedValue(
-                    records_to_batch(sorted(buf, key=lambda r: r.offset)), beam.utils.timestamp.MIN_TIMESTAMP,
-                    [beam.transforms.window.GlobalWindow()])
-        self._buffers = {}
-
-
-class BatchRecords(beam.PTransform):
-    """PCollection[KafkaRecord | RecordBatch] -> PCollection[RecordBatch of RECORDS_SCHEMA].
-
-    Records are grouped per (topic, partition) within a bundle, sorted by offset, at most
-    ``max_records`` per batch; RecordBatch elements (a source that already batches) pass through.
-    Batches flushed at the end of a bundle are emitted in the global window: for bounded reads
-    (the ingest job), not for windowed streaming pipelines.
-
-    Raises:
-        ValueError: ``max_records < 1``.
-    """
-
-    def __init__(self, max_records: int = 10_000) -> None:
-        super().__init__()
-        if max_records < 1:
-            raise ValueError(f"BatchRecords: expected max_records >= 1, got {max_records}")
-        self._max = max_records
-
-    def expand(self, records: beam.PCollection) -> beam.PCollection:
-        return records | "Batch" >> beam.ParDo(_BatchFn(self._max))
-
-
 class _ParseBatchFn(beam.DoFn):
     def __init__(self, domains: tuple[str, ...], now_ms: int, skew_ms: int, retention_ms: int | None,
                  min_event_time_ms: int | None, max_message_bytes: int | None) -> None:
@@ -475,7 +420,7 @@ class _ParseBatchFn(beam.DoFn):
 class ParseBatches(beam.PTransform):
     """PCollection[RecordBatch] -> tagged ``good`` (events pa.Table) and ``dead_letter`` (pa.Table) outputs.
 
-    The batch twin of :class:`ingest.parse.ParseEvents` (same arguments, same rules; see :func:`parse_batch`).
+    Same rules as the reference twin :func:`ingest.parse.parse_record` (see :func:`parse_batch`).
 
     Raises:
         ValueError: no domains, a negative skew or retention.

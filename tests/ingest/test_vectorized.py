@@ -12,17 +12,15 @@ from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.kafka_source import KafkaRecord
+from ingest.kafka_source import KafkaRecord, records_to_batch
 from ingest.parse import DEAD_LETTER, GOOD, REASONS, parse_record
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENT_TYPES, EVENTS_TABLE_SCHEMA
 from ingest.vectorized import (
     LEAF_ROWS,
-    BatchRecords,
     ParseBatches,
     _suspicious,
     _suspicious_regex,
     parse_batch,
-    records_to_batch,
 )
 
 NOW_MS = 1_700_000_000_000
@@ -282,15 +280,12 @@ def test_twins_agree_on_any_batch(values):
     _check_twins(values)
 
 
-def test_batch_records_and_parse_batches_in_a_pipeline():
+def test_parse_batches_in_a_pipeline():
     values = [_j(_obj(i)) for i in range(5)] + [b"nope", _j(_obj(9, domain="tiktok"))]
     records = _records(values)
+    batches = [records_to_batch(records[:2]), records_to_batch(records[2:4]), records_to_batch(records[4:])]
     with test_pipeline.TestPipeline() as p:
-        batches = (p | "Records" >> beam.Create(records[:4])
-                   | "Batch" >> BatchRecords(max_records=2))
-        ready = p | "Ready" >> beam.Create([records_to_batch(records[4:])])  # a batch passes through untouched
-        out = ((batches, ready | "Pass" >> BatchRecords()) | beam.Flatten()
-               | ParseBatches(DOMAINS, NOW_MS, SKEW_MS, RETENTION_MS))
+        out = p | beam.Create(batches) | ParseBatches(DOMAINS, NOW_MS, SKEW_MS, RETENTION_MS)
         good = out[GOOD] | "GoodRows" >> beam.FlatMap(lambda t: [(r["event_id"], r["kafka_offset"]) for r in t.to_pylist()])
         dead = out[DEAD_LETTER] | "DeadRows" >> beam.FlatMap(lambda t: [(r["reason"], r["kafka_offset"]) for r in t.to_pylist()])
         assert_that(good, equal_to([(f"e{i}", 100 + i) for i in range(5)]), label="CheckGood")
@@ -305,14 +300,6 @@ def test_batch_records_and_parse_batches_in_a_pipeline():
 def test_parse_batches_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ParseBatches(**kwargs)
-
-
-def test_batch_records_rejects_bad_input():
-    with pytest.raises(ValueError, match="max_records >= 1"):
-        BatchRecords(0)
-    with pytest.raises(Exception, match="expected KafkaRecord or pyarrow.RecordBatch"):
-        with test_pipeline.TestPipeline() as p:
-            _ = p | beam.Create([{"value": b"{}"}]) | BatchRecords()
 
 
 FRAMING_CASES = [
