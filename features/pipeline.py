@@ -1,9 +1,10 @@
-"""Beam transform building the ``features/user`` and ``features/item`` tables as of a snapshot.
+"""Feature-table rows of one entity as of a snapshot (``features/user``, ``features/item``,
+``features/user_category``).
 
-    events --GroupByEntity(user_id)--UserFeatureRows--> features/user rows, one per (user, domain)
-           \\-GroupByEntity(item_id)--ItemFeatureRows--> features/item rows, one per (item, domain)
-
-The groups are shared with the example and sequence build (one shuffle per entity key).
+:func:`user_feature_rows`, :func:`item_feature_rows` and :func:`user_category_feature_rows` are
+the per-entity reference: the incremental reference build (``sequences/incremental.py``) calls
+them, and the build's vectorised twin (``sequences/vectorized.py``) is tested equal to it.
+:class:`GroupByEntity` is left only for ``sequences.pipeline``'s re-export of the old API.
 
 Rows follow :data:`features.definitions.USER_FEATURES` / :data:`ITEM_FEATURES`; counters count
 events with time <= ``as_of_ms`` (the snapshot watermark), i.e. strictly before as_of_ms + 1.
@@ -151,10 +152,6 @@ def _sorted_group(keyed: tuple[str, Iterable[Event]]) -> tuple[str, list[Event]]
     return key, sorted_unique_events(events)
 
 
-def _apply_keyed(keyed: tuple[Any, Iterable[Event]], fn, **kwargs: Any) -> list[dict[str, Any]]:
-    return fn(*keyed, **kwargs)
-
-
 class GroupByEntity(beam.PTransform):
     """events (dict rows) -> ``(entity key, events)`` with each group deduplicated by event_id and
     sorted by (event_time_ms, event_id), so every per-entity step downstream shares one shuffle.
@@ -180,26 +177,3 @@ class GroupByEntity(beam.PTransform):
             | "SortAndDedupe" >> beam.Map(_sorted_group)
         )
 
-
-class BuildFeatureTables(beam.PTransform):
-    """``{"by_user": ..., "by_item": ...}`` (outputs of :class:`GroupByEntity`) ->
-    ``{"user": features/user rows, "item": features/item rows}`` as of a snapshot.
-
-    Args:
-        config: the build config (CTR prior).
-        as_of_ms: snapshot watermark, ms since epoch UTC; events after it are ignored.
-    """
-
-    def __init__(self, config: BuildConfig, *, as_of_ms: int) -> None:
-        super().__init__()
-        self._config = config
-        self._as_of_ms = as_of_ms
-
-    def expand(self, grouped: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
-        user = grouped["by_user"] | "UserFeatureRows" >> beam.FlatMap(
-            _apply_keyed, user_feature_rows, as_of_ms=self._as_of_ms, config=self._config
-        )
-        item = grouped["by_item"] | "ItemFeatureRows" >> beam.FlatMap(
-            _apply_keyed, item_feature_rows, as_of_ms=self._as_of_ms, config=self._config
-        )
-        return {"user": user, "item": item}

@@ -1,4 +1,4 @@
-"""Feature-table rows as of a snapshot, and BuildFeatureTables on TestPipeline."""
+"""Feature-table rows as of a snapshot, and GroupByEntity on TestPipeline."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from features.definitions import DAY_MS, ITEM_FEATURES, USER_FEATURES
-from features.pipeline import BuildFeatureTables, GroupByEntity, item_feature_rows, user_feature_rows
+from features.pipeline import GroupByEntity, item_feature_rows, user_feature_rows
 from sequences.config import BuildConfig
 
 CONFIG = BuildConfig(ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0)
@@ -53,23 +53,6 @@ def test_item_rows_per_domain_and_empty_item(make_event):
 def test_missing_created_ts_raises(make_event):
     with pytest.raises(ValueError, match="created_ts_ms must be an int"):
         user_feature_rows("u1", [make_event("a", 1, "click", created_ts_ms=None)], as_of_ms=5, config=CONFIG)
-
-
-def test_build_feature_tables_transform(make_event):
-    with test_pipeline.TestPipeline() as p:
-        events = p | beam.Create(_events(make_event))
-        grouped = {"by_user": events | "U" >> GroupByEntity("user_id"), "by_item": events | "I" >> GroupByEntity("item_id")}
-        tables = grouped | BuildFeatureTables(CONFIG, as_of_ms=T)
-        assert_that(
-            tables["user"] | "UserSummary" >> beam.Map(lambda r: (r["user_id"], r["domain"], r["impressions_all"])),
-            equal_to([("u1", "d1", 1), ("u1", "d2", 1), ("u2", "d1", 1)]),
-            label="users",
-        )
-        assert_that(
-            tables["item"] | "ItemSummary" >> beam.Map(lambda r: (r["item_id"], r["domain"], r["impressions_all"], r["clicks_all"])),
-            equal_to([("i1", "d1", 2, 1), ("i2", "d2", 1, 1)]),
-            label="items",
-        )
 
 
 def test_group_by_entity_sorts_and_dedupes(make_event):
