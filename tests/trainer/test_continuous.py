@@ -1,0 +1,149 @@
+"""trainer.continuous.run_once: each gate-allowed examples version consumed exactly once, evaluated before it is
+trained on; quarantined versions skipped then consumed once released; a crash anywhere and a resume give the
+parameters of an uninterrupted run; the same lake and seed give the same checkpoint bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import trainer.continuous as continuous
+from gemline.config import load_config
+from gemline.lake import read_table
+from trainer.continuous import lineage, run_once
+from trainer.increments import CursorError
+
+from .conftest import mark_quality, synthetic_examples, write_examples
+
+SMALL = {"trainer.num_embeddings": "1000", "trainer.batch_size": "64", "trainer.learning_rate": "0.01",
+         "trainer.embedding_learning_rate": "0.01", "trainer.seed": "0", "trainer.model": "dlrm",
+         "ingest.domains": '["feed", "reels", "marketplace"]'}
+
+
+def _config(lake):
+    return load_config(overrides={"lake": str(lake), **SMALL})
+
+
+def _add(lake, day: int, rows: int = 200, passed: bool | None = True) -> int:
+    version = write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day))
+    if passed is not None:
+        mark_quality(lake, version, passed=passed)
+    return version
+
+
+def _params(path) -> dict[str, torch.Tensor]:
+    return torch.load(f"{path}/state.pt", weights_only=False)["model"]
+
+
+def test_each_version_once_with_progressive_metrics(tmp_path):
+    lake = tmp_path / "lake"
+    for day in (1, 2, 3):
+        _add(lake, day)
+    first = run_once(_config(lake))
+    assert [(r["version"], r["rows_trained"], r["quality"], r["evaluated"]) for r in first.versions] == [
+        (0, 200, "passed", False), (1, 200, "passed", True), (2, 200, "passed", True)]
+    assert first.rows_trained_total == 600 and first.step == 3 * 4  # 200 rows in batches of 64: 4 steps each
+    assert [p["examples_version"] for p in first.progressive] == [1, 2]
+    assert all(0.0 <= p["auc"] <= 1.0 and p["rows"] == 200 for p in first.progressive)
+    metrics = read_table(str(lake), "training_metrics")
+    # 2 evaluations x 2 tasks x (overall + 3 domains) x 5 metrics
+    assert metrics.num_rows == 2 * 2 * 4 * 5
+    counts = {(r["examples_version"], r["domain"]): r["value"] for r in metrics.to_pylist()
+              if r["task"] == "click" and r["metric"] == "num_examples"}
+    assert counts[(1, "all")] == 200.0 and sum(v for (ver, d), v in counts.items() if ver == 1 and d != "all") == 200.0
+
+    again = run_once(_config(lake))
+    assert again.versions == [] and again.rows_trained_total == 600, "nothing new: nothing trained twice"
+    _add(lake, 4, rows=130)
+    third = run_once(_config(lake))
+    assert [(r["version"], r["rows_trained"]) for r in third.versions] == [(3, 130)]
+    assert third.rows_trained_total == 730
+    assert lineage(_config(lake))["examples_versions"][-1] == {"version": 3, "rows_trained": 130, "quality": "passed",
+                                                               "evaluated": True}
+
+
+def test_quarantined_version_is_skipped_then_consumed_once_released(tmp_path):
+    from validation.gate import release
+
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    _add(lake, 2, passed=False)
+    _add(lake, 3)
+    res = run_once(_config(lake))
+    assert [(r["version"], r["quality"], r["rows_trained"]) for r in res.versions] == [
+        (0, "passed", 200), (1, "quarantined", 0), (2, "passed", 200)]
+    release(str(lake), "examples", 1, "checked by hand")
+    res = run_once(_config(lake))
+    assert [(r["version"], r["quality"], r["rows_trained"]) for r in res.versions] == [(1, "released", 200)]
+    assert run_once(_config(lake)).versions == []
+
+
+def test_an_unvalidated_version_waits(tmp_path):
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    _add(lake, 2, passed=None)
+    res = run_once(_config(lake))
+    assert [r["version"] for r in res.versions] == [0] and res.waiting_for == 1
+    mark_quality(lake, 1, passed=True)
+    assert [r["version"] for r in run_once(_config(lake)).versions] == [1]
+
+
+def _three_versions(lake):
+    for day in (1, 2, 3):
+        _add(lake, day)
+
+
+def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    straight, resumed, crashed = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    _three_versions(straight)
+    shutil.copytree(straight, resumed)
+    shutil.copytree(straight, crashed)
+    reference = _params(run_once(_config(straight)).checkpoint_path)
+
+    run_once(_config(resumed), max_versions=1)
+    out = run_once(_config(resumed))
+    assert [r["version"] for r in out.versions] == [1, 2] and out.rows_trained_total == 600
+    assert all(torch.equal(reference[k], v) for k, v in _params(out.checkpoint_path).items())
+
+    real_step, calls = continuous.train_step, {"n": 0}
+
+    def dies_mid_version(*args, **kwargs):  # a SIGKILL in the middle of version 1
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt("killed")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, "train_step", dies_mid_version)
+    with pytest.raises(KeyboardInterrupt):
+        run_once(_config(crashed))
+    monkeypatch.setattr(continuous, "train_step", real_step)
+    out = run_once(_config(crashed))
+    assert [r["version"] for r in out.versions] == [1, 2], "version 1 is retrained from the checkpoint of version 0"
+    assert out.rows_trained_total == 600
+    params = _params(out.checkpoint_path)
+    assert all(torch.allclose(reference[k], v, atol=1e-6, rtol=0) for k, v in params.items())
+    metrics = read_table(str(crashed), "training_metrics")
+    assert sorted({r["examples_version"] for r in metrics.to_pylist()}) == [1, 2]
+    assert metrics.num_rows == 2 * 2 * 4 * 5, "the evaluation of version 1 is written once"
+
+
+def test_same_lake_and_seed_give_the_same_checkpoint_bit_for_bit(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _three_versions(a)
+    shutil.copytree(a, b)
+    pa_, pb = _params(run_once(_config(a)).checkpoint_path), _params(run_once(_config(b)).checkpoint_path)
+    assert pa_.keys() == pb.keys() and all(torch.equal(pa_[k], pb[k]) for k in pa_)
+
+
+def test_a_recreated_examples_table_is_refused(tmp_path):
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    run_once(_config(lake))
+    shutil.rmtree(lake / "examples")
+    _add(lake, 2)
+    with pytest.raises(CursorError, match="recreated.*--from-scratch"):
+        run_once(_config(lake))
+    fresh = run_once(_config(lake), from_scratch=True)
+    assert [r["version"] for r in fresh.versions] == [0] and fresh.rows_trained_total == 200

@@ -1,0 +1,328 @@
+"""Continuous training: consume each new ``examples`` version once, evaluating on it before training on it.
+
+``run_once`` (``gemline train --once``, a daily scheduled run) resumes from the newest complete continuous
+checkpoint, reads only the rows the versions after its cursor added (:mod:`trainer.increments`, bounded
+batches, compactions never re-read), and for each version the quality gate allows:
+
+1. **progressive validation** -- the current model predicts the version's rows before it trains on them
+   (train on t, evaluate on t+1: the streaming protocol of generative-recommenders' DLRM-v3 loop and of
+   MLPerf DLRMv4's temporal evaluation); AUC, NE, calibration and the row count per task and domain go to
+   the Delta table ``training_metrics``, once per (run, version) (an app transaction per evaluation);
+2. **training** on the rows, in the order of the log, shuffled within each read batch by a seed derived
+   from (trainer.seed, version, file index, row offset), so a resumed run replays the same order;
+3. a **checkpoint** ``LAKE/_continuous/_checkpoints/step-N`` holding model, optimisers, RNG states, the
+   input normalizer, the cursor and the lineage of every version consumed or skipped.
+
+Versions are consumed up to the newest one the gate allows. Versions in between that were never
+validated are covered by that validation (it reads the whole table); a quarantined version is skipped
+and recorded, and consumed by a later run once released (``gemline quality release V``). Versions after
+the newest allowed one wait for their validation.
+
+Exactly once: the cursor is saved with the parameters, so after a crash at any point the next run
+restarts from the last checkpoint and every row after it is trained again, from the same parameters,
+in the same order: each published, gate-allowed example reaches the final model exactly once.
+
+Source: Delta streaming source offsets (Spark ``DeltaSourceOffset``); progressive validation (Blum, Kalai,
+Langford, COLT 1999; the DLRM-v3 streaming train/eval loop in meta-recsys/generative-recommenders).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+from gemline.config import GemlineConfig
+from gemline.lake import committed_version, is_remote, table_uri
+from trainer.checkpoint import (
+    CHECKPOINTS_DIR,
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from trainer.data import DenseNormalizer, encode_examples, fit_normalizer, make_batch
+from trainer.increments import Cursor, CursorError, latest_version, read_from, table_id
+from trainer.metrics import TASKS, evaluate
+from trainer.models import build_model
+from trainer.train import predict, prior_rates, train_step
+from validation.gate import gate_decisions
+
+log = logging.getLogger(__name__)
+
+EXAMPLES = "examples"
+METRICS_TABLE = "training_metrics"
+CONTINUOUS_DIR = "_continuous"
+"""Continuous runs keep their checkpoints under ``LAKE/_continuous/_checkpoints``, apart from one-shot runs."""
+
+TRAINING_METRICS_SCHEMA = pa.schema([
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),  # optimiser steps before the evaluated version was trained on
+    pa.field("examples_version", pa.int64(), nullable=False),
+    pa.field("domain", pa.string(), nullable=False),  # "all" for the overall row
+    pa.field("task", pa.string(), nullable=False),  # click | conversion
+    pa.field("metric", pa.string(), nullable=False),  # auc | ne | calibration | base_rate | num_examples
+    pa.field("value", pa.float64()),  # null where the metric is undefined (e.g. AUC without positives)
+    pa.field("wall_time_ms", pa.int64(), nullable=False),  # ms since epoch UTC
+])
+"""Arrow schema of the ``training_metrics`` Delta table (one row per run, version, domain, task, metric)."""
+
+_METRICS = ("auc", "ne", "calibration", "base_rate", "num_examples")
+
+
+def continuous_root(lake: str | Path) -> str:
+    """The pseudo-lake whose ``_checkpoints`` holds the continuous runs' checkpoints."""
+    return f"{str(lake).rstrip('/')}/{CONTINUOUS_DIR}"
+
+
+@dataclass
+class ContinuousResult:
+    """What one :func:`run_once` call did.
+
+    ``versions`` holds one lineage record per examples version this call consumed or skipped:
+    ``{"version", "rows_trained", "quality", "evaluated"}`` (quality: passed, released or quarantined).
+    """
+
+    run_id: str
+    step: int
+    rows_trained_total: int
+    cursor: Cursor | None
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    progressive: list[dict[str, Any]] = field(default_factory=list)
+    """Per evaluated version: ``{"examples_version", "rows", "auc", "ne"}`` of the click task, overall."""
+    checkpoint_path: str | None = None
+    waiting_for: int | None = None
+    """The first version this call stopped at because it is not validated yet (None: caught up)."""
+
+
+def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: int) -> list[dict[str, Any]]:
+    rows = []
+    for task in TASKS:
+        scopes = {"all": metrics[task]["overall"], **metrics[task]["by_domain"]}
+        for domain, values in scopes.items():
+            for name in _METRICS:
+                value = values.get(name)
+                value = None if value is None or (isinstance(value, float) and np.isnan(value)) else float(value)
+                rows.append({"run_id": run_id, "step": step, "examples_version": version, "domain": domain,
+                             "task": task, "metric": name, "value": value, "wall_time_ms": now_ms})
+    return rows
+
+
+def _append_metrics(config: GemlineConfig, run_id: str, sequence: int, rows: list[dict[str, Any]]) -> None:
+    """Append one evaluation's rows to ``training_metrics`` once: app transaction (train:<run_id>, sequence)."""
+    app_id = f"train:{run_id}"
+    last = committed_version(config.lake, METRICS_TABLE, app_id, storage_options=config.lake_storage_options)
+    if last is not None and sequence <= last:
+        return  # written before a crash that came before the checkpoint
+    opts = dict(config.lake_storage_options) if config.lake_storage_options and is_remote(config.lake) else None
+    write_deltalake(table_uri(config.lake, METRICS_TABLE), pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA),
+                    mode="append", storage_options=opts,
+                    commit_properties=CommitProperties(app_transactions=[Transaction(app_id=app_id, version=sequence)]))
+
+
+def _version_table(config: GemlineConfig, cursor: Cursor, version: int) -> pa.Table:
+    """Every row ``version`` added from ``cursor`` on (for the progressive evaluation)."""
+    start = cursor if cursor.version == version else Cursor(cursor.table_id, version)
+    batches = [b for _, b, _ in read_from(config.lake, EXAMPLES, start, until_version=version,
+                                          batch_rows=config.trainer.batch_size * 64,
+                                          storage_options=config.lake_storage_options) if b is not None]
+    return pa.Table.from_batches(batches) if batches else pa.table({})
+
+
+def _prune(root: str, keep: int) -> None:
+    """Keep the ``keep`` newest complete continuous checkpoints (local lakes)."""
+    if is_remote(root):
+        return
+    folder = Path(root) / CHECKPOINTS_DIR
+    steps = sorted((int(p.name.split("-")[1]), p) for p in folder.glob("step-*") if (p / "meta.json").is_file())
+    for _, path in steps[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
+             max_versions: int | None = None, progress: bool = False) -> ContinuousResult:
+    """Consume every new, gate-allowed ``examples`` version once (module docstring), checkpoint, return.
+
+    Args:
+        from_scratch: start a new run (new run id, cursor at version 0) instead of resuming.
+        keep_checkpoints: complete continuous checkpoints kept (the newest).
+        max_versions: stop after consuming this many versions (tests, bounded daily runs); None: all.
+
+    Returns:
+        A :class:`ContinuousResult`.
+
+    Raises:
+        FileNotFoundError: there is no ``examples`` table.
+        trainer.increments.CursorError: the table was recreated, or rows under the cursor are gone.
+        ValueError: ``keep_checkpoints < 1``; a dense column the model was trained with is missing.
+    """
+    if keep_checkpoints < 1:
+        raise ValueError(f"run_once: expected keep_checkpoints >= 1, got {keep_checkpoints}")
+    tc, lake, opts = config.trainer, config.lake, config.lake_storage_options
+    tid = table_id(lake, EXAMPLES, storage_options=opts)
+    if tid is None:
+        raise FileNotFoundError(f"no examples table in {lake}: run `gemline build` first")
+    root = continuous_root(lake)
+    resume = None if from_scratch else latest_checkpoint(root, storage_options=opts)
+
+    torch.manual_seed(tc.seed)
+    model: Any = None  # a gemline ranker (nn.Module with dense_parameters, embedding_parameters, init_output_bias)
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    normalizer: DenseNormalizer | None = None
+    domains: tuple[str, ...] = tuple(sorted(config.ingest.domains))
+    step = examples_seen = 0
+    if resume is not None:
+        state = read_state(resume)
+        cont = state.extra["continuous"]
+        run_id, cursor = cont["run_id"], Cursor.from_dict(cont["cursor"])
+        skipped, lineage, evaluations = list(cont["skipped"]), list(cont["lineage"]), int(cont["evaluations"])
+        if cursor.table_id != tid:
+            raise CursorError(f"examples was recreated: its table id is {tid}, the run {run_id} read {cursor.table_id}; "
+                              "start a new run with `gemline train --once --from-scratch`")
+        normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
+        domains = tuple(state.extra["domains"])
+        model, optimizers = _build(config, normalizer, domains)
+        load_checkpoint(resume, model, optimizers)
+        step, examples_seen = state.step, state.examples_seen
+        log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, step, cursor)
+    else:
+        run_id, cursor = uuid.uuid4().hex[:12], Cursor(tid, 0)
+        skipped, lineage, evaluations = [], [], 0
+
+    result = ContinuousResult(run_id, step, examples_seen, cursor)
+    newest = latest_version(lake, EXAMPLES, storage_options=opts)
+    assert newest is not None
+    decisions = gate_decisions(lake, EXAMPLES, sorted(set(range(cursor.version, newest + 1)) | set(skipped)),
+                               storage_options=opts)
+    allowed = [v for v, d in decisions.items() if d.allowed and v >= cursor.version]
+    upto = max(allowed) if allowed else cursor.version - 1
+    released = [v for v in skipped if decisions[v].allowed]
+    todo = released + list(range(cursor.version, upto + 1))
+    if upto < newest:
+        result.waiting_for = upto + 1
+        log.info("examples@%d and later wait for their validation (%s)", upto + 1, decisions[upto + 1].reason)
+
+    def checkpoint() -> str:
+        assert model is not None and normalizer is not None
+        extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model,
+                 "continuous": {"run_id": run_id, "cursor": cursor.to_dict(), "skipped": skipped,
+                                "lineage": lineage, "evaluations": evaluations}}
+        state = TrainState(step=step, examples_seen=examples_seen, examples_version=max(cursor.version - 1, 0),
+                           extra=extra)
+        path = str(save_checkpoint(root, state, model, optimizers, storage_options=opts))
+        _prune(root, keep_checkpoints)
+        return path
+
+    consumed = 0
+    for version in todo:
+        if max_versions is not None and consumed >= max_versions:
+            break
+        decision = decisions[version]
+        if decision.validated and not decision.allowed:
+            if version not in skipped:
+                skipped.append(version)
+                record = {"version": version, "rows_trained": 0, "quality": "quarantined", "evaluated": False}
+                lineage.append(record)
+                result.versions.append(record)
+                log.warning("skipping %s; `gemline quality release %d` lets a later run consume it",
+                            decision.reason, version)
+            if version == cursor.version:
+                cursor = Cursor(tid, version + 1)
+            continue
+        start = cursor if version == cursor.version else Cursor(tid, version)
+        if model is None:  # a new run: the first version's rows fit the input statistics and the output bias
+            first = _version_table(config, start, version)
+            if first.num_rows == 0:
+                cursor = Cursor(tid, version + 1) if version == cursor.version else cursor
+                continue
+            normalizer = fit_normalizer(first)
+            model, optimizers = _build(config, normalizer, domains)
+            if hasattr(model, "init_output_bias"):
+                model.init_output_bias(prior_rates(encode_examples(first, tc.num_embeddings, normalizer).labels))
+        assert model is not None and normalizer is not None
+        evaluated = False
+        if step > 0 and start.file_index == 0 and start.row_offset == 0:
+            table = _version_table(config, start, version)
+            if table.num_rows:
+                data = encode_examples(table, tc.num_embeddings, normalizer)
+                metrics = evaluate(data.labels, predict(model, data, tc.batch_size), data.domains)
+                evaluations += 1
+                _append_metrics(config, run_id, evaluations, _metric_rows(run_id, step, version, metrics,
+                                                                         int(time.time() * 1000)))
+                click = metrics["click"]["overall"]
+                result.progressive.append({"examples_version": version, "rows": len(data),
+                                           "auc": _finite(click["auc"]), "ne": _finite(click["ne"])})
+                evaluated = True
+        rows = 0
+        for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
+                                         batch_rows=tc.batch_size * 64, storage_options=opts):
+            if batch is not None:
+                data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
+                position = cursor if version == cursor.version else start
+                order = np.random.default_rng([tc.seed, version, position.file_index, position.row_offset]).permutation(len(data))
+                for i in range(0, len(data), tc.batch_size):
+                    mini = make_batch(data, order[i: i + tc.batch_size])
+                    if train_step(model, optimizers, mini) is not None:
+                        step += 1
+                        examples_seen += mini.batch_size
+                rows += len(data)
+            if version == cursor.version:
+                cursor = after
+            else:
+                start = after
+        quality = "released" if version in skipped else "passed"
+        if version in skipped:
+            skipped.remove(version)
+        record = {"version": version, "rows_trained": rows, "quality": quality, "evaluated": evaluated}
+        lineage.append(record)
+        result.versions.append(record)
+        consumed += 1
+        result.checkpoint_path = checkpoint()
+        log.info("examples@%d: %d rows trained (step %d)", version, rows, step)
+
+    if model is not None and result.checkpoint_path is None and cursor != result.cursor:
+        result.checkpoint_path = checkpoint()  # only skips moved the cursor
+    result.step, result.rows_trained_total, result.cursor = step, examples_seen, cursor
+    return result
+
+
+def _finite(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and np.isnan(value)) else float(value)
+
+
+def _build(config: GemlineConfig, normalizer: DenseNormalizer,
+           domains: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, torch.optim.Optimizer]]:
+    tc = config.trainer
+    model: Any = build_model(tc, len(normalizer.names), domains)
+    optimizers = {
+        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
+        "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
+    }
+    return model, optimizers
+
+
+def lineage(config: GemlineConfig, *, checkpoint: str | None = None) -> dict[str, Any]:
+    """The lineage of the newest continuous checkpoint (or ``checkpoint``): ``{"step", "run_id",
+    "rows_trained_total", "examples_versions": [{"version", "rows_trained", "quality", "evaluated"}]}``.
+
+    Raises:
+        FileNotFoundError: no continuous checkpoint.
+    """
+    path = checkpoint or latest_checkpoint(continuous_root(config.lake), storage_options=config.lake_storage_options)
+    if path is None:
+        raise FileNotFoundError(f"no continuous checkpoint under {continuous_root(config.lake)}: run `gemline train --once`")
+    state = read_state(path)
+    cont = state.extra["continuous"]
+    return json.loads(json.dumps({"step": state.step, "run_id": cont["run_id"],
+                                  "rows_trained_total": state.examples_seen, "examples_versions": cont["lineage"]}))
