@@ -56,6 +56,7 @@ from trainer.data import DenseNormalizer, encode_examples, fit_normalizer, make_
 from trainer.increments import Cursor, CursorError, latest_version, read_from, table_id
 from trainer.metrics import TASKS, evaluate
 from trainer.models import build_model
+from trainer.run_report import write_run_report
 from trainer.train import predict, prior_rates, train_step
 from validation.gate import gate_decisions
 
@@ -104,6 +105,8 @@ class ContinuousResult:
     checkpoint_path: str | None = None
     waiting_for: int | None = None
     """The first version this call stopped at because it is not validated yet (None: caught up)."""
+    report_path: str | None = None
+    """``LAKE/_runs/<run_id>/report.html``: the run's curves and lineage (:mod:`trainer.run_report`)."""
 
 
 def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: int) -> list[dict[str, Any]]:
@@ -232,7 +235,8 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         if decision.validated and not decision.allowed:
             if version not in skipped:
                 skipped.append(version)
-                record = {"version": version, "rows_trained": 0, "quality": "quarantined", "evaluated": False}
+                record = {"version": version, "rows_trained": 0, "quality": "quarantined", "evaluated": False,
+                          "mean_loss": None, "step": step}
                 lineage.append(record)
                 result.versions.append(record)
                 log.warning("skipping %s; `gemline quality release %d` lets a later run consume it",
@@ -264,7 +268,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
                 result.progressive.append({"examples_version": version, "rows": len(data),
                                            "auc": _finite(click["auc"]), "ne": _finite(click["ne"])})
                 evaluated = True
-        rows = 0
+        rows, losses = 0, []
         for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
                                          batch_rows=tc.batch_size * 64, storage_options=opts):
             if batch is not None:
@@ -273,9 +277,11 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
                 order = np.random.default_rng([tc.seed, version, position.file_index, position.row_offset]).permutation(len(data))
                 for i in range(0, len(data), tc.batch_size):
                     mini = make_batch(data, order[i: i + tc.batch_size])
-                    if train_step(model, optimizers, mini) is not None:
+                    loss = train_step(model, optimizers, mini)
+                    if loss is not None:
                         step += 1
                         examples_seen += mini.batch_size
+                        losses.append(loss)
                 rows += len(data)
             if version == cursor.version:
                 cursor = after
@@ -284,7 +290,8 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         quality = "released" if version in skipped else "passed"
         if version in skipped:
             skipped.remove(version)
-        record = {"version": version, "rows_trained": rows, "quality": quality, "evaluated": evaluated}
+        record = {"version": version, "rows_trained": rows, "quality": quality, "evaluated": evaluated,
+                  "mean_loss": float(np.mean(losses)) if losses else None, "step": step}
         lineage.append(record)
         result.versions.append(record)
         consumed += 1
@@ -294,6 +301,9 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
     if model is not None and result.checkpoint_path is None and cursor != result.cursor:
         result.checkpoint_path = checkpoint()  # only skips moved the cursor
     result.step, result.rows_trained_total, result.cursor = step, examples_seen, cursor
+    if lineage:
+        result.report_path = write_run_report(config, run_id, lineage=lineage, step=step,
+                                              rows_trained_total=examples_seen, checkpoint=result.checkpoint_path)
     return result
 
 

@@ -60,8 +60,10 @@ def test_each_version_once_with_progressive_metrics(tmp_path):
     third = run_once(_config(lake))
     assert [(r["version"], r["rows_trained"]) for r in third.versions] == [(3, 130)]
     assert third.rows_trained_total == 730
-    assert lineage(_config(lake))["examples_versions"][-1] == {"version": 3, "rows_trained": 130, "quality": "passed",
-                                                               "evaluated": True}
+    last = lineage(_config(lake))["examples_versions"][-1]
+    assert {k: last[k] for k in ("version", "rows_trained", "quality", "evaluated", "step")} == {
+        "version": 3, "rows_trained": 130, "quality": "passed", "evaluated": True, "step": 12 + 3}
+    assert last["mean_loss"] > 0
 
 
 def test_quarantined_version_is_skipped_then_consumed_once_released(tmp_path):
@@ -147,3 +149,22 @@ def test_a_recreated_examples_table_is_refused(tmp_path):
         run_once(_config(lake))
     fresh = run_once(_config(lake), from_scratch=True)
     assert [r["version"] for r in fresh.versions] == [0] and fresh.rows_trained_total == 200
+
+
+def test_the_run_report_shows_curves_verdicts_and_lineage(tmp_path):
+    from pathlib import Path
+
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    _add(lake, 2, passed=False)
+    _add(lake, 3)
+    _add(lake, 4)
+    res = run_once(_config(lake))
+    page = Path(res.report_path).read_text()
+    assert res.report_path == f"{lake}/_runs/{res.run_id}/report.html"
+    assert page.count("data:image/png;base64,") == 5
+    assert "<td>1</td><td>quarantined</td><td>0</td>" in page and "<td>3</td><td>passed</td><td>200</td>" in page
+    from trainer.run_report import progressive_series
+
+    series = progressive_series(read_table(str(lake), "training_metrics").to_pylist(), res.run_id, "click", "auc")
+    assert [v for v, _ in series["all"]] == [2, 3]  # evaluated before training on 2 and 3; 0 bootstraps, 1 skipped

@@ -1,0 +1,130 @@
+"""One self-contained HTML page per continuous training run: ``LAKE/_runs/<run_id>/report.html``.
+
+It shows what a person checks after a daily run: the progressive AUC and NE per domain over examples
+versions (each measured before the model trained on that version, from the ``training_metrics`` table),
+the rows trained per version with its quality verdict (passed, released, quarantined and skipped), the mean
+training loss per version, and the lineage table. Plots are matplotlib (Agg) PNGs inlined as base64, as
+in the data-quality reports (``validation.report``), so the page opens anywhere without a server.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from gemline.config import GemlineConfig  # noqa: E402
+from gemline.lake import lake_fs, read_table  # noqa: E402
+
+_COLOURS = {"passed": "#2b8a3e", "released": "#e67700", "quarantined": "#c92a2a"}
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def progressive_series(metrics: list[dict[str, Any]], run_id: str, task: str, metric: str) -> dict[str, list[tuple[int, float]]]:
+    """``{domain: [(examples_version, value), ...]}`` of one task and metric of a run, versions ascending;
+    undefined values (null) are left out."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for row in metrics:
+        if row["run_id"] == run_id and row["task"] == task and row["metric"] == metric and row["value"] is not None:
+            out.setdefault(row["domain"], []).append((int(row["examples_version"]), float(row["value"])))
+    return {domain: sorted(points) for domain, points in sorted(out.items())}
+
+
+def _line_plot(series: dict[str, list[tuple[int, float]]], title: str, ylabel: str) -> str:
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for domain, points in series.items():
+        ax.plot([v for v, _ in points], [y for _, y in points], marker="o",
+                linewidth=2.5 if domain == "all" else 1, label=domain)
+    ax.set(title=title, xlabel="examples version (evaluated before training on it)", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if series:
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _rows_plot(lineage: Sequence[dict[str, Any]]) -> str:
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.bar([r["version"] for r in lineage], [r["rows_trained"] for r in lineage],
+           color=[_COLOURS.get(r["quality"], "grey") for r in lineage])
+    skipped = [r["version"] for r in lineage if r["quality"] == "quarantined"]
+    ax.scatter(skipped, [0] * len(skipped), marker="x", s=80, color=_COLOURS["quarantined"], zorder=3,
+               label="quarantined, skipped")
+    ax.set(title="rows trained per examples version (orange: released)", xlabel="examples version", ylabel="rows")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if skipped:
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _loss_plot(lineage: Sequence[dict[str, Any]]) -> str:
+    fig, ax = plt.subplots(figsize=(6, 3))
+    points = [(r["version"], r["mean_loss"]) for r in lineage if r.get("mean_loss") is not None]
+    ax.plot([v for v, _ in points], [y for _, y in points], marker="o")
+    ax.set(title="mean training loss per version (BCE, click + conversion)", xlabel="examples version",
+           ylabel="loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _png(fig)
+
+
+def _loss_text(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
+def render_run_report(run_id: str, lineage: Sequence[dict[str, Any]], metrics: list[dict[str, Any]], *,
+                      step: int, rows_trained_total: int, checkpoint: str | None) -> str:
+    """The report page as an HTML string (see the module docstring)."""
+    images = {
+        "progressive click AUC per domain": _line_plot(progressive_series(metrics, run_id, "click", "auc"),
+                                                       "click AUC", "AUC"),
+        "progressive click NE per domain": _line_plot(progressive_series(metrics, run_id, "click", "ne"),
+                                                      "click NE (lower is better)", "NE"),
+        "progressive conversion AUC per domain": _line_plot(progressive_series(metrics, run_id, "conversion", "auc"),
+                                                            "conversion AUC", "AUC"),
+        "rows and verdicts": _rows_plot(lineage),
+        "training loss": _loss_plot(lineage),
+    }
+    rows = "".join(
+        f"<tr><td>{r['version']}</td><td>{r['quality']}</td><td>{r['rows_trained']}</td><td>{r['evaluated']}</td>"
+        f"<td>{_loss_text(r.get('mean_loss'))}</td><td>{r.get('step', '')}</td></tr>"
+        for r in lineage)
+    figures = "".join(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
+                      for title, png in images.items())
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>gemline run "
+        f"{html.escape(run_id)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}</style></head><body>"
+        f"<h1>continuous run {html.escape(run_id)}</h1><p>step {step}, {rows_trained_total} examples trained, "
+        f"checkpoint {html.escape(str(checkpoint))}</p>{figures}<h2>lineage</h2><table><tr><th>examples version</th>"
+        "<th>quality</th><th>rows trained</th><th>evaluated first</th><th>mean loss</th><th>step after</th></tr>"
+        f"{rows}</table></body></html>"
+    )
+
+
+def write_run_report(config: GemlineConfig, run_id: str, *, lineage: Sequence[dict[str, Any]], step: int,
+                     rows_trained_total: int, checkpoint: str | None) -> str:
+    """Write ``LAKE/_runs/<run_id>/report.html`` (local or object-store lake) and return its path."""
+    table = read_table(config.lake, "training_metrics", storage_options=config.lake_storage_options)
+    metrics = [] if table is None else table.to_pylist()
+    page = render_run_report(run_id, lineage, metrics, step=step, rows_trained_total=rows_trained_total,
+                             checkpoint=checkpoint)
+    fs, root = lake_fs(config.lake, config.lake_storage_options)
+    folder = f"{root}/_runs/{run_id}"
+    fs.create_dir(folder, recursive=True)
+    path = f"{folder}/report.html"
+    with fs.open_output_stream(path) as out:
+        out.write(page.encode())
+    return path
