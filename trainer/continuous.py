@@ -43,7 +43,7 @@ import torch
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.config import GemlineConfig
-from gemline.lake import committed_version, is_remote, table_uri
+from gemline.lake import committed_version, is_remote, open_table, table_uri
 from trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainState,
@@ -227,6 +227,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         _prune(root, keep_checkpoints)
         return path
 
+    sources = _Sources(config)
     consumed = 0
     for version in todo:
         if max_versions is not None and consumed >= max_versions:
@@ -236,7 +237,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
             if version not in skipped:
                 skipped.append(version)
                 record = {"version": version, "rows_trained": 0, "quality": "quarantined", "evaluated": False,
-                          "mean_loss": None, "step": step}
+                          "mean_loss": None, "step": step, **sources.of(version)}
                 lineage.append(record)
                 result.versions.append(record)
                 log.warning("skipping %s; `gemline quality release %d` lets a later run consume it",
@@ -291,7 +292,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         if version in skipped:
             skipped.remove(version)
         record = {"version": version, "rows_trained": rows, "quality": quality, "evaluated": evaluated,
-                  "mean_loss": float(np.mean(losses)) if losses else None, "step": step}
+                  "mean_loss": float(np.mean(losses)) if losses else None, "step": step, **sources.of(version)}
         lineage.append(record)
         result.versions.append(record)
         consumed += 1
@@ -305,6 +306,41 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         result.report_path = write_run_report(config, run_id, lineage=lineage, step=step,
                                               rows_trained_total=examples_seen, checkpoint=result.checkpoint_path)
     return result
+
+
+class _Sources:
+    """Where each examples version's rows came from: the ``events`` versions its build read (from the build's
+    commit metadata, ``events_version``) and the Kafka offset ranges those ingest batches read (their
+    ``offset_ranges``). Both tables' histories are read once per run."""
+
+    def __init__(self, config: GemlineConfig) -> None:
+        self._config = config
+        self._examples: dict[int, dict[str, Any]] | None = None
+        self._events: dict[int, dict[str, Any]] = {}
+
+    def _history(self, table: str) -> dict[int, dict[str, Any]]:
+        dt = open_table(self._config.lake, table, storage_options=self._config.lake_storage_options)
+        out = {}
+        for entry in [] if dt is None else dt.history():
+            if entry.get("gemline") and "version" in entry:
+                out[int(entry["version"])] = json.loads(entry["gemline"])
+        return out
+
+    def of(self, version: int) -> dict[str, Any]:
+        """``{"events_versions": [...], "kafka_offsets": [{"events_version", "topic", "partition", "start",
+        "end"}]}`` of examples@version (empty lists where the lake does not record them)."""
+        if self._examples is None:
+            self._examples, self._events = self._history(EXAMPLES), self._history("events")
+        built = self._examples.get(version, {}).get("events_version")
+        if built is None:
+            return {"events_versions": [], "kafka_offsets": []}
+        before = [int(m["events_version"]) for v, m in self._examples.items()
+                  if v < version and m.get("events_version") is not None]
+        first = max(before) + 1 if before else 0
+        versions = list(range(first, int(built) + 1))
+        offsets = [{"events_version": ev, **r} for ev in versions
+                   for r in self._events.get(ev, {}).get("offset_ranges", [])]
+        return {"events_versions": versions, "kafka_offsets": offsets}
 
 
 def _finite(value: Any) -> float | None:
@@ -324,7 +360,8 @@ def _build(config: GemlineConfig, normalizer: DenseNormalizer,
 
 def lineage(config: GemlineConfig, *, checkpoint: str | None = None) -> dict[str, Any]:
     """The lineage of the newest continuous checkpoint (or ``checkpoint``): ``{"step", "run_id",
-    "rows_trained_total", "examples_versions": [{"version", "rows_trained", "quality", "evaluated"}]}``.
+    "rows_trained_total", "examples_versions": [{"version", "rows_trained", "quality", "evaluated",
+    "mean_loss", "step", "events_versions", "kafka_offsets"}]}``.
 
     Raises:
         FileNotFoundError: no continuous checkpoint.

@@ -168,3 +168,27 @@ def test_the_run_report_shows_curves_verdicts_and_lineage(tmp_path):
 
     series = progressive_series(read_table(str(lake), "training_metrics").to_pylist(), res.run_id, "click", "auc")
     assert [v for v, _ in series["all"]] == [2, 3]  # evaluated before training on 2 and 3; 0 bootstraps, 1 skipped
+
+
+def test_lineage_names_the_events_versions_and_kafka_offsets_behind_each_version(tmp_path):
+    import pyarrow as pa
+
+    from gemline.lake import commit_once
+
+    lake = tmp_path / "lake"
+    events = pa.table({"event_id": ["a"], "event_date": ["2026-01-01"]})
+    ranges = [[{"topic": "t", "partition": 0, "start": 0, "end": 5}],
+              [{"topic": "t", "partition": 0, "start": 5, "end": 9}, {"topic": "t", "partition": 1, "start": 0, "end": 2}],
+              [{"topic": "t", "partition": 0, "start": 9, "end": 12}]]
+    for i, r in enumerate(ranges):  # three ingest batches: events@0..2
+        commit_once(str(lake), "events", events, app_id="ingest:t", version=i, metadata={"offset_ranges": r})
+    for i, built in enumerate([1, 2]):  # examples@0 built from events 0-1, examples@1 from events 2
+        commit_once(str(lake), "examples", synthetic_examples([f"2026-01-0{i + 1}"], 50, seed=i), app_id="build",
+                    version=i, partition_by=["event_date"], metadata={"events_version": built})
+        mark_quality(lake, i, passed=True)
+    run_once(_config(lake))
+    records = lineage(_config(lake))["examples_versions"]
+    assert [(r["version"], r["events_versions"]) for r in records] == [(0, [0, 1]), (1, [2])]
+    assert records[0]["kafka_offsets"] == [{"events_version": 0, **ranges[0][0]},
+                                           *[{"events_version": 1, **r} for r in ranges[1]]]
+    assert records[1]["kafka_offsets"] == [{"events_version": 2, **ranges[2][0]}]
