@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
-from gemline.lake import CommitConflictError
-from gemline.locks import LakeBusyError
+from gemline.errors import BadConfigError, GemlineError, RetentionGapError
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +71,7 @@ def _beam_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """Beam flags from --runner/--dask-address, followed by the flags passed through untouched."""
     runner = getattr(args, "runner", None)
     if getattr(args, "dask_address", None) and runner != "dask":
-        raise ValueError(f"--dask-address needs --runner dask, got --runner {runner!r}")
+        raise BadConfigError(f"--dask-address needs --runner dask, got --runner {runner!r}")
     if runner == "dask":
         from gemline.cluster import dask_beam_args
 
@@ -160,10 +159,10 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     if gaps and not config.ingest.accept_gaps:
         lost = sum(end - start for _, start, end in gaps)
         where = ", ".join(f"[{p}] {start}..{end - 1}" for p, start, end in gaps)
-        print(f"error: {lost} record(s) of {config.kafka.topic} were deleted by retention before they were ingested "
-              f"(offsets {where}); the gap is recorded in the events commit and ingest went on after it. "
-              "Pass --set ingest.accept_gaps=true to accept gaps without this exit code.", file=sys.stderr)
-        return 4
+        raise RetentionGapError(
+            f"{lost} record(s) of {config.kafka.topic} were deleted by retention before they were ingested "
+            f"(offsets {where}); the gap is recorded in the events commit and ingest went on after it. "
+            "Pass --set ingest.accept_gaps=true to accept gaps without this exit code.")
     return 0
 
 
@@ -185,14 +184,10 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 
 def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from sequences.pipeline import run_build
-    from validation.gate import GateClosedError
 
-    try:
-        result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
-                           final=args.final)
-    except GateClosedError as exc:  # quarantined or never-validated events: exit 3, as a refused train
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
+    # Quarantined or never-validated events: validation.gate.GateClosedError, exit 3 (see main).
+    result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
+                       final=args.final)
     print(_as_json(result))
     return 0
 
@@ -263,7 +258,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         if result is not None:
             print(_train_summary(result))
         return 0
-    from trainer.train import QuarantinedError, run_training
+    from trainer.train import run_training
 
     if args.nproc > 1:
         from trainer.data import latest_examples_version
@@ -275,19 +270,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         # one line, not torchrun's dump of each rank's traceback.
         opts = config.lake_storage_options or None
         version = latest_examples_version(config.lake, storage_options=opts) if args.version is None else args.version
-        try:
-            check_gate(config.lake, version, storage_options=opts)
-        except QuarantinedError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 3
+        check_gate(config.lake, version, storage_options=opts)  # QuarantinedError: exit 3 (see main)
         result = train_with_torchrun(config, args.nproc, examples_version=version)
         print(_train_summary(result))
         return 0
-    try:
-        result = run_training(_config(args), examples_version=args.version)
-    except QuarantinedError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
+    result = run_training(_config(args), examples_version=args.version)  # QuarantinedError: exit 3 (see main)
     print(_train_summary(result))
     return 0
 
@@ -449,16 +436,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _is_interrupt(exc: BaseException) -> bool:
-    """Ctrl-C inside a Beam DoFn reaches the caller as ``RuntimeError: KeyboardInterrupt [while running ...]``."""
+def _reportable(exc: BaseException) -> GemlineError | KeyboardInterrupt | None:
+    """The :class:`GemlineError` or ``KeyboardInterrupt`` that ends the command in one line: ``exc``
+    itself, or what a Beam step raised that ``exc`` wraps; None for anything else (a bug: its
+    traceback stays).
+
+    Beam re-raises an exception from inside a step (``apache_beam.runners.common.DoFnRunner.
+    _reraise_augmented``, Beam 2.77) as its own class with `` [while running 'Step']`` appended or,
+    where that class cannot be built from one message (``KeyboardInterrupt()``,
+    ``GateClosedError(decision, reader)``), as a ``RuntimeError``; either way it marks the new
+    exception ``_tagged_with_step`` and raises it while handling the original, which so becomes its
+    ``__context__``. Only that marked link is followed: any error raised while a GemlineError was
+    being handled has it as ``__context__`` too, and reporting such an error as the GemlineError
+    would hide a bug.
+    """
     seen: BaseException | None = exc
-    for _ in range(10):
-        if seen is None:
-            return False
-        if isinstance(seen, KeyboardInterrupt) or str(seen).startswith("KeyboardInterrupt"):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    while seen is not None:
+        if isinstance(seen, (GemlineError, KeyboardInterrupt)):
+            return seen
+        if not getattr(seen, "_tagged_with_step", False):
+            return None
+        seen = seen.__context__
+    return None
+
+
+def _from_worker(exc: BaseException) -> tuple[type[GemlineError], str] | None:
+    """The class and message of a :class:`GemlineError` that a Beam worker thread or process raised,
+    or None.
+
+    With more than one worker (``--direct_num_workers=N``, ``--direct_running_mode=multi_processing``)
+    the FnApiRunner receives a failed bundle as text and raises ``RuntimeError(<the worker's
+    traceback>)``: no class, no chain. The traceback's last line is ``<module>.<Class>: <message>``
+    of the exception that ended the bundle, or ``RuntimeError: <module>.<Class>: <message>`` where
+    Beam could not rebuild the class (see :func:`_reportable`). Only the exact names of GemlineError
+    classes count, so an error raised while a worker handled a GemlineError (the last line is then
+    that error's) keeps its traceback.
+    """
+    if type(exc) is not RuntimeError or not exc.args or not isinstance(exc.args[0], str):
+        return None
+    text = exc.args[0].rstrip()
+    if not text.startswith("Traceback (most recent call last):"):
+        return None
+    name, _, message = text.rpartition("\n")[2].partition(": ")
+    if name == "RuntimeError":
+        name, _, message = message.partition(": ")
+    classes: list[type[GemlineError]] = [GemlineError]
+    for cls in classes:
+        if f"{cls.__module__}.{cls.__qualname__}" == name:
+            return cls, message
+        classes.extend(cls.__subclasses__())
+    return None
 
 
 def _interrupted(command: str) -> int:
@@ -469,20 +496,21 @@ def _interrupted(command: str) -> int:
 
 
 class _DropInterrupts(logging.Filter):
-    """Drops a log record about a KeyboardInterrupt: Beam's DoFn runner logs the interrupted step with its
-    whole traceback (``apache_beam.runners.common``) before the interrupt reaches the CLI, which then
-    says in one line what happened and what to do."""
+    """Drops a log record about a KeyboardInterrupt or a :class:`GemlineError`: Beam's DoFn runner logs
+    the failed step with its whole traceback (``apache_beam.runners.common``) before the exception
+    reaches the CLI, which then says in one line what happened and what to do."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for a record about an exception the CLI reports in one line."""
         exc = record.exc_info[0] if record.exc_info else None
-        if exc is not None and issubclass(exc, KeyboardInterrupt):
+        if exc is not None and issubclass(exc, (KeyboardInterrupt, GemlineError)):
             return False
         return not str(record.msg).startswith("KeyboardInterrupt")
 
 
 INTERRUPT_LOGGERS = ("apache_beam.runners.common", "apache_beam.runners.worker.sdk_worker",
                      "apache_beam.runners.portability.fn_api_runner.fn_runner")
-"""Loggers whose records about a KeyboardInterrupt the CLI drops (:class:`_DropInterrupts`)."""
+"""Loggers whose records about a KeyboardInterrupt or a GemlineError the CLI drops (:class:`_DropInterrupts`)."""
 
 
 def _quiet_interrupts() -> None:
@@ -506,7 +534,14 @@ def _sigterm_as_interrupt() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `gemline` console script; returns the process exit code."""
+    """Entry point of the `gemline` console script; returns the process exit code.
+
+    A :class:`~gemline.errors.GemlineError`, raised by the command or inside one of its Beam steps,
+    ends it with one line, ``error: <message>``, on stderr and returns the error's ``exit_code``;
+    Ctrl-C or SIGTERM ends it with one line and 130. Any other exception is a bug and propagates
+    with its traceback (the console script then exits 1): it is never shortened to one line.
+    Flags argparse rejects exit 2 with its usage message, as always.
+    """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not args.passthrough:
@@ -517,23 +552,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_interrupts()
     try:
         return args.func(args, extra)
-    except (ValueError, FileNotFoundError, NotADirectoryError, ConnectionError, TimeoutError, LakeBusyError,
-            CommitConflictError) as exc:
-        # Bad input, a missing table/file/config, an unreachable broker, a busy lake, a second writer's
-        # commit: the message says what to do.
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        if _is_interrupt(exc):
+    except (Exception, KeyboardInterrupt) as exc:
+        reported = _reportable(exc)
+        if isinstance(reported, KeyboardInterrupt):
             return _interrupted(args.command)
-        if str(exc).startswith("TimeoutError: "):
-            # A Kafka read timed out inside a Beam step (e.g. the broker went away): its message
-            # says what to check; Beam's traceback of the step adds nothing.
-            print(f"error: {str(exc).removeprefix('TimeoutError: ')}", file=sys.stderr)
-            return 2
-        raise
-    except KeyboardInterrupt:
-        return _interrupted(args.command)
+        # Bad input, a missing table, an unreachable broker, a busy lake, a refused version...: the
+        # message says what to do; a traceback would add nothing.
+        if reported is not None:
+            print(f"error: {reported}", file=sys.stderr)
+            return reported.exit_code
+        remote = _from_worker(exc)
+        if remote is None:
+            raise
+        print(f"error: {remote[1]}", file=sys.stderr)
+        return remote[0].exit_code
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ from apache_beam.transforms.window import GlobalWindow, GlobalWindows
 from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from apache_beam.utils.windowed_value import WindowedValue
 
+from gemline.errors import BadConfigError
+
 log = logging.getLogger(__name__)
 
 RUNNER = "gemline.cluster.GemlineDaskRunner"
@@ -82,8 +84,8 @@ def dask_beam_args(address: str | None) -> list[str]:
     bare = address.removeprefix("tcp://")
     host, _, port = bare.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"--dask-address: expected HOST:PORT of a Dask scheduler, got {address!r} "
-                         "(start one with `gemline cluster up`)")
+        raise BadConfigError(f"--dask-address: expected HOST:PORT of a Dask scheduler, got {address!r} "
+                             "(start one with `gemline cluster up`)")
     return [*args, f"--dask_client_address=tcp://{bare}"]
 
 

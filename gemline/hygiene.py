@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.lake import StorageOptions, open_table
 
 MIN_RETENTION_HOURS = 1.0
@@ -42,14 +43,14 @@ class HygieneConfig:
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
-            raise ValueError(f"hygiene.checkpoint_every must be >= 1 commit, got {self.checkpoint_every}")
+            raise BadConfigError(f"hygiene.checkpoint_every must be >= 1 commit, got {self.checkpoint_every}")
         if not self.retention_hours >= MIN_RETENTION_HOURS:
-            raise ValueError(
+            raise BadConfigError(
                 f"hygiene.retention_hours must be >= {MIN_RETENTION_HOURS} (files a running writer or reader still "
                 f"needs would go), got {self.retention_hours}"
             )
         if self.compact_min_files < 2:
-            raise ValueError(f"hygiene.compact_min_files must be >= 2 files, got {self.compact_min_files}")
+            raise BadConfigError(f"hygiene.compact_min_files must be >= 2 files, got {self.compact_min_files}")
 
 
 def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -105,11 +106,11 @@ def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
     as in :mod:`gemline.lake` for an object-store lake.
 
     Raises:
-        ValueError: the table does not exist.
+        MissingInputError: the table does not exist (a ValueError).
     """
     dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
-        raise ValueError(f"no table {table!r} under {lake!r}; nothing to tidy")
+        raise MissingInputError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0
     if compact and _most_files_in_a_partition(dt) >= config.compact_min_files:
         metrics = dt.optimize.compact()

@@ -24,11 +24,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gemline.errors import GemlineError
 from gemline.lake import is_remote
 
 
-class LakeBusyError(RuntimeError):
-    """Another process holds the lock of this stage on this lake."""
+class LakeBusyError(GemlineError, RuntimeError):
+    """Another process holds the lock of this stage on this lake (exit 2: wait, or stop the other run)."""
 
 
 @contextlib.contextmanager

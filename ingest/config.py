@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gemline.errors import BadConfigError
+
 DEFAULT_DOMAINS: tuple[str, ...] = (
     # GEM's three surfaces (synthetic data) ...
     "facebook",
@@ -38,9 +40,9 @@ class KafkaConfig:
 
     def __post_init__(self) -> None:
         if self.producer_batch_messages < 1:
-            raise ValueError(f"kafka.producer_batch_messages must be >= 1, got {self.producer_batch_messages}")
+            raise BadConfigError(f"kafka.producer_batch_messages must be >= 1, got {self.producer_batch_messages}")
         if self.partitions < 1:
-            raise ValueError(f"kafka.partitions must be >= 1, got {self.partitions}")
+            raise BadConfigError(f"kafka.partitions must be >= 1, got {self.partitions}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,24 +90,24 @@ class IngestConfig:
 
     def __post_init__(self) -> None:
         if not self.domains:
-            raise ValueError("ingest.domains must name at least one domain")
+            raise BadConfigError("ingest.domains must name at least one domain")
         if not self.read_timeout_s > 0:
-            raise ValueError(f"ingest.read_timeout_s must be > 0, got {self.read_timeout_s}")
+            raise BadConfigError(f"ingest.read_timeout_s must be > 0, got {self.read_timeout_s}")
         if self.max_future_skew_ms < 0:
-            raise ValueError(f"ingest.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")
+            raise BadConfigError(f"ingest.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")
         if self.retention_days is not None and self.retention_days < 1:
-            raise ValueError(f"ingest.retention_days must be >= 1 or None (no limit), got {self.retention_days}")
+            raise BadConfigError(f"ingest.retention_days must be >= 1 or None (no limit), got {self.retention_days}")
         if self.dedup_window_ms < 0:
-            raise ValueError(f"ingest.dedup_window_ms must be >= 0, got {self.dedup_window_ms}")
+            raise BadConfigError(f"ingest.dedup_window_ms must be >= 0, got {self.dedup_window_ms}")
         if self.allowed_lateness_ms < 0:
-            raise ValueError(f"ingest.allowed_lateness_ms must be >= 0, got {self.allowed_lateness_ms}")
+            raise BadConfigError(f"ingest.allowed_lateness_ms must be >= 0, got {self.allowed_lateness_ms}")
         if self.max_message_bytes < 1024:
-            raise ValueError(f"ingest.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+            raise BadConfigError(f"ingest.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.batch_max_records < 1:
-            raise ValueError(f"ingest.batch_max_records must be >= 1, got {self.batch_max_records}")
+            raise BadConfigError(f"ingest.batch_max_records must be >= 1, got {self.batch_max_records}")
         if self.max_offsets_per_partition is not None and self.max_offsets_per_partition < 1:
-            raise ValueError("ingest.max_offsets_per_partition must be >= 1 or None (no limit), got "
-                             f"{self.max_offsets_per_partition}")
+            raise BadConfigError("ingest.max_offsets_per_partition must be >= 1 or None (no limit), got "
+                                 f"{self.max_offsets_per_partition}")
 
     @property
     def retention_ms(self) -> int | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gemline.errors import BadConfigError
 from ingest.datasets.types import RawRecord, Record
 from ingest.schema import SCHEMA_VERSION, Event
 
@@ -77,19 +78,19 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         for name in ("num_users", "num_ads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"generate.{name} must be >= 1, got {getattr(self, name)}")
+                raise BadConfigError(f"generate.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("days", "sessions_per_user_per_day", "ads_per_session", "ad_gap_s",
                      "click_delay_median_s", "conversion_delay_median_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"generate.{name} must be > 0, got {getattr(self, name)}")
+                raise BadConfigError(f"generate.{name} must be > 0, got {getattr(self, name)}")
         if self.engagements_per_session < 0:
-            raise ValueError(f"generate.engagements_per_session must be >= 0, got {self.engagements_per_session}")
+            raise BadConfigError(f"generate.engagements_per_session must be >= 0, got {self.engagements_per_session}")
         if len(self.ctr) != len(GEM_DOMAINS) or len(self.cvr) != len(GEM_DOMAINS):
-            raise ValueError(f"generate.ctr and generate.cvr need one rate per domain {GEM_DOMAINS}")
+            raise BadConfigError(f"generate.ctr and generate.cvr need one rate per domain {GEM_DOMAINS}")
         if not all(0 <= r <= 1 for r in (*self.ctr, *self.cvr)):
-            raise ValueError("generate.ctr and generate.cvr must lie in [0, 1]")
+            raise BadConfigError("generate.ctr and generate.cvr must lie in [0, 1]")
         if not 0 <= self.bad_rate <= 1:
-            raise ValueError(f"generate.bad_rate must be in [0, 1], got {self.bad_rate}")
+            raise BadConfigError(f"generate.bad_rate must be in [0, 1], got {self.bad_rate}")
 
 
 @dataclass(frozen=True)

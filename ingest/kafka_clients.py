@@ -26,6 +26,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import pyarrow as pa
 
+from gemline.errors import BrokerTimeoutError, BrokerUnreachableError, MissingInputError
+
 ClientName = Literal["confluent", "kafka-python"]
 
 
@@ -90,17 +92,17 @@ def check_not_refused(bootstrap: str) -> None:
     """Fail at once when nothing listens at any server of ``bootstrap`` (see :func:`all_refused`).
 
     Raises:
-        ConnectionError: every bootstrap server refused the connection.
+        BrokerUnreachableError: every bootstrap server refused the connection.
     """
     if all_refused(bootstrap):
-        raise ConnectionError(f"connection refused by {bootstrap}: nothing listens there; is the broker up and "
+        raise BrokerUnreachableError(f"connection refused by {bootstrap}: nothing listens there; is the broker up and "
                               "--bootstrap right?")
 
 
-def unreachable(bootstrap: str, timeout_s: float, exc: BaseException | None = None) -> ConnectionError:
+def unreachable(bootstrap: str, timeout_s: float, exc: BaseException | None = None) -> BrokerUnreachableError:
     """The error for a Kafka cluster that did not answer a request within ``timeout_s`` seconds."""
     detail = f" ({exc})" if exc is not None and str(exc) else ""
-    return ConnectionError(f"no answer from the Kafka cluster at {bootstrap} within {timeout_s:g} s{detail}; "
+    return BrokerUnreachableError(f"no answer from the Kafka cluster at {bootstrap} within {timeout_s:g} s{detail}; "
                            "is the broker up and --bootstrap right?")
 
 
@@ -354,7 +356,7 @@ class KafkaClient(Protocol):
         """The records with offsets in ``[rng.start, rng.end)``, in offset order.
 
         Raises:
-            TimeoutError: no progress within the client's timeout.
+            BrokerTimeoutError: no progress within the client's timeout (a TimeoutError).
             ValueError: the records use a compression codec the client cannot decode.
         """
         ...
@@ -386,7 +388,7 @@ class KafkaClient(Protocol):
 
 def _check_progress(rng: OffsetRange, next_offset: int, deadline: float) -> None:
     if time.monotonic() > deadline:
-        raise TimeoutError(
+        raise BrokerTimeoutError(
             f"{rng.topic}[{rng.partition}]: no record at offset >= {next_offset} within the read "
             f"timeout while reading [{rng.start}, {rng.end}); is the broker up and the range planned "
             "from this cluster?"
@@ -469,8 +471,8 @@ class ConfluentClient:
         """See :meth:`KafkaClient.end_offsets`.
 
         Raises:
-            ConnectionError: no metadata from the cluster within the timeout.
-            ValueError: the topic does not exist.
+            BrokerUnreachableError: no metadata from the cluster within the timeout.
+            MissingInputError: the topic does not exist (a ValueError).
         """
         from confluent_kafka import KafkaException, TopicPartition
 
@@ -482,7 +484,7 @@ class ConfluentClient:
         except KafkaException as exc:
             raise unreachable(self._bootstrap, self._timeout_s, exc) from exc
         if meta is None or meta.error is not None or not meta.partitions:
-            raise ValueError(f"topic {topic!r} not found on the cluster ({meta and meta.error}); create it first")
+            raise MissingInputError(f"topic {topic!r} not found on the cluster ({meta and meta.error}); create it first")
         return {
             p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=self._timeout_s, cached=False)
             for p in sorted(meta.partitions)
@@ -616,7 +618,7 @@ class KafkaPythonClient:
 
         parts = self._consumer.partitions_for_topic(topic)
         if not parts:
-            raise ValueError(f"topic {topic!r} not found on the cluster; create it first")
+            raise MissingInputError(f"topic {topic!r} not found on the cluster; create it first")
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         timeout_ms = int(self._timeout_s * 1000)
         low = self._consumer.beginning_offsets(tps, timeout_ms=timeout_ms)

@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from tqdm import tqdm
 
+from gemline.errors import BadConfigError
 from ingest.datasets import load_records
 from ingest.kafka_clients import check_not_refused, rdkafka_logger, unreachable
 from ingest.datasets.types import RawRecord, Record, event_time_sort_key
@@ -69,8 +70,9 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: floa
     ``TOPIC_ALREADY_EXISTS`` as success.
 
     Raises:
-        ValueError: ``partitions < 1``, or the topic exists with a different partition count
-            (delete it or pass its count).
+        ValueError: ``partitions < 1``.
+        BadConfigError: the topic exists with a different partition count (delete it or pass its
+            count); a ValueError.
         KafkaException: the broker failed the request.
     """
     if partitions < 1:
@@ -79,7 +81,7 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: floa
     # open client connections when it shuts down.
     existing = _create_or_describe(bootstrap, topic, partitions, timeout_s)
     if existing != partitions:
-        raise ValueError(
+        raise BadConfigError(
             f"topic {topic!r} exists with {existing} partitions, expected {partitions}; "
             f"pass partitions={existing} or use another topic"
         )

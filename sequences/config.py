@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gemline.errors import BadConfigError
+
 MS_PER_DAY = 24 * 3600 * 1000
 
 
@@ -51,32 +53,32 @@ class BuildConfig:
         for entry in self.window_overrides:
             _parse_override(entry)
         if self.max_same_domain_seq_len is not None and self.max_same_domain_seq_len < 1:
-            raise ValueError(f"build.max_same_domain_seq_len must be >= 1 or None, got {self.max_same_domain_seq_len}")
+            raise BadConfigError(f"build.max_same_domain_seq_len must be >= 1 or None, got {self.max_same_domain_seq_len}")
         # 30 d: the feature views' TTL (features.definitions), 7 d: the longest counter window.
         longest = max([self.click_window_ms, self.conversion_window_ms, 30 * MS_PER_DAY]
                       + [_parse_override(e)[2] for e in self.window_overrides])
         if self.state_lookback_ms < longest:
-            raise ValueError(
+            raise BadConfigError(
                 f"build.state_lookback_ms must be >= the longest attribution or feature window ({longest} ms), "
                 f"got {self.state_lookback_ms}; raise it so pending impressions and 7 d counters stay in the state"
             )
         if self.shard_step not in ("vectorized", "reference"):
-            raise ValueError(f"build.shard_step must be 'vectorized' or 'reference', got {self.shard_step!r}")
+            raise BadConfigError(f"build.shard_step must be 'vectorized' or 'reference', got {self.shard_step!r}")
         if self.events_gate not in ("required", "off"):
-            raise ValueError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
+            raise BadConfigError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
         if self.shards < 1:
-            raise ValueError(f"build.shards must be >= 1, got {self.shards}")
+            raise BadConfigError(f"build.shards must be >= 1, got {self.shards}")
         if self.max_seq_len < 1:
-            raise ValueError(f"build.max_seq_len must be >= 1, got {self.max_seq_len}")
+            raise BadConfigError(f"build.max_seq_len must be >= 1, got {self.max_seq_len}")
         for name in ("click_window_ms", "conversion_window_ms"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"build.{name} must be > 0, got {getattr(self, name)}")
+                raise BadConfigError(f"build.{name} must be > 0, got {getattr(self, name)}")
         for name in ("ctr_prior_clicks", "ctr_prior_non_clicks"):
             value = getattr(self, name)
             if not (value >= 0.0 and value < float("inf")):
-                raise ValueError(f"build.{name} must be a finite number >= 0, got {value}")
+                raise BadConfigError(f"build.{name} must be a finite number >= 0, got {value}")
         if self.ctr_prior_clicks + self.ctr_prior_non_clicks <= 0.0:
-            raise ValueError(
+            raise BadConfigError(
                 "build.ctr_prior_clicks + build.ctr_prior_non_clicks must be > 0 "
                 f"(else the CTR of an unseen entity is 0/0), got {self.ctr_prior_clicks} + {self.ctr_prior_non_clicks}"
             )
@@ -110,13 +112,13 @@ class BuildConfig:
 def _parse_override(entry: str) -> tuple[str, str, int]:
     parts = entry.split(":")
     if len(parts) != 3 or parts[1] not in ("click", "conversion") or not parts[0]:
-        raise ValueError(
+        raise BadConfigError(
             f"build.window_overrides entries must look like 'DOMAIN:click:MS' or 'DOMAIN:conversion:MS', got {entry!r}"
         )
     try:
         ms = int(parts[2])
     except ValueError:
-        raise ValueError(f"build.window_overrides {entry!r}: window must be an integer of ms, got {parts[2]!r}") from None
+        raise BadConfigError(f"build.window_overrides {entry!r}: window must be an integer of ms, got {parts[2]!r}") from None
     if ms <= 0:
-        raise ValueError(f"build.window_overrides {entry!r}: window must be > 0 ms, got {ms}")
+        raise BadConfigError(f"build.window_overrides {entry!r}: window must be > 0 ms, got {ms}")
     return parts[0], parts[1], ms

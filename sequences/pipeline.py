@@ -52,6 +52,7 @@ from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEA
 from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.hygiene import conform, tidy
 from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
                           open_table, read_table, write_data_file)
@@ -401,8 +402,9 @@ def run_build(
     is not checked.
 
     Raises:
-        ValueError: no ``events`` table (run ingest first), missing columns, an ``events_version``
-            older than the last built one, or ``close_windows_at`` < 0.
+        MissingInputError: no ``events`` table (run ingest first; a ValueError).
+        BadConfigError: an ``events_version`` older than the last built one (a ValueError).
+        ValueError: missing columns, or ``close_windows_at`` < 0.
         gemline.locks.LakeBusyError: another build is running on this lake.
         validation.gate.GateClosedError: an events version to be read is quarantined, or
             ``events@version`` was never validated (one line naming the version and the command).
@@ -410,15 +412,15 @@ def run_build(
     lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
     table = open_table(lake, "events", events_version, storage_options=opts)
     if table is None:
-        raise ValueError(f"no events table under {lake!r}; run the ingest job first")
+        raise MissingInputError(f"no events table under {lake!r}; run the ingest job first")
     if close_windows_at is not None and close_windows_at < 0:
         raise ValueError(f"close_windows_at must be ms since epoch UTC (>= 0), got {close_windows_at}")
     version = table.version()
     meta = commit_metadata(lake, "examples", APP_ID, storage_options=opts) or {}
     old_version = meta.get("events_version")
     if old_version is not None and version < old_version:
-        raise ValueError(f"events_version {version} is older than the last built version {old_version}; "
-                         "examples are append-only, so the build cannot go back")
+        raise BadConfigError(f"events_version {version} is older than the last built version {old_version}; "
+                             "examples are append-only, so the build cannot go back")
     old_close = meta.get("close_ms")
     if old_version == version:
         # Nothing new: only closing windows further can publish anything, and only if impressions

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError
 from trainer.data import latest_examples_version
 from trainer.metrics import TASKS
 
@@ -142,7 +143,7 @@ def run_compare(
     from trainer.train import run_training
 
     if not models:
-        raise ValueError("models must name at least one of gem, dlrm, lr, ranker")
+        raise BadConfigError("models must name at least one of gem, dlrm, lr, ranker")
     trainer_configs = {m: replace(config.trainer, model=m, init_from="scratch") for m in models}  # validates names
     version = latest_examples_version(config.lake) if examples_version is None else examples_version
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())

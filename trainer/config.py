@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gemline.errors import BadConfigError
+
 ShardingTypeName = Literal["table_wise", "column_wise", "data_parallel", "row_wise", "table_row_wise"]
 """TorchRec ``ShardingType`` values (torchrec.distributed.types) the planner may be allowed."""
 
@@ -31,31 +33,31 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"trainer.distributed.device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise BadConfigError(f"trainer.distributed.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.mesh_shape is not None and (len(self.mesh_shape) != 2 or any(n < 1 for n in self.mesh_shape)):
-            raise ValueError(
+            raise BadConfigError(
                 f"trainer.distributed.mesh_shape must be two sizes >= 1 (replicate, shard), got {self.mesh_shape}"
             )
         if self.sharding_types is not None:
             known = CPU_SHARDING_TYPES + GPU_ONLY_SHARDING_TYPES
             if "data_parallel" in self.sharding_types:
-                raise ValueError(
+                raise BadConfigError(
                     "trainer.distributed.sharding_types: data_parallel is not supported (torchrec 1.8's data-parallel "
                     f"EmbeddingCollection fails in forward here, and DDP is off); use a subset of {known}"
                 )
             unknown = [t for t in self.sharding_types if t not in known]
             if not self.sharding_types or unknown:
-                raise ValueError(f"trainer.distributed.sharding_types must be a non-empty subset of {known}, got {self.sharding_types}")
+                raise BadConfigError(f"trainer.distributed.sharding_types must be a non-empty subset of {known}, got {self.sharding_types}")
             gpu_only = [t for t in self.sharding_types if t in GPU_ONLY_SHARDING_TYPES]
             if gpu_only and self.device == "cpu":
-                raise ValueError(
+                raise BadConfigError(
                     f"trainer.distributed.sharding_types {gpu_only} need device='cuda'; on cpu use {CPU_SHARDING_TYPES}"
                 )
         if self.sharding_group_size is not None:
             if self.sharding_group_size < 1:
-                raise ValueError(f"trainer.distributed.sharding_group_size must be >= 1 or none, got {self.sharding_group_size}")
+                raise BadConfigError(f"trainer.distributed.sharding_group_size must be >= 1 or none, got {self.sharding_group_size}")
             if self.device == "cpu":
-                raise ValueError(
+                raise BadConfigError(
                     "trainer.distributed.sharding_group_size needs device='cuda' (TorchRec's DMPCollection asserts CUDA); "
                     "leave it none on cpu"
                 )
@@ -126,31 +128,31 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("embedding_dim", "num_embeddings", "batch_size", "epochs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+                raise BadConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
-            raise ValueError(f"trainer.learning_rate must be > 0, got {self.learning_rate}")
+            raise BadConfigError(f"trainer.learning_rate must be > 0, got {self.learning_rate}")
         if self.num_embeddings < 2:
-            raise ValueError(f"trainer.num_embeddings must be >= 2 (row 0 is reserved for null ids), got {self.num_embeddings}")
+            raise BadConfigError(f"trainer.num_embeddings must be >= 2 (row 0 is reserved for null ids), got {self.num_embeddings}")
         if self.embedding_learning_rate is not None and self.embedding_learning_rate <= 0:
-            raise ValueError(f"trainer.embedding_learning_rate must be > 0 or none, got {self.embedding_learning_rate}")
+            raise BadConfigError(f"trainer.embedding_learning_rate must be > 0 or none, got {self.embedding_learning_rate}")
         if not self.hidden_dims or any(width < 1 for width in self.hidden_dims):
-            raise ValueError(f"trainer.hidden_dims must be a non-empty tuple of widths >= 1, got {self.hidden_dims}")
+            raise BadConfigError(f"trainer.hidden_dims must be a non-empty tuple of widths >= 1, got {self.hidden_dims}")
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
-            raise ValueError(f"trainer.checkpoint_every_steps must be >= 1 or none, got {self.checkpoint_every_steps}")
+            raise BadConfigError(f"trainer.checkpoint_every_steps must be >= 1 or none, got {self.checkpoint_every_steps}")
         if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"trainer.torch_threads must be >= 1 or none, got {self.torch_threads}")
+            raise BadConfigError(f"trainer.torch_threads must be >= 1 or none, got {self.torch_threads}")
         for name in ("tower_hidden", "gem_layers", "gem_heads", "gem_max_sequence_len", "gem_dense_tokens", "gem_fm_outputs", "gem_fm_rank"):
             if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+                raise BadConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.gem_lcb_outputs < 0:
-            raise ValueError(f"trainer.gem_lcb_outputs must be >= 0, got {self.gem_lcb_outputs}")
+            raise BadConfigError(f"trainer.gem_lcb_outputs must be >= 0, got {self.gem_lcb_outputs}")
         if not 0 < self.gem_pyramid_ratio <= 1:
-            raise ValueError(f"trainer.gem_pyramid_ratio must be in (0, 1], got {self.gem_pyramid_ratio}")
+            raise BadConfigError(f"trainer.gem_pyramid_ratio must be in (0, 1], got {self.gem_pyramid_ratio}")
         if self.embedding_dim % self.gem_heads:
-            raise ValueError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem_heads={self.gem_heads}")
+            raise BadConfigError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem_heads={self.gem_heads}")
         if self.model not in ("gem", "dlrm", "lr", "ranker"):
-            raise ValueError(f"trainer.model must be one of gem, dlrm, lr, ranker; got {self.model!r}")
+            raise BadConfigError(f"trainer.model must be one of gem, dlrm, lr, ranker; got {self.model!r}")
         if self.kernel_backend not in ("reference", "triton"):
-            raise ValueError(f"trainer.kernel_backend must be 'reference' or 'triton', got {self.kernel_backend!r}")
+            raise BadConfigError(f"trainer.kernel_backend must be 'reference' or 'triton', got {self.kernel_backend!r}")
         if self.init_from not in ("scratch", "latest"):
-            raise ValueError(f"trainer.init_from must be 'scratch' or 'latest', got {self.init_from!r}")
+            raise BadConfigError(f"trainer.init_from must be 'scratch' or 'latest', got {self.init_from!r}")

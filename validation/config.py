@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gemline.errors import BadConfigError
+
 MS_PER_DAY = 24 * 3600 * 1000
 
 
@@ -43,25 +45,25 @@ class ValidationConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_label_rate <= self.max_label_rate <= 1.0:
-            raise ValueError(
+            raise BadConfigError(
                 f"need 0 <= min_label_rate <= max_label_rate <= 1, got {self.min_label_rate}, {self.max_label_rate}"
             )
         if self.min_event_time_ms < 0:
-            raise ValueError(f"validation.min_event_time_ms must be >= 0, got {self.min_event_time_ms}")
+            raise BadConfigError(f"validation.min_event_time_ms must be >= 0, got {self.min_event_time_ms}")
         if self.max_future_skew_ms < 0:
-            raise ValueError(f"validation.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")
+            raise BadConfigError(f"validation.max_future_skew_ms must be >= 0, got {self.max_future_skew_ms}")
         if not 0.0 <= self.dead_letter_warning_rate <= self.dead_letter_critical_rate <= 1.0:
-            raise ValueError(
+            raise BadConfigError(
                 "need 0 <= dead_letter_warning_rate <= dead_letter_critical_rate <= 1, got "
                 f"{self.dead_letter_warning_rate}, {self.dead_letter_critical_rate}"
             )
         if self.drift_history_batches < 1:
-            raise ValueError(f"validation.drift_history_batches must be >= 1, got {self.drift_history_batches}")
+            raise BadConfigError(f"validation.drift_history_batches must be >= 1, got {self.drift_history_batches}")
         if self.drift_severity not in ("warning", "critical"):
-            raise ValueError(f"validation.drift_severity must be 'warning' or 'critical', got {self.drift_severity!r}")
+            raise BadConfigError(f"validation.drift_severity must be 'warning' or 'critical', got {self.drift_severity!r}")
         for name in ("max_volume_change", "max_label_rate_change", "max_null_rate_change", "max_mean_change",
                      "max_quantile_change"):
             if getattr(self, name) < 0:
-                raise ValueError(f"validation.{name} must be >= 0, got {getattr(self, name)}")
+                raise BadConfigError(f"validation.{name} must be >= 0, got {getattr(self, name)}")
         if self.gx_sample_rows is not None and self.gx_sample_rows < 1:
-            raise ValueError(f"validation.gx_sample_rows must be >= 1 or none, got {self.gx_sample_rows}")
+            raise BadConfigError(f"validation.gx_sample_rows must be >= 1 or none, got {self.gx_sample_rows}")

@@ -25,6 +25,7 @@ import pyarrow.fs as pafs
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.lake import is_remote, lake_fs, open_table, read_table
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.dead_letter import dead_letter_checks, in_ranges
@@ -113,19 +114,20 @@ def validate_table(
         The :class:`QualityResult`; its reports are under ``LAKE/_quality/<table>/<version>/``.
 
     Raises:
-        ValueError: ``table`` has no suite, or the table (or that version) does not exist.
+        BadConfigError: ``table`` has no suite, or ``version`` is not one of the table's.
+        MissingInputError: the table does not exist.
     """
     if table not in VALIDATED_TABLES:
-        raise ValueError(f"no quality suite for table {table!r}; expected one of {VALIDATED_TABLES}")
+        raise BadConfigError(f"no quality suite for table {table!r}; expected one of {VALIDATED_TABLES}")
     ts = int(time.time() * 1000) if now_ms is None else now_ms
     opts = _opts(config)
     dt = open_table(config.lake, table, storage_options=opts)
     if dt is None:
-        raise ValueError(f"table {table!r} does not exist under lake {config.lake!r}; run the stage that writes it first")
+        raise MissingInputError(f"table {table!r} does not exist under lake {config.lake!r}; run the stage that writes it first")
     latest = dt.version()
     table_version = latest if version is None else version
     if not 0 <= table_version <= latest:
-        raise ValueError(f"{table}: version must be in [0, {latest}], got {table_version}")
+        raise BadConfigError(f"{table}: version must be in [0, {latest}], got {table_version}")
 
     steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
     data = read_table(config.lake, table, table_version, storage_options=opts)
@@ -195,21 +197,22 @@ def latest_report(
     through ``gemline.lake.lake_fs`` with ``storage_options``.
 
     Raises:
-        FileNotFoundError: no report exists for that table (or version); validate it first.
+        BadConfigError: ``table`` has no suite.
+        MissingInputError: no report exists for that table (or version); validate it first.
     """
     if table not in VALIDATED_TABLES:
-        raise ValueError(f"no quality suite (so no report) for table {table!r}; reports exist for {VALIDATED_TABLES}")
+        raise BadConfigError(f"no quality suite (so no report) for table {table!r}; reports exist for {VALIDATED_TABLES}")
     if is_remote(lake):
         return _latest_remote_report(str(lake), table, version, storage_options)
     if version is None:
         root = Path(lake) / "_quality" / table
         versions = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit() and (p / "report.json").is_file())
         if not versions:
-            raise FileNotFoundError(f"no quality report for {table!r} under {root}; run `gemline validate --table {table}`")
+            raise MissingInputError(f"no quality report for {table!r} under {root}; run `gemline validate --table {table}`")
         version = versions[-1]
     out = report_dir(lake, table, version)
     if not (out / "report.json").is_file():
-        raise FileNotFoundError(f"no quality report for {table}@{version} at {out}; run `gemline validate --table {table} --version {version}`")
+        raise MissingInputError(f"no quality report for {table}@{version} at {out}; run `gemline validate --table {table} --version {version}`")
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     return report["verdict"], out / "report.html"
 
@@ -227,10 +230,10 @@ def _latest_remote_report(
         infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
         versions = sorted(int(i.base_name) for i in infos if i.base_name.isdigit() and has_report(int(i.base_name)))
         if not versions:
-            raise FileNotFoundError(f"no quality report for {table!r} under {lake}/_quality/{table}; run `gemline validate --table {table}`")
+            raise MissingInputError(f"no quality report for {table!r} under {lake}/_quality/{table}; run `gemline validate --table {table}`")
         version = versions[-1]
     if not has_report(version):
-        raise FileNotFoundError(f"no quality report for {table}@{version} under {lake}; run `gemline validate --table {table} --version {version}`")
+        raise MissingInputError(f"no quality report for {table}@{version} under {lake}; run `gemline validate --table {table} --version {version}`")
     with fs.open_input_stream(f"{base}/{version}/report.json") as fh:
         report = json.loads(fh.read().decode("utf-8"))
     return report["verdict"], f"{lake.rstrip('/')}/_quality/{table}/{version}/report.html"

@@ -14,6 +14,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
+from gemline.errors import BadConfigError
 from ingest.datasets import movielens, openbandit, taobao
 from ingest.datasets.types import RawRecord, Record, RowReader, event_time_sort_key, flatten
 
@@ -37,11 +38,12 @@ def iter_source_rows(name: str, *, path: str | os.PathLike | None = None,
     """The records of each source row of dataset ``name``, in the source's order.
 
     Raises:
-        ValueError: unknown ``name`` (the message lists the known ones), or a path/cache_dir the
-            dataset does not take (taobao needs ``path``; the others take only ``cache_dir``).
+        BadConfigError: unknown ``name`` (the message lists the known ones); a ValueError.
+        ValueError: a path/cache_dir the dataset does not take (taobao needs ``path``; the others
+            take only ``cache_dir``).
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(DATASETS)}")
+        raise BadConfigError(f"unknown dataset {name!r}; expected one of {sorted(DATASETS)}")
     return DATASETS[name](path=None if path is None else str(path),
                           cache_dir=None if cache_dir is None else str(cache_dir))
 

@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from gemline.errors import BadConfigError, MissingInputError
 from ingest.datasets.types import RawRecord, Record, flatten, parse_int, partial_record
 from ingest.schema import Event
 
@@ -97,16 +98,16 @@ def read_rows(*, path: str | os.PathLike | None, cache_dir: str | None = None) -
     """One single-record list per line of the CSV at ``path``, in file order.
 
     Raises:
-        ValueError: ``path`` is None, or ``cache_dir`` is given (this dataset is read from a path).
-        FileNotFoundError: no file at ``path``.
+        BadConfigError: ``path`` is None, or ``cache_dir`` is given (this dataset is read from a path).
+        MissingInputError: no file at ``path``.
     """
     if path is None:
-        raise ValueError("taobao needs path= the UserBehavior CSV (e.g. UserBehavior_sample.csv), got None")
+        raise BadConfigError("taobao needs path= the UserBehavior CSV (e.g. UserBehavior_sample.csv), got None")
     if cache_dir is not None:
-        raise ValueError(f"taobao reads the file at path, not a cache (got cache_dir={cache_dir!r})")
+        raise BadConfigError(f"taobao reads the file at path, not a cache (got cache_dir={cache_dir!r})")
     csv_path = Path(path)
     if not csv_path.is_file():
-        raise FileNotFoundError(f"taobao: no file at {csv_path}; pass the path of UserBehavior.csv or its sample")
+        raise MissingInputError(f"taobao: no file at {csv_path}; pass the path of UserBehavior.csv or its sample")
     seen: Counter[str] = Counter()
     with csv_path.open("rb") as handle:
         for raw in handle:

@@ -184,14 +184,18 @@ def test_report_on_a_table_without_a_quality_suite_says_so(tmp_path, capsys):
     assert "gemline validate --table dead_letter" not in err
 
 
-def test_ctrl_c_inside_a_beam_step_is_recognised():
-    from gemline.cli import _is_interrupt
+def test_ctrl_c_inside_a_beam_step_is_recognised(monkeypatch, capsys, tmp_path):
+    """Beam re-raises a KeyboardInterrupt from a step as ``RuntimeError: KeyboardInterrupt [while
+    running ...]`` whose context is the interrupt; main follows that link, not the message text."""
+    import gemline.cli as cli
 
-    assert _is_interrupt(RuntimeError("KeyboardInterrupt [while running 'ParseBatches/ParseBatch']"))
-    wrapped = RuntimeError("step failed")
-    wrapped.__cause__ = KeyboardInterrupt()
-    assert _is_interrupt(wrapped)
-    assert not _is_interrupt(RuntimeError("records (0, 1) were staged to both tables"))
+    monkeypatch.setattr(cli, "cmd_build", _beam_step_raising(KeyboardInterrupt()))
+    assert cli.main(["build", "--lake", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: build stopped; run the same command again to finish" in err
+    assert "Traceback" not in err
+    assert cli._reportable(RuntimeError("KeyboardInterrupt [while running 'ParseBatches/ParseBatch']")) is None, \
+        "a message that merely reads like an interrupt is not one"
 
 
 def test_a_second_ingest_on_a_busy_lake_is_one_line(tmp_path, capsys):
@@ -205,14 +209,16 @@ def test_a_second_ingest_on_a_busy_lake_is_one_line(tmp_path, capsys):
 
 def test_a_kafka_timeout_inside_a_beam_step_is_one_line(monkeypatch, capsys, tmp_path):
     import gemline.cli as cli
+    from ingest.kafka_clients import OffsetRange, _check_progress
 
-    def timed_out(args, extra):
-        raise RuntimeError("TimeoutError: t[0]: no record at offset >= 5 within the read timeout; is the broker up? "
-                           "[while running 'ReadKafka/ReadRange']")
+    def read_range(x):  # the read's own timeout check, with a deadline already past
+        _check_progress(OffsetRange("t", 0, 5, 9), 5, deadline=0.0)
 
-    monkeypatch.setattr(cli, "cmd_ingest", timed_out)
+    monkeypatch.setattr(cli, "cmd_ingest", _beam_step_running(read_range))
     assert cli.main(["ingest", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
-    assert capsys.readouterr().err.startswith("error: t[0]: no record at offset >= 5 within the read timeout")
+    err = capsys.readouterr().err
+    assert err.startswith("error: t[0]: no record at offset >= 5 within the read timeout")
+    assert "[while running 'Step']" in err and "Traceback" not in err
 
 
 def test_a_lost_commit_race_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
@@ -227,3 +233,201 @@ def test_a_lost_commit_race_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path
     assert cli.main(["ingest", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == ("error: s3://b/lake/events: another writer committed to this table while this "
                                        "one committed (app 'ingest:t', version 1)\n")
+
+
+def _beam_step_running(fn, *beam_args):
+    """A CLI command that runs a one-element Beam pipeline (gemline's local runner) whose step
+    ``Step`` calls ``fn``."""
+
+    def command(args, extra):
+        import apache_beam as beam
+        from apache_beam.options.pipeline_options import PipelineOptions
+
+        from gemline.beam_runner import local_runner_args
+
+        with beam.Pipeline(options=PipelineOptions(local_runner_args(list(beam_args)))) as p:
+            _ = p | beam.Create([0]) | "Step" >> beam.Map(fn)
+        return 0
+
+    return command
+
+
+def _beam_step_raising(exc, *beam_args):
+    """A CLI command whose Beam step raises ``exc``."""
+
+    def step(_):
+        raise exc
+
+    return _beam_step_running(step, *beam_args)
+
+
+def _raising(exc):
+    def command(args, extra):
+        raise exc
+
+    return command
+
+
+def _gate_closed():
+    from validation.gate import GateClosedError, GateDecision
+
+    refused = GateDecision("events", 2, False, "events@2 is quarantined: critical expectations failed: unique:event_id")
+    return GateClosedError(refused, "build")
+
+
+def _topic_changed():
+    from ingest.kafka_source import TopicChangedError
+
+    return TopicChangedError("topic 't' was recreated: its id is id-1, the lake's offsets are of id-2")
+
+
+def _quarantined():
+    from trainer.train import QuarantinedError
+
+    return QuarantinedError("examples@0 is quarantined: critical expectations failed: leakage")
+
+
+def _lake_busy():
+    from gemline.locks import LakeBusyError
+
+    return LakeBusyError("another build is running on this lake (pid 1 on h since 2026-01-01T00:00:00Z)")
+
+
+def _commit_conflict():
+    from gemline.lake import CommitConflictError
+
+    return CommitConflictError("s3://b/lake/events: another writer committed to this table first")
+
+
+def _gemline_error(name, message):
+    import gemline.errors
+
+    return lambda: getattr(gemline.errors, name)(message)
+
+
+EXIT_CODES = [  # (id, the error, the exit code main returns for it)
+    ("bad-config", _gemline_error("BadConfigError", "build.max_seq_len must be >= 1, got 0"), 2),
+    ("missing-input", _gemline_error("MissingInputError", "no events table under '/l'; run the ingest job first"), 2),
+    ("broker-unreachable", _gemline_error("BrokerUnreachableError", "connection refused by 127.0.0.1:1"), 2),
+    ("broker-timeout", _gemline_error("BrokerTimeoutError", "t[0]: no record at offset >= 5 within the read timeout"), 2),
+    ("lake-busy", _lake_busy, 2),
+    ("commit-conflict", _commit_conflict, 2),
+    ("topic-changed", _topic_changed, 2),
+    ("gate-closed", _gate_closed, 3),
+    ("quarantined", _quarantined, 3),
+    ("retention-gap", _gemline_error("RetentionGapError", "10 record(s) of t were deleted by retention"), 4),
+]
+
+
+@pytest.mark.parametrize("make, code", [case[1:] for case in EXIT_CODES], ids=[case[0] for case in EXIT_CODES])
+def test_each_gemline_error_is_one_line_with_its_exit_code(monkeypatch, capsys, tmp_path, make, code):
+    import gemline.cli as cli
+
+    exc = make()
+    assert exc.exit_code == code
+    monkeypatch.setattr(cli, "cmd_build", _raising(exc))
+    assert cli.main(["build", "--lake", str(tmp_path)]) == code
+    assert capsys.readouterr().err == f"error: {exc}\n"
+
+
+@pytest.mark.parametrize("bug", [ZeroDivisionError("division by zero"), ValueError("a real bug"),
+                                 RuntimeError("records (0, 1) were staged to both tables"),
+                                 FileNotFoundError("[Errno 2] No such file or directory: 'x'")],
+                         ids=lambda bug: type(bug).__name__)
+def test_an_unexpected_exception_propagates_with_its_traceback(monkeypatch, capsys, tmp_path, bug):
+    """Not a GemlineError: main does not catch it (the console script prints the traceback, exit 1)."""
+    import gemline.cli as cli
+
+    monkeypatch.setattr(cli, "cmd_build", _raising(bug))
+    with pytest.raises(type(bug)) as info:
+        cli.main(["build", "--lake", str(tmp_path)])
+    assert info.value is bug and info.traceback[-1].name == "command"
+    assert capsys.readouterr().err == ""
+
+
+def test_a_bug_while_handling_a_gemline_error_is_not_reported_as_that_error(monkeypatch, tmp_path):
+    import gemline.cli as cli
+
+    def command(args, extra):
+        try:
+            raise _lake_busy()
+        except RuntimeError:
+            return 1 // 0  # its __context__ is the busy lake; it is still a bug
+
+    monkeypatch.setattr(cli, "cmd_build", command)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["build", "--lake", str(tmp_path)])
+
+
+IN_BEAM = [  # (id, the error, Beam flags, the exit code)
+    ("lake-busy", _lake_busy, (), 2),
+    ("gate-closed", _gate_closed, (), 3),  # no one-message constructor: Beam wraps it in a RuntimeError
+    ("retention-gap", _gemline_error("RetentionGapError", "10 record(s) of t were deleted by retention"), (), 4),
+    ("lake-busy-2-workers", _lake_busy, ("--direct_num_workers=2", "--direct_running_mode=multi_threading"), 2),
+    ("gate-closed-2-workers", _gate_closed, ("--direct_num_workers=2", "--direct_running_mode=multi_threading"), 3),
+]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # 2 workers: Beam's gRPC teardown
+@pytest.mark.parametrize("make, beam_args, code", [case[1:] for case in IN_BEAM], ids=[case[0] for case in IN_BEAM])
+def test_a_gemline_error_inside_a_beam_step_is_one_line_with_its_exit_code(monkeypatch, capsys, tmp_path,
+                                                                           make, beam_args, code):
+    import gemline.cli as cli
+
+    exc = make()
+    monkeypatch.setattr(cli, "cmd_build", _beam_step_raising(exc, *beam_args))
+    assert cli.main(["build", "--lake", str(tmp_path)]) == code
+    err = capsys.readouterr().err
+    if beam_args:  # the worker thread's Beam prints its traceback itself (sdk_worker._execute), then main's line
+        err = err.rstrip("\n").rpartition("\n")[2] + "\n"
+    assert err.startswith(f"error: {exc}") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # 2 workers: Beam's gRPC teardown
+@pytest.mark.parametrize("beam_args", [(), ("--direct_num_workers=2", "--direct_running_mode=multi_threading")],
+                         ids=["1-worker", "2-workers"])
+def test_a_bug_inside_a_beam_step_keeps_its_traceback(monkeypatch, tmp_path, beam_args):
+    import gemline.cli as cli
+
+    monkeypatch.setattr(cli, "cmd_build", _beam_step_raising(ZeroDivisionError("bug in a step"), *beam_args))
+    with pytest.raises((ZeroDivisionError, RuntimeError), match="bug in a step") as info:
+        cli.main(["build", "--lake", str(tmp_path)])
+    if not beam_args:
+        assert isinstance(info.value, ZeroDivisionError), "one worker: Beam keeps the class"
+
+
+def test_a_worker_traceback_counts_only_for_an_exact_gemline_class_name():
+    from gemline.cli import _from_worker
+    from gemline.locks import LakeBusyError
+    from validation.gate import GateClosedError
+
+    head = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+    assert _from_worker(RuntimeError(head + "gemline.locks.LakeBusyError: busy [while running 'S']")) == \
+        (LakeBusyError, "busy [while running 'S']")
+    assert _from_worker(RuntimeError(head + "RuntimeError: validation.gate.GateClosedError: refused [while running 'S']")) \
+        == (GateClosedError, "refused [while running 'S']")
+    assert _from_worker(RuntimeError(head + "LakeBusyError: busy")) is None, "the qualified name only"
+    assert _from_worker(RuntimeError(head + "gemline.locks.LakeBusyError: busy\n\nDuring handling of the above "
+                                     "exception, another exception occurred:\n\n" + head + "ZeroDivisionError: x")) is None
+    assert _from_worker(RuntimeError("gemline.locks.LakeBusyError: busy")) is None, "not a worker's traceback"
+    assert _from_worker(ValueError(head + "gemline.locks.LakeBusyError: busy")) is None
+
+
+def test_beam_logs_of_a_gemline_error_are_dropped_and_of_a_bug_kept(caplog):
+    import logging
+
+    from gemline import cli
+
+    cli._quiet_interrupts()
+    beam_log = logging.getLogger("apache_beam.runners.common")
+    try:
+        raise _lake_busy()
+    except RuntimeError:
+        beam_log.exception("another build is running on this lake [while running 'Step']")
+    try:
+        raise ZeroDivisionError("bug")
+    except ZeroDivisionError:
+        beam_log.exception("bug [while running 'Step']")
+    assert [r.getMessage() for r in caplog.records if r.name == "apache_beam.runners.common"] == \
+        ["bug [while running 'Step']"]

@@ -1,0 +1,72 @@
+"""The errors a user can act on, each with the exit code the ``gemline`` command ends with.
+
+The CLI (``gemline.cli.main``) turns a :class:`GemlineError` into one line, ``error: <message>``,
+and exits with the error's :attr:`~GemlineError.exit_code`; any other exception is a bug and keeps
+its traceback. So raise one of these only where the message tells the user what to do, and keep
+``ValueError``/``RuntimeError`` for what a user cannot fix.
+
+    exit  class                      raised when
+    ----  -------------------------  ------------------------------------------------------------
+    2     BadConfigError             a config file, ``--set`` or flag value a command cannot use
+    2     MissingInputError          a table, file or topic a command reads does not exist
+    2     BrokerUnreachableError     the Kafka cluster refuses connections or does not answer
+    2     BrokerTimeoutError         a Kafka read made no progress within its timeout
+    2     gemline.locks.LakeBusyError         another run of the stage holds the lake
+    2     gemline.lake.CommitConflictError    another writer committed the same batch first
+    2     ingest.kafka_source.TopicChangedError   the topic is not the one the lake read
+    3     validation.gate.GateClosedError     the quality gate refuses a version a stage would read
+    3     trainer.train.QuarantinedError      the quality gate refuses the examples version to train on
+    4     RetentionGapError          Kafka retention deleted records before ingest read them
+    130   (KeyboardInterrupt, SIGTERM: not an exception of this family; see gemline.cli)
+
+Every class here is also a subclass of the builtin it replaced (``BadConfigError`` is a
+``ValueError``, ``BrokerUnreachableError`` a ``ConnectionError``...), so ``except ValueError``
+still catches a bad config. Each takes one message argument: Beam re-raises an exception from
+inside a step as ``type(exn)(message + " [while running 'Step']")``, which keeps the class (and so
+the exit code) only when that call works (``apache_beam.runners.common.DoFnRunner._reraise_augmented``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class GemlineError(Exception):
+    """Base of the errors the ``gemline`` command reports in one line; ``exit_code`` is its exit status."""
+
+    exit_code: ClassVar[int] = 2
+    """Process exit status of ``gemline`` when a command ends with this error."""
+
+
+class BadConfigError(GemlineError, ValueError):
+    """A config file, ``--set`` override or flag value that a command cannot use (exit 2).
+
+    Config sections raise it from ``__post_init__``; the message names the key, what was expected
+    and what came.
+    """
+
+
+class MissingInputError(GemlineError, FileNotFoundError, ValueError):
+    """A table, file or topic that a command reads does not exist (exit 2); the message says which
+    stage or command creates it.
+
+    A ``FileNotFoundError``, and a ``ValueError`` as well: the table checks of the build, the
+    hygiene pass and the topic check raised ``ValueError`` before this family existed.
+    """
+
+
+class BrokerUnreachableError(GemlineError, ConnectionError):
+    """The Kafka cluster at ``--bootstrap`` refuses connections or does not answer (exit 2)."""
+
+
+class BrokerTimeoutError(BrokerUnreachableError, TimeoutError):
+    """A Kafka read made no progress within the client's timeout (exit 2): the broker went away,
+    or the offsets were planned from another cluster."""
+
+
+class RetentionGapError(GemlineError):
+    """Kafka retention deleted records before ingest read them (exit 4). Ingest records the gap in
+    the events commit and goes on; the command still ends with this error unless
+    ``ingest.accept_gaps`` is set."""
+
+    exit_code: ClassVar[int] = 4
