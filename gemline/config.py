@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemline.lake import redact
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig
 from sequences.config import BuildConfig
@@ -47,12 +48,21 @@ class GemlineConfig:
     """Synthetic traffic (`gemline generate`)."""
 
     def __post_init__(self) -> None:
+        # Messages name the bad option but never show a secret's value (gemline.lake.redact).
         if not isinstance(self.lake_storage_options, dict):
-            raise ValueError(f"lake_storage_options: expected a table of strings, got {self.lake_storage_options!r}")
+            raise ValueError(f"lake_storage_options: expected a table of strings ([lake_storage_options] in the "
+                             f"TOML, or --set lake_storage_options.KEY=VALUE), got a {type(self.lake_storage_options).__name__}")
         for key, value in self.lake_storage_options.items():
             if not isinstance(value, str):
-                raise ValueError(f"lake_storage_options.{key}: expected a string (quote it: \"{value}\"), "
-                                 f"got {value!r}")
+                shown = redact({key: value})[key]
+                raise ValueError(f"lake_storage_options.{key}: expected a string (quote it: \"{shown}\"), "
+                                 f"got {shown!r}")
+
+    def __repr__(self) -> str:
+        """The dataclass repr with the values of secret storage options hidden (gemline.lake.redact)."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown["lake_storage_options"] = redact(self.lake_storage_options)
+        return f"GemlineConfig({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

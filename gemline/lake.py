@@ -37,10 +37,13 @@ of different app ids do not conflict: delta-rs commits the loser at the next ver
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -60,28 +63,56 @@ REMOTE_SCHEMES = ("s3", "s3a")
 """URI schemes of object-store lakes that :func:`lake_fs` can open (delta-rs reads more)."""
 
 
-def is_remote(lake: str | Path) -> bool:
+def is_remote(lake: Lake | str | Path) -> bool:
     """True when ``lake`` is a URI with a scheme (``s3://...``), False for a local path."""
-    scheme = urlsplit(str(lake)).scheme
+    scheme = urlsplit(lake.root if isinstance(lake, Lake) else str(lake)).scheme
     # A one-letter scheme is a Windows drive ("C:/lake"), not a URI.
     return len(scheme) > 1
 
 
-def table_uri(lake: str | Path, table: str) -> str:
+def table_uri(lake: Lake | str | Path, table: str) -> str:
     """Path (local) or URI (``s3://bucket/prefix/events``) of a table under the lake root."""
+    if isinstance(lake, Lake):
+        lake = lake.root
     if is_remote(lake):
         return f"{str(lake).rstrip('/')}/{table}"
     return str(Path(lake) / table)
 
 
-def _options(lake: str | Path, storage_options: StorageOptions | None) -> dict[str, str] | None:
-    """Validated options for delta-rs: None for a local lake or when none are given."""
+def _options(lake: Lake | str | Path, storage_options: StorageOptions | None) -> dict[str, str] | None:
+    """Validated options for delta-rs: None for a local lake or when none are given.
+
+    ``lake`` may be a :class:`Lake` (its options are used; ``storage_options`` must then be None or
+    the same), so every function of this module takes a Lake or the old (root, storage_options) pair.
+    """
+    if isinstance(lake, Lake):
+        lake = as_lake(lake, storage_options)
+        lake, storage_options = lake.root, lake.storage_options
     if storage_options is None or not is_remote(lake):
         return None
+    _check_option_types(storage_options)
+    return dict(storage_options)
+
+
+SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "KEY")
+"""An option whose key contains one of these (any case) is a secret: :func:`redact` hides its value."""
+
+REDACTED = "***"
+
+
+def redact(options: Mapping[Any, Any] | None) -> dict[Any, Any] | None:
+    """A copy of ``options`` with the value of every secret key (see :data:`SECRET_MARKERS`) replaced
+    by ``"***"``, for messages, logs and reprs; None stays None."""
+    if options is None:
+        return None
+    return {k: REDACTED if any(m in str(k).upper() for m in SECRET_MARKERS) else v for k, v in options.items()}
+
+
+def _check_option_types(storage_options: Mapping[Any, Any]) -> None:
+    """Raise TypeError (values of secret keys hidden) unless every key and value is a string."""
     bad = {k: v for k, v in storage_options.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
-        raise TypeError(f"storage_options: expected str keys and str values (e.g. 'true', not True), got {bad!r}")
-    return dict(storage_options)
+        raise TypeError(f"storage_options: expected str keys and str values (e.g. 'true', not True), got {redact(bad)!r}")
 
 
 def open_table(
@@ -94,7 +125,7 @@ def open_table(
         return None
 
 
-def lake_fs(lake: str | Path, storage_options: StorageOptions | None = None) -> tuple[pafs.FileSystem, str]:
+def lake_fs(lake: Lake | str | Path, storage_options: StorageOptions | None = None) -> tuple[pafs.FileSystem, str]:
     """A ``pyarrow.fs`` filesystem and the lake root's path in it, for non-Delta files.
 
     Local lake: ``(LocalFileSystem(), absolute path)``. ``s3://bucket/prefix``: an
@@ -104,8 +135,11 @@ def lake_fs(lake: str | Path, storage_options: StorageOptions | None = None) -> 
 
     Raises:
         ValueError: an unsupported URI scheme, or an ``http://`` endpoint without ``AWS_ALLOW_HTTP=true``.
-        TypeError: a non-string option value.
+        TypeError: a non-string option value, or a Lake together with other ``storage_options``.
     """
+    if isinstance(lake, Lake):
+        lake = as_lake(lake, storage_options)
+        lake, storage_options = lake.root, lake.storage_options
     if not is_remote(lake):
         return pafs.LocalFileSystem(), str(Path(lake).absolute())
     parts = urlsplit(str(lake))
@@ -126,6 +160,106 @@ def lake_fs(lake: str | Path, storage_options: StorageOptions | None = None) -> 
         kwargs["endpoint_override"] = ep.netloc or endpoint
         kwargs["scheme"] = ep.scheme or "https"
     return pafs.S3FileSystem(**kwargs), f"{parts.netloc}{parts.path}".rstrip("/")
+
+
+@dataclass(frozen=True, repr=False)
+class Lake:
+    """Where the lake lives: its root and the object-store options that reach it.
+
+    One value instead of ``(lake, storage_options)`` threaded by hand; every function of this
+    module accepts it where it accepts a root (``open_table(lake, "events")``). Its ``repr`` hides
+    the values of secret options (:func:`redact`) and ``str(lake)`` is the root, so a Lake is
+    safe to put in a message or a log line.
+
+    Attributes:
+        root: a local directory or an object-store URI (``s3://bucket/prefix``).
+        storage_options: delta-rs / object_store keys to string values (see the module docstring);
+            ignored for a local root; None for none.
+
+    Raises:
+        TypeError: ``root`` is not a string, or an option key or value is not a string.
+    """
+
+    root: str
+    storage_options: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, str):
+            raise TypeError(f"Lake.root: expected a str (a directory or an s3:// URI), got {type(self.root).__name__}; "
+                            "use as_lake() for a Path")
+        if self.storage_options is not None:
+            _check_option_types(self.storage_options)
+            # A private read-only copy: a caller's later edits of its dict do not reach this value.
+            object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))
+
+    @classmethod
+    def for_config(cls, config: Any) -> Lake:
+        """The lake of a ``GemlineConfig`` (``config.lake`` and ``config.lake_storage_options``; empty options: None)."""
+        return cls(str(config.lake), dict(config.lake_storage_options) or None)
+
+    @property
+    def is_remote(self) -> bool:
+        """True for an object-store URI (``s3://...``), False for a local directory."""
+        return is_remote(self.root)
+
+    @property
+    def delta_options(self) -> dict[str, str] | None:
+        """The ``storage_options`` to hand delta-rs: None for a local lake or when there are none."""
+        return _options(self.root, self.storage_options)
+
+    def uri(self, table: str) -> str:
+        """Path (local) or URI (``s3://bucket/prefix/events``) of ``table`` (e.g. ``"features/user"``)."""
+        return table_uri(self.root, table)
+
+    @functools.cached_property
+    def _fs_and_root(self) -> tuple[pafs.FileSystem, str]:
+        return lake_fs(self.root, self.storage_options)
+
+    @property
+    def fs(self) -> pafs.FileSystem:
+        """A ``pyarrow.fs`` filesystem for plain files (reports, checkpoints) under the root (see :func:`lake_fs`).
+
+        Raises:
+            ValueError: an unsupported URI scheme, or an ``http://`` endpoint without ``AWS_ALLOW_HTTP=true``.
+        """
+        return self._fs_and_root[0]
+
+    def fs_path(self, relative: str = "") -> str:
+        """The path in :attr:`fs` of ``relative`` (``/``-separated, e.g. ``"_checkpoints/step-3"``) under the root."""
+        root = self._fs_and_root[1]
+        return f"{root}/{relative.strip('/')}" if relative.strip("/") else root
+
+    def __str__(self) -> str:
+        return self.root
+
+    def __repr__(self) -> str:
+        options = None if self.storage_options is None else redact(self.storage_options)
+        return f"Lake(root={self.root!r}, storage_options={options!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Lake):
+            return NotImplemented
+        return (self.root, dict(self.storage_options or {})) == (other.root, dict(other.storage_options or {}))
+
+    def __hash__(self) -> int:
+        return hash((self.root, tuple(sorted((self.storage_options or {}).items()))))
+
+
+def as_lake(lake: Lake | str | Path, storage_options: StorageOptions | None = None) -> Lake:
+    """``lake`` itself when it is a :class:`Lake`, else ``Lake(str(lake), storage_options)``.
+
+    The bridge for functions that still take the old ``(lake, storage_options)`` pair.
+
+    Raises:
+        TypeError: a Lake together with ``storage_options`` other than its own (give them once),
+            or a non-string option key or value.
+    """
+    if isinstance(lake, Lake):
+        if storage_options is not None and dict(storage_options) != dict(lake.storage_options or {}):
+            raise TypeError(f"got {lake!r} and other storage_options {redact(storage_options)!r}: "
+                            "pass the options in the Lake only")
+        return lake
+    return Lake(str(lake), storage_options)
 
 
 def committed_version(

@@ -29,7 +29,7 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
-from gemline.lake import StorageOptions, is_remote, lake_fs
+from gemline.lake import Lake, StorageOptions, as_lake, is_remote, lake_fs
 
 CHECKPOINTS_DIR = "_checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -52,9 +52,9 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def checkpoints_root(lake: str | Path) -> Path:
-    """``LAKE/_checkpoints``."""
-    return Path(lake) / CHECKPOINTS_DIR
+def checkpoints_root(lake: Lake | str | Path) -> Path:
+    """``LAKE/_checkpoints`` of a local lake."""
+    return Path(as_lake(lake).root) / CHECKPOINTS_DIR
 
 
 def _rng_state(numpy_rng: np.random.Generator | None) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def _rng_state(numpy_rng: np.random.Generator | None) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    lake: str | Path,
+    lake: Lake | str | Path,
     state: TrainState,
     model: nn.Module,
     optimizers: Mapping[str, torch.optim.Optimizer],
@@ -78,8 +78,9 @@ def save_checkpoint(
 ) -> Path | str:
     """Write ``step-<state.step>`` atomically and return its path.
 
-    On an object-store lake (``s3://...``) the checkpoint is written to a local temporary directory
-    and uploaded through :func:`gemline.lake.lake_fs` with ``storage_options``, ``meta.json``
+    ``lake`` is a :class:`gemline.lake.Lake` or a root with its ``storage_options``. On an
+    object-store lake (``s3://...``) the checkpoint is written to a local temporary directory
+    and uploaded through :func:`gemline.lake.lake_fs` with the lake's options, ``meta.json``
     last (a reader counts a step only once its meta.json is there); the return value is its URI.
 
     An existing complete checkpoint of the same step is replaced (a rerun from scratch on the same
@@ -127,7 +128,7 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(lake: str | Path, *, storage_options: StorageOptions | None = None) -> Path | None:
+def latest_checkpoint(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> Path | None:
     """The complete checkpoint with the highest step, or None if there is none.
 
     On an object-store lake the chosen checkpoint is downloaded to a local temporary directory
@@ -212,7 +213,7 @@ def load_weights(path: str | Path, model: nn.Module) -> TrainState:
     return read_state(path)
 
 
-def _save_remote(lake: str | Path, state: TrainState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
+def _save_remote(lake: Lake | str | Path, state: TrainState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
                  numpy_rng: np.random.Generator | None, extra_files: Mapping[str, bytes] | None,
                  storage_options: StorageOptions | None) -> str:
     """Object-store twin of :func:`save_checkpoint`: build it locally, then upload, meta.json last."""
@@ -231,7 +232,7 @@ def _save_remote(lake: str | Path, state: TrainState, model: nn.Module, optimize
     return f"{str(lake).rstrip('/')}/{CHECKPOINTS_DIR}/{name}"
 
 
-def _latest_remote(lake: str | Path, storage_options: StorageOptions | None) -> Path | None:
+def _latest_remote(lake: Lake | str | Path, storage_options: StorageOptions | None) -> Path | None:
     """Download the highest complete ``step-N`` under ``LAKE/_checkpoints`` to a temp dir; None if none."""
     fs, root = lake_fs(lake, storage_options)
     base = f"{root}/{CHECKPOINTS_DIR}"

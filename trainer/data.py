@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gemline.lake import StorageOptions, open_table, read_table
+from gemline.lake import Lake, StorageOptions, open_table, read_table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 
 log = logging.getLogger(__name__)
@@ -222,11 +222,12 @@ class ExamplesSplit:
     eval_date: str
 
 
-def latest_examples_version(lake: str | Path, *, storage_options: StorageOptions | None = None) -> int:
-    """Newest Delta version of ``examples``; raises FileNotFoundError if the table does not exist."""
+def latest_examples_version(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> int:
+    """Newest Delta version of ``examples`` (``lake``: a Lake, or a root with its ``storage_options``);
+    raises FileNotFoundError if the table does not exist."""
     dt = open_table(lake, "examples", storage_options=storage_options)
     if dt is None:
-        raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
+        raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
     return dt.version()
 
 
@@ -253,7 +254,7 @@ def temporal_split(table: pa.Table, examples_version: int) -> ExamplesSplit:
     )
 
 
-def load_split(lake: str | Path, examples_version: int, *,
+def load_split(lake: Lake | str | Path, examples_version: int, *,
                storage_options: StorageOptions | None = None) -> ExamplesSplit:
     """Read ``examples@examples_version``, order rows by (event_time_ms, example_id), split by date.
 
@@ -265,7 +266,7 @@ def load_split(lake: str | Path, examples_version: int, *,
     """
     table = read_table(lake, "examples", examples_version, storage_options=storage_options)
     if table is None:
-        raise FileNotFoundError(f"no examples table under {lake!r}; run the build stage first")
+        raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
     required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]
     missing = [c for c in required if c not in table.schema.names]
     if missing:

@@ -13,6 +13,11 @@ Every rank reads the same examples split and walks the same global batch order
 gathered predictions, writes the checkpoint (full parameters gathered from the shards, no
 optimiser state) and the TrainResult as JSON. torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; this entry point is the only place that reads them (through ``env://``).
+
+The config reaches the ranks as ``--set`` flags, except the lake's storage options: they can hold
+secrets (``AWS_SECRET_ACCESS_KEY``) and every user of the machine reads argv (``ps``), so the
+launcher writes them to a private TOML file (mode 0600, in a 0700 temporary directory) passed as
+``--config FILE`` (:func:`write_private_config`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +36,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
-from gemline.lake import is_remote
+from gemline.lake import Lake
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, latest_examples_version, load_split, make_batch, num_batches
@@ -113,13 +119,14 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
             resume from (:func:`check_resumable`).
     """
     tc = config.trainer
+    lake = Lake.for_config(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     check_distributable(tc, world)
-    version = latest_examples_version(config.lake) if examples_version is None else examples_version
-    check_gate(config.lake, version)
+    version = latest_examples_version(lake) if examples_version is None else examples_version
+    check_gate(lake, version)
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
-    split = load_split(config.lake, version)
+    split = load_split(lake, version)
     normalizer = fit_normalizer(split.train)
 
     torch.manual_seed(tc.seed)
@@ -127,7 +134,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     sharded = shard_model(build_shardable_model(tc, len(normalizer.names), domains), tc, world)
     step = examples_seen = 0
     start = _Position(0, 0)
-    resume_from = latest_checkpoint(config.lake) if tc.init_from == "latest" else None
+    resume_from = latest_checkpoint(lake) if tc.init_from == "latest" else None
     if resume_from is not None:
         state = read_state(resume_from)
         check_resumable(state, resume_from, world, tc.model, normalizer.names)
@@ -140,7 +147,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
 
     def checkpoint(position: _Position, finished: bool, extra: dict | None = None, files: dict | None = None) -> str | None:
         """Collective: DCP shards of every rank, then rank 0's full-parameter checkpoint naming them (path on rank 0)."""
-        shards = None if is_remote(config.lake) else sharded_checkpoint_dir(config.lake, step)
+        shards = None if lake.is_remote else sharded_checkpoint_dir(lake.root, step)
         if shards is not None:
             save_sharded(sharded, shards)
         full = full_state_dict(sharded)
@@ -154,7 +161,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
                 "sharded": None if shards is None else str(shards), "run": _run_record(position, tc.epochs, finished), **(extra or {}),
             }
             state = TrainState(step=step, examples_seen=examples_seen, examples_version=version, extra=meta)
-            path = str(save_checkpoint(config.lake, state, model, {}, extra_files=files))
+            path = str(save_checkpoint(lake, state, model, {}, extra_files=files))
         dist.barrier()
         return path
 
@@ -222,11 +229,20 @@ def config_overrides(config: object, prefix: str = "") -> list[str]:
     """The leaves of a config dataclass that differ from their defaults, as ``KEY=VALUE`` strings.
 
     load_config of these strings rebuilds ``config`` (only non-defaults travel, so a default such
-    as an empty tuple never needs a spelling).
+    as an empty tuple never needs a spelling), except ``GemlineConfig.lake_storage_options``,
+    which is left out: it can hold secrets and these strings end up on a command line;
+    :func:`write_private_config` carries it.
+
+    Raises:
+        TypeError: another table-valued (dict) field, which has no ``KEY=VALUE`` spelling here.
     """
     out: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        if isinstance(config, GemlineConfig) and f.name == "lake_storage_options":
+            continue
+        if isinstance(value, dict):
+            raise TypeError(f"config_overrides: {prefix}{f.name} is a table; it cannot travel as --set flags")
         key = f"{prefix}{f.name}"
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if value == default:
@@ -242,11 +258,34 @@ def config_overrides(config: object, prefix: str = "") -> list[str]:
     return out
 
 
+def write_private_config(config: GemlineConfig, path: Path) -> Path:
+    """Write ``config.lake_storage_options`` as a TOML ``[lake_storage_options]`` table to a new
+    file ``path`` readable by this user only (mode 0600), for ``trainer.launch --config``; return ``path``.
+
+    Only the options are written: the rest of the config travels as ``--set`` flags
+    (:func:`config_overrides`). Put the file in a private directory (``tempfile.TemporaryDirectory``
+    is 0700) and delete it when the run ends.
+
+    Raises:
+        FileExistsError: ``path`` exists (the file is created, never reused, so no other user can
+            have opened it first).
+    """
+    lines = ["[lake_storage_options]"]
+    # A JSON string is a TOML basic string (the same escapes), so any key or value round-trips.
+    lines += [f"{json.dumps(key)} = {json.dumps(value)}" for key, value in config.lake_storage_options.items()]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask
+        fh.write("\n".join(lines) + "\n")
+    return path
+
+
 def torchrun_command(
     config: GemlineConfig,
     nproc: int,
     *,
     result_json: Path,
+    private_config: Path | None = None,
     examples_version: int | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
@@ -267,6 +306,9 @@ def torchrun_command(
     Args:
         nproc: processes on this node.
         result_json: file the process holding global rank 0 writes the TrainResult to (on its node).
+        private_config: the file :func:`write_private_config` wrote for ``config``, passed to the
+            ranks as ``--config``; required when ``config.lake_storage_options`` is not empty (they
+            never go on the command line).
         nnodes: launchers (machines) in the job; each must be started with the same nnodes,
             nproc, rdzv_endpoint and rdzv_id.
         node_rank: 0 <= node_rank < nnodes.
@@ -278,8 +320,8 @@ def torchrun_command(
 
     Raises:
         ValueError: nnodes < 1, node_rank outside [0, nnodes), nnodes > 1 without rdzv_endpoint,
-            an endpoint not of the form HOST:PORT, or a config :func:`check_distributable` refuses
-            for the world size ``nnodes * nproc``.
+            an endpoint not of the form HOST:PORT, a config :func:`check_distributable` refuses
+            for the world size ``nnodes * nproc``, or storage options without ``private_config``.
     """
     if nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
@@ -292,6 +334,9 @@ def torchrun_command(
         if not host or not port.isdigit():
             raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
     check_distributable(config.trainer, nproc * nnodes)
+    if config.lake_storage_options and private_config is None:
+        raise ValueError("the lake's storage options never go on a command line: write them with "
+                         "write_private_config(config, PATH) and pass private_config=PATH")
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if rdzv_endpoint is None:
         cmd += ["--standalone"]
@@ -301,6 +346,8 @@ def torchrun_command(
         if local_addr is not None:
             cmd += ["--local_addr", local_addr]
     cmd += ["--nproc_per_node", str(nproc), "-m", "trainer.launch"]
+    if private_config is not None:
+        cmd += ["--config", str(private_config)]
     for pair in config_overrides(config):
         cmd += ["--set", pair]
     if examples_version is not None:
@@ -325,9 +372,10 @@ def train_with_torchrun(
     is one of ``nnodes`` launchers of a c10d job (see :func:`torchrun_command`); every node runs
     this call with the same arguments but its ``node_rank`` and blocks until the job ends; the node
     that hosted global rank 0 returns the TrainResult, the others None. The config travels as
-    ``--set`` flags, so the child processes see exactly this config; ``config.lake`` must name
-    the same lake on every node (a shared file system or object store) since rank 0 writes the
-    checkpoint there.
+    ``--set`` flags and the lake's storage options in a private file (:func:`write_private_config`,
+    removed when the run ends), so the child processes see exactly this config and no secret is on
+    a command line; ``config.lake`` must name the same lake on every node (a shared file system or
+    object store) since rank 0 writes the checkpoint there.
 
     Raises:
         ValueError: see :func:`torchrun_command` and :func:`check_distributable`.
@@ -339,8 +387,9 @@ def train_with_torchrun(
 
     with tempfile.TemporaryDirectory() as tmp:
         result_json = Path(tmp) / "result.json"
+        private = write_private_config(config, Path(tmp) / "config.toml") if config.lake_storage_options else None
         cmd = torchrun_command(
-            config, nproc, result_json=result_json, examples_version=examples_version, nnodes=nnodes,
+            config, nproc, result_json=result_json, private_config=private, examples_version=examples_version, nnodes=nnodes,
             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr,
         )
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -355,7 +404,7 @@ def train_with_torchrun(
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, join the process group (``env://`` from torchrun), train, write the result on rank 0."""
     parser = argparse.ArgumentParser(prog="trainer.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config")
+    parser.add_argument("--config", help="TOML config file (the launcher's private file of storage options)")
     parser.add_argument("--lake")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--version", type=int, default=None)

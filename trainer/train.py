@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
+from gemline.lake import Lake
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, load_weights, read_state, save_checkpoint
 from trainer.data import (
     Batch,
@@ -93,8 +94,9 @@ def _loss_curve_png(loss_curve: list[float]) -> bytes:
     return buf.getvalue()
 
 
-def check_gate(lake: str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:
-    """Raise QuarantinedError unless the gate allows ``examples@examples_version``."""
+def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:
+    """Raise QuarantinedError unless the gate allows ``examples@examples_version`` (``lake``: a Lake,
+    or a root with its ``storage_options``)."""
     decision = gate_decision(lake, "examples", examples_version, storage_options=storage_options)
     if not decision.allowed:
         log.error("refusing to train: %s", decision.reason)
@@ -147,11 +149,9 @@ def run_training(config: GemlineConfig, *, examples_version: int | None = None, 
         FileNotFoundError: no examples table.
         ValueError: fewer than 2 event dates, or a table that breaks the examples contract.
     """
-    tc = config.trainer
-    opts = config.lake_storage_options
-    version = (latest_examples_version(config.lake, storage_options=opts) if examples_version is None
-               else examples_version)
-    check_gate(config.lake, version, storage_options=opts)
+    tc, lake = config.trainer, Lake.for_config(config)
+    version = latest_examples_version(lake) if examples_version is None else examples_version
+    check_gate(lake, version)
     previous_threads = torch.get_num_threads()
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
@@ -192,11 +192,11 @@ def _resume_position(state: TrainState, version: int, epochs: int) -> _Position:
 
 def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
     """run_training after the gate allowed ``version``."""
-    tc, opts = config.trainer, config.lake_storage_options
-    split = load_split(config.lake, version, storage_options=opts)
+    tc, lake = config.trainer, Lake.for_config(config)
+    split = load_split(lake, version)
 
     torch.manual_seed(tc.seed)
-    resume_from = latest_checkpoint(config.lake, storage_options=opts) if tc.init_from == "latest" else None
+    resume_from = latest_checkpoint(lake) if tc.init_from == "latest" else None
     normalizer = fit_normalizer(split.train)
     domains = training_domains(split.train, resume_from)
     model = build_model(tc, len(normalizer.names), domains)
@@ -240,8 +240,7 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
             examples_version=version,
             extra={"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "run": _run_record(position, tc.epochs, finished), **(extra or {})},
         )
-        return str(save_checkpoint(config.lake, state, model, optimizers, extra_files=files,
-                                   storage_options=opts))
+        return str(save_checkpoint(lake, state, model, optimizers, extra_files=files))
 
     loss_curve: list[float] = []
     per_epoch = num_batches(train, tc.batch_size)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
-from gemline.lake import StorageOptions, is_remote, read_table, table_uri
+from gemline.lake import Lake, StorageOptions, as_lake, read_table
 
 QUALITY_TABLE = "quality"
 RELEASE = "__release__"
@@ -52,15 +52,16 @@ class GateDecision:
     """False when the version has no validation run at all (the gate then fails closed)."""
 
 
-def append_quality_rows(lake: str | Path, rows: list[dict], *, storage_options: StorageOptions | None = None) -> None:
+def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, storage_options: StorageOptions | None = None) -> None:
     """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit.
 
-    ``storage_options``: object-store options for a remote lake (see :mod:`gemline.lake`).
+    ``lake``: a :class:`gemline.lake.Lake`, or a root with its ``storage_options`` (object-store
+    options for a remote lake, see :mod:`gemline.lake`).
     """
     if rows:
-        opts = dict(storage_options) if storage_options and is_remote(lake) else None
-        write_deltalake(table_uri(lake, QUALITY_TABLE), pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), mode="append",
-                        storage_options=opts)
+        lake = as_lake(lake, storage_options)
+        write_deltalake(lake.uri(QUALITY_TABLE), pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), mode="append",
+                        storage_options=lake.delta_options)
 
 
 def gate_decision(lake: str | Path, table: str, table_version: int, *,
