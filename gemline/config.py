@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.lake import redact
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig
@@ -50,13 +51,13 @@ class GemlineConfig:
     def __post_init__(self) -> None:
         # Messages name the bad option but never show a secret's value (gemline.lake.redact).
         if not isinstance(self.lake_storage_options, dict):
-            raise ValueError(f"lake_storage_options: expected a table of strings ([lake_storage_options] in the "
-                             f"TOML, or --set lake_storage_options.KEY=VALUE), got a {type(self.lake_storage_options).__name__}")
+            raise BadConfigError(f"lake_storage_options: expected a table of strings ([lake_storage_options] in the "
+                                 f"TOML, or --set lake_storage_options.KEY=VALUE), got a {type(self.lake_storage_options).__name__}")
         for key, value in self.lake_storage_options.items():
             if not isinstance(value, str):
                 shown = redact({key: value})[key]
-                raise ValueError(f"lake_storage_options.{key}: expected a string (quote it: \"{shown}\"), "
-                                 f"got {shown!r}")
+                raise BadConfigError(f"lake_storage_options.{key}: expected a string (quote it: \"{shown}\"), "
+                                     f"got {shown!r}")
 
     def __repr__(self) -> str:
         """The dataclass repr with the values of secret storage options hidden (gemline.lake.redact)."""
@@ -66,13 +67,13 @@ class GemlineConfig:
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a TOML or CLI value to the field's declared type; raise ValueError naming the key."""
+    """Convert a TOML or CLI value to the field's declared type; raise BadConfigError naming the key."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is type(None):
         if value is None or value in ("none", "None", ""):
             return None
-        raise ValueError(f"{key}: expected none, got {value!r}")
+        raise BadConfigError(f"{key}: expected none, got {value!r}")
     if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
         if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in args):
             return None
@@ -84,10 +85,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ValueError as exc:
                 errors.append(str(exc))
-        raise ValueError("; ".join(errors))
+        raise BadConfigError("; ".join(errors))
     if origin is typing.Literal:
         if value not in args:
-            raise ValueError(f"{key}: expected one of {args}, got {value!r}")
+            raise BadConfigError(f"{key}: expected one of {args}, got {value!r}")
         return value
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else list(value)
@@ -99,14 +100,14 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return True
         if str(value).lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{key}: expected a boolean, got {value!r}")
+        raise BadConfigError(f"{key}: expected a boolean, got {value!r}")
     if annotation in (int, float, str):
         try:
             if annotation is int and isinstance(value, float):
                 raise ValueError
             return annotation(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
+            raise BadConfigError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
     return value
 
 
@@ -117,11 +118,11 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in fields:
-            raise ValueError(f"unknown config key {key!r}; known: {sorted(fields)}")
+            raise BadConfigError(f"unknown config key {key!r}; known: {sorted(fields)}")
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
-                raise ValueError(f"{key}: expected a table, got {value!r}")
+                raise BadConfigError(f"{key}: expected a table, got {value!r}")
             kwargs[name] = _build(hint, value, f"{key}.")
         else:
             kwargs[name] = _coerce(value, hint, key)
@@ -134,7 +135,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ValueError(f"cannot set {dotted!r}: {part!r} is not a table")
+            raise BadConfigError(f"cannot set {dotted!r}: {part!r} is not a table")
     node[parts[-1]] = value
 
 
@@ -147,24 +148,30 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             strings are converted to the field's type.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: an unknown key, a value of the wrong type, or a value a section rejects.
+        MissingInputError: ``path`` does not exist (a FileNotFoundError).
+        BadConfigError: ``path`` is not TOML, an unknown key, a value of the wrong type, or a value a
+            section rejects (a ValueError).
     """
     tree: dict[str, Any] = {}
     if path is not None:
-        with open(path, "rb") as fh:
-            tree = tomllib.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                tree = tomllib.load(fh)
+        except FileNotFoundError:
+            raise MissingInputError(f"no config file at {str(path)!r}; pass --config the path of a TOML file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise BadConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     for dotted, value in (overrides or {}).items():
         _set_dotted(tree, dotted, value)
     return _build(GemlineConfig, tree, "")
 
 
 def parse_set_flags(pairs: list[str]) -> dict[str, str]:
-    """Turn ``["build.max_seq_len=512", ...]`` into a dict; raise ValueError on a pair without '='."""
+    """Turn ``["build.max_seq_len=512", ...]`` into a dict; raise BadConfigError on a pair without '='."""
     out: dict[str, str] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+            raise BadConfigError(f"--set expects KEY=VALUE, got {pair!r}")
         key, value = pair.split("=", 1)
         out[key.strip()] = value.strip()
     return out

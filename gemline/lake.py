@@ -53,6 +53,8 @@ import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
+from gemline.errors import GemlineError
+
 TABLES = ("events", "dead_letter", "sequences", "examples", "features/user", "features/item", "quality")
 
 
@@ -272,9 +274,9 @@ def committed_version(
     return dt.transaction_version(app_id)
 
 
-class CommitConflictError(RuntimeError):
+class CommitConflictError(GemlineError, RuntimeError):
     """Another writer committed the same app transaction to a table while this writer was
-    committing; this commit was refused whole (its data files stay unreferenced until vacuum)."""
+    committing; this commit was refused whole (its data files stay unreferenced until vacuum). Exit 2."""
 
 
 def _is_next_version(dt: DeltaTable | None, table: str, app_id: str, version: int) -> bool:

@@ -43,6 +43,8 @@ from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
 from apache_beam.transforms.core import RestrictionProvider
 from tqdm import tqdm
 
+from gemline.errors import GemlineError
+
 # The clients and record types live in ingest.kafka_clients; they are importable from here too.
 from ingest.kafka_clients import (  # noqa: F401
     CODECS,
@@ -79,10 +81,10 @@ def probe_ranges(kc: KafkaClient, ranges: list[OffsetRange], *, timeout_s: float
             _check_progress(rng, rng.start, deadline)
 
 
-class TopicChangedError(ValueError):
+class TopicChangedError(GemlineError, ValueError):
     """The topic is not the one the lake's offsets were committed from: recreated (another topic id,
     another record at a committed offset), its partition count changed, or its offsets went backwards.
-    ``gemline ingest --reset-topic`` starts over on the new topic deliberately."""
+    ``gemline ingest --reset-topic`` starts over on the new topic deliberately. Exit 2."""
 
 
 @dataclass(frozen=True)

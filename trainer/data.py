@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 import torch
 from torchrec import KeyedJaggedTensor
 
+from gemline.errors import MissingInputError
 from gemline.lake import Lake, StorageOptions, open_table, read_table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 
@@ -224,10 +225,10 @@ class ExamplesSplit:
 
 def latest_examples_version(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> int:
     """Newest Delta version of ``examples`` (``lake``: a Lake, or a root with its ``storage_options``);
-    raises FileNotFoundError if the table does not exist."""
+    raises MissingInputError (a FileNotFoundError) if the table does not exist."""
     dt = open_table(lake, "examples", storage_options=storage_options)
     if dt is None:
-        raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
+        raise MissingInputError(f"no examples table under {str(lake)!r}; run the build stage first")
     return dt.version()
 
 
@@ -266,7 +267,7 @@ def load_split(lake: Lake | str | Path, examples_version: int, *,
     """
     table = read_table(lake, "examples", examples_version, storage_options=storage_options)
     if table is None:
-        raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
+        raise MissingInputError(f"no examples table under {str(lake)!r}; run the build stage first")
     required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]
     missing = [c for c in required if c not in table.schema.names]
     if missing:

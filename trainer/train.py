@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
+from gemline.errors import GemlineError
 from gemline.lake import Lake
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, load_weights, read_state, save_checkpoint
 from trainer.data import (
@@ -46,8 +47,10 @@ from validation.gate import gate_decision
 log = logging.getLogger(__name__)
 
 
-class QuarantinedError(RuntimeError):
-    """The requested ``examples`` version failed its quality gate; the trainer refuses it."""
+class QuarantinedError(GemlineError, RuntimeError):
+    """The requested ``examples`` version failed its quality gate; the trainer refuses it (exit 3)."""
+
+    exit_code = 3
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
+from gemline.errors import BadConfigError, GemlineError
 from gemline.lake import Lake, StorageOptions, as_lake, read_table
 
 QUALITY_TABLE = "quality"
@@ -112,15 +113,17 @@ def _decide(table: str, table_version: int, rows: list[dict]) -> GateDecision:
     )
 
 
-class GateClosedError(RuntimeError):
-    """A stage refused to read a table version that the quality gate does not allow.
+class GateClosedError(GemlineError, RuntimeError):
+    """A stage refused to read a table version that the quality gate does not allow (exit 3).
 
     ``decision`` is the refused version's :class:`GateDecision`; the message is one line that names
     the version and the command that opens the gate (validate, or release by hand).
     """
 
+    exit_code = 3
+
     def __init__(self, decision: GateDecision, reader: str) -> None:
-        self.decision = decision
+        self.decision, self.reader = decision, reader
         table, version = decision.table, decision.table_version
         if decision.validated:
             action = (f"inspect it (`gemline report --table {table} --version {version}`), then "
@@ -128,6 +131,10 @@ class GateClosedError(RuntimeError):
         else:
             action = f"run `gemline validate --table {table} --version {version}` first"
         super().__init__(f"{reader} refused: {decision.reason}; {action}")
+
+    def __reduce__(self) -> tuple[type[GateClosedError], tuple[GateDecision, str]]:
+        """Pickle by the constructor's arguments: a Beam or Dask worker sends its exception to the driver."""
+        return type(self), (self.decision, self.reader)
 
 
 def require_allowed(lake: str | Path, table: str, version: int, *, since: int | None = None, reader: str,
@@ -165,14 +172,14 @@ def release(lake: str | Path, table: str, table_version: int, reason: str, *, no
     """Record that a person released a quarantined version (the reason is kept in ``observed``).
 
     Raises:
-        ValueError: ``reason`` is empty, or ``table@table_version`` was never validated (a release
+        BadConfigError: ``reason`` is empty, or ``table@table_version`` was never validated (a release
             answers a verdict; there is none to answer).
     """
     if not reason.strip():
-        raise ValueError("a release needs a non-empty --reason")
+        raise BadConfigError("a release needs a non-empty --reason")
     if not gate_decision(lake, table, table_version, storage_options=storage_options).validated:
-        raise ValueError(f"{table}@{table_version} was never validated; run `gemline validate --table {table} "
-                         f"--version {table_version}` first")
+        raise BadConfigError(f"{table}@{table_version} was never validated; run `gemline validate --table {table} "
+                             f"--version {table_version}` first")
     ts = int(time.time() * 1000) if now_ms is None else now_ms
     append_quality_rows(
         lake,
