@@ -4,7 +4,6 @@
 :func:`user_feature_rows`, :func:`item_feature_rows` and :func:`user_category_feature_rows` are
 the per-entity reference: the incremental reference build (``sequences/incremental.py``) calls
 them, and the build's vectorised twin (``sequences/vectorized.py``) is tested equal to it.
-:class:`GroupByEntity` is left only for ``sequences.pipeline``'s re-export of the old API.
 
 Rows follow :data:`features.definitions.USER_FEATURES` / :data:`ITEM_FEATURES`; counters count
 events with time <= ``as_of_ms`` (the snapshot watermark), i.e. strictly before as_of_ms + 1.
@@ -15,8 +14,6 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
-
-import apache_beam as beam
 
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES, CounterIndex
 from sequences.config import BuildConfig
@@ -141,39 +138,4 @@ def item_feature_rows(
              "category": _latest_non_null(in_domain, "category")}
         )
     return rows
-
-
-def _key_by(event: Mapping[str, Any], field: str) -> tuple[str, Mapping[str, Any]]:
-    return event[field], event
-
-
-def _sorted_group(keyed: tuple[str, Iterable[Event]]) -> tuple[str, list[Event]]:
-    key, events = keyed
-    return key, sorted_unique_events(events)
-
-
-class GroupByEntity(beam.PTransform):
-    """events (dict rows) -> ``(entity key, events)`` with each group deduplicated by event_id and
-    sorted by (event_time_ms, event_id), so every per-entity step downstream shares one shuffle.
-
-    Args:
-        field: the entity key column, ``"user_id"`` or ``"item_id"``.
-
-    Raises:
-        ValueError: ``field`` is not an entity key of the events.
-    """
-
-    def __init__(self, field: str) -> None:
-        super().__init__()
-        if field not in ("user_id", "item_id"):
-            raise ValueError(f"GroupByEntity groups by 'user_id' or 'item_id', got {field!r}")
-        self._field = field
-
-    def expand(self, events: beam.PCollection) -> beam.PCollection:
-        return (
-            events
-            | "KeyByEntity" >> beam.Map(_key_by, self._field)
-            | "GroupByKey" >> beam.GroupByKey()
-            | "SortAndDedupe" >> beam.Map(_sorted_group)
-        )
 

@@ -8,7 +8,7 @@ reading ``runners/dask/transform_evaluator.py`` and ``dask_runner.py`` of apache
    ``events`` and ``dead_letter``; build stages nine tables) runs only one of them;
 2. a multi-output ``ParDo`` (``with_outputs``) hands *every* tagged output to every consumer;
 3. it collects a bundle's outputs before ``finish_bundle``, dropping what ``finish_bundle``
-   emits (``ingest.vectorized.BatchRecords`` emits its record batches there);
+   emits (a DoFn that buffers within a bundle emits its last buffer there);
 4. splittable DoFns are invoked without a restriction (``ingest.kafka_source.ReadPartitionFn``
    fails on its missing tracker);
 5. ``GroupByKey`` partitions keys with Python's ``hash()`` of arbitrary objects, which for

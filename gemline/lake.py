@@ -55,9 +55,6 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from gemline.errors import GemlineError
 
-TABLES = ("events", "dead_letter", "sequences", "examples", "features/user", "features/item", "quality")
-
-
 StorageOptions = Mapping[str, str]
 """delta-rs / object_store configuration keys to string values (e.g. ``{"AWS_REGION": "us-east-1"}``)."""
 

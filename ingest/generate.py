@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from gemline.errors import BadConfigError
 from ingest.datasets.types import RawRecord, Record
-from ingest.schema import SCHEMA_VERSION, Event
+from ingest.schema import Event
 
 GEM_DOMAINS: tuple[str, ...] = ("facebook", "instagram", "messaging")
 BAD_KINDS: tuple[str, ...] = ("not_json", "missing_field", "unknown_domain", "wrong_type", "future_event_time")

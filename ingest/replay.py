@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from gemline.errors import BadConfigError
 from ingest.datasets import load_records
-from ingest.kafka_clients import check_not_refused, rdkafka_logger, unreachable
 from ingest.datasets.types import RawRecord, Record, event_time_sort_key
+from ingest.kafka_clients import check_not_refused, rdkafka_logger, unreachable
 from ingest.schema import Event
 
 

@@ -49,22 +49,39 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from tqdm import tqdm
 
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
-from features.pipeline import GroupByEntity  # noqa: F401  (re-exported for callers of the old API)
 from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.hygiene import conform, tidy
-from gemline.lake import (StorageOptions, commit_files_once, commit_metadata, committed_version, is_remote, lake_fs,
-                          open_table, read_table, write_data_file)
+from gemline.lake import (
+    StorageOptions,
+    commit_files_once,
+    commit_metadata,
+    committed_version,
+    is_remote,
+    lake_fs,
+    open_table,
+    read_table,
+    write_data_file,
+)
 from gemline.locks import holding
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
-from sequences.shards import (EVENT_SCHEMA, ITEM_INPUTS, USER_INPUTS, USER_OUTPUTS, gather_inputs, load_piece,
-                              spill_piece, split_by_shard)
-from sequences.shards import item_shard_reference, user_shard_reference
-from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
+from sequences.shards import (
+    EVENT_SCHEMA,
+    ITEM_INPUTS,
+    USER_INPUTS,
+    USER_OUTPUTS,
+    gather_inputs,
+    item_shard_reference,
+    load_piece,
+    spill_piece,
+    split_by_shard,
+    user_shard_reference,
+)
+from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 from validation.gate import require_allowed
 
 APP_ID = "build"

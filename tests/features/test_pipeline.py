@@ -1,14 +1,11 @@
-"""Feature-table rows as of a snapshot, and GroupByEntity on TestPipeline."""
+"""Feature-table rows as of a snapshot."""
 
 from __future__ import annotations
 
-import apache_beam as beam
 import pytest
-from apache_beam.testing import test_pipeline
-from apache_beam.testing.util import assert_that, equal_to
 
 from features.definitions import DAY_MS, ITEM_FEATURES, USER_FEATURES
-from features.pipeline import GroupByEntity, item_feature_rows, user_feature_rows
+from features.pipeline import item_feature_rows, user_feature_rows
 from sequences.config import BuildConfig
 
 CONFIG = BuildConfig(ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0)
@@ -53,20 +50,6 @@ def test_item_rows_per_domain_and_empty_item(make_event):
 def test_missing_created_ts_raises(make_event):
     with pytest.raises(ValueError, match="created_ts_ms must be an int"):
         user_feature_rows("u1", [make_event("a", 1, "click", created_ts_ms=None)], as_of_ms=5, config=CONFIG)
-
-
-def test_group_by_entity_sorts_and_dedupes(make_event):
-    with test_pipeline.TestPipeline() as p:
-        events = [make_event("b", 5, "click"), make_event("a", 5, "impression"), make_event("b", 5, "click"),
-                  make_event("c", 1, "click", user="u2")]
-        groups = p | beam.Create(events) | GroupByEntity("user_id")
-        assert_that(groups | beam.MapTuple(lambda k, evs: (k, [e["event_id"] for e in evs])),
-                    equal_to([("u1", ["a", "b"]), ("u2", ["c"])]))
-
-
-def test_group_by_entity_rejects_other_keys():
-    with pytest.raises(ValueError, match="groups by 'user_id' or 'item_id', got 'domain'"):
-        GroupByEntity("domain")
 
 
 def test_user_category_rows_ttl_and_prior_counts(make_event):

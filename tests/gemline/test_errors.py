@@ -6,8 +6,14 @@ import pickle
 import pytest
 
 from gemline.config import load_config
-from gemline.errors import (BadConfigError, BrokerTimeoutError, BrokerUnreachableError, GemlineError, MissingInputError,
-                            RetentionGapError)
+from gemline.errors import (
+    BadConfigError,
+    BrokerTimeoutError,
+    BrokerUnreachableError,
+    GemlineError,
+    MissingInputError,
+    RetentionGapError,
+)
 from gemline.lake import CommitConflictError
 from gemline.locks import LakeBusyError
 from ingest.kafka_source import TopicChangedError

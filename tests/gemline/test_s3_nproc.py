@@ -18,10 +18,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from gemline.config import GemlineConfig, load_config, parse_set_flags
+from gemline.config import load_config, parse_set_flags
 from gemline.lake import Lake, commit_once, open_table
 from tests.trainer.conftest import mark_quality, synthetic_examples
-from trainer.config import TrainerConfig
 
 from .conftest import s3_bucket
 
