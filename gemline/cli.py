@@ -11,7 +11,8 @@
     gemline validate --table T [--version V]
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
-    gemline train [--version V] [--nproc N]
+    gemline train [--version V] [--nproc N] | --once | --follow [--poll-interval-s S] [--from-scratch]
+    gemline lineage [--json]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
 
@@ -247,6 +248,8 @@ def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.once or args.follow:
+        return _train_continuous(args)
     if args.nnodes > 1 or args.rdzv_endpoint is not None:
         from trainer.launch import train_with_torchrun
 
@@ -279,6 +282,43 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _train_continuous(args: argparse.Namespace) -> int:
+    """``train --once`` / ``--follow``: the continuous trainer (trainer.continuous), one JSON line per run."""
+    from trainer.continuous import follow, run_once
+
+    if args.nproc > 1 or args.version is not None:
+        raise BadConfigError("train --once/--follow consume every new examples version in one process; "
+                             "--version and --nproc are for one-shot runs")
+    config = _config(args)
+
+    def show(result: object) -> None:
+        record = _as_dict(result)
+        print(json.dumps({k: record[k] for k in ("run_id", "step", "rows_trained_total", "versions", "progressive",
+                                                 "waiting_for", "checkpoint_path", "report_path")}, default=str),
+              flush=True)
+
+    if args.follow:
+        follow(config, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch, on_result=show)
+        return 0
+    show(run_once(config, from_scratch=args.from_scratch))
+    return 0
+
+
+def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
+    from trainer.continuous import lineage
+
+    record = lineage(_config(args))
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return 0
+    print(f"continuous run {record['run_id']}: step {record['step']}, {record['rows_trained_total']} examples trained")
+    for v in record["examples_versions"]:
+        offsets = ", ".join(f"{o['topic']}[{o['partition']}] {o['start']}..{o['end']}" for o in v.get("kafka_offsets", []))
+        print(f"  examples@{v['version']}: {v['quality']}, {v['rows_trained']} rows; events versions "
+              f"{v.get('events_versions', [])}; Kafka {offsets or '-'}")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from trainer.compare import run_compare
 
@@ -292,7 +332,8 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     from gemline.demo import run_demo
 
     summary = run_demo(
-        _config(args), dataset=args.dataset, path=args.path, limit=args.limit, beam_args=extra, nproc=args.nproc
+        _config(args), dataset=args.dataset, path=args.path, limit=args.limit, beam_args=extra, nproc=args.nproc,
+        increments=args.increments,
     )
     return 0 if summary["quality_passed"] else 3
 
@@ -415,9 +456,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train on a version of examples (refuses quarantined versions)")
     _common(p)
     p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true",
+                      help="continuous: consume every new gate-allowed examples version once, checkpoint, exit")
+    mode.add_argument("--follow", action="store_true",
+                      help="continuous: keep consuming new versions until Ctrl-C/SIGTERM")
+    p.add_argument("--poll-interval-s", type=float, default=30.0, help="--follow: seconds between runs")
+    p.add_argument("--from-scratch", action="store_true", help="--once/--follow: start a new continuous run")
     _nproc_flag(p)
     _multinode_flags(p)
     p.set_defaults(func=cmd_train, passthrough=False)
+
+    p = sub.add_parser("lineage", help="what the newest continuous checkpoint was trained on")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="the lineage as JSON")
+    p.set_defaults(func=cmd_lineage, passthrough=False)
 
     p = sub.add_parser("compare", help="train GEM, DLRM and LR on one examples version; table + plot under LAKE/_runs")
     _common(p)
@@ -431,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="movielens", help="movielens (default) | taobao | openbandit")
     p.add_argument("--path", help="input file (taobao)")
     p.add_argument("--limit", type=int, help="first N source records only")
+    p.add_argument("--increments", type=int, default=6,
+                   help="replay the data in N time-ordered parts, each built and consumed by a continuous run")
     _nproc_flag(p)
     p.set_defaults(func=cmd_demo, passthrough=True)
     return parser

@@ -41,11 +41,18 @@ def run_demo(
     beam_args: list[str] | None = None,
     console: Console | None = None,
     nproc: int = 1,
+    increments: int = 6,
 ) -> dict[str, Any]:
     """Run every stage once and return the summary dict (also written as summary.json).
 
     Keys: run_id, dataset, events_in, events_ingested, dead_letter, examples, seq_len_p50,
     seq_len_p99, quality_passed, quality_reports, auc, ne, calibration, eval_date, summary_path.
+
+    ``increments`` > 1 splits the dataset's records, in event-time order, into that many parts of equal
+    size; each is replayed, ingested, validated, built, validated and consumed by a continuous training run
+    (``trainer.continuous.run_once``: evaluated on each new examples version before training on it), and
+    ``summary["progressive"]`` lists ``{"increment", "examples_version", "rows", "auc", "ne"}`` per
+    evaluated version. The one-shot run on all days but the last follows on the final version either way.
 
     ``nproc`` > 1 trains through torchrun with that many local processes
     (trainer.launch.train_with_torchrun; ``trainer.model`` gem, dlrm or ranker).
@@ -57,9 +64,11 @@ def run_demo(
     Raises:
         ValueError: an unknown dataset, or a dataset that needs ``path`` without one.
     """
+    from ingest.datasets import load_records
     from ingest.pipeline import run_ingest
-    from ingest.replay import replay_dataset
+    from ingest.replay import replay
     from sequences.pipeline import run_build
+    from trainer.continuous import run_once
     from trainer.train import run_training
     from validation.gate import GateClosedError
     from validation.run import validate_table
@@ -87,44 +96,60 @@ def run_demo(
         else:
             console.print(f"[bold]broker[/] {bootstrap}")
 
-        console.rule(f"replay {dataset} -> {topic}")
-        replayed = replay_dataset(
-            dataset, bootstrap=bootstrap, topic=topic, partitions=config.kafka.partitions, path=path,
-            limit=limit, batch_messages=config.kafka.producer_batch_messages,
-        )
-        summary["events_in"] = replayed.num_events + replayed.num_raw
-
-        console.rule("ingest (Beam)")
-        ingested = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args)
-    summary["events_ingested"] = ingested.events_written
-    summary["dead_letter"] = ingested.dead_letter_written
-    summary["ingest_skipped"] = ingested.skipped
-    if ingested.skipped:
-        console.print("ingest: every offset of this topic is already in the lake; nothing added")
-
-    reports: dict[str, Any] = {}
-    console.rule("validate events (Great Expectations)")
-    events_quality = validate_table(config, "events")
-    reports["events"] = _quality_line(console, events_quality)
-
-    console.rule("build (Beam): sequences, features, examples")
-    summary.update({"examples": None, "seq_len_p50": None, "seq_len_p99": None,
-                    "auc": None, "ne": None, "calibration": None, "eval_date": None})
-    try:
-        built = run_build(config, beam_args=beam_args, final=True)  # a bounded replay: close every window
-    except GateClosedError as exc:
-        # The events gate holds the build: nothing is built or trained on quarantined events.
-        console.print(str(exc), style="red", markup=False)
-        summary["quality_passed"] = False
-        summary["quality_reports"] = reports
-        return _finish(config, console, run_id, summary, started)
+        records = load_records(dataset, path=path, limit=limit, progress=True)
+        summary["events_in"] = len(records)
+        summary.update({"events_ingested": 0, "dead_letter": 0, "examples": None, "seq_len_p50": None,
+                        "seq_len_p99": None, "auc": None, "ne": None, "calibration": None, "eval_date": None,
+                        "progressive": []})
+        reports: dict[str, Any] = {}
+        parts = _increments(len(records), increments)
+        # A fresh embedded broker holds a new topic: a lake that already read this demo topic starts over on it
+        # deliberately (what it already holds comes back as duplicates and is dropped).
+        reset = bootstrap != config.kafka.bootstrap and _has_offsets(config)
+        built = events_quality = examples_quality = None
+        validated_examples = None
+        for k, (lo, hi) in enumerate(parts):
+            label = f"increment {k + 1}/{len(parts)}" if len(parts) > 1 else dataset
+            console.rule(f"{label}: replay {hi - lo} records -> {topic}, ingest (Beam)")
+            replay(records[lo:hi], bootstrap=bootstrap, topic=topic, partitions=config.kafka.partitions,
+                   batch_messages=config.kafka.producer_batch_messages)
+            ingested = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, reset_topic=reset)
+            reset = False
+            summary["events_ingested"] += ingested.events_written
+            summary["dead_letter"] += ingested.dead_letter_written
+            summary["ingest_skipped"] = ingested.skipped
+            if ingested.skipped:
+                console.print("ingest: every offset of this topic is already in the lake; nothing added")
+            events_quality = validate_table(config, "events")
+            reports["events"] = _quality_line(console, events_quality)
+            final = k == len(parts) - 1  # a bounded replay: the last build closes every attribution window
+            try:
+                built = run_build(config, beam_args=beam_args, final=final)
+            except GateClosedError as exc:
+                # The events gate holds the build: nothing is built or trained on quarantined events.
+                console.print(str(exc), style="red", markup=False)
+                summary["quality_passed"] = False
+                summary["quality_reports"] = reports
+                return _finish(config, console, run_id, summary, started)
+            if built.examples_version is None or built.examples_version == validated_examples:
+                continue
+            examples_quality = validate_table(config, "examples", built.examples_version)
+            reports["examples"] = _quality_line(console, examples_quality)
+            validated_examples = built.examples_version
+            if len(parts) > 1:
+                consumed = run_once(config, from_scratch=k == 0)
+                for row in consumed.progressive:
+                    summary["progressive"].append({"increment": k + 1, **row})
+                    console.print(f"progressive: examples@{row['examples_version']} ({row['rows']} rows) evaluated "
+                                  f"before training on it: click AUC {_fmt(row['auc'])}, NE {_fmt(row['ne'])}")
+                summary["continuous_report"] = consumed.report_path
+        assert built is not None and events_quality is not None
     summary["examples"] = built.num_examples
     summary["seq_len_p50"] = built.seq_length_p50
     summary["seq_len_p99"] = built.seq_length_p99
-
-    console.rule("validate examples (Great Expectations)")
-    examples_quality = validate_table(config, "examples", built.examples_version)
-    reports["examples"] = _quality_line(console, examples_quality)
+    if examples_quality is None:
+        examples_quality = validate_table(config, "examples", built.examples_version)
+        reports["examples"] = _quality_line(console, examples_quality)
     summary["quality_passed"] = bool(events_quality.passed and examples_quality.passed)
     summary["quality_reports"] = reports
 
@@ -150,6 +175,26 @@ def run_demo(
     else:
         console.print(f"[red]examples@{built.examples_version} quarantined: not trained on[/]")
     return _finish(config, console, run_id, summary, started)
+
+
+def _increments(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive [lo, hi) index ranges of equal size (+-1) covering ``n`` records.
+
+    Raises:
+        ValueError: ``parts < 1``.
+    """
+    if parts < 1:
+        raise ValueError(f"demo: expected increments >= 1, got {parts}")
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, n)]
+
+
+def _has_offsets(config: GemlineConfig) -> bool:
+    from gemline.lake import committed_version
+    from ingest.pipeline import app_id_for
+
+    return committed_version(config.lake, "events", app_id_for(config.kafka.topic),
+                             storage_options=config.lake_storage_options) is not None
 
 
 def _finish(config: GemlineConfig, console: Console, run_id: str, summary: dict[str, Any],
@@ -208,6 +253,15 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, _fmt(value))
     console.print(table)
+    if summary.get("progressive"):
+        prog = Table(title="continuous training: each examples version evaluated before training on it")
+        for column in ("increment", "examples version", "rows", "click AUC", "click NE"):
+            prog.add_column(column, justify="right")
+        for row in summary["progressive"]:
+            prog.add_row(str(row["increment"]), str(row["examples_version"]), str(row["rows"]), _fmt(row["auc"]),
+                         _fmt(row["ne"]))
+        console.print(prog)
+        console.print(f"continuous run report: {summary.get('continuous_report')}")
     for name, report in summary["quality_reports"].items():
         console.print(f"quality report {name}@{report['version']}: {report['report_html']}")
     console.print(f"summary: {summary['summary_path']}")

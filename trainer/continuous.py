@@ -44,6 +44,7 @@ from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.config import GemlineConfig
 from gemline.lake import committed_version, is_remote, open_table, table_uri
+from gemline.locks import holding
 from trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainState,
@@ -153,6 +154,7 @@ def _prune(root: str, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@holding("train")
 def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
              max_versions: int | None = None, progress: bool = False) -> ContinuousResult:
     """Consume every new, gate-allowed ``examples`` version once (module docstring), checkpoint, return.
@@ -168,6 +170,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
     Raises:
         FileNotFoundError: there is no ``examples`` table.
         trainer.increments.CursorError: the table was recreated, or rows under the cursor are gone.
+        gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
         ValueError: ``keep_checkpoints < 1``; a dense column the model was trained with is missing.
     """
     if keep_checkpoints < 1:
@@ -183,7 +186,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
     model: Any = None  # a gemline ranker (nn.Module with dense_parameters, embedding_parameters, init_output_bias)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     normalizer: DenseNormalizer | None = None
-    domains: tuple[str, ...] = tuple(sorted(config.ingest.domains))
+    domains: tuple[str, ...] = ()
     step = examples_seen = 0
     if resume is not None:
         state = read_state(resume)
@@ -252,6 +255,11 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
                 cursor = Cursor(tid, version + 1) if version == cursor.version else cursor
                 continue
             normalizer = fit_normalizer(first)
+            # The towers are those of the domains the first version holds, as in a one-shot run
+            # (trainer.train.training_domains); a domain that appears later shares the unknown-domain slot.
+            # Sizing them by every configured domain instead (8 by default) made GEM rank MovieLens' second
+            # version at AUC 0.30 where DLRM and LR reached 0.70: not understood yet, so not done.
+            domains = tuple(sorted(set(first["domain"].to_pylist()) - {None}))
             model, optimizers = _build(config, normalizer, domains)
             if hasattr(model, "init_output_bias"):
                 model.init_output_bias(prior_rates(encode_examples(first, tc.num_embeddings, normalizer).labels))
@@ -356,6 +364,38 @@ def _build(config: GemlineConfig, normalizer: DenseNormalizer,
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
     }
     return model, optimizers
+
+
+def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
+           on_result: Any = None, max_polls: int | None = None) -> int:
+    """Run :func:`run_once` again every ``poll_interval_s`` seconds until Ctrl-C or SIGTERM (``gemline train
+    --follow``); each call resumes from the checkpoint the previous one wrote. Returns the calls made.
+
+    An interrupt while waiting ends cleanly; one during a call propagates (the CLI prints one line, exit
+    130) and the next run resumes from the newest checkpoint, so nothing is trained twice.
+
+    Args:
+        on_result: called with each :class:`ContinuousResult` (the CLI prints a JSON line).
+        max_polls: stop after this many calls (tests); None: until interrupted.
+
+    Raises:
+        ValueError: ``poll_interval_s < 0``; and what :func:`run_once` raises.
+    """
+    if poll_interval_s < 0:
+        raise ValueError(f"follow: expected poll_interval_s >= 0, got {poll_interval_s}")
+    calls = 0
+    while max_polls is None or calls < max_polls:
+        result = run_once(config, from_scratch=from_scratch and calls == 0)
+        calls += 1
+        if on_result is not None:
+            on_result(result)
+        if max_polls is not None and calls >= max_polls:
+            break
+        try:
+            time.sleep(poll_interval_s)
+        except KeyboardInterrupt:
+            break
+    return calls
 
 
 def lineage(config: GemlineConfig, *, checkpoint: str | None = None) -> dict[str, Any]:

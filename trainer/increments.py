@@ -33,11 +33,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gemline.errors import GemlineError
 from gemline.lake import StorageOptions, lake_fs, open_table
 
 
-class CursorError(ValueError):
-    """The cursor cannot continue on this table: recreated, or its log entries or files are gone."""
+class CursorError(GemlineError, ValueError):
+    """The cursor cannot continue on this table: recreated, or its log entries or files are gone (exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 import gemline.demo as demo
+import ingest.datasets
 import ingest.pipeline
 import ingest.replay
 import sequences.pipeline
@@ -30,8 +31,8 @@ class _NoBroker:
 def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(demo, "EmbeddedBroker", _NoBroker)
-    monkeypatch.setattr(ingest.replay, "replay_dataset",
-                        lambda *a, **k: types.SimpleNamespace(num_events=5, num_raw=1))
+    monkeypatch.setattr(ingest.datasets, "load_records", lambda *a, **k: list(range(6)))
+    monkeypatch.setattr(ingest.replay, "replay", lambda *a, **k: None)
     monkeypatch.setattr(ingest.pipeline, "run_ingest", lambda *a, **k: types.SimpleNamespace(
         events_written=5, dead_letter_written=1, skipped=False))
 
@@ -48,7 +49,7 @@ def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch):
     monkeypatch.setattr(validation.run, "validate_table", validate)
     monkeypatch.setattr(sequences.pipeline, "run_build", build)
     console = Console(record=True, width=400)
-    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console)
+    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console, increments=1)
 
     assert calls == [("validate", "events"), ("build",)]  # no examples validation, no training
     assert (summary["quality_passed"], summary["examples"], summary["auc"]) == (False, None, None)
@@ -66,7 +67,8 @@ def test_demo_names_an_undefined_auc_instead_of_printing_nan(tmp_path, monkeypat
     import trainer.train
 
     monkeypatch.setattr(demo, "EmbeddedBroker", _NoBroker)
-    monkeypatch.setattr(ingest.replay, "replay_dataset", lambda *a, **k: types.SimpleNamespace(num_events=5, num_raw=0))
+    monkeypatch.setattr(ingest.datasets, "load_records", lambda *a, **k: list(range(5)))
+    monkeypatch.setattr(ingest.replay, "replay", lambda *a, **k: None)
     monkeypatch.setattr(ingest.pipeline, "run_ingest", lambda *a, **k: types.SimpleNamespace(
         events_written=5, dead_letter_written=0, skipped=False))
     monkeypatch.setattr(validation.run, "validate_table", lambda config, table, version=None, **k: types.SimpleNamespace(
@@ -79,9 +81,50 @@ def test_demo_names_an_undefined_auc_instead_of_printing_nan(tmp_path, monkeypat
     monkeypatch.setattr(trainer.train, "run_training", lambda *a, **k: types.SimpleNamespace(
         metrics=metrics, eval_date="2026-01-02", train_examples=30, eval_examples=10, checkpoint_path="ck"))
     console = Console(record=True, width=400)
-    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console)
+    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console, increments=1)
     assert summary["auc"] is None and summary["ne"] is None
     text = console.export_text()
     assert "nan" not in text.lower().replace("nanoseconds", "")
     assert "click auc is undefined on the eval day 2026-01-02: no positive labels among 40 examples" in text
     assert json.loads(Path(summary["summary_path"]).read_text())["auc"] is None
+
+
+def test_demo_increments_split_the_records_in_order_and_train_continuously(tmp_path, monkeypatch):
+    import trainer.continuous
+    import trainer.train
+
+    replayed, builds, consumed = [], [], []
+    monkeypatch.setattr(demo, "EmbeddedBroker", _NoBroker)
+    monkeypatch.setattr(ingest.datasets, "load_records", lambda *a, **k: list(range(10)))
+    monkeypatch.setattr(ingest.replay, "replay", lambda records, **k: replayed.append(list(records)))
+    monkeypatch.setattr(ingest.pipeline, "run_ingest", lambda *a, **k: types.SimpleNamespace(
+        events_written=3, dead_letter_written=0, skipped=False))
+    monkeypatch.setattr(validation.run, "validate_table", lambda config, table, version=None, **k: types.SimpleNamespace(
+        table=table, table_version=version or 0, passed=True, report_html="r.html"))
+
+    def build(config, beam_args=None, final=False):
+        builds.append(final)
+        return types.SimpleNamespace(num_examples=10, seq_length_p50=1, seq_length_p99=2,
+                                     examples_version=len(builds))
+
+    def once(config, from_scratch=False):
+        consumed.append(from_scratch)
+        version = len(builds)
+        rows = [] if version == 1 else [{"examples_version": version, "rows": 7, "auc": 0.6, "ne": 0.9}]
+        return types.SimpleNamespace(progressive=rows, report_path="report.html")
+
+    monkeypatch.setattr(sequences.pipeline, "run_build", build)
+    monkeypatch.setattr(trainer.continuous, "run_once", once)
+    monkeypatch.setattr(trainer.train, "run_training", lambda *a, **k: types.SimpleNamespace(
+        metrics={"click": {"overall": {"auc": 0.7, "ne": 0.8, "calibration": 1.0}, "by_domain": {}}},
+        eval_date="d", train_examples=1, eval_examples=1, checkpoint_path="ck"))
+    summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=Console(record=True, width=300),
+                            increments=3)
+    assert replayed == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]  # event-time order kept, every record once
+    assert builds == [False, False, True]  # only the last build closes every attribution window
+    assert consumed == [True, False, False]
+    assert summary["progressive"] == [{"increment": 2, "examples_version": 2, "rows": 7, "auc": 0.6, "ne": 0.9},
+                                      {"increment": 3, "examples_version": 3, "rows": 7, "auc": 0.6, "ne": 0.9}]
+    assert summary["events_ingested"] == 9 and summary["auc"] == 0.7
+    saved = json.loads(Path(summary["summary_path"]).read_text())
+    assert saved["progressive"] == summary["progressive"]

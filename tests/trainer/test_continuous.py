@@ -192,3 +192,41 @@ def test_lineage_names_the_events_versions_and_kafka_offsets_behind_each_version
     assert records[0]["kafka_offsets"] == [{"events_version": 0, **ranges[0][0]},
                                            *[{"events_version": 1, **r} for r in ranges[1]]]
     assert records[1]["kafka_offsets"] == [{"events_version": 2, **ranges[2][0]}]
+
+
+def test_cli_train_once_lineage_and_a_second_trainer_refused(tmp_path, capsys):
+    import json
+
+    from gemline.cli import main
+    from gemline.locks import exclusive
+
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    _add(lake, 2)
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    assert main(["train", "--once", "--lake", str(lake), *sets]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [v["version"] for v in out["versions"]] == [0, 1] and out["rows_trained_total"] == 400
+    assert main(["lineage", "--json", "--lake", str(lake), *sets]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["rows_trained_total"] == 400 and record["run_id"] == out["run_id"]
+    assert [v["rows_trained"] for v in record["examples_versions"]] == [200, 200]
+    with exclusive(str(lake), "train"):  # a --follow trainer holds the lake
+        assert main(["train", "--once", "--lake", str(lake), *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another train is running on this lake" in err[0]
+    assert main(["train", "--once", "--nproc", "2", "--lake", str(lake), *sets]) == 2
+
+
+def test_follow_consumes_what_arrives_between_polls(tmp_path, monkeypatch):
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    seen = []
+
+    def on_result(result):
+        seen.append([v["version"] for v in result.versions])
+        if len(seen) == 1:
+            _add(lake, 2)  # a build publishes a version while the trainer waits
+
+    calls = continuous.follow(_config(lake), poll_interval_s=0, on_result=on_result, max_polls=3)
+    assert calls == 3 and seen == [[0], [1], []]
