@@ -33,6 +33,7 @@ import logging
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,13 +136,45 @@ def _append_metrics(config: GemlineConfig, run_id: str, sequence: int, rows: lis
                     commit_properties=CommitProperties(app_transactions=[Transaction(app_id=app_id, version=sequence)]))
 
 
-def _version_table(config: GemlineConfig, cursor: Cursor, version: int) -> pa.Table:
-    """Every row ``version`` added from ``cursor`` on (for the progressive evaluation)."""
-    start = cursor if cursor.version == version else Cursor(cursor.table_id, version)
-    batches = [b for _, b, _ in read_from(config.lake, EXAMPLES, start, until_version=version,
-                                          batch_rows=config.trainer.batch_size * 64,
-                                          storage_options=config.lake_storage_options) if b is not None]
+BOOTSTRAP_ROWS = 100_000
+"""Rows of a new run's first version that fit the input normalizer, the domains and the output bias."""
+
+
+def _version_batches(config: GemlineConfig, start: Cursor, version: int) -> Iterator[pa.RecordBatch]:
+    """The read batches (``trainer.batch_size * 64`` rows at most) ``version`` added from ``start`` on."""
+    for _, batch, _ in read_from(config.lake, EXAMPLES, start, until_version=version,
+                                 batch_rows=config.trainer.batch_size * 64,
+                                 storage_options=config.lake_storage_options):
+        if batch is not None:
+            yield batch
+
+
+def _bootstrap_sample(config: GemlineConfig, start: Cursor, version: int) -> pa.Table:
+    """The first :data:`BOOTSTRAP_ROWS` (or fewer) rows ``version`` added: what a new run is sized and
+    normalized by, read in bounded memory whatever the version holds."""
+    batches, rows = [], 0
+    for batch in _version_batches(config, start, version):
+        batches.append(batch)
+        rows += batch.num_rows
+        if rows >= BOOTSTRAP_ROWS:
+            break
     return pa.Table.from_batches(batches) if batches else pa.table({})
+
+
+def _progressive(model: Any, config: GemlineConfig, normalizer: DenseNormalizer, start: Cursor,
+                 version: int) -> dict | None:
+    """:func:`trainer.metrics.evaluate` of ``model`` on every row ``version`` added, predicted batch by batch
+    (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows."""
+    tc = config.trainer
+    labels, probs, domains = [], [], []
+    for batch in _version_batches(config, start, version):
+        data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
+        labels.append(data.labels)
+        probs.append(predict(model, data, tc.batch_size))
+        domains.append(np.asarray(data.domains, dtype=object))
+    if not labels:
+        return None
+    return evaluate(np.concatenate(labels), np.concatenate(probs), np.concatenate(domains))
 
 
 def _prune(root: str, keep: int) -> None:
@@ -250,7 +283,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
             continue
         start = cursor if version == cursor.version else Cursor(tid, version)
         if model is None:  # a new run: the first version's rows fit the input statistics and the output bias
-            first = _version_table(config, start, version)
+            first = _bootstrap_sample(config, start, version)
             if first.num_rows == 0:
                 cursor = Cursor(tid, version + 1) if version == cursor.version else cursor
                 continue
@@ -266,15 +299,13 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         assert model is not None and normalizer is not None
         evaluated = False
         if step > 0 and start.file_index == 0 and start.row_offset == 0:
-            table = _version_table(config, start, version)
-            if table.num_rows:
-                data = encode_examples(table, tc.num_embeddings, normalizer)
-                metrics = evaluate(data.labels, predict(model, data, tc.batch_size), data.domains)
+            metrics = _progressive(model, config, normalizer, start, version)
+            if metrics is not None:
                 evaluations += 1
                 _append_metrics(config, run_id, evaluations, _metric_rows(run_id, step, version, metrics,
                                                                          int(time.time() * 1000)))
                 click = metrics["click"]["overall"]
-                result.progressive.append({"examples_version": version, "rows": len(data),
+                result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
                                            "auc": _finite(click["auc"]), "ne": _finite(click["ne"])})
                 evaluated = True
         rows, losses = 0, []
