@@ -94,6 +94,7 @@ class CounterIndex:
         return end - prefix[np.searchsorted(self.times_ms, query_ms - window_ms, side="left")]
 
     def _masked_counts(self, name: str, t_ms: int, c_ms: int, window_ms: int | None) -> int:
+        assert self.created_ms is not None, "called only when the index has created_ms"
         keep = (self.times_ms < t_ms) & (self.created_ms <= c_ms) & (self._types == COUNTED_TYPES[name])
         if window_ms is not None:
             keep &= self.times_ms >= t_ms - window_ms

@@ -341,7 +341,7 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 def _as_dict(result: object) -> Any:
     import dataclasses
 
-    return dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+    return dataclasses.asdict(result) if dataclasses.is_dataclass(result) and not isinstance(result, type) else result
 
 
 def _as_json(result: object) -> str:

@@ -168,7 +168,9 @@ def run_dofn_bundle(
     """
     out: list[Tagged] = []
     receivers = _Receivers(out)
-    side_inputs = [SideInputMap(view, options, values) for (view, options), values in zip(side_views, side_values)]
+    # Beam annotates view_class as an AsSideInput instance; it takes the class, as its DirectRunner passes it.
+    side_inputs = [SideInputMap(view, options, values)  # type: ignore[arg-type]
+                   for (view, options), values in zip(side_views, side_values)]
     signature = DoFnSignature(dofn)
     handler = _OutputHandler(
         window_fn=window_fn, main_receivers=receivers[None], tagged_receivers=receivers,
@@ -250,6 +252,7 @@ class _Translator(PipelineVisitor):
 
     def _input(self, value: pvalue.PValue) -> tuple[t.Any, str | None]:
         producer = value.producer
+        assert producer is not None, f"{value} has no producing transform"
         self.consumed.add(producer)
         return self.bags[producer], value.tag
 
@@ -289,7 +292,7 @@ class _Translator(PipelineVisitor):
     def _pardo(self, node: AppliedPTransform, bag: t.Any, tag: str | None) -> t.Any:
         import dask
 
-        transform = node.transform
+        transform = t.cast(beam.ParDo, node.transform)  # visit_transform sends only ParDo nodes here
         main = next(iter(node.main_inputs.values()))
         window_fn = main.windowing.windowfn if hasattr(main, "windowing") else None
         views, values = [], []

@@ -120,7 +120,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if name not in fields:
             raise BadConfigError(f"unknown config key {key!r}; known: {sorted(fields)}")
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise BadConfigError(f"{key}: expected a table, got {value!r}")
             kwargs[name] = _build(hint, value, f"{key}.")

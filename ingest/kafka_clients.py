@@ -19,9 +19,9 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -217,7 +217,7 @@ def cut_large(values: list[bytes | None], max_bytes: int | None) -> list[int | N
     if max_bytes is None or not values:
         return None
     try:
-        longest = max(map(len, values))
+        longest = max(map(len, cast("list[bytes]", values)))  # len(None) raises: the except below
     except TypeError:  # a tombstone among them
         longest = max((len(v) for v in values if v is not None), default=0)
     if longest <= max_bytes:
@@ -275,7 +275,7 @@ def _record(topic: str, partition: int, offset: int, key: bytes | None, value: b
     return KafkaRecord(topic, partition, offset, key, value, timestamp_ms)
 
 
-def batches_of(records: Iterator[KafkaRecord], max_records: int) -> Iterator[pa.RecordBatch]:
+def batches_of(records: Iterator[KafkaRecord], max_records: int) -> Generator[pa.RecordBatch, None, None]:
     """Consecutive RecordBatches of up to ``max_records`` of ``records``, in their order.
 
     Closes ``records`` (a generator holding a consumer assignment) when done or closed early.
@@ -361,7 +361,7 @@ class KafkaClient(Protocol):
         """
         ...
 
-    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Iterator[pa.RecordBatch]:
+    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Generator[pa.RecordBatch, None, None]:
         """The records of ``[rng.start, rng.end)`` as RecordBatches of :data:`RECORDS_SCHEMA` of up to
         ``max_records`` rows each, in offset order (the bounded read without a Python object per message).
 
@@ -396,7 +396,7 @@ def _check_progress(rng: OffsetRange, next_offset: int, deadline: float) -> None
 
 
 def _take_columns(msgs: list[Any], rng: OffsetRange, next_offset: int, offsets: list[int],
-                  keys: list[bytes | None], values: list[bytes], timestamps_ms: list[int]) -> int:
+                  keys: list[bytes | None], values: list[bytes | None], timestamps_ms: list[int]) -> int:
     """Append the fields of the confluent-kafka ``msgs`` of ``rng`` at or after ``next_offset`` to the
     column lists; return the next offset to read (``rng.end`` once the range is done).
 
@@ -495,7 +495,7 @@ class ConfluentClient:
         from confluent_kafka import KafkaException, TopicCollection
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self._bootstrap, "logger": rdkafka_logger()})
+        admin = AdminClient({"bootstrap.servers": self._bootstrap}, logger=rdkafka_logger())
         try:
             future = admin.describe_topics(TopicCollection([topic]), request_timeout=self._timeout_s)[topic]
             uuid = future.result(timeout=self._timeout_s).topic_id
@@ -523,20 +523,21 @@ class ConfluentClient:
                 for msg in msgs:
                     if msg.error() is not None:
                         raise RuntimeError(f"{rng.topic}[{rng.partition}]: Kafka error {msg.error()}")
+                    offset = cast(int, msg.offset())  # None only on an error message, raised above
                     # Guards against a message still queued from an earlier assignment or a re-fetch.
-                    if msg.topic() != rng.topic or msg.partition() != rng.partition or msg.offset() < next_offset:
+                    if msg.topic() != rng.topic or msg.partition() != rng.partition or offset < next_offset:
                         continue
-                    if msg.offset() >= rng.end:
+                    if offset >= rng.end:
                         next_offset = rng.end
                         break
-                    next_offset = msg.offset() + 1
+                    next_offset = offset + 1
                     _, ts = msg.timestamp()
-                    yield _record(rng.topic, rng.partition, msg.offset(), msg.key(), msg.value(), ts, self._max_message_bytes)
+                    yield _record(rng.topic, rng.partition, offset, msg.key(), msg.value(), ts, self._max_message_bytes)
         finally:
             self._consumer.unassign()
             self._position = None
 
-    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Iterator[pa.RecordBatch]:
+    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Generator[pa.RecordBatch, None, None]:
         """See :meth:`KafkaClient.read_batches`. Messages are consumed ``max_records`` at a time
         (``Consumer.consume(num_messages=...)``) and their fields go straight into column lists: no
         per-message record object, which cost more than the JSON parse of the message."""
@@ -553,7 +554,7 @@ class ConfluentClient:
             deadline = time.monotonic() + self._timeout_s
             offsets: list[int] = []
             keys: list[bytes | None] = []
-            values: list[bytes] = []
+            values: list[bytes | None] = []
             stamps: list[int] = []
             while next_offset < rng.end:
                 want = min(max_records - len(offsets), rng.end - next_offset)
@@ -590,10 +591,11 @@ class ConfluentClient:
             if msg.error() is not None:
                 self._position = None
                 raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()} at offset >= {offset}")
-            if msg.topic() != topic or msg.partition() != partition or msg.offset() < offset:
+            msg_offset = cast(int, msg.offset())  # None only on an error message, raised above
+            if msg.topic() != topic or msg.partition() != partition or msg_offset < offset:
                 continue
             _, ts = msg.timestamp()
-            out.append(_record(topic, partition, msg.offset(), msg.key(), msg.value(), ts, self._max_message_bytes))
+            out.append(_record(topic, partition, msg_offset, msg.key(), msg.value(), ts, self._max_message_bytes))
         self._position = (topic, partition, out[-1].offset + 1 if out else offset)
         return out
 
@@ -659,7 +661,7 @@ class KafkaPythonClient:
             self._consumer.unsubscribe()
             self._position = None
 
-    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Iterator[pa.RecordBatch]:
+    def read_batches(self, rng: OffsetRange, *, max_records: int) -> Generator[pa.RecordBatch, None, None]:
         """See :meth:`KafkaClient.read_batches` (kafka-python builds a record object per message anyway)."""
         return batches_of(self.read_range(rng), max_records)
 

@@ -379,7 +379,8 @@ class ReadPartitionFn(beam.DoFn):
     def process(
         self,
         element: OffsetRange,
-        tracker: OffsetRestrictionTracker = beam.DoFn.RestrictionParam(KafkaRestrictionProvider()),
+        # Beam's marker default, replaced by the runner with the tracker; Beam types it as the marker.
+        tracker: OffsetRestrictionTracker = beam.DoFn.RestrictionParam(KafkaRestrictionProvider()),  # type: ignore[assignment]
     ) -> Iterator[pa.RecordBatch]:
         assert self._client is not None, "setup() not called"
         yield from self._read_bounded_batches(element, tracker)

@@ -118,7 +118,7 @@ _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKET = re.compile(r"[\[\]{}]")
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
-_FIELD_TYPES: dict[str, tuple[type, tuple[int, int] | None]] = {
+_FIELD_TYPES: dict[str, tuple[type[Any], tuple[int, int] | None]] = {
     "event_id": (str, None),
     "event_time_ms": (int, _INT64),
     "user_id": (str, None),

@@ -48,7 +48,7 @@ class DeliveryError(RuntimeError):
 def _create_or_describe(bootstrap: str, topic: str, partitions: int, timeout_s: float) -> int:
     """Create ``topic`` unless it exists; return its partition count as the broker reports it."""
     check_not_refused(bootstrap)
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": rdkafka_logger()})
+    admin = AdminClient({"bootstrap.servers": bootstrap}, logger=rdkafka_logger())
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
                                   request_timeout=timeout_s)
     # exception() rather than result(): a raised-and-caught error would tie this frame (and the

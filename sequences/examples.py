@@ -239,7 +239,7 @@ def pending_examples(
     columns: dict[str, Any] = _gather(cross_candidates, impressions, config.max_seq_len,
                                       np.full(len(impressions), cross_prior_cut, dtype=np.int64), "seq_")
     # Same-domain sequences are gathered per domain, then put back in impression order.
-    same: dict[str, list[Any]] = {}
+    same: dict[str, Any] = {}  # column -> pa.Array or np.ndarray, as _gather returns them
     positions: list[int] = []
     parts: list[dict[str, Any]] = []
     for domain in sorted({e["domain"] for e in impressions}):
@@ -294,7 +294,7 @@ def attach_labels(
             label_times[(event["event_type"], event["item_id"], event["domain"])].append(event["event_time_ms"])
     for times in label_times.values():
         times.sort()
-    cols = {name: [] for name in LABEL_COLUMNS}
+    cols: dict[str, list[Any]] = {name: [] for name in LABEL_COLUMNS}
     for t, item, domain in zip(pending.column("event_time_ms").to_pylist(), pending.column("item_id").to_pylist(),
                                pending.column("domain").to_pylist(), strict=True):
         click = _first_in_window(label_times.get((CLICK, item, domain), []), t, config.window_ms(domain, CLICK))

@@ -334,6 +334,7 @@ def new_event_rows(
     if old_version is None:
         return read_table(lake, "events", version, columns=columns, storage_options=opts)
     old = open_table(lake, "events", old_version, storage_options=opts)
+    assert new is not None and old is not None, "the events versions a build names exist"
     appends_only = all(
         entry.get("operation") in ("WRITE", "CREATE TABLE")
         and entry.get("operationParameters", {}).get("mode", "Append") == "Append"

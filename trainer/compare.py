@@ -20,9 +20,11 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError
+from trainer.config import ModelName
 from trainer.data import latest_examples_version
 from trainer.metrics import TASKS
 
@@ -144,10 +146,12 @@ def run_compare(
 
     if not models:
         raise BadConfigError("models must name at least one of gem, dlrm, lr, ranker")
-    trainer_configs = {m: replace(config.trainer, model=m, init_from="scratch") for m in models}  # validates names
+    # A name is any str here: TrainerConfig.__post_init__ (run by replace) rejects an unknown one.
+    trainer_configs = {m: replace(config.trainer, model=cast(ModelName, m), init_from="scratch") for m in models}
     version = latest_examples_version(config.lake) if examples_version is None else examples_version
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())
-    metrics, summary = {}, {"run_id": run_id, "examples_version": version, "models": {}}
+    metrics: dict[str, dict] = {}
+    summary: dict[str, Any] = {"run_id": run_id, "examples_version": version, "models": {}}
     for model, tc in trainer_configs.items():
         log.info("compare: training %s on examples@%d", model, version)
         started = time.perf_counter()

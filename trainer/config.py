@@ -10,6 +10,9 @@ from gemline.errors import BadConfigError
 ShardingTypeName = Literal["table_wise", "column_wise", "data_parallel", "row_wise", "table_row_wise"]
 """TorchRec ``ShardingType`` values (torchrec.distributed.types) the planner may be allowed."""
 
+ModelName = Literal["gem", "dlrm", "lr", "ranker"]
+"""``trainer.model``: the architectures of trainer/models (and the small TwoTaskRanker)."""
+
 CPU_SHARDING_TYPES: tuple[ShardingTypeName, ...] = ("table_wise", "column_wise")
 """What runs on CPU/gloo with torchrec 1.8: its planner proposes no row-wise option there, and
 data_parallel tables fail in the EmbeddingCollection forward (split_with_sizes mismatch)."""
@@ -102,7 +105,7 @@ class TrainerConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Sharding of a multi-process run (`gemline train --nproc N`); unused by a single process."""
 
-    model: Literal["gem", "dlrm", "lr", "ranker"] = "gem"
+    model: ModelName = "gem"
     """Architecture (trainer/models): GEM (InterFormer over Wukong + pyramid sequence), DLRM, logistic regression, or the small TwoTaskRanker."""
     kernel_backend: Literal["reference", "triton"] = "reference"
     """Jagged kernels of the GEM sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -65,6 +65,12 @@ from trainer.config import (
 )
 from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
 from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
+
+if TYPE_CHECKING:
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from trainer.models import Ranker
 
 DENSE_MODULES = ("attention", "mlp", "heads")
 """Sub-modules of the ranker wrapped by fully_shard (and compiled with trainer.compile)."""
@@ -187,7 +193,7 @@ dense part is a handful of weights in a ModuleDict whose forward never runs (FSD
 module's forward), and it trains in seconds in one process."""
 
 
-def build_shardable_model(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...]) -> nn.Module:
+def build_shardable_model(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...]) -> Ranker:
     """The ``tc.model`` architecture in a form DMP can shard: ShardableRanker for "ranker", else build_model's.
 
     GEM and DLRM need no variant: each looks every table up once per forward (GEM appends the
@@ -228,7 +234,7 @@ def dense_module_names(model: nn.Module) -> tuple[str, ...]:
     )
 
 
-def _embedding_modules(model: nn.Module) -> list[nn.Module]:
+def _embedding_modules(model: nn.Module) -> list[EmbeddingBagCollection | EmbeddingCollection]:
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
     return [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
@@ -252,7 +258,7 @@ class ShardedRanker:
         dense_modules: names of the fully_shard-ed top-level sub-modules.
     """
 
-    model: nn.Module
+    model: DistributedModelParallel
     dense_optimizer: torch.optim.Optimizer
     mesh: DeviceMesh
     num_dense: int
@@ -288,7 +294,7 @@ def _table_names(model: nn.Module) -> list[str]:
     return names
 
 
-def shard_ranker(model: nn.Module, tc: TrainerConfig, world_size: int) -> ShardedRanker:
+def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRanker:
     """Apply the wrap order of the module docstring to ``model`` (needs an initialised process group).
 
     ``model``: a ShardableRanker, GemModel or DLRM (see :func:`build_shardable_model`).

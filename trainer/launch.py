@@ -28,7 +28,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,6 +66,9 @@ from trainer.train import (
     training_domains,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger(__name__)
 
 
@@ -83,9 +88,9 @@ def _predict(sharded: ShardedRanker, data, batch_size: int, rank: int, world: in
             if len(rows):
                 mine.append((rows, probs))
     sharded.model.train()
-    gathered: list = [None] * world if rank == 0 else None
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if rank != 0:
+    if gathered is None:  # not rank 0
         return None
     out = np.zeros((len(data), 2))
     for part in gathered:
@@ -155,6 +160,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
         if rank == 0:
             # The unsharded twin (build_model's; for "ranker" the TwoTaskRanker) has the same state_dict keys.
             model = build_model(tc, len(normalizer.names), domains)
+            assert full is not None, "full_state_dict returns the parameters on rank 0"
             model.load_state_dict(full)
             meta = {
                 "normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "world_size": world,
@@ -190,7 +196,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
                     checkpoint(_Position(epoch, index + 1), finished=False)
 
     probs = _predict(sharded, evaluation, tc.batch_size, rank, world)
-    metrics = evaluate(evaluation.labels, probs, evaluation.domains) if rank == 0 else {}
+    metrics = evaluate(evaluation.labels, probs, evaluation.domains) if probs is not None else {}  # rank 0
     path = checkpoint(
         _Position(tc.epochs, 0), finished=True,
         extra={"eval_date": split.eval_date, "metrics": _json_safe(metrics)}, files={"loss_curve.png": _loss_curve_png(loss_curve)},
@@ -203,7 +209,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     )
 
 
-def check_resumable(state: TrainState, path: Path, world: int, model: str, dense_names: list[str]) -> None:
+def check_resumable(state: TrainState, path: Path, world: int, model: str, dense_names: Sequence[str]) -> None:
     """Raise ValueError (what to do) unless a ``world``-process run of ``model`` can resume from the checkpoint at ``path``.
 
     It must be a sharded run's checkpoint with its DCP shards (a local lake), of the same model,
@@ -225,7 +231,7 @@ def check_resumable(state: TrainState, path: Path, world: int, model: str, dense
         raise ValueError(f"checkpoint {path} was trained on dense features {saved}, this table has {dense_names}; use trainer.init_from=scratch")
 
 
-def config_overrides(config: object, prefix: str = "") -> list[str]:
+def config_overrides(config: DataclassInstance, prefix: str = "") -> list[str]:
     """The leaves of a config dataclass that differ from their defaults, as ``KEY=VALUE`` strings.
 
     load_config of these strings rebuilds ``config`` (only non-defaults travel, so a default such
@@ -247,7 +253,7 @@ def config_overrides(config: object, prefix: str = "") -> list[str]:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if value == default:
             continue
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             out += config_overrides(value, f"{key}.")
         elif value is None:
             out.append(f"{key}=none")

@@ -19,6 +19,7 @@ kernels (``kernels.softmax``, ``kernels.pooling``, reference backend).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -71,7 +72,7 @@ class TwoTaskRanker(nn.Module):
     """
 
     def __init__(
-        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, hidden_dims: tuple[int, ...], domains: tuple[str, ...] = ()
+        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, hidden_dims: tuple[int, ...], domains: Sequence[str] = ()
     ) -> None:
         super().__init__()
         self.domains = tuple(domains)

@@ -17,6 +17,7 @@ import io
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,7 +43,11 @@ from trainer.data import (
 )
 from trainer.metrics import evaluate
 from trainer.models import build_model, encode_domains
+from trainer.models.towers import RankingModel
 from validation.gate import gate_decision
+
+if TYPE_CHECKING:
+    from trainer.models import Ranker
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +117,7 @@ def domain_ids(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return encode_domains(getattr(getattr(model, "module", model), "domains", ()), batch.domains)
 
 
-def train_step(model: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer], batch: Batch) -> float | None:
+def train_step(model: Ranker, optimizers: dict[str, torch.optim.Optimizer], batch: Batch) -> float | None:
     """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
 
     Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
@@ -229,7 +234,7 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
 
     train = encode_examples(split.train, tc.num_embeddings, normalizer)
     evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
-    if resume_from is None and hasattr(model, "init_output_bias"):
+    if resume_from is None and isinstance(model, RankingModel):  # the "ranker" has no init_output_bias
         model.init_output_bias(prior_rates(train.labels))
     log.info(
         "examples@%d: train %d rows on %s, eval %d rows on %s",

@@ -65,7 +65,7 @@ def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, storage_op
                         storage_options=lake.delta_options)
 
 
-def gate_decision(lake: str | Path, table: str, table_version: int, *,
+def gate_decision(lake: Lake | str | Path, table: str, table_version: int, *,
                   storage_options: StorageOptions | None = None) -> GateDecision:
     """Decide from the ``quality`` table whether ``table@table_version`` may be trained on.
 
@@ -74,7 +74,7 @@ def gate_decision(lake: str | Path, table: str, table_version: int, *,
     return gate_decisions(lake, table, [table_version], storage_options=storage_options)[table_version]
 
 
-def gate_decisions(lake: str | Path, table: str, table_versions: Iterable[int], *,
+def gate_decisions(lake: Lake | str | Path, table: str, table_versions: Iterable[int], *,
                    storage_options: StorageOptions | None = None) -> dict[int, GateDecision]:
     """:func:`gate_decision` of each of ``table_versions`` from one read of the ``quality`` table.
 

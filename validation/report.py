@@ -16,7 +16,7 @@ import html
 import io
 import json
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +226,7 @@ def plot_drift(report: dict[str, Any]) -> str:
     return _png(fig)
 
 
-PLOTS = {
+PLOTS: dict[str, dict[str, Callable[[pa.Table], str]]] = {
     "events": {"Events per domain and day": plot_per_domain_day},
     "examples": {
         "Sequence length": plot_seq_length,

@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 from tqdm import tqdm
@@ -55,7 +56,7 @@ class QualityResult:
 
 
 def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[CheckResult]:
-    bounds = dict(
+    bounds: dict[str, Any] = dict(
         domains=config.ingest.domains,
         min_time_ms=config.validation.min_event_time_ms,
         max_time_ms=now_ms + config.validation.max_future_skew_ms,
@@ -131,6 +132,7 @@ def validate_table(
 
     steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
     data = read_table(config.lake, table, table_version, storage_options=opts)
+    assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(config.lake, table, table_version, storage_options=opts)
     steps.update()
     results = _run_suite(config, table, data, ts)

@@ -100,7 +100,7 @@ def map_round(row: dict[str, str], *, policy: str, campaign: str, categories: di
     """Map one logged round (a CSV row as a dict) to its impression (+ click), or one RawRecord."""
     domain = f"obd_{campaign}"
     readable: dict[str, Any] = {"domain": domain}
-    features = [row.get(name) for name in USER_FEATURES]
+    features = [row.get(name) or "" for name in USER_FEATURES]  # missing and empty alike: no user id
     user_id = user_cohort_id(features) if all(features) else None
     if user_id is not None:
         readable["user_id"] = user_id

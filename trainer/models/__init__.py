@@ -9,18 +9,25 @@ DistributedModelParallel) and ``dense_arch`` (the rest, for FSDP2), ``embedding_
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from trainer.config import TrainerConfig
 from trainer.models.baselines import DLRM, LogisticRegression
 from trainer.models.gem import GemModel
-from trainer.models.towers import encode_domains
+from trainer.models.towers import RankingModel, encode_domains
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from trainer.model import TwoTaskRanker
+
+    Ranker: TypeAlias = RankingModel | TwoTaskRanker
+    """A model :func:`build_model` returns (TwoTaskRanker, "ranker", predates RankingModel)."""
 
 __all__ = ["build_model", "encode_domains", "GemModel", "DLRM", "LogisticRegression"]
 
 
-def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -> nn.Module:
+def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -> Ranker:
     """The model ``config.model`` names, sized by ``config``.
 
     Args:

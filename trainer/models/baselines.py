@@ -17,6 +17,7 @@ F dense features, K known domains.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,8 +42,9 @@ class LogisticRegression(RankingModel):
         super().__init__()
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = sparse_bags(num_embeddings, 2, sequence_pooling=PoolingType.MEAN)
-        self.dense_arch = nn.ModuleDict({"linear": nn.Linear(num_dense, 2), "domain_bias": nn.Embedding(len(self.domains) + 1, 2)})
-        nn.init.zeros_(self.dense_arch["domain_bias"].weight)
+        domain_bias = nn.Embedding(len(self.domains) + 1, 2)
+        self.dense_arch = nn.ModuleDict({"linear": nn.Linear(num_dense, 2), "domain_bias": domain_bias})
+        nn.init.zeros_(domain_bias.weight)
         # Ids start near zero weight, as a logistic regression would.
         with torch.no_grad():
             for p in self.sparse_arch.parameters():
@@ -62,8 +64,9 @@ class LogisticRegression(RankingModel):
         rates = torch.as_tensor(base_rates, dtype=torch.float64)
         if rates.shape != (2,) or not bool(((rates > 0) & (rates < 1)).all()):
             raise ValueError(f"base_rates must be (2,) rates in (0, 1) (click, conversion), got {rates.tolist()}")
+        weight = cast(nn.Embedding, self.dense_arch["domain_bias"]).weight
         with torch.no_grad():
-            self.dense_arch["domain_bias"].weight.copy_(torch.logit(rates).to(torch.float32).expand_as(self.dense_arch["domain_bias"].weight))
+            weight.copy_(torch.logit(rates).to(torch.float32).expand_as(weight))
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, 2) float32 (click, conversion); inputs as :class:`trainer.models.gem.GemModel`.
@@ -79,6 +82,9 @@ class LogisticRegression(RankingModel):
 
 class DLRMDenseArch(nn.Module):
     """Bottom MLP, dot interaction, top MLP, domain towers of :class:`DLRM`."""
+
+    pair_rows: torch.Tensor
+    pair_cols: torch.Tensor
 
     def __init__(self, *, dim: int, num_dense: int, num_sparse: int, num_domains: int, hidden_dims: Sequence[int], tower_hidden: int) -> None:
         super().__init__()

@@ -152,6 +152,7 @@ class RankingModel(nn.Module):
 
     num_dense: int
     domains: tuple[str, ...]
+    sparse_arch: nn.Module
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Parameters of the id tables (optimised with Adagrad)."""
