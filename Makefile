@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gemline-installed
 
-.PHONY: setup setup-browser demo test bench clean-lake
+.PHONY: setup setup-browser demo lint test bench clean-lake
 
 setup: $(STAMP)
 
@@ -28,7 +28,12 @@ demo: setup
 setup-browser:
 	@test -x /usr/bin/chromium || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: setup setup-browser
+# ruff (lint, import order) and mypy on the packages; both read their settings from pyproject.toml.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: setup setup-browser lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
