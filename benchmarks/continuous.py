@@ -19,7 +19,6 @@ Printed last: the reader / GEM ratio.
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -28,9 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
-from deltalake import write_deltalake
+from deltalake import WriterProperties, write_deltalake
 
+from gemline.lake import ROW_GROUP_ROWS
 from sequences.schema import EXAMPLES_BASE_SCHEMA
 
 DENSE = ("f_user_ctr_7d", "f_item_ctr_7d", "f_seq_length")
@@ -47,14 +48,15 @@ def synthetic_examples(rows: int, max_len: int, seed: int = 0) -> pa.Table:
     total = int(offsets[-1])
 
     def ids(prefix: str, high: int, n: int) -> pa.Array:
-        return pa.array(np.char.add(prefix, rng.integers(0, high, n).astype(str)))
+        numbers = pa.array(rng.integers(0, high, n)).cast(pa.string())
+        return pc.binary_join_element_wise(pa.scalar(prefix), numbers, "")
 
     def lists(values: pa.Array) -> pa.Array:
         return pa.ListArray.from_arrays(pa.array(offsets), values)
 
     click = rng.random(rows) < 0.1
     columns = {
-        "example_id": pa.array(np.char.add("x", np.arange(rows).astype(str))),
+        "example_id": pc.binary_join_element_wise(pa.scalar("x"), pa.array(np.arange(rows)).cast(pa.string()), ""),
         "event_time_ms": pa.array(1_700_000_000_000 + np.arange(rows, dtype=np.int64)),
         "event_date": pa.array(["2026-01-01"] * rows),
         "user_id": ids("u", 50_000, rows), "item_id": ids("i", 20_000, rows),
@@ -79,7 +81,9 @@ def _lake(rows: int, max_len: int) -> str:
     from validation.gate import append_quality_rows
 
     lake = tempfile.mkdtemp(prefix="gemline-bench-continuous-")
-    write_deltalake(f"{lake}/examples", synthetic_examples(rows, max_len), partition_by=["event_date"])
+    # Row groups as the build writes them (gemline.lake.ROW_GROUP_ROWS): what bounds a streaming read.
+    write_deltalake(f"{lake}/examples", synthetic_examples(rows, max_len), partition_by=["event_date"],
+                    writer_properties=WriterProperties(max_row_group_size=ROW_GROUP_ROWS))
     append_quality_rows(lake, [{"table": "examples", "table_version": 0, "run_id": "bench", "run_ts_ms": 1,
                                 "expectation": "bench", "severity": "critical", "success": True, "observed": "",
                                 "report_path": ""}])
@@ -145,12 +149,26 @@ def once_fixed_cost_s() -> float:
 
 
 def _child(lake: str) -> None:
+    import threading
+
+    import psutil
+
     from gemline.config import load_config
     from trainer.continuous import run_once
 
-    result = run_once(load_config(overrides={"lake": lake, "trainer.model": "lr", "trainer.batch_size": "2048"}))
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"CHILD rows={result.rows_trained_total} peak_rss_mib={peak_mib:.0f}", flush=True)
+    # Sampled, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so the child would report the
+    # parent's peak (the parent held the whole generated table).
+    peak = [0]
+    process = psutil.Process()
+
+    def sample() -> None:
+        while True:
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.1)
+
+    threading.Thread(target=sample, daemon=True).start()
+    result = run_once(load_config(overrides={"lake": lake, "trainer.model": "lr"}))
+    print(f"CHILD rows={result.rows_trained_total} peak_rss_mib={peak[0] / 2**20:.0f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
