@@ -78,7 +78,7 @@ def synthetic_examples(rows: int, max_len: int, seed: int = 0) -> pa.Table:
 
 
 def _lake(rows: int, max_len: int) -> str:
-    from validation.gate import append_quality_rows
+    from gemline.gate import append_quality_rows
 
     lake = tempfile.mkdtemp(prefix="gemline-bench-continuous-")
     # Row groups as the build writes them (gemline.lake.ROW_GROUP_ROWS): what bounds a streaming read.

@@ -186,7 +186,7 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from sequences.pipeline import run_build
 
-    # Quarantined or never-validated events: validation.gate.GateClosedError, exit 3 (see main).
+    # Quarantined or never-validated events: gemline.gate.GateClosedError, exit 3 (see main).
     result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
                        final=args.final)
     print(_as_json(result))
@@ -224,7 +224,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     config = _config(args)
     verdict, html = latest_report(config.lake, args.table, args.version,
                                   storage_options=config.lake_storage_options or None)
-    from validation.gate import gate_decision
+    from gemline.gate import gate_decision
 
     version = args.version if args.version is not None else int(Path(str(html)).parent.name)
     decision = gate_decision(config.lake, args.table, version, storage_options=config.lake_storage_options or None)
@@ -234,7 +234,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_quality(args: argparse.Namespace, extra: list[str]) -> int:
-    from validation.gate import gate_decision, release
+    from gemline.gate import gate_decision, release
 
     config = _config(args)
     options = config.lake_storage_options or None

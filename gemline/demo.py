@@ -57,20 +57,20 @@ def run_demo(
     ``nproc`` > 1 trains through torchrun with that many local processes
     (trainer.launch.train_with_torchrun; ``trainer.model`` gem, dlrm or ranker).
 
-    When the events gate refuses the build (validation.gate.GateClosedError: the ingested events
+    When the events gate refuses the build (gemline.gate.GateClosedError: the ingested events
     are quarantined), the demo stops there with ``quality_passed`` False and ``examples`` None,
     after printing the refusal and the release command.
 
     Raises:
         ValueError: an unknown dataset, or a dataset that needs ``path`` without one.
     """
+    from gemline.gate import GateClosedError
     from ingest.datasets import load_records
     from ingest.pipeline import run_ingest
     from ingest.replay import replay
     from sequences.pipeline import run_build
     from trainer.continuous import run_once
     from trainer.train import run_training
-    from validation.gate import GateClosedError
     from validation.run import validate_table
 
     console = console or Console()

@@ -14,7 +14,7 @@ its traceback. So raise one of these only where the message tells the user what 
     2     gemline.locks.LakeBusyError         another run of the stage holds the lake
     2     gemline.lake.CommitConflictError    another writer committed the same batch first
     2     ingest.kafka_source.TopicChangedError   the topic is not the one the lake read
-    3     validation.gate.GateClosedError     the quality gate refuses a version a stage would read
+    3     gemline.gate.GateClosedError     the quality gate refuses a version a stage would read
     3     trainer.train.QuarantinedError      the quality gate refuses the examples version to train on
     4     RetentionGapError          Kafka retention deleted records before ingest read them
     130   (KeyboardInterrupt, SIGTERM: not an exception of this family; see gemline.cli)

@@ -46,7 +46,7 @@ class BuildConfig:
     events_gate: Literal["required", "off"] = "required"
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
-    see validation.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
+    see gemline.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
 
     def __post_init__(self) -> None:
         self.hygiene  # noqa: B018  (validates the hygiene fields)

@@ -52,6 +52,7 @@ from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEA
 from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
+from gemline.gate import require_allowed
 from gemline.hygiene import conform, tidy
 from gemline.lake import (
     StorageOptions,
@@ -82,7 +83,6 @@ from sequences.shards import (
     user_shard_reference,
 )
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
-from validation.gate import require_allowed
 
 APP_ID = "build"
 STATE_PREFIX = "_build_state"
@@ -415,7 +415,7 @@ def run_build(
     The quality gate holds the build (``config.build.events_gate = "required"``, the default):
     ``events@version`` must have passed its newest validation or been released by hand, and no
     version between the last built one and it may be quarantined
-    (:func:`validation.gate.require_allowed`); a never-validated version is refused too (validate
+    (:func:`gemline.gate.require_allowed`); a never-validated version is refused too (validate
     it first). Nothing is written before that check. A rerun with nothing new reads no events and
     is not checked.
 
@@ -424,7 +424,7 @@ def run_build(
         BadConfigError: an ``events_version`` older than the last built one (a ValueError).
         ValueError: missing columns, or ``close_windows_at`` < 0.
         gemline.locks.LakeBusyError: another build is running on this lake.
-        validation.gate.GateClosedError: an events version to be read is quarantined, or
+        gemline.gate.GateClosedError: an events version to be read is quarantined, or
             ``events@version`` was never validated (one line naming the version and the command).
     """
     lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)

@@ -44,6 +44,7 @@ import torch
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.config import GemlineConfig
+from gemline.gate import gate_decisions
 from gemline.lake import committed_version, is_remote, open_table, table_uri
 from gemline.locks import holding
 from trainer.checkpoint import (
@@ -60,7 +61,6 @@ from trainer.metrics import TASKS, evaluate
 from trainer.models import build_model
 from trainer.run_report import write_run_report
 from trainer.train import predict, prior_rates, train_step
-from validation.gate import gate_decisions
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from gemline.config import GemlineConfig
 from gemline.errors import GemlineError
+from gemline.gate import gate_decision
 from gemline.lake import Lake
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, load_weights, read_state, save_checkpoint
 from trainer.data import (
@@ -44,7 +45,6 @@ from trainer.data import (
 from trainer.metrics import evaluate
 from trainer.models import build_model, encode_domains
 from trainer.models.towers import RankingModel
-from validation.gate import gate_decision
 
 if TYPE_CHECKING:
     from trainer.models import Ranker

@@ -5,7 +5,7 @@
                        -> profile of the batch, drift against the previous K passed batches
                           (validation.profiles; profile appended to ``quality_profiles``)
                        -> report.json/html (validation.report)
-                       -> one quality row per check (validation.gate) -> QualityResult
+                       -> one quality row per check (gemline.gate) -> QualityResult
 
 The batch profiled for ``events`` is the ingest batch of that version (the rows of its commit's
 Kafka offset ranges); the other tables are rebuilt whole by each build, so the batch is the table.
@@ -27,10 +27,10 @@ from tqdm import tqdm
 
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
+from gemline.gate import append_quality_rows
 from gemline.lake import is_remote, lake_fs, open_table, read_table
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.dead_letter import dead_letter_checks, in_ranges
-from validation.gate import append_quality_rows
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
 from validation.suites import CheckResult, validate_events, validate_examples

@@ -60,7 +60,7 @@ def test_generate_then_ingest_twice(tmp_path, capsys, cap):
 
 
 def test_quality_release_lifts_a_quarantine(tmp_path, capsys):
-    from validation.gate import append_quality_rows, gate_decision
+    from gemline.gate import append_quality_rows, gate_decision
 
     append_quality_rows(tmp_path, [dict(table="examples", table_version=0, run_id="r1", run_ts_ms=1,
                                         expectation="leakage", severity="critical", success=False,
@@ -72,7 +72,7 @@ def test_quality_release_lifts_a_quarantine(tmp_path, capsys):
 
 
 def test_release_of_a_never_validated_version_is_refused(tmp_path, capsys):
-    from validation.gate import gate_decision
+    from gemline.gate import gate_decision
 
     assert main(["quality", "release", "3", "--reason", "x", "--lake", str(tmp_path)]) == 2
     assert "examples@3 was never validated" in capsys.readouterr().err
@@ -81,7 +81,7 @@ def test_release_of_a_never_validated_version_is_refused(tmp_path, capsys):
 
 
 def test_train_on_a_quarantined_version_is_a_one_line_error(tmp_path, capsys):
-    from validation.gate import append_quality_rows
+    from gemline.gate import append_quality_rows
 
     append_quality_rows(tmp_path, [dict(table="examples", table_version=0, run_id="r1", run_ts_ms=1,
                                         expectation="empty", severity="critical", success=False,
@@ -269,7 +269,7 @@ def _raising(exc):
 
 
 def _gate_closed():
-    from validation.gate import GateClosedError, GateDecision
+    from gemline.gate import GateClosedError, GateDecision
 
     refused = GateDecision("events", 2, False, "events@2 is quarantined: critical expectations failed: unique:event_id")
     return GateClosedError(refused, "build")
@@ -399,13 +399,13 @@ def test_a_bug_inside_a_beam_step_keeps_its_traceback(monkeypatch, tmp_path, bea
 
 def test_a_worker_traceback_counts_only_for_an_exact_gemline_class_name():
     from gemline.cli import _from_worker
+    from gemline.gate import GateClosedError
     from gemline.locks import LakeBusyError
-    from validation.gate import GateClosedError
 
     head = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
     assert _from_worker(RuntimeError(head + "gemline.locks.LakeBusyError: busy [while running 'S']")) == \
         (LakeBusyError, "busy [while running 'S']")
-    assert _from_worker(RuntimeError(head + "RuntimeError: validation.gate.GateClosedError: refused [while running 'S']")) \
+    assert _from_worker(RuntimeError(head + "RuntimeError: gemline.gate.GateClosedError: refused [while running 'S']")) \
         == (GateClosedError, "refused [while running 'S']")
     assert _from_worker(RuntimeError(head + "LakeBusyError: busy")) is None, "the qualified name only"
     assert _from_worker(RuntimeError(head + "gemline.locks.LakeBusyError: busy\n\nDuring handling of the above "

@@ -15,7 +15,7 @@ import ingest.replay
 import sequences.pipeline
 import validation.run
 from gemline.config import GemlineConfig
-from validation.gate import GateClosedError, GateDecision
+from gemline.gate import GateClosedError, GateDecision
 
 
 class _NoBroker:

@@ -14,11 +14,11 @@ from gemline.errors import (
     MissingInputError,
     RetentionGapError,
 )
+from gemline.gate import GateClosedError, GateDecision
 from gemline.lake import CommitConflictError
 from gemline.locks import LakeBusyError
 from ingest.kafka_source import TopicChangedError
 from trainer.train import QuarantinedError
-from validation.gate import GateClosedError, GateDecision
 
 FAMILY = [  # (class, the builtins it is also, exit code)
     (BadConfigError, (ValueError,), 2),

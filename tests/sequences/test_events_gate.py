@@ -1,6 +1,6 @@
 """The events quality gate holds the build: only passed or released ``events`` versions are built.
 
-The decision rules (validation.gate.require_allowed) are checked on hand-written ``quality`` rows;
+The decision rules (gemline.gate.require_allowed) are checked on hand-written ``quality`` rows;
 one slow test runs the real path: a version with duplicate event ids is validated (GX), refused by
 the build and by `gemline build` (one line, exit 3), released with `gemline quality release
 --table events`, then built.
@@ -13,13 +13,13 @@ import pytest
 
 from gemline.cli import main
 from gemline.config import GemlineConfig
+from gemline.gate import GateClosedError, append_quality_rows, release, require_allowed
 from gemline.lake import commit_once, open_table, read_table
 from ingest.config import IngestConfig
 from ingest.schema import EVENTS_TABLE_SCHEMA
 from sequences.config import BuildConfig
 from sequences.pipeline import run_build
 from validation.config import ValidationConfig
-from validation.gate import GateClosedError, append_quality_rows, release, require_allowed
 from validation.run import validate_table
 
 from .conftest import event

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from gemline.gate import append_quality_rows
 from gemline.lake import table_uri
 from sequences.schema import EXAMPLES_BASE_SCHEMA
-from validation.gate import append_quality_rows
 
 DENSE = ("f_user_ctr_7d", "f_item_ctr_7d", "f_seq_length")
 EXAMPLES_SCHEMA = pa.schema([*EXAMPLES_BASE_SCHEMA, *[pa.field(n, pa.float64()) for n in DENSE]])

@@ -67,7 +67,7 @@ def test_each_version_once_with_progressive_metrics(tmp_path):
 
 
 def test_quarantined_version_is_skipped_then_consumed_once_released(tmp_path):
-    from validation.gate import release
+    from gemline.gate import release
 
     lake = tmp_path / "lake"
     _add(lake, 1)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gemline.config import load_config
+from gemline.gate import gate_decision, release
 from gemline.lake import commit_once, read_table
 from trainer.train import QuarantinedError, run_training
-from validation.gate import gate_decision, release
 from validation.report import build_report, write_report
 from validation.run import validate_table
 from validation.suites import CheckResult

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pytest
 
 from gemline.config import GemlineConfig
+from gemline.gate import gate_decision, release
 from gemline.lake import commit_once, read_table
 from ingest.config import IngestConfig
 from sequences.config import BuildConfig
 from validation.config import ValidationConfig
-from validation.gate import gate_decision, release
 from validation.run import latest_report, validate_table
 
 T0 = 1_700_000_000_000

@@ -6,7 +6,8 @@ any ``critical`` expectation failed in its newest validation run and no release 
 A version that was never validated is not allowed either: the gate fails closed.
 
 Readers: the trainer (``examples``) and the build (``events``, :func:`require_allowed`) read only
-versions the gate allows.
+versions the gate allows. The validation stage writes the rows; the readers are other stages, so the
+gate lives in the core (``gemline``), which every stage may import.
 """
 
 from __future__ import annotations
