@@ -5,7 +5,7 @@ much memory does consuming one large version take.
 
 1. One synthetic ``examples`` version of N rows (shaped like the build's table: sparse ids, three aligned
    history lists with lengths uniform in [0, L], dense features, three domains) is written to a temporary
-   lake. The reader (``trainer.increments.read_from`` + ``trainer.data.encode_examples`` + batching, all
+   lake. The reader (``gemline.increments.read_from`` + ``trainer.data.encode_examples`` + batching, all
    that stands between the lake and a training step) is timed over it, then GEM trains S steps on batches
    of the same rows, in the same process: the ratio reader rows/s over GEM rows/s must stay above 5.
 2. The fixed cost of ``gemline train --once`` (``trainer.continuous.run_once``): a lake holding one 64-row
@@ -92,8 +92,8 @@ def _lake(rows: int, max_len: int) -> str:
 
 def reader_rows_per_s(lake: str, batch: int) -> tuple[float, int]:
     """(rows/s, rows) of read -> encode -> batches over the whole version."""
+    from gemline.increments import Cursor, read_from, table_id
     from trainer.data import encode_examples, fit_normalizer, make_batch
-    from trainer.increments import Cursor, read_from, table_id
 
     cursor = Cursor(table_id(lake, "examples") or "", 0)
     normalizer = None
@@ -112,9 +112,9 @@ def reader_rows_per_s(lake: str, batch: int) -> tuple[float, int]:
 
 def gem_rows_per_s(lake: str, batch: int, steps: int) -> float:
     """GEM's training rows/s over ``steps`` batches of the version's first rows (2 warm-up steps first)."""
+    from gemline.increments import Cursor, read_from, table_id
     from trainer.config import TrainerConfig
     from trainer.data import encode_examples, fit_normalizer, make_batch
-    from trainer.increments import Cursor, read_from, table_id
     from trainer.models import build_model
     from trainer.train import train_step
 

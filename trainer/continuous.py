@@ -1,7 +1,7 @@
 """Continuous training: consume each new ``examples`` version once, evaluating on it before training on it.
 
 ``run_once`` (``gemline train --once``, a daily scheduled run) resumes from the newest complete continuous
-checkpoint, reads only the rows the versions after its cursor added (:mod:`trainer.increments`, bounded
+checkpoint, reads only the rows the versions after its cursor added (:mod:`gemline.increments`, bounded
 batches, compactions never re-read), and for each version the quality gate allows:
 
 1. **progressive validation** -- the current model predicts the version's rows before it trains on them
@@ -45,6 +45,7 @@ from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.config import GemlineConfig
 from gemline.gate import gate_decisions
+from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
 from gemline.lake import committed_version, is_remote, open_table, table_uri
 from gemline.locks import holding
 from trainer.checkpoint import (
@@ -56,7 +57,6 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.data import DenseNormalizer, encode_examples, fit_normalizer, make_batch
-from trainer.increments import Cursor, CursorError, latest_version, read_from, table_id
 from trainer.metrics import TASKS, evaluate
 from trainer.models import build_model
 from trainer.run_report import write_run_report
@@ -202,7 +202,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
 
     Raises:
         FileNotFoundError: there is no ``examples`` table.
-        trainer.increments.CursorError: the table was recreated, or rows under the cursor are gone.
+        gemline.increments.CursorError: the table was recreated, or rows under the cursor are gone.
         gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
         ValueError: ``keep_checkpoints < 1``; a dense column the model was trained with is missing.
     """

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import append_quality_rows
+from gemline.increments import rows_added
 from gemline.lake import is_remote, lake_fs, open_table, read_table
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.dead_letter import dead_letter_checks, in_ranges
@@ -99,10 +100,17 @@ def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tupl
     return batch, checks
 
 
+INCREMENTAL = ("examples",)
+"""Tables validated on the rows each version added rather than the whole table at that version."""
+
+
 def validate_table(
     config: GemlineConfig, table: str, version: int | None = None, *, now_ms: int | None = None
 ) -> QualityResult:
     """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
+
+    ``examples`` (:data:`INCREMENTAL`) is judged on the rows that version added; the other tables on the
+    whole table at that version (``events`` adds the dead-letter rate of its ingest batch).
 
     Args:
         config: the pipeline config (lake root, domains, max_seq_len, validation bounds).
@@ -131,7 +139,10 @@ def validate_table(
         raise BadConfigError(f"{table}: version must be in [0, {latest}], got {table_version}")
 
     steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
-    data = read_table(config.lake, table, table_version, storage_options=opts)
+    # examples is append-only: a version is judged on the rows it added (the increment a trainer consumes),
+    # so the cost does not grow with the table and one bad build does not fail every later version.
+    added = rows_added(config.lake, table, table_version, storage_options=opts) if table in INCREMENTAL else None
+    data = added if added is not None else read_table(config.lake, table, table_version, storage_options=opts)
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(config.lake, table, table_version, storage_options=opts)
     steps.update()

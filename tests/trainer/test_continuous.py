@@ -11,9 +11,9 @@ import torch
 
 import trainer.continuous as continuous
 from gemline.config import load_config
+from gemline.increments import CursorError
 from gemline.lake import read_table
 from trainer.continuous import lineage, run_once
-from trainer.increments import CursorError
 
 from .conftest import mark_quality, synthetic_examples, write_examples
 

@@ -194,3 +194,16 @@ def test_drift_against_the_previous_passed_batches(tmp_path, examples_table):
     assert report["profile"]["num_rows"] == 16.0
     profiles = read_table(tmp_path, "quality_profiles").to_pylist()
     assert {(r["table_version"], r["passed"]) for r in profiles} == {(0, True), (1, True), (2, False), (3, False)}
+
+
+def test_examples_versions_are_judged_on_the_rows_they_added(tmp_path, examples_table):
+    cfg = config(tmp_path)
+    bad = examples_table(8, changes={2: {"seq_event_time_ms": [T0, T0 + 2000]}})  # leaks: quarantined
+    good = examples_table(8).set_column(0, "example_id", pa.array([f"later-{i}" for i in range(8)]))
+    commit_once(tmp_path, "examples", bad, app_id="build", version=0, metadata={"events_version": 0})
+    commit_once(tmp_path, "examples", good, app_id="build", version=1, metadata={"events_version": 1})
+    first = validate_table(cfg, "examples", 0, now_ms=NOW)
+    second = validate_table(cfg, "examples", 1, now_ms=NOW)
+    assert not first.passed and second.passed, "one bad build does not fail every later version"
+    assert (first.num_rows, second.num_rows) == (8, 8)  # each version's own rows, not the table's 16
+    assert not gate_decision(tmp_path, "examples", 0).allowed and gate_decision(tmp_path, "examples", 1).allowed

@@ -1,4 +1,4 @@
-"""trainer.increments: every row a data-changing commit added is read exactly once from any cursor; compactions
+"""gemline.increments: every row a data-changing commit added is read exactly once from any cursor; compactions
 are never re-read; a recreated table, a vacuumed file or a missing log entry stop the reader with CursorError."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from trainer.increments import Cursor, CursorError, latest_version, read_from, read_increment, table_id
+from gemline.increments import Cursor, CursorError, latest_version, read_from, read_increment, table_id
 
 SCHEMA = pa.schema([("example_id", pa.string()), ("value", pa.int64()), ("event_date", pa.string())])
 

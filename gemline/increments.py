@@ -232,3 +232,26 @@ def read_from(
         if not yielded:  # nothing (left) to read in this version: the caller still learns the cursor moved
             yield version, None, Cursor(cursor.table_id, version + 1, 0, 0)
         version, file_index, row_offset = version + 1, 0, 0
+
+
+def rows_added(lake: str | Path, table: str, version: int, *, columns: Sequence[str] | None = None,
+               storage_options: StorageOptions | None = None) -> pa.Table | None:
+    """Every row commit ``version`` of ``table`` added with ``dataChange = true`` (an append's new rows; an
+    overwrite's whole new table), or None when the commit added none (a compaction, a metadata change).
+
+    Raises:
+        CursorError: the table is missing, or the commit's log entry or a data file is gone.
+    """
+    tid = table_id(lake, table, storage_options=storage_options)
+    if tid is None:
+        raise CursorError(f"{table}: no such table in {lake}")
+    if not read_increment(lake, table, version, storage_options=storage_options).files:
+        return None
+    batches = [b for _, b, _ in read_from(lake, table, Cursor(tid, version), until_version=version, columns=columns,
+                                          storage_options=storage_options) if b is not None]
+    if batches:
+        return pa.Table.from_batches(batches)
+    dt = open_table(lake, table, storage_options=storage_options)
+    assert dt is not None
+    full = pa.schema(dt.schema().to_arrow())
+    return (full if columns is None else pa.schema([full.field(c) for c in columns])).empty_table()
