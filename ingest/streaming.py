@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError
 from ingest.pipeline import IngestResult, run_ingest
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,9 @@ class StreamingConfig:
 
     def __post_init__(self) -> None:
         if not self.commit_interval_s > 0:
-            raise ValueError(f"streaming.commit_interval_s: expected > 0 seconds, got {self.commit_interval_s}")
+            raise BadConfigError(f"streaming.commit_interval_s: expected > 0 seconds, got {self.commit_interval_s}")
         if self.max_batches is not None and self.max_batches < 1:
-            raise ValueError(f"streaming.max_batches: expected >= 1 or None, got {self.max_batches}")
+            raise BadConfigError(f"streaming.max_batches: expected >= 1 or None, got {self.max_batches}")
 
 
 @dataclass
