@@ -480,6 +480,8 @@ def validate_examples(
             "critical",
         )
     )
+    from great_expectations.expectations.row_conditions import Column  # GX is slow to import: only when needed
+
     present = _domains(table) if "label_click" in table.column_names else []
     for domain in present:
         specs.append(
@@ -488,8 +490,7 @@ def validate_examples(
                     column="label_click",
                     min_value=min_label_rate,
                     max_value=max_label_rate,
-                    row_condition=f"domain=={domain!r}",
-                    condition_parser="pandas",
+                    row_condition=Column("domain") == domain,  # a GX Condition (strings deprecated in GX 1.9)
                 ),
                 f"label_rate:{domain}",
                 "warning",
