@@ -60,6 +60,7 @@ from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError
 from gemline.lake import commit_metadata, commit_once, committed_version, is_remote, open_table, table_uri
 from gemline.locks import holding
 from ingest.config import IngestConfig
@@ -71,7 +72,7 @@ from ingest.dedup import (
     split_conflicts,
     split_late,
 )
-from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, TopicIdentity, plan_topic
+from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, TopicChangedError, TopicIdentity, plan_topic
 from ingest.parse import DEAD_LETTER, GOOD
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA
 from ingest.vectorized import ParseBatches
@@ -231,6 +232,14 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset
                      rules_changed=changed, reset=meta.get("reset"))
 
     reset = None
+    if reset_topic and previous is not None:
+        try:  # a deliberate start-over is for a topic that changed; the same topic would be read again from 0
+            plan_topic(bootstrap, topic, prev_ends, previous=previous, **plan_args)
+        except TopicChangedError:
+            pass
+        else:
+            raise BadConfigError(f"topic {topic!r} is the one the lake read (same id, partitions and records at the "
+                                 "committed offsets): --reset-topic would read it again from the start; nothing to reset")
     if reset_topic:
         reset = {"previous_end_offsets": {str(p): e for p, e in sorted(prev_ends.items())},
                  "previous_topic_id": None if previous is None else previous.topic_id,
@@ -430,7 +439,7 @@ def run_ingest(
             wall clock. A recovered batch uses the clock recorded by the crashed run instead.
         reset_topic: start over on the topic as it is now (from its low watermarks), forgetting the
             committed offsets and topic identity; recorded in the commit (``reset``). For a topic
-            that was deliberately recreated.
+            that was deliberately recreated: refused (BadConfigError) when the topic is the one the lake read.
 
     Returns:
         An :class:`IngestResult`; ``gaps`` lists records retention deleted before they were read.

@@ -44,6 +44,7 @@ import torch
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
 from gemline.lake import committed_version, is_remote, open_table, table_uri
@@ -205,6 +206,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         gemline.increments.CursorError: the table was recreated, or rows under the cursor are gone.
         gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
         ValueError: ``keep_checkpoints < 1``; a dense column the model was trained with is missing.
+        gemline.errors.BadConfigError: the run being resumed trains another ``trainer.model``.
     """
     if keep_checkpoints < 1:
         raise ValueError(f"run_once: expected keep_checkpoints >= 1, got {keep_checkpoints}")
@@ -229,6 +231,10 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         if cursor.table_id != tid:
             raise CursorError(f"examples was recreated: its table id is {tid}, the run {run_id} read {cursor.table_id}; "
                               "start a new run with `gemline train --once --from-scratch`")
+        if state.extra.get("model") != tc.model:
+            raise BadConfigError(f"the continuous run {run_id} trains trainer.model={state.extra.get('model')!r}, not "
+                                 f"{tc.model!r}: pass --set trainer.model={state.extra.get('model')}, or start a new run "
+                                 "with --from-scratch")
         normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
         domains = tuple(state.extra["domains"])
         model, optimizers = _build(config, normalizer, domains)
@@ -435,11 +441,11 @@ def lineage(config: GemlineConfig, *, checkpoint: str | None = None) -> dict[str
     "mean_loss", "step", "events_versions", "kafka_offsets"}]}``.
 
     Raises:
-        FileNotFoundError: no continuous checkpoint.
+        gemline.errors.MissingInputError: no continuous checkpoint.
     """
     path = checkpoint or latest_checkpoint(continuous_root(config.lake), storage_options=config.lake_storage_options)
     if path is None:
-        raise FileNotFoundError(f"no continuous checkpoint under {continuous_root(config.lake)}: run `gemline train --once`")
+        raise MissingInputError(f"no continuous checkpoint under {continuous_root(config.lake)}: run `gemline train --once`")
     state = read_state(path)
     cont = state.extra["continuous"]
     return json.loads(json.dumps({"step": state.step, "run_id": cont["run_id"],

@@ -155,6 +155,10 @@ def test_a_recreated_topic_is_refused_until_reset_deliberately(broker, tmp_path)
 
     res = run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS, reset_topic=True)
     assert res.reset and res.events_written == 130
+    from gemline.errors import BadConfigError
+
+    with pytest.raises(BadConfigError, match="is the one the lake read.*nothing to reset"):
+        run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS, reset_topic=True)
     meta = commit_metadata(lake, "events", app_id_for(topic))
     assert meta["reset"]["previous_end_offsets"] == {"0": 100}
     assert meta["end_offsets"] == {"0": 130}

@@ -230,3 +230,18 @@ def test_follow_consumes_what_arrives_between_polls(tmp_path, monkeypatch):
 
     calls = continuous.follow(_config(lake), poll_interval_s=0, on_result=on_result, max_polls=3)
     assert calls == 3 and seen == [[0], [1], []]
+
+
+def test_resuming_with_another_model_or_without_a_run_is_one_line(tmp_path, capsys):
+    from gemline.cli import main
+
+    lake = tmp_path / "lake"
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    assert main(["lineage", "--lake", str(lake), *sets]) == 2  # no continuous run yet
+    assert "no continuous checkpoint" in capsys.readouterr().err
+    _add(lake, 1)
+    assert main(["train", "--once", "--lake", str(lake), *sets]) == 0
+    capsys.readouterr()
+    assert main(["train", "--once", "--lake", str(lake), *sets, "--set", "trainer.model=lr"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trains trainer.model='dlrm', not 'lr'" in err[0] and "--from-scratch" in err[0]
