@@ -58,7 +58,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.data import DenseNormalizer, encode_examples, fit_normalizer, make_batch
-from trainer.metrics import TASKS, evaluate
+from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.models import build_model
 from trainer.run_report import write_run_report
 from trainer.train import predict, prior_rates, train_step
@@ -118,8 +118,8 @@ def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: in
         scopes = {"all": metrics[task]["overall"], **metrics[task]["by_domain"]}
         for domain, values in scopes.items():
             for name in _METRICS:
-                value = values.get(name)
-                value = None if value is None or (isinstance(value, float) and np.isnan(value)) else float(value)
+                value = nan_to_none(values.get(name))
+                value = None if value is None else float(value)
                 rows.append({"run_id": run_id, "step": step, "examples_version": version, "domain": domain,
                              "task": task, "metric": name, "value": value, "wall_time_ms": now_ms})
     return rows
@@ -312,7 +312,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
                                                                          int(time.time() * 1000)))
                 click = metrics["click"]["overall"]
                 result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
-                                           "auc": _finite(click["auc"]), "ne": _finite(click["ne"])})
+                                           "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
                 evaluated = True
         rows, losses = 0, []
         for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
@@ -386,10 +386,6 @@ class _Sources:
         offsets = [{"events_version": ev, **r} for ev in versions
                    for r in self._events.get(ev, {}).get("offset_ranges", [])]
         return {"events_versions": versions, "kafka_offsets": offsets}
-
-
-def _finite(value: Any) -> float | None:
-    return None if value is None or (isinstance(value, float) and np.isnan(value)) else float(value)
 
 
 def _build(config: GemlineConfig, normalizer: DenseNormalizer,

@@ -51,12 +51,11 @@ from trainer.distributed import (
     shard_model,
     split_rows,
 )
-from trainer.metrics import evaluate
+from trainer.metrics import evaluate, nan_to_none
 from trainer.models import build_model
 from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_checkpoint_dir
 from trainer.train import (
     TrainResult,
-    _json_safe,
     _loss_curve_png,
     _Position,
     _resume_position,
@@ -199,7 +198,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     metrics = evaluate(evaluation.labels, probs, evaluation.domains) if probs is not None else {}  # rank 0
     path = checkpoint(
         _Position(tc.epochs, 0), finished=True,
-        extra={"eval_date": split.eval_date, "metrics": _json_safe(metrics)}, files={"loss_curve.png": _loss_curve_png(loss_curve)},
+        extra={"eval_date": split.eval_date, "metrics": nan_to_none(metrics)}, files={"loss_curve.png": _loss_curve_png(loss_curve)},
     )
     if rank != 0:
         return None

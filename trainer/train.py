@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,7 @@ from trainer.data import (
     num_batches,
     validate_batch,
 )
-from trainer.metrics import evaluate
+from trainer.metrics import evaluate, nan_to_none
 from trainer.models import build_model, encode_domains
 from trainer.models.towers import RankingModel
 
@@ -277,7 +276,7 @@ def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
     path = checkpoint(
         _Position(tc.epochs, 0),
         finished=True,
-        extra={"eval_date": split.eval_date, "metrics": _json_safe(metrics)},
+        extra={"eval_date": split.eval_date, "metrics": nan_to_none(metrics)},
         files={"loss_curve.png": _loss_curve_png(loss_curve)},
     )
     return TrainResult(
@@ -307,11 +306,3 @@ def training_domains(train, resume_from) -> tuple[str, ...]:
             return tuple(saved)
     return tuple(sorted(set(train["domain"].to_pylist()) - {None}))
 
-
-def _json_safe(value):
-    """NaN -> None recursively (JSON has no NaN)."""
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
