@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,3 +140,41 @@ DEAD_LETTER_SCHEMA = pa.schema(
 def event_to_row(event: Event) -> dict[str, Any]:
     """The Event as a dict in EVENT_ARROW_SCHEMA field order."""
     return dataclasses.asdict(event)
+
+
+EventRow = Mapping[str, Any]
+"""One event as a plain mapping with the :data:`EVENT_ARROW_SCHEMA` fields (a row of ``pyarrow.Table.to_pylist``)."""
+
+_ROW_REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type")
+
+
+def sorted_unique_events(events: Iterable[EventRow]) -> list[EventRow]:
+    """Deduplicate by ``event_id`` (first copy in (event_time_ms, event_id) order wins) and sort.
+
+    Duplicates come from at-least-once delivery upstream; a copy is the same event, so which one
+    is kept does not change any result.
+
+    Raises:
+        ValueError: an event lacks a required field or has a non-integer ``event_time_ms``.
+    """
+    materialised = list(events)
+    for event in materialised:
+        missing = [name for name in _ROW_REQUIRED if event.get(name) is None]
+        if missing:
+            raise ValueError(
+                f"event {event.get('event_id')!r} lacks required fields {missing}; "
+                "expected rows of ingest.schema.EVENTS_TABLE_SCHEMA"
+            )
+        if not isinstance(event["event_time_ms"], int) or isinstance(event["event_time_ms"], bool):
+            raise TypeError(
+                f"event {event['event_id']!r}: event_time_ms must be int (ms since epoch UTC), "
+                f"got {type(event['event_time_ms']).__name__}"
+            )
+    materialised.sort(key=lambda e: (e["event_time_ms"], e["event_id"]))
+    seen: set[str] = set()
+    unique: list[EventRow] = []
+    for event in materialised:
+        if event["event_id"] not in seen:
+            seen.add(event["event_id"])
+            unique.append(event)
+    return unique

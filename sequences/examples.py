@@ -37,9 +37,9 @@ import numpy as np
 import pyarrow as pa
 
 from features.definitions import CounterIndex
-from ingest.schema import IMPRESSION_TYPES
+from ingest.schema import IMPRESSION_TYPES, EventRow, sorted_unique_events
 from sequences.config import BuildConfig
-from sequences.history import Event, point_in_time_gather, sorted_unique_events
+from sequences.history import point_in_time_gather
 from sequences.labels import CLICK, CONVERSION, _first_in_window
 from sequences.schema import BUILD_EXTRA_SCHEMA, EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
 
@@ -98,7 +98,7 @@ _CONTEXT_FIELDS = ("event_id", "event_time_ms", "created_ts_ms", "user_id", "ite
                    "category")
 
 
-def _created(event: Event) -> int:
+def _created(event: EventRow) -> int:
     value = event.get("created_ts_ms")
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(
@@ -109,8 +109,8 @@ def _created(event: Event) -> int:
 
 
 def _dense_per_impression(
-    events: list[Event],
-    impressions: list[Event],
+    events: list[EventRow],
+    impressions: list[EventRow],
     mapping: Mapping[str, str],
     config: BuildConfig,
     prior_counts: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
@@ -118,7 +118,7 @@ def _dense_per_impression(
     """``{impression event_id: {f_name: value}}``: counters per domain over sorted ``events`` as of
     each impression (event time < t and appended at or before the impression)."""
     out: dict[str, dict[str, float]] = {}
-    by_domain: dict[str, list[Event]] = defaultdict(list)
+    by_domain: dict[str, list[EventRow]] = defaultdict(list)
     for event in impressions:
         by_domain[event["domain"]].append(event)
     for domain, domain_impressions in by_domain.items():
@@ -139,7 +139,7 @@ def _dense_per_impression(
 
 
 def item_features(
-    item_events: Iterable[Event],
+    item_events: Iterable[EventRow],
     config: BuildConfig,
     prior_counts: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
 ) -> list[tuple[str, str, dict[str, float]]]:
@@ -165,7 +165,7 @@ def _list_column(values: pa.Array, offsets: np.ndarray, index: np.ndarray, list_
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values.take(pa.array(index)), type=list_type)
 
 
-def _gather(candidates: list[Event], impressions: list[Event], max_len: int, prior_cut: np.ndarray,
+def _gather(candidates: list[EventRow], impressions: list[EventRow], max_len: int, prior_cut: np.ndarray,
             prefix: str) -> dict[str, Any]:
     """Sequence columns (``seq_*`` or ``seq_same_domain_*``) of Q impressions from sorted candidates."""
     times = np.fromiter((e["event_time_ms"] for e in candidates), dtype=np.int64, count=len(candidates))
@@ -199,12 +199,12 @@ def _take_rows(columns: dict[str, Any], order: np.ndarray) -> dict[str, Any]:
 
 def pending_examples(
     *,
-    fresh_impressions: list[Event],
-    cross_candidates: list[Event],
+    fresh_impressions: list[EventRow],
+    cross_candidates: list[EventRow],
     cross_prior_cut: int,
-    domain_candidates: Mapping[str, list[Event]],
+    domain_candidates: Mapping[str, list[EventRow]],
     domain_prior_cut: Mapping[str, int],
-    counter_events: list[Event],
+    counter_events: list[EventRow],
     prior_counts: Mapping[tuple[str, str], Mapping[str, int]] | None,
     item_dense: Mapping[str, Mapping[str, float]],
     config: BuildConfig,
@@ -276,7 +276,7 @@ def pending_examples(
 
 
 def attach_labels(
-    pending: pa.Table, events: list[Event], config: BuildConfig, watermark_ms: int, close_ms: int
+    pending: pa.Table, events: list[EventRow], config: BuildConfig, watermark_ms: int, close_ms: int
 ) -> pa.Table:
     """Publish pending examples: join click and conversion labels by event time (:mod:`sequences.labels`,
     windows per domain from ``config.window_ms``) and return a table of :data:`EXAMPLES_SCHEMA`.
@@ -312,7 +312,7 @@ def attach_labels(
 
 
 def assemble_examples(
-    user_events: Iterable[Event],
+    user_events: Iterable[EventRow],
     item_dense: Mapping[str, Mapping[str, float]],
     config: BuildConfig,
     watermark_ms: int,

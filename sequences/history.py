@@ -14,47 +14,13 @@ Events are plain mappings with the :data:`ingest.schema.EVENT_ARROW_SCHEMA` fiel
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-Event = Mapping[str, Any]
-
-_REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type")
-
-
-def sorted_unique_events(events: Iterable[Event]) -> list[Event]:
-    """Deduplicate by ``event_id`` (first copy in (event_time_ms, event_id) order wins) and sort.
-
-    Duplicates come from at-least-once delivery upstream; a copy is the same event, so which one
-    is kept does not change any result.
-
-    Raises:
-        ValueError: an event lacks a required field or has a non-integer ``event_time_ms``.
-    """
-    materialised = list(events)
-    for event in materialised:
-        missing = [name for name in _REQUIRED if event.get(name) is None]
-        if missing:
-            raise ValueError(
-                f"event {event.get('event_id')!r} lacks required fields {missing}; "
-                "expected rows of ingest.schema.EVENTS_TABLE_SCHEMA"
-            )
-        if not isinstance(event["event_time_ms"], int) or isinstance(event["event_time_ms"], bool):
-            raise TypeError(
-                f"event {event['event_id']!r}: event_time_ms must be int (ms since epoch UTC), "
-                f"got {type(event['event_time_ms']).__name__}"
-            )
-    materialised.sort(key=lambda e: (e["event_time_ms"], e["event_id"]))
-    seen: set[str] = set()
-    unique: list[Event] = []
-    for event in materialised:
-        if event["event_id"] not in seen:
-            seen.add(event["event_id"])
-            unique.append(event)
-    return unique
+from ingest.schema import EventRow, sorted_unique_events
 
 
 @dataclass(frozen=True)
@@ -91,8 +57,8 @@ class Timeline:
         ValueError / TypeError: as :func:`sorted_unique_events`.
     """
 
-    def __init__(self, events: Iterable[Event]) -> None:
-        self.events: list[Event] = sorted_unique_events(events)
+    def __init__(self, events: Iterable[EventRow]) -> None:
+        self.events: list[EventRow] = sorted_unique_events(events)
         self.times_ms: list[int] = [e["event_time_ms"] for e in self.events]
         self.item_ids = [e["item_id"] for e in self.events]
         self.categories = [e.get("category") or "" for e in self.events]
@@ -193,12 +159,12 @@ def point_in_time_gather(
     return index, lengths, visible
 
 
-def history_before(events: Sequence[Event], t_ms: int, max_seq_len: int) -> History:
+def history_before(events: Sequence[EventRow], t_ms: int, max_seq_len: int) -> History:
     """One-off form of :meth:`Timeline.history_before` (builds the timeline each call)."""
     return Timeline(events).history_before(t_ms, max_seq_len)
 
 
-def sequence_row(user_id: str, events: Iterable[Event], *, as_of_ms: int, max_seq_len: int) -> dict[str, Any]:
+def sequence_row(user_id: str, events: Iterable[EventRow], *, as_of_ms: int, max_seq_len: int) -> dict[str, Any]:
     """The ``sequences`` row of one user: newest ``max_seq_len`` events with time <= ``as_of_ms``.
 
     ``as_of_ms`` is inclusive here (it is the snapshot watermark, the newest event time, and

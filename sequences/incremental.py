@@ -27,7 +27,7 @@ sequences); the events table is unique by event_id (ingest commits exactly once)
 event that has already left the state does not occur; if it did, it would be counted again in
 ``seq_truncated`` and the all-time counters.
 
-Event rows are dicts of :data:`ingest.schema.EVENT_ARROW_SCHEMA` + ``created_ts_ms``.
+EventRow rows are dicts of :data:`ingest.schema.EVENT_ARROW_SCHEMA` + ``created_ts_ms``.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import numpy as np
 import pyarrow as pa
 
 from features.definitions import COUNTED_TYPES
-from ingest.schema import IMPRESSION_TYPES
+from features.reference import item_feature_rows, user_category_feature_rows, user_feature_rows
+from ingest.schema import IMPRESSION_TYPES, EventRow, sorted_unique_events
 from sequences.config import BuildConfig
-from sequences.examples import PENDING_SCHEMA, attach_labels, pending_examples
-from sequences.history import Event, sorted_unique_events
+from sequences.examples import PENDING_SCHEMA, attach_labels, item_features, pending_examples
 
 EVICTED_SCHEMA = pa.schema(
     [
@@ -57,7 +57,7 @@ EVICTED_SCHEMA = pa.schema(
 """Counts of events that left the buffer, per (entity, key, domain, category)."""
 
 
-def split_buffer(events: list[Event], watermark_ms: int, lookback_ms: int) -> tuple[list[Event], list[Event]]:
+def split_buffer(events: list[EventRow], watermark_ms: int, lookback_ms: int) -> tuple[list[EventRow], list[EventRow]]:
     """(kept, evicted): events with event time >= ``watermark_ms - lookback_ms`` stay in the buffer."""
     cut = watermark_ms - lookback_ms
     kept = [e for e in events if e["event_time_ms"] >= cut]
@@ -66,7 +66,7 @@ def split_buffer(events: list[Event], watermark_ms: int, lookback_ms: int) -> tu
 
 
 def merge_evicted(
-    old: Iterable[Mapping[str, Any]], gone: Iterable[Event], entity: str, key_field: str
+    old: Iterable[Mapping[str, Any]], gone: Iterable[EventRow], entity: str, key_field: str
 ) -> list[dict[str, Any]]:
     """Add the counted types of ``gone`` events to ``old`` evicted rows of one entity kind.
 
@@ -114,7 +114,7 @@ def stored_events(row: Mapping[str, Any] | None) -> list[dict[str, Any]]:
 
 def sequence_state_row(
     user_id: str,
-    events: list[Event],
+    events: list[EventRow],
     *,
     prior_total: int,
     as_of_ms: int,
@@ -158,8 +158,8 @@ def build_user(
     *,
     stored_seq: Mapping[str, Any] | None,
     stored_domain_seqs: Iterable[Mapping[str, Any]],
-    buffer: Iterable[Event],
-    new: Iterable[Event],
+    buffer: Iterable[EventRow],
+    new: Iterable[EventRow],
     evicted: Iterable[Mapping[str, Any]],
     pending: pa.Table,
     item_dense: Mapping[str, Mapping[str, float]],
@@ -188,7 +188,6 @@ def build_user(
     Raises:
         ValueError: malformed events, or a new impression without item features.
     """
-    from features.pipeline import user_category_feature_rows, user_feature_rows
 
     buffered = sorted_unique_events(buffer)
     buffered_ids = {e["event_id"] for e in buffered}
@@ -253,8 +252,8 @@ def build_user(
 def build_item(
     item_id: str,
     *,
-    buffer: Iterable[Event],
-    new: Iterable[Event],
+    buffer: Iterable[EventRow],
+    new: Iterable[EventRow],
     evicted: Iterable[Mapping[str, Any]],
     config: BuildConfig,
     watermark_ms: int,
@@ -265,9 +264,6 @@ def build_item(
     Returns:
         ``{"dense": [(user_id, example_id, {f_item_*: float})], "evicted": [rows], "item_features": [rows]}``.
     """
-    from features.pipeline import item_feature_rows
-    from sequences.examples import item_features
-
     buffered = sorted_unique_events(buffer)
     buffered_ids = {e["event_id"] for e in buffered}
     fresh_ids = {e["event_id"] for e in new if e["event_id"] not in buffered_ids}

@@ -61,7 +61,7 @@ def label_impressions(
 
     Args:
         events: one user's events sorted by (event_time_ms, event_id) and deduplicated (see
-            :func:`sequences.history.sorted_unique_events`).
+            :func:`ingest.schema.sorted_unique_events`).
         click_window_ms, conversion_window_ms: attribution windows (ms, > 0).
         watermark_ms: max event_time_ms of the whole snapshot (ms since epoch UTC).
 
@@ -85,7 +85,7 @@ def label_impressions(
         if previous is not None and order < previous:
             raise ValueError(
                 f"events must be sorted by (event_time_ms, event_id); {order} came after {previous}. "
-                "Pass them through sequences.history.sorted_unique_events first"
+                "Pass them through ingest.schema.sorted_unique_events first"
             )
         previous = order
         if event["event_type"] in (CLICK, CONVERSION):

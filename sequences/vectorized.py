@@ -5,7 +5,7 @@ Same inputs, outputs and semantics as the reference steps of :mod:`sequences.sha
 compare the two table by table. The per-entity logic becomes whole-shard operations:
 
 - dedup and order: one sort by (entity, event_time_ms, event_id) and one ``unique`` on event_id;
-- point-in-time sequences and counters: every group (user, user x domain, item x domain) sorted
+- point-in-time sequences and counters (the counters and feature rows from :mod:`features.vectorized`): every group (user, user x domain, item x domain) sorted
   by time in one array, queries answered with one ``numpy.searchsorted`` on the key
   ``group * span + time`` (so a search never crosses into another group), prefix sums for counts;
 - labels: an as-of join (polars ``join_asof``, forward) of each impression with the first later
@@ -31,13 +31,17 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from features.definitions import (
-    COUNTED_TYPES,
-    ITEM_FEATURES,
-    USER_CATEGORY_FEATURES,
-    USER_FEATURES,
-    WINDOWS_MS,
-    smoothed_ctr,
+from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES, WINDOWS_MS
+from features.vectorized import (
+    EVENT_ORDER,
+    counter_frame,
+    feature_rows,
+    grouped,
+    latest_non_null,
+    merge_evicted,
+    prior_counts,
+    utc_date,
+    with_ctr,
 )
 from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
@@ -55,73 +59,6 @@ from sequences.shards import (
 
 _REQUIRED = ("event_id", "event_time_ms", "user_id", "item_id", "domain", "event_type", "created_ts_ms")
 _IMPRESSIONS = sorted(IMPRESSION_TYPES)
-_ORDER = ["event_time_ms", "event_id"]
-
-
-# --------------------------------------------------------------------------------------------
-# Grouped searches
-
-
-class _Groups:
-    """Candidates sorted by (group code, time): answers "how many of the group's candidates have
-    time < t" for many (group, t) queries with one ``searchsorted``.
-
-    Args:
-        codes: (n,) int64 group codes of the candidates, ascending.
-        times: (n,) int64 candidate times, ascending within each group.
-        lo, hi: the smallest and largest time any query or candidate will use.
-
-    Raises:
-        ValueError: group codes times the time span would overflow int64.
-    """
-
-    def __init__(self, codes: np.ndarray, times: np.ndarray, lo: int, hi: int) -> None:
-        self.lo = int(lo)
-        self.span = int(hi) - self.lo + 2
-        top = int(codes.max()) + 1 if codes.size else 1
-        if top * self.span >= 2**62:
-            raise ValueError(f"{top} groups over a {self.span} ms span overflow the int64 search key; use more shards")
-        self.keys = codes.astype(np.int64) * self.span + (times.astype(np.int64) - self.lo)
-
-    def before(self, codes: np.ndarray, times: np.ndarray) -> np.ndarray:
-        """(Q,) global index of the first candidate of group ``codes[i]`` with time >= ``times[i]``."""
-        t = np.clip(times.astype(np.int64), self.lo, self.lo + self.span - 1)
-        return np.searchsorted(self.keys, codes.astype(np.int64) * self.span + (t - self.lo), side="left")
-
-    def start(self, codes: np.ndarray) -> np.ndarray:
-        """(Q,) global index of the first candidate of each group."""
-        return np.searchsorted(self.keys, codes.astype(np.int64) * self.span, side="left")
-
-
-def _code(frames: list[pl.DataFrame], keys: list[str]) -> list[pl.DataFrame]:
-    """Each frame with an int64 ``_g`` column: one code per distinct ``keys`` value across all frames."""
-    table = (pl.concat([f.select(keys) for f in frames]).unique().sort(keys)
-             .with_row_index("_g").with_columns(pl.col("_g").cast(pl.Int64)))
-    out = []
-    for frame in frames:
-        indexed = frame.with_row_index("_row")
-        out.append(indexed.join(table, on=keys, how="left").sort("_row").drop("_row"))
-    return out
-
-
-def _time_bounds(*columns: np.ndarray) -> tuple[int, int]:
-    values = [c for c in columns if c.size]
-    if not values:
-        return 0, 0
-    return int(min(c.min() for c in values)), int(max(c.max() for c in values))
-
-
-def _grouped(events: pl.DataFrame, queries: pl.DataFrame, keys: list[str], query_time: str = "event_time_ms",
-             reach_back_ms: int = 0) -> tuple[pl.DataFrame, _Groups, np.ndarray, np.ndarray]:
-    """``events`` coded by ``keys`` and sorted by (group, time, event_id), the :class:`_Groups` over
-    them, and the queries' (Q,) group codes and times (``query_time`` column); ``reach_back_ms``:
-    how far before a query time a search may go (the widest counter window)."""
-    events, queries = _code([events, queries], keys)
-    events = events.sort(["_g", *_ORDER])
-    times = events.get_column("event_time_ms").to_numpy()
-    q_times = queries.get_column(query_time).to_numpy()
-    lo, hi = _time_bounds(times, q_times, q_times - reach_back_ms)
-    return events, _Groups(events.get_column("_g").to_numpy(), times, lo, hi), queries.get_column("_g").to_numpy(), q_times
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +66,7 @@ def _grouped(events: pl.DataFrame, queries: pl.DataFrame, keys: list[str], query
 
 
 def _events(table: pa.Table) -> pl.DataFrame:
-    """Events as polars, checked like :func:`sequences.history.sorted_unique_events`."""
+    """Events as polars, checked like :func:`ingest.schema.sorted_unique_events`."""
     for name in _REQUIRED:
         if table.column(name).null_count:
             raise ValueError(f"events lack required field {name!r} in {table.column(name).null_count} row(s); "
@@ -139,7 +76,7 @@ def _events(table: pa.Table) -> pl.DataFrame:
 
 def _sorted_unique(frame: pl.DataFrame, entity: str) -> pl.DataFrame:
     """Sorted by (entity, time, event_id), first copy of each (entity, event_id) kept."""
-    return (frame.sort([entity, *_ORDER], maintain_order=True)
+    return (frame.sort([entity, *EVENT_ORDER], maintain_order=True)
             .unique(subset=[entity, "event_id"], keep="first", maintain_order=True))
 
 
@@ -156,109 +93,6 @@ def _stored(seq: pa.Table) -> pl.DataFrame:
                                  .alias("category"))
 
 
-def _utc_date(column: str) -> pl.Expr:
-    return pl.from_epoch(pl.col(column), time_unit="ms").dt.strftime("%Y-%m-%d")
-
-
-# --------------------------------------------------------------------------------------------
-# Counters
-
-
-def _window_counts(groups: _Groups, prefix: dict[str, np.ndarray], q_codes: np.ndarray, q_times: np.ndarray,
-                   windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
-    """``{"<type>_<window>": (Q,) int64}``: events of each counted type with time in [t - w, t)."""
-    end = groups.before(q_codes, q_times)
-    start = groups.start(q_codes)
-    out = {}
-    for window, window_ms in windows.items():
-        lo = start if window_ms is None else groups.before(q_codes, q_times - window_ms)
-        for name, counts in prefix.items():
-            out[f"{name}_{window}"] = counts[end] - counts[lo]
-    return out
-
-
-def _prefix(types: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: np.concatenate([[0], np.cumsum(types == t)]).astype(np.int64) for name, t in COUNTED_TYPES.items()}
-
-
-def _with_ctr(counts: dict[str, np.ndarray], prior: dict[str, np.ndarray] | None, config: BuildConfig,
-              windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
-    """Counts (+ prior all-time counts) and smoothed CTRs, every window of ``windows``."""
-    out: dict[str, np.ndarray] = {}
-    for window, window_ms in windows.items():
-        for name in COUNTED_TYPES:
-            value = counts[f"{name}_{window}"]
-            if window_ms is None and prior is not None:
-                value = value + prior[name]
-            out[f"{name}_{window}"] = value
-        out[f"ctr_{window}"] = smoothed_ctr(out[f"clicks_{window}"], out[f"impressions_{window}"],
-                                            config.ctr_prior_clicks, config.ctr_prior_non_clicks)
-    return out
-
-
-def _prior(evicted: pl.DataFrame, entity: str, rows: pl.DataFrame, keys: dict[str, str]) -> dict[str, np.ndarray]:
-    """Evicted counts of ``entity`` aligned with ``rows`` (0 where none): ``{counted name: (R,) int64}``.
-
-    ``keys``: evicted column -> column of ``rows`` (e.g. {"key": "user_id", "domain": "domain"}).
-    """
-    prior = evicted.filter(pl.col("entity") == entity)
-    if "category" not in keys:
-        prior = prior.filter(pl.col("category") == "")
-    prior = prior.rename({k: v for k, v in keys.items() if k != v}).select(*keys.values(), *COUNTED_TYPES)
-    joined = rows.select(list(keys.values())).with_row_index("_row").join(prior, on=list(keys.values()), how="left")
-    joined = joined.sort("_row")
-    return {name: joined.get_column(name).fill_null(0).cast(pl.Int64).to_numpy() for name in COUNTED_TYPES}
-
-
-def _counter_frame(events: pl.DataFrame, keys: list[str], queries: pl.DataFrame, query_time: str,
-                   windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
-    """Windowed counts over ``events`` grouped by ``keys`` as of each query row (time < query time)."""
-    widest = max((w for w in windows.values() if w is not None), default=0)
-    events, groups, q_codes, q_times = _grouped(events, queries, keys, query_time, widest)
-    return _window_counts(groups, _prefix(events.get_column("event_type").to_numpy()), q_codes, q_times, windows)
-
-
-def _feature_rows(visible: pl.DataFrame, keys: list[str], evicted: pl.DataFrame, entity: str,
-                  prior_keys: dict[str, str], as_of_ms: int, ttl_ms: int | None, config: BuildConfig) -> pl.DataFrame:
-    """Feature-view rows: one per ``keys`` group of ``visible`` events whose newest event is in the TTL."""
-    if visible.height == 0:
-        return pl.DataFrame()
-    summary = visible.group_by(keys).agg(
-        pl.col("event_time_ms").max().alias("event_ts_ms"), pl.col("created_ts_ms").max().alias("created_ts_ms"))
-    if ttl_ms is not None:
-        summary = summary.filter(pl.col("event_ts_ms") >= as_of_ms - ttl_ms)
-    summary = summary.sort(keys)
-    queries = summary.with_columns(pl.lit(as_of_ms + 1, dtype=pl.Int64).alias("_t"))
-    counts = _counter_frame(visible, keys, queries, "_t", WINDOWS_MS)
-    prior = _prior(evicted, entity, summary, prior_keys)
-    values = _with_ctr(counts, prior, config, WINDOWS_MS)
-    return summary.with_columns(
-        pl.lit(as_of_ms, dtype=pl.Int64).alias("as_of_ms"), _utc_date("event_ts_ms").alias("event_date"),
-        *[pl.Series(name, v) for name, v in values.items()])
-
-
-def _latest_non_null(events: pl.DataFrame, keys: list[str], field: str) -> pl.DataFrame:
-    """Per ``keys`` group, the last non-null ``field`` in (time, event_id) order."""
-    return (events.filter(pl.col(field).is_not_null()).sort([*keys, *_ORDER])
-            .group_by(keys, maintain_order=True).agg(pl.col(field).last()))
-
-
-# --------------------------------------------------------------------------------------------
-# Evicted counts
-
-
-def _merge_evicted(old: pl.DataFrame, gone: pl.DataFrame, entity: str, key_field: str) -> pl.DataFrame:
-    """:func:`sequences.incremental.merge_evicted` over a whole shard."""
-    old = old.filter(pl.col("entity") == entity).select("key", "domain", "category", *COUNTED_TYPES)
-    category = (pl.col("category").fill_null("") if entity == "user_category" else pl.lit("")).alias("category")
-    added = gone.select(
-        pl.col(key_field).alias("key"), "domain", category,
-        *[(pl.col("event_type") == t).cast(pl.Int64).alias(name) for name, t in COUNTED_TYPES.items()])
-    both = pl.concat([old.with_columns([pl.col(n).cast(pl.Int64) for n in COUNTED_TYPES]), added])
-    return (both.group_by(["key", "domain", "category"]).agg([pl.col(n).sum() for n in COUNTED_TYPES])
-            .with_columns(pl.lit(entity).alias("entity")).sort(["key", "domain", "category"]))
-
-
 # --------------------------------------------------------------------------------------------
 # Slow entities
 
@@ -267,7 +101,7 @@ def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -
     """Entities with a query that some earlier event (time < query time) was appended after."""
     if queries.height == 0 or events.height == 0:
         return set()
-    events, groups, q_codes, q_times = _grouped(events, queries, [entity])
+    events, groups, q_codes, q_times = grouped(events, queries, [entity])
     created = events.get_column("created_ts_ms").to_numpy()
     codes = events.get_column("_g").to_numpy()
     end = groups.before(q_codes, q_times)
@@ -335,22 +169,22 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
 
     # Item counters of the new impressions, per (item, domain), as of each impression.
     dense_windows = {"7d": WINDOWS_MS["7d"], "all": None}
-    counts = _counter_frame(recent, ["item_id", "domain"], queries, "event_time_ms", dense_windows)
-    prior = _prior(evicted, "item", queries, {"key": "item_id", "domain": "domain"})
-    values = _with_ctr(counts, prior, config, dense_windows)
+    counts = counter_frame(recent, ["item_id", "domain"], queries, "event_time_ms", dense_windows)
+    prior = prior_counts(evicted, "item", queries, {"key": "item_id", "domain": "domain"})
+    values = with_ctr(counts, prior, config, dense_windows)
     dense = queries.select("user_id", pl.col("event_id").alias("example_id")).with_columns(
         *[pl.Series(f_name, values[counter].astype(np.float64)) for f_name, counter in ITEM_DENSE.items()])
 
     visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
-    features = _feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
+    features = feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
                              watermark_ms, ITEM_FEATURES.ttl_ms, config)
     if features.height:
-        features = features.join(_latest_non_null(visible, ["item_id", "domain"], "category"),
+        features = features.join(latest_non_null(visible, ["item_id", "domain"], "category"),
                                  on=["item_id", "domain"], how="left")
     gone = recent.filter(pl.col("event_time_ms") < watermark_ms - config.state_lookback_ms)
     return {
         "dense": _to_arrow(dense, DENSE_SCHEMA),
-        "evicted": _to_arrow(_merge_evicted(evicted, gone, "item", "item_id"), EVICTED_SCHEMA),
+        "evicted": _to_arrow(merge_evicted(evicted, gone, "item", "item_id"), EVICTED_SCHEMA),
         ITEM_FEATURES.name: _to_arrow(features, ITEM_FEATURES.schema),
     }
 
@@ -362,7 +196,7 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
 def _gather_lists(cands: pl.DataFrame, group_keys: list[str], queries: pl.DataFrame, max_len: int,
                   prior_cut: np.ndarray, prefix: str, with_domains: bool) -> dict[str, pa.Array | np.ndarray]:
     """Point-in-time sequence columns of each query row from sorted candidates (fast case only)."""
-    cands, groups, q_codes, q_times = _grouped(cands, queries, group_keys)
+    cands, groups, q_codes, q_times = grouped(cands, queries, group_keys)
     times = cands.get_column("event_time_ms").to_numpy()
     end = groups.before(q_codes, q_times)
     first = groups.start(q_codes)
@@ -397,7 +231,7 @@ def _sequence_rows(events: pl.DataFrame, keys: list[str], owners: pl.DataFrame, 
                    watermark_ms: int) -> pl.DataFrame:
     """Newest ``max_len`` sorted events per ``keys`` group, one row per ``owners`` row (empty lists
     where a group has none); ``prior``: ``keys`` + ``prior_cut``."""
-    ranked = events.sort([*keys, *_ORDER]).with_columns(
+    ranked = events.sort([*keys, *EVENT_ORDER]).with_columns(
         pl.len().over(keys).cast(pl.Int64).alias("_n"), pl.int_range(pl.len()).over(keys).alias("_i"))
     kept = ranked.filter(pl.col("_i") >= pl.col("_n") - max_len)
     agg = kept.group_by(keys, maintain_order=True).agg(
@@ -485,23 +319,23 @@ def user_shard_vectorized(
                                       watermark_ms)
 
     visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
-    user_features = _feature_rows(visible, ["user_id", "domain"], evicted, "user", {"key": "user_id", "domain": "domain"},
+    user_features = feature_rows(visible, ["user_id", "domain"], evicted, "user", {"key": "user_id", "domain": "domain"},
                                   watermark_ms, USER_FEATURES.ttl_ms, config)
     if user_features.height:
         ttl = USER_FEATURES.ttl_ms
         in_ttl = visible if ttl is None else visible.filter(pl.col("event_time_ms") >= watermark_ms - ttl)
         for field in ("age", "gender", "location"):
-            user_features = user_features.join(_latest_non_null(in_ttl, ["user_id"], field), on="user_id", how="left")
+            user_features = user_features.join(latest_non_null(in_ttl, ["user_id"], field), on="user_id", how="left")
     categorised = visible.filter(pl.col("category").is_not_null() & (pl.col("category") != ""))
-    category_features = _feature_rows(
+    category_features = feature_rows(
         categorised, ["user_id", "domain", "category"], evicted, "user_category",
         {"key": "user_id", "domain": "domain", "category": "category"}, watermark_ms, USER_CATEGORY_FEATURES.ttl_ms,
         config)
 
     cut = watermark_ms - config.state_lookback_ms
     kept, gone = recent.filter(pl.col("event_time_ms") >= cut), recent.filter(pl.col("event_time_ms") < cut)
-    evicted_out = pl.concat([_merge_evicted(evicted, gone, "user", "user_id"),
-                             _merge_evicted(evicted, gone, "user_category", "user_id")])
+    evicted_out = pl.concat([merge_evicted(evicted, gone, "user", "user_id"),
+                             merge_evicted(evicted, gone, "user_category", "user_id")])
     return {
         "sequences": _to_arrow(sequences, SEQUENCES_SCHEMA),
         "sequences_by_domain": _to_arrow(domain_sequences, SEQUENCES_BY_DOMAIN_SCHEMA),
@@ -520,7 +354,7 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
     """PENDING_SCHEMA rows of the shard's new impressions (sequences and features point in time)."""
     if queries.height == 0:
         return PENDING_SCHEMA.empty_table()
-    queries = queries.sort(["user_id", *_ORDER])
+    queries = queries.sort(["user_id", *EVENT_ORDER])
     dense = pl.DataFrame(tables["dense"].select(DENSE_SCHEMA.names)).unique(subset=["example_id"], keep="first")
     joined = queries.join(dense.drop("user_id"), left_on="event_id", right_on="example_id", how="left",
                           maintain_order="left")
@@ -542,11 +376,11 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
                                  same_cut.get_column("seq_truncated").fill_null(0).to_numpy().astype(np.int64),
                                  "seq_same_domain_", with_domains=False))
     user_windows = {"1d": WINDOWS_MS["1d"], "7d": WINDOWS_MS["7d"], "all": None}
-    counts = _counter_frame(recent, ["user_id", "domain"], queries, "event_time_ms", user_windows)
-    prior = _prior(evicted, "user", queries, {"key": "user_id", "domain": "domain"})
-    values = _with_ctr(counts, prior, config, user_windows)
+    counts = counter_frame(recent, ["user_id", "domain"], queries, "event_time_ms", user_windows)
+    prior = prior_counts(evicted, "user", queries, {"key": "user_id", "domain": "domain"})
+    values = with_ctr(counts, prior, config, user_windows)
     frame = joined.select(
-        pl.col("event_id").alias("example_id"), "event_time_ms", _utc_date("event_time_ms").alias("event_date"),
+        pl.col("event_id").alias("example_id"), "event_time_ms", utc_date("event_time_ms").alias("event_date"),
         "created_ts_ms", *[pl.col(name).cast(pl.String) for name in SPARSE_FEATURES], *ITEM_DENSE)
     for f_name, counter in USER_DENSE.items():
         frame = frame.with_columns(pl.Series(f_name, values[counter].astype(np.float64)))

@@ -4,8 +4,10 @@
   module;
 - stages (``ingest``, ``sequences``, ``features``, ``validation``, ``trainer``, ``kernels``): import the core, their
   own package, and of another stage only its typed records (``ingest.schema``, ``ingest.config``,
-  ``sequences.schema``, ``sequences.config``, ``features.definitions``) or the ``kernels`` library; never the
-  application;
+  ``sequences.schema``, ``sequences.config``, ``features.definitions``) or a library stage: ``kernels`` (jagged
+  ops) and ``features`` (point-in-time feature computation, which the build composes and whose tables it writes);
+  never the application. The libraries themselves obey the same rule, so ``features`` never reaches into the
+  build;
 - application (``gemline.cli``, ``demo``, ``cluster``, ``config``): anything.
 
 Every import counts, also one inside a function (late imports that dodge a cycle are the thing to find).
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "sequences", "features", "validation", "trainer", "kernels")
 CORE = {"gemline", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.hygiene", "gemline.beam_runner",
         "gemline.gate", "gemline.increments"}
+LIBRARIES = ("kernels", "features")
 RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "features.definitions"}
 
 KNOWN = {
@@ -31,8 +34,6 @@ KNOWN = {
     ("sequences.pipeline", "gemline.config"), ("validation.run", "gemline.config"), ("trainer.compare", "gemline.config"),
     ("trainer.continuous", "gemline.config"), ("trainer.launch", "gemline.config"),
     ("trainer.run_report", "gemline.config"), ("trainer.train", "gemline.config"),
-    # Feature computation and the per-user reference build reach into each other.
-    ("features.pipeline", "sequences.history"), ("sequences.incremental", "features.pipeline"),
 }
 
 
@@ -78,7 +79,7 @@ def _against_direction(importer: str, imported: str) -> bool:
         if target == "app":
             return True
         same_package = importer.split(".")[0] == imported.split(".")[0]
-        return target == "stage" and not same_package and imported not in RECORDS and not imported.startswith("kernels")
+        return target == "stage" and not same_package and imported not in RECORDS and imported.split(".")[0] not in LIBRARIES
     return False
 
 
@@ -108,6 +109,8 @@ def test_the_check_sees_a_violation():
     assert _against_direction("gemline.lake", "ingest.pipeline")
     assert _against_direction("trainer.train", "gemline.cli")
     assert _against_direction("sequences.pipeline", "trainer.train")
+    assert _against_direction("features.vectorized", "sequences.history")  # a library never reaches into a stage
+    assert not _against_direction("sequences.vectorized", "features.vectorized")
     assert not _against_direction("sequences.pipeline", "ingest.schema")
     assert not _against_direction("gemline.cli", "trainer.train")
     assert not _against_direction("trainer.models.gem", "kernels.types")

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sequences.history import History, Timeline, history_before, sequence_row, sorted_unique_events
+from ingest.schema import sorted_unique_events
+from sequences.history import History, Timeline, history_before, sequence_row
 
 
 def test_truncation_keeps_newest_and_cuts_sibling_lists_alike(make_event):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sequences.history import sorted_unique_events
+from ingest.schema import sorted_unique_events
 from sequences.labels import Labels, label_impressions
 
 H = 3600 * 1000

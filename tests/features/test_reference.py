@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from features.definitions import DAY_MS, ITEM_FEATURES, USER_FEATURES
-from features.pipeline import item_feature_rows, user_feature_rows
+from features.reference import item_feature_rows, user_feature_rows
 from sequences.config import BuildConfig
 
 CONFIG = BuildConfig(ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0)
@@ -53,7 +53,7 @@ def test_missing_created_ts_raises(make_event):
 
 
 def test_user_category_rows_ttl_and_prior_counts(make_event):
-    from features.pipeline import user_category_feature_rows
+    from features.reference import user_category_feature_rows
 
     events = [
         make_event("old", T - 31 * DAY_MS, "impression", category="c0"),  # past the 30 d TTL

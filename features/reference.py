@@ -2,8 +2,9 @@
 ``features/user_category``).
 
 :func:`user_feature_rows`, :func:`item_feature_rows` and :func:`user_category_feature_rows` are
-the per-entity reference: the incremental reference build (``sequences/incremental.py``) calls
-them, and the build's vectorised twin (``sequences/vectorized.py``) is tested equal to it.
+the per-entity reference twin of :mod:`features.vectorized`: the per-user reference build
+(``sequences/incremental.py``) calls these, the vectorised build (``sequences/vectorized.py``) calls
+:func:`features.vectorized.feature_rows`, and the build's tests compare the two table by table.
 
 Rows follow :data:`features.definitions.USER_FEATURES` / :data:`ITEM_FEATURES`; counters count
 events with time <= ``as_of_ms`` (the snapshot watermark), i.e. strictly before as_of_ms + 1.
@@ -16,13 +17,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES, CounterIndex
+from ingest.schema import EventRow, sorted_unique_events
 from sequences.config import BuildConfig
-from sequences.history import Event, sorted_unique_events
 
 Prior = Mapping[tuple[str, str], Mapping[str, int]]
 
 
-def _counters(events: list[Event], as_of_ms: int, config: BuildConfig,
+def _counters(events: list[EventRow], as_of_ms: int, config: BuildConfig,
               prior: Mapping[str, int] | None = None) -> dict[str, Any]:
     index = CounterIndex([e["event_time_ms"] for e in events], [e["event_type"] for e in events])
     values = index.as_of([as_of_ms + 1], a=config.ctr_prior_clicks, b=config.ctr_prior_non_clicks,
@@ -30,14 +31,14 @@ def _counters(events: list[Event], as_of_ms: int, config: BuildConfig,
     return {name: (float(v[0]) if name.startswith("ctr_") else int(v[0])) for name, v in values.items()}
 
 
-def _latest_non_null(events: list[Event], field: str) -> Any:
+def _latest_non_null(events: list[EventRow], field: str) -> Any:
     for event in reversed(events):
         if event.get(field) is not None:
             return event[field]
     return None
 
 
-def _times(events: list[Event]) -> dict[str, Any]:
+def _times(events: list[EventRow]) -> dict[str, Any]:
     newest = events[-1]["event_time_ms"]
     return {
         "event_ts_ms": newest,
@@ -46,12 +47,12 @@ def _times(events: list[Event]) -> dict[str, Any]:
     }
 
 
-def _live(events: list[Event], as_of_ms: int, ttl_ms: int | None) -> bool:
+def _live(events: list[EventRow], as_of_ms: int, ttl_ms: int | None) -> bool:
     """Whether the entity's newest event is within the TTL (rows past it are expired, not written)."""
     return bool(events) and (ttl_ms is None or events[-1]["event_time_ms"] >= as_of_ms - ttl_ms)
 
 
-def _created_ts_ms(event: Event) -> int:
+def _created_ts_ms(event: EventRow) -> int:
     value = event.get("created_ts_ms")
     if not isinstance(value, int):
         raise ValueError(
@@ -61,12 +62,12 @@ def _created_ts_ms(event: Event) -> int:
     return value
 
 
-def _visible(events: Iterable[Event], as_of_ms: int) -> list[Event]:
+def _visible(events: Iterable[EventRow], as_of_ms: int) -> list[EventRow]:
     return [e for e in sorted_unique_events(events) if e["event_time_ms"] <= as_of_ms]
 
 
 def user_feature_rows(
-    user_id: str, events: Iterable[Event], *, as_of_ms: int, config: BuildConfig, prior_counts: Prior | None = None
+    user_id: str, events: Iterable[EventRow], *, as_of_ms: int, config: BuildConfig, prior_counts: Prior | None = None
 ) -> list[dict[str, Any]]:
     """``features/user`` rows of one user: one per domain with an event in the TTL
     (``USER_FEATURES.ttl_ms`` before ``as_of_ms``); counters over events with time <= as_of_ms.
@@ -96,7 +97,7 @@ def user_feature_rows(
 
 
 def user_category_feature_rows(
-    user_id: str, events: Iterable[Event], *, as_of_ms: int, config: BuildConfig, prior_counts: Prior | None = None
+    user_id: str, events: Iterable[EventRow], *, as_of_ms: int, config: BuildConfig, prior_counts: Prior | None = None
 ) -> list[dict[str, Any]]:
     """``features/user_category`` rows: per (domain, category) of one user with an event in the TTL.
 
@@ -116,7 +117,7 @@ def user_category_feature_rows(
 
 
 def item_feature_rows(
-    item_id: str, events: Iterable[Event], *, as_of_ms: int, config: BuildConfig, prior_counts: Prior | None = None
+    item_id: str, events: Iterable[EventRow], *, as_of_ms: int, config: BuildConfig, prior_counts: Prior | None = None
 ) -> list[dict[str, Any]]:
     """``features/item`` rows of one item: one per domain with an event in the TTL (time <= as_of_ms).
 
