@@ -5,6 +5,10 @@ versions (each measured before the model trained on that version, from the ``tra
 the rows trained per version with its quality verdict (passed, released, quarantined and skipped), the mean
 training loss per version, and the lineage table. Plots are matplotlib (Agg) PNGs inlined as base64, as
 in the data-quality reports (``validation.report``), so the page opens anywhere without a server.
+
+Beside it, ``LAKE/_runs/<run_id>/tensorboard/`` holds the same numbers as TensorBoard scalars
+(``torch.utils.tensorboard``; ``tensorboard --logdir LAKE/_runs`` compares runs), rewritten whole after
+each run so that a resumed run never doubles a point.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -114,9 +120,46 @@ def render_run_report(run_id: str, lineage: Sequence[dict[str, Any]], metrics: l
     )
 
 
+TENSORBOARD_FILE = "events.out.tfevents.gemline"
+"""The one event file of a run's TensorBoard folder (TensorBoard reads any file whose name holds ``tfevents``)."""
+
+
+def tensorboard_scalars(run_id: str, lineage: Sequence[dict[str, Any]],
+                        metrics: list[dict[str, Any]]) -> list[tuple[str, float, int]]:
+    """The run's scalars as ``(tag, value, examples_version)``, the version being TensorBoard's step axis.
+
+    Tags: ``progressive/<task>/<metric>/<domain>`` for every non-null ``training_metrics`` value of the run
+    (measured before training on that version), ``train/rows_trained`` and ``train/mean_loss`` per consumed
+    version of the lineage (quarantined versions appear with 0 rows and no loss).
+    """
+    out = [(f"progressive/{r['task']}/{r['metric']}/{r['domain']}", float(r["value"]), int(r["examples_version"]))
+           for r in metrics if r["run_id"] == run_id and r["value"] is not None]
+    for r in lineage:
+        out.append(("train/rows_trained", float(r["rows_trained"]), int(r["version"])))
+        if r.get("mean_loss") is not None:
+            out.append(("train/mean_loss", float(r["mean_loss"]), int(r["version"])))
+    return sorted(out, key=lambda s: (s[2], s[0]))
+
+
+def write_tensorboard(scalars: Sequence[tuple[str, float, int]]) -> bytes:
+    """The bytes of one TensorBoard event file holding ``scalars`` (``(tag, value, step)``), written with
+    ``torch.utils.tensorboard.SummaryWriter`` in a temporary folder (it writes local files only; the caller
+    puts the bytes on the lake's filesystem)."""
+    from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when a report is written
+
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = SummaryWriter(log_dir=tmp, filename_suffix=".gemline")
+        for tag, value, step in scalars:
+            writer.add_scalar(tag, value, global_step=step)
+        writer.close()
+        (written,) = Path(tmp).glob("*tfevents*")
+        return written.read_bytes()
+
+
 def write_run_report(config: GemlineConfig, run_id: str, *, lineage: Sequence[dict[str, Any]], step: int,
                      rows_trained_total: int, checkpoint: str | None) -> str:
-    """Write ``LAKE/_runs/<run_id>/report.html`` (local or object-store lake) and return its path."""
+    """Write ``LAKE/_runs/<run_id>/report.html`` and ``LAKE/_runs/<run_id>/tensorboard/`` (local or
+    object-store lake) and return the page's path."""
     table = read_table(config.lake, "training_metrics", storage_options=config.lake_storage_options)
     metrics = [] if table is None else table.to_pylist()
     page = render_run_report(run_id, lineage, metrics, step=step, rows_trained_total=rows_trained_total,
@@ -127,4 +170,8 @@ def write_run_report(config: GemlineConfig, run_id: str, *, lineage: Sequence[di
     path = f"{folder}/report.html"
     with fs.open_output_stream(path) as out:
         out.write(page.encode())
+    events = write_tensorboard(tensorboard_scalars(run_id, lineage, metrics))
+    fs.create_dir(f"{folder}/tensorboard", recursive=True)
+    with fs.open_output_stream(f"{folder}/tensorboard/{TENSORBOARD_FILE}") as out:
+        out.write(events)
     return path

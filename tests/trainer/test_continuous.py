@@ -170,6 +170,30 @@ def test_the_run_report_shows_curves_verdicts_and_lineage(tmp_path):
     assert [v for v, _ in series["all"]] == [2, 3]  # evaluated before training on 2 and 3; 0 bootstraps, 1 skipped
 
 
+def test_tensorboard_scalars_equal_the_metrics_table_and_a_resumed_run_rewrites_them(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.run_report import TENSORBOARD_FILE
+
+    lake = tmp_path / "lake"
+    for day in (1, 2, 3):
+        _add(lake, day)
+    first = run_once(_config(lake))
+    _add(lake, 4)
+    second = run_once(_config(lake))  # resumes the same run: the event file is rewritten, not appended to
+    folder = lake / "_runs" / second.run_id / "tensorboard"
+    assert second.run_id == first.run_id and [p.name for p in folder.iterdir()] == [TENSORBOARD_FILE]
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    auc = [(s.step, s.value) for s in events.Scalars("progressive/click/auc/all")]
+    table = sorted((r["examples_version"], r["value"]) for r in read_table(str(lake), "training_metrics").to_pylist()
+                   if (r["task"], r["metric"], r["domain"]) == ("click", "auc", "all"))
+    assert [v for v, _ in auc] == [v for v, _ in table] == [1, 2, 3]
+    assert [a for _, a in auc] == pytest.approx([b for _, b in table], abs=1e-6)  # stored as float32
+    assert [(s.step, s.value) for s in events.Scalars("train/rows_trained")] == [(0, 200.0), (1, 200.0), (2, 200.0),
+                                                                                 (3, 200.0)]
+
+
 def test_lineage_names_the_events_versions_and_kafka_offsets_behind_each_version(tmp_path):
     import pyarrow as pa
 
