@@ -55,6 +55,15 @@ class MissingInputError(GemlineError, FileNotFoundError, ValueError):
     """
 
 
+class InputSchemaError(GemlineError, ValueError, TypeError):
+    """A table a command reads lacks a column it needs, or the column has another type (exit 2): e.g. the
+    continuous trainer resuming on an ``examples`` version whose build dropped or retyped a dense feature the
+    model was trained with. The message names the column and what was expected.
+
+    A ``ValueError`` for a missing column and a ``TypeError`` for a retyped one, as the readers raised before.
+    """
+
+
 class BrokerUnreachableError(GemlineError, ConnectionError):
     """The Kafka cluster at ``--bootstrap`` refuses connections or does not answer (exit 2)."""
 

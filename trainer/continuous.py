@@ -205,7 +205,8 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         FileNotFoundError: there is no ``examples`` table.
         gemline.increments.CursorError: the table was recreated, or rows under the cursor are gone.
         gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
-        ValueError: ``keep_checkpoints < 1``; a dense column the model was trained with is missing.
+        ValueError: ``keep_checkpoints < 1``.
+        gemline.errors.InputSchemaError: a dense column the model was trained with is missing or retyped.
         gemline.errors.BadConfigError: the run being resumed trains another ``trainer.model``.
     """
     if keep_checkpoints < 1:

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gemline.errors import MissingInputError
+from gemline.errors import InputSchemaError, MissingInputError
 from gemline.lake import Lake, StorageOptions, open_table, read_table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 
@@ -278,13 +278,13 @@ def load_split(lake: Lake | str | Path, examples_version: int, *,
 
 
 def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
-    """(N, F) float64 of the named columns, null -> NaN; raises TypeError on a non-numeric column."""
+    """(N, F) float64 of the named columns, null -> NaN; raises InputSchemaError (a TypeError) on a non-numeric column."""
     if not names:
         return np.zeros((table.num_rows, 0), dtype=np.float64)
     for n in names:
         kind = table.schema.field(n).type
         if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
-            raise TypeError(f"dense feature {n} must be float64 (sequences/schema.py), got {kind}")
+            raise InputSchemaError(f"dense feature {n} must be float64 (sequences/schema.py), got {kind}")
     cols = [table[n].cast(pa.float64()).to_numpy(zero_copy_only=False) for n in names]
     return np.stack([np.asarray(c, dtype=np.float64) for c in cols], axis=1)
 
@@ -304,12 +304,13 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
     """Hash, flatten and normalize a split.
 
     Raises:
-        ValueError: a sequence column's list lengths disagree with ``seq_length``, or a dense
-            column of ``normalizer`` is missing.
+        ValueError: a sequence column's list lengths disagree with ``seq_length``.
+        gemline.errors.InputSchemaError: a dense column of ``normalizer`` is missing or not numeric.
     """
     missing = [n for n in normalizer.names if n not in table.schema.names]
     if missing:
-        raise ValueError(f"dense features {missing} were in the train split but are missing here")
+        raise InputSchemaError(f"dense features {missing} were in the train split (the model reads them) but are "
+                               "missing here")
     n = table.num_rows
     sparse = np.stack(
         [hash_ids(table[name], num_embeddings, HASH_NAMESPACE[name]) for name in SPARSE_FEATURES], axis=1
