@@ -11,12 +11,14 @@
     gemline validate --table T [--version V]
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
-    gemline train [--version V] [--nproc N] | --once | --follow [--poll-interval-s S] [--from-scratch]
+    gemline train [--holdout-last-day] [--version V] [--nproc N] | --once | --follow [--poll-interval-s S]
+                  [--from-scratch]
     gemline lineage [--json]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
 
-Every command takes --config FILE, --lake DIR and --set section.key=value (repeatable).
+Every command but `broker` and `cluster up` takes --config FILE, --lake DIR and --set section.key=value
+(repeatable).
 Flags that gemline does not know are passed to Beam's PipelineOptions (ingest, build, demo).
 Stage modules are imported inside each command so that `gemline broker` starts without torch.
 """
@@ -457,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
     mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--holdout-last-day", action="store_true",
+                      help="one-shot (the default mode): train on every day of --version but the last, evaluate on "
+                           "the last day")
     mode.add_argument("--once", action="store_true",
                       help="continuous: consume every new gate-allowed examples version once, checkpoint, exit")
     mode.add_argument("--follow", action="store_true",

@@ -109,6 +109,18 @@ def test_sharded_train_of_a_never_validated_version_is_one_line(tmp_path, capsys
     assert err.startswith("error: examples@0 was never validated") and "Traceback" not in err
 
 
+def test_holdout_last_day_is_the_one_shot_mode_and_excludes_the_continuous_ones(tmp_path, capsys):
+    from gemline.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--holdout-last-day", "--lake", str(tmp_path)])
+    assert args.holdout_last_day and not args.once and not args.follow
+    for other in ("--once", "--follow"):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["train", "--holdout-last-day", other])
+        assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
 def test_nproc_below_one_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--nproc", "0", "--lake", str(tmp_path)])
