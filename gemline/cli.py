@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
 from gemline.errors import BadConfigError, GemlineError, RetentionGapError
+from gemline.process import run_and_exit
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -628,5 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return remote[0].exit_code
 
 
+def entry() -> None:
+    """The ``gemline`` console script: :func:`main`, then the exit without native teardown
+    (:mod:`gemline.process`: the deltalake/pyarrow abort at exit would turn a finished run into exit 134)."""
+    run_and_exit(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

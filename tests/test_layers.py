@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "sequences", "features", "validation", "trainer", "kernels")
 CORE = {"gemline", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.hygiene", "gemline.beam_runner",
-        "gemline.gate", "gemline.increments"}
+        "gemline.gate", "gemline.increments", "gemline.process"}
 LIBRARIES = ("kernels", "features")
 RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "features.definitions"}
 

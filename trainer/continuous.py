@@ -202,7 +202,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         A :class:`ContinuousResult`.
 
     Raises:
-        FileNotFoundError: there is no ``examples`` table.
+        gemline.errors.MissingInputError: there is no ``examples`` table (a FileNotFoundError).
         gemline.increments.CursorError: the table was recreated, or rows under the cursor are gone.
         gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
         ValueError: ``keep_checkpoints < 1``.
@@ -214,7 +214,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
     tc, lake, opts = config.trainer, config.lake, config.lake_storage_options
     tid = table_id(lake, EXAMPLES, storage_options=opts)
     if tid is None:
-        raise FileNotFoundError(f"no examples table in {lake}: run `gemline build` first")
+        raise MissingInputError(f"no examples table in {lake}: run `gemline build` first")
     root = continuous_root(lake)
     resume = None if from_scratch else latest_checkpoint(root, storage_options=opts)
 

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
 from gemline.lake import Lake
+from gemline.process import run_and_exit
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, latest_examples_version, load_split, make_batch, num_batches
@@ -434,4 +435,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # a rank that read tables must not die at exit after its work (gemline.process)

@@ -1,0 +1,56 @@
+"""Ending a gemline process without the native teardown that can abort it after its work is done.
+
+With the pinned deltalake 1.6.6 and pyarrow 25, a process that read a Delta table through pyarrow can die at
+interpreter exit with ``terminate called without an active exception`` (SIGABRT, exit 134) although every read,
+write and commit had finished: a native worker thread is still joinable when the C++ static destructors run
+(delta-io/delta-rs#2184, apache/arrow#34314). A scheduler running ``gemline train --once`` daily would see a
+failed run one time in a few. :func:`exit_process` runs the Python ``atexit`` handlers (logging, multiprocessing,
+tempfile finalizers), flushes the standard streams and leaves with ``os._exit``, which skips exactly that native
+teardown; nothing is left buffered in Python, and Delta commits are durable when their call returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+
+def exit_code_of(code: object) -> int:
+    """The status ``sys.exit(code)`` would give: None -> 0, an int -> itself, anything else is printed to
+    stderr -> 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def exit_process(code: int) -> NoReturn:
+    """Run the ``atexit`` handlers, flush stdout and stderr, and end the process with ``code`` via ``os._exit``
+    (see the module docstring for why)."""
+    atexit._run_exitfuncs()  # what interpreter shutdown would run first; stable since Python 3.0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`gemline ... | head`) must not turn into a traceback
+            pass
+    os._exit(code)
+
+
+def run_and_exit(main: Callable[[], object]) -> NoReturn:
+    """Call ``main`` and end the process with its return value as the exit status, as ``sys.exit(main())``
+    would (a ``SystemExit`` keeps its status; any other exception prints its traceback and exits 1), but
+    through :func:`exit_process`."""
+    try:
+        code = exit_code_of(main())
+    except SystemExit as exc:
+        code = exit_code_of(exc.code)
+    except BaseException:  # a bug: the traceback the interpreter would print, then status 1
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
