@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,11 +113,24 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """``cls`` from a TOML table; keys are checked against its fields, nested sections recursively.
+
+    A section may declare ``MOVED_KEYS`` (old field name -> new dotted name, both relative to the
+    section, e.g. ``TrainerConfig.MOVED_KEYS["gem_layers"] == "gem.layers"``): an old key is an
+    error naming its new key, never silently ignored or mapped (two spellings of one setting
+    would let a file set both).
+    """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    moved: Mapping[str, str] = getattr(cls, "MOVED_KEYS", {})
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if name not in fields and name in moved:
+            new_key = f"{prefix}{moved[name]}"
+            section, _, leaf = new_key.rpartition(".")
+            raise BadConfigError(f"config key {key!r} moved to {new_key!r}: write {leaf} = ... under [{section}] "
+                                 f"in the TOML, or --set {new_key}=...")
         if name not in fields:
             raise BadConfigError(f"unknown config key {key!r}; known: {sorted(fields)}")
         hint = hints[name]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from types import MappingProxyType
+from typing import ClassVar, Literal, get_args
 
 from gemline.errors import BadConfigError
 
@@ -12,6 +14,9 @@ ShardingTypeName = Literal["table_wise", "column_wise", "data_parallel", "row_wi
 
 ModelName = Literal["gem", "dlrm", "lr", "ranker"]
 """``trainer.model``: the architectures of trainer/models (and the small TwoTaskRanker)."""
+
+KernelBackendName = Literal["reference", "triton"]
+"""``trainer.gem.kernel_backend``: the jagged kernels of kernels/ (kernels.types.Backend)."""
 
 CPU_SHARDING_TYPES: tuple[ShardingTypeName, ...] = ("table_wise", "column_wise")
 """What runs on CPU/gloo with torchrec 1.8: its planner proposes no row-wise option there, and
@@ -72,6 +77,48 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GemConfig:
+    """The GEM model's architecture (trainer/models/gem.py), ``[trainer.gem]`` in the TOML.
+
+    The sizes it shares with the other models (``trainer.embedding_dim``, ``num_embeddings``,
+    ``hidden_dims``, ``tower_hidden``) stay in :class:`TrainerConfig`; ``embedding_dim`` must be
+    divisible by ``heads``, which TrainerConfig checks.
+    """
+
+    layers: int = 2
+    """Interleaved InterFormer layers (each one Wukong layer and one sequence layer)."""
+    heads: int = 2
+    """Attention heads of the sequence arch; must divide trainer.embedding_dim."""
+    pyramid_ratio: float = 0.5
+    """Pyramid ratio r in (0, 1]: sequence layer l keeps the newest ceil(L_i * r**l) tokens."""
+    max_sequence_len: int = 32
+    """Newest history tokens fed to the first sequence layer (bounds the CPU cost of attention)."""
+    dense_tokens: int = 2
+    """Embeddings of width trainer.embedding_dim that the dense features become (Wukong inputs)."""
+    fm_outputs: int = 8
+    """n_F: embeddings out of each Wukong FM block."""
+    lcb_outputs: int = 8
+    """n_L: embeddings out of each Wukong linear compression block (0: none)."""
+    fm_rank: int = 8
+    """k: rank of Wukong's optimized FM, X·(Xᵀ·Y)."""
+    kernel_backend: KernelBackendName = "reference"
+    """Jagged kernels of the sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
+
+    def __post_init__(self) -> None:
+        """Raises BadConfigError (a ValueError) naming the ``trainer.gem.*`` key of a bad value."""
+        for name in ("layers", "heads", "max_sequence_len", "dense_tokens", "fm_outputs", "fm_rank"):
+            if getattr(self, name) < 1:
+                raise BadConfigError(f"trainer.gem.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lcb_outputs < 0:
+            raise BadConfigError(f"trainer.gem.lcb_outputs must be >= 0, got {self.lcb_outputs}")
+        if not 0 < self.pyramid_ratio <= 1:
+            raise BadConfigError(f"trainer.gem.pyramid_ratio must be in (0, 1], got {self.pyramid_ratio}")
+        if self.kernel_backend not in get_args(KernelBackendName):
+            raise BadConfigError(f"trainer.gem.kernel_backend must be one of {get_args(KernelBackendName)}, "
+                                 f"got {self.kernel_backend!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """Model size and optimisation of the CPU trainer."""
 
@@ -107,26 +154,19 @@ class TrainerConfig:
 
     model: ModelName = "gem"
     """Architecture (trainer/models): GEM (InterFormer over Wukong + pyramid sequence), DLRM, logistic regression, or the small TwoTaskRanker."""
-    kernel_backend: Literal["reference", "triton"] = "reference"
-    """Jagged kernels of the GEM sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
     tower_hidden: int = 16
     """Width of each per-domain tower (gem, dlrm)."""
-    gem_layers: int = 2
-    """Interleaved InterFormer layers (each one Wukong layer and one sequence layer)."""
-    gem_heads: int = 2
-    """Attention heads of the sequence arch; must divide embedding_dim."""
-    gem_pyramid_ratio: float = 0.5
-    """Pyramid ratio r in (0, 1]: sequence layer l keeps the newest ceil(L_i * r**l) tokens."""
-    gem_max_sequence_len: int = 32
-    """Newest history tokens fed to the first sequence layer (bounds the CPU cost of attention)."""
-    gem_dense_tokens: int = 2
-    """Embeddings of width embedding_dim that the dense features become (Wukong inputs)."""
-    gem_fm_outputs: int = 8
-    """n_F: embeddings out of each Wukong FM block."""
-    gem_lcb_outputs: int = 8
-    """n_L: embeddings out of each Wukong linear compression block."""
-    gem_fm_rank: int = 8
-    """k: rank of Wukong's optimized FM, X·(Xᵀ·Y)."""
+    gem: GemConfig = field(default_factory=GemConfig)
+    """The GEM model's architecture (``[trainer.gem]``); used when ``model`` is "gem"."""
+
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
+        "gem_layers": "gem.layers", "gem_heads": "gem.heads", "gem_pyramid_ratio": "gem.pyramid_ratio",
+        "gem_max_sequence_len": "gem.max_sequence_len", "gem_dense_tokens": "gem.dense_tokens",
+        "gem_fm_outputs": "gem.fm_outputs", "gem_lcb_outputs": "gem.lcb_outputs", "gem_fm_rank": "gem.fm_rank",
+        "kernel_backend": "gem.kernel_backend",
+    })
+    """Keys of this section that moved into a subsection (old name -> new name, relative to ``trainer.``):
+    the config loader names the new key when a file or ``--set`` still uses an old one."""
 
     def __post_init__(self) -> None:
         for name in ("embedding_dim", "num_embeddings", "batch_size", "epochs"):
@@ -144,18 +184,13 @@ class TrainerConfig:
             raise BadConfigError(f"trainer.checkpoint_every_steps must be >= 1 or none, got {self.checkpoint_every_steps}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise BadConfigError(f"trainer.torch_threads must be >= 1 or none, got {self.torch_threads}")
-        for name in ("tower_hidden", "gem_layers", "gem_heads", "gem_max_sequence_len", "gem_dense_tokens", "gem_fm_outputs", "gem_fm_rank"):
-            if getattr(self, name) < 1:
-                raise BadConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
-        if self.gem_lcb_outputs < 0:
-            raise BadConfigError(f"trainer.gem_lcb_outputs must be >= 0, got {self.gem_lcb_outputs}")
-        if not 0 < self.gem_pyramid_ratio <= 1:
-            raise BadConfigError(f"trainer.gem_pyramid_ratio must be in (0, 1], got {self.gem_pyramid_ratio}")
-        if self.embedding_dim % self.gem_heads:
-            raise BadConfigError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem_heads={self.gem_heads}")
+        if self.tower_hidden < 1:
+            raise BadConfigError(f"trainer.tower_hidden must be >= 1, got {self.tower_hidden}")
+        # Checked for every model, not only gem: a config that names another model stays valid when
+        # ``compare`` (or a later --set trainer.model=gem) trains GEM with it.
+        if self.embedding_dim % self.gem.heads:
+            raise BadConfigError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem.heads={self.gem.heads}")
         if self.model not in ("gem", "dlrm", "lr", "ranker"):
             raise BadConfigError(f"trainer.model must be one of gem, dlrm, lr, ranker; got {self.model!r}")
-        if self.kernel_backend not in ("reference", "triton"):
-            raise BadConfigError(f"trainer.kernel_backend must be 'reference' or 'triton', got {self.kernel_backend!r}")
         if self.init_from not in ("scratch", "latest"):
             raise BadConfigError(f"trainer.init_from must be 'scratch' or 'latest', got {self.init_from!r}")

@@ -3,14 +3,16 @@ routing, and learning the synthetic examples (tests/trainer/conftest.py) to eval
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kernels.types import Jagged
-from trainer.config import TrainerConfig
+from trainer.config import GemConfig, TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, iter_batches, make_batch
 from trainer.metrics import auc
 from trainer.models import build_model, encode_domains
@@ -20,7 +22,7 @@ from trainer.train import predict, train_step
 
 SMALL = TrainerConfig(
     embedding_dim=8, num_embeddings=1000, batch_size=64, epochs=3, learning_rate=0.01, hidden_dims=(32, 16),
-    tower_hidden=8, gem_fm_outputs=4, gem_lcb_outputs=4, gem_fm_rank=4, gem_max_sequence_len=8,
+    tower_hidden=8, gem=GemConfig(fm_outputs=4, lcb_outputs=4, fm_rank=4, max_sequence_len=8),
 )
 MODELS = ("gem", "dlrm", "lr", "ranker")
 LEARNING_RATE = {"lr": 0.05}
@@ -64,10 +66,42 @@ def test_shapes_dtypes_and_parameter_split(name, splits):
 def test_build_model_rejects_bad_config():
     with pytest.raises(ValueError, match="trainer.model must be one of"):
         TrainerConfig(model="gbdt")
-    with pytest.raises(ValueError, match="divisible by trainer.gem_heads=3"):
-        TrainerConfig(embedding_dim=16, gem_heads=3)
-    with pytest.raises(ValueError, match=r"gem_pyramid_ratio must be in \(0, 1\]"):
-        TrainerConfig(gem_pyramid_ratio=0.0)
+    with pytest.raises(ValueError, match="divisible by trainer.gem.heads=3"):
+        TrainerConfig(embedding_dim=16, gem=GemConfig(heads=3))
+    with pytest.raises(ValueError, match=r"trainer.gem.pyramid_ratio must be in \(0, 1\]"):
+        GemConfig(pyramid_ratio=0.0)
+
+
+FINGERPRINT = Path(__file__).parent / "data" / "gem_param_fingerprint.json"
+FINGERPRINT_TRAINER = TrainerConfig(
+    embedding_dim=12, num_embeddings=101, hidden_dims=(20, 10), tower_hidden=7,
+    gem=GemConfig(layers=3, heads=3, pyramid_ratio=0.6, max_sequence_len=10, dense_tokens=3, fm_outputs=5, lcb_outputs=6,
+                  fm_rank=4),
+)
+"""Every [trainer.gem] knob off its default (and distinct), so a knob wired to the wrong argument changes a shape."""
+
+
+def test_gem_config_builds_the_model_of_the_flat_fields():
+    """GemModel(GemConfig) equals the model the flat trainer.gem_* fields built: the same parameter
+    names and shapes, and under the same seed the same initial values (sums), so checkpoints of
+    either load into the other and the parameter-init order is unchanged.
+
+    ``data/gem_param_fingerprint.json`` was recorded from main before the change (its ``recorded_from``).
+    """
+    golden = json.loads(FINGERPRINT.read_text())["parameters"]
+    torch.manual_seed(0)
+    model = build_model(FINGERPRINT_TRAINER, 3, ("feed", "reels"))
+    state = model.state_dict()
+    assert list(state) == list(golden)
+    assert {k: list(v.shape) for k, v in state.items()} == {k: shape for k, (shape, _, _) in golden.items()}
+    for key, (_, total, abs_total) in golden.items():
+        values = state[key].double()
+        assert float(values.sum()) == pytest.approx(total, rel=1e-6, abs=1e-6), key
+        assert float(values.abs().sum()) == pytest.approx(abs_total, rel=1e-6, abs=1e-6), key
+    # Spot checks of what each knob sizes, so a failure above reads as the knob that broke.
+    assert state["dense_arch.recency.weight"].shape == (10, 12)  # max_sequence_len x D
+    assert state["dense_arch.dense_embed.2.weight"].shape == (3 * 12, 4 * 12)  # (dense_tokens x D, 4 D)
+    assert len(model.dense_arch.interformer.sequence_arch.layers) == 3  # layers
 
 
 def test_interformer_flows_both_ways():

@@ -31,7 +31,7 @@ def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -
     """The model ``config.model`` names, sized by ``config``.
 
     Args:
-        config: the trainer section (model, embedding_dim, num_embeddings, hidden_dims, gem_*).
+        config: the trainer section (model, embedding_dim, num_embeddings, hidden_dims, tower_hidden; gem for GEM).
         num_dense: F, dense features per example.
         domains: K domain names of the training data (their order fixes the domain ids).
 
@@ -40,13 +40,8 @@ def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -
     """
     common = {"num_embeddings": config.num_embeddings, "num_dense": num_dense}
     if config.model == "gem":
-        return GemModel(
-            **common, embedding_dim=config.embedding_dim, domains=domains, hidden_dims=config.hidden_dims,
-            tower_hidden=config.tower_hidden, dense_tokens=config.gem_dense_tokens, max_sequence_len=config.gem_max_sequence_len,
-            num_layers=config.gem_layers, heads=config.gem_heads, pyramid_ratio=config.gem_pyramid_ratio,
-            num_fm_outputs=config.gem_fm_outputs, num_lcb_outputs=config.gem_lcb_outputs, fm_rank=config.gem_fm_rank,
-            backend=config.kernel_backend,
-        )
+        return GemModel(config.gem, **common, embedding_dim=config.embedding_dim, domains=domains,
+                        hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden)
     if config.model == "dlrm":
         return DLRM(**common, embedding_dim=config.embedding_dim, domains=domains, hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden)
     if config.model == "lr":

@@ -24,8 +24,9 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from kernels.segments import token_rows
-from kernels.types import Backend, Jagged
+from kernels.types import Jagged
 from sequences.schema import SPARSE_FEATURES
+from trainer.config import GemConfig
 from trainer.data import SEQUENCE_KEYS
 from trainer.models.interformer import InterFormer
 from trainer.models.sequence import SequenceSummary, keep_newest
@@ -95,22 +96,25 @@ def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> Ke
 
 
 class GemDenseArch(nn.Module):
-    """Everything of :class:`GemModel` but the tables (wrapped by FSDP2 in distributed training)."""
+    """Everything of :class:`GemModel` but the tables (wrapped by FSDP2 in distributed training).
+
+    Args: as :class:`GemModel` (``dim`` is its ``embedding_dim``, ``num_domains`` K = len(domains)).
+    """
 
     def __init__(
-        self, *, dim: int, num_dense: int, num_domains: int, hidden_dims: Sequence[int], tower_hidden: int,
-        dense_tokens: int, max_sequence_len: int, num_layers: int, heads: int, pyramid_ratio: float,
-        num_fm_outputs: int, num_lcb_outputs: int, fm_rank: int, backend: Backend,
+        self, config: GemConfig, *, dim: int, num_dense: int, num_domains: int, hidden_dims: Sequence[int],
+        tower_hidden: int,
     ) -> None:
         super().__init__()
-        self.dim, self.dense_tokens, self.max_sequence_len = dim, dense_tokens, max_sequence_len
-        self.dense_embed = mlp([max(num_dense, 1), 4 * dim, dense_tokens * dim])
-        self.recency = nn.Embedding(max_sequence_len, dim)
+        self.dim, self.dense_tokens, self.max_sequence_len = dim, config.dense_tokens, config.max_sequence_len
+        self.dense_embed = mlp([max(num_dense, 1), 4 * dim, config.dense_tokens * dim])
+        self.recency = nn.Embedding(config.max_sequence_len, dim)
         nn.init.normal_(self.recency.weight, std=0.02)
         self.interformer = InterFormer(
-            num_inputs=len(SPARSE_FEATURES) + dense_tokens, dim=dim, num_layers=num_layers, heads=heads,
-            pyramid_ratio=pyramid_ratio, num_fm_outputs=num_fm_outputs, num_lcb_outputs=num_lcb_outputs,
-            fm_rank=fm_rank, mlp_hidden=hidden_dims[0], backend=backend,
+            num_inputs=len(SPARSE_FEATURES) + config.dense_tokens, dim=dim, num_layers=config.layers,
+            heads=config.heads, pyramid_ratio=config.pyramid_ratio, num_fm_outputs=config.fm_outputs,
+            num_lcb_outputs=config.lcb_outputs, fm_rank=config.fm_rank, mlp_hidden=hidden_dims[0],
+            backend=config.kernel_backend,
         )
         width = (self.interformer.num_outputs + SequenceSummary.num_tokens) * dim
         self.backbone = mlp([width, *hidden_dims])
@@ -139,33 +143,32 @@ class GemDenseArch(nn.Module):
 class GemModel(RankingModel):
     """Click and conversion logits of the GEM-style model (data flow in the module docstring).
 
+    The architecture comes from ``config`` (``[trainer.gem]``); the arguments after it are the
+    sizes GEM shares with the other models of trainer/models (``trainer.*``) and those of the data.
+
     Args:
+        config: layers, heads, pyramid ratio, sequence length, dense tokens, Wukong widths, kernels.
         num_embeddings: rows of every hashed id table.
-        embedding_dim: D (also the width of every interaction and sequence embedding).
-        num_dense: F.
-        domains: K known domain names; index i is domain id i, K means unknown.
+        embedding_dim: D (also the width of every interaction and sequence embedding); a multiple of ``config.heads``.
+        num_dense: F, dense features per example (from the data).
+        domains: K known domain names (from the data); index i is domain id i, K means unknown.
         hidden_dims: backbone MLP widths (the first is also the Wukong FMB's MLP width).
         tower_hidden: width of each domain tower.
-        dense_tokens: n_d embeddings the dense features become.
-        max_sequence_len: newest tokens of each history fed to layer 0.
-        num_layers, heads, pyramid_ratio, num_fm_outputs, num_lcb_outputs, fm_rank: InterFormer knobs.
-        backend: jagged kernel backend ("reference" or "triton").
+
+    Raises:
+        ValueError: ``embedding_dim`` is not a multiple of ``config.heads`` (the sequence layers check it).
     """
 
     def __init__(
-        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, domains: Sequence[str],
-        hidden_dims: Sequence[int] = (64, 32), tower_hidden: int = 16, dense_tokens: int = 2, max_sequence_len: int = 32,
-        num_layers: int = 2, heads: int = 2, pyramid_ratio: float = 0.5, num_fm_outputs: int = 8,
-        num_lcb_outputs: int = 8, fm_rank: int = 8, backend: Backend = "reference",
+        self, config: GemConfig, *, num_embeddings: int, embedding_dim: int, num_dense: int, domains: Sequence[str],
+        hidden_dims: Sequence[int], tower_hidden: int,
     ) -> None:
         super().__init__()
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim)
         self.dense_arch = GemDenseArch(
-            dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
-            tower_hidden=tower_hidden, dense_tokens=dense_tokens, max_sequence_len=max_sequence_len,
-            num_layers=num_layers, heads=heads, pyramid_ratio=pyramid_ratio, num_fm_outputs=num_fm_outputs,
-            num_lcb_outputs=num_lcb_outputs, fm_rank=fm_rank, backend=backend,
+            config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
+            tower_hidden=tower_hidden,
         )
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
