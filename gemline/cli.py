@@ -91,6 +91,11 @@ def _config(args: argparse.Namespace) -> GemlineConfig:
         overrides["kafka.bootstrap"] = args.bootstrap
     if getattr(args, "topic", None):
         overrides["kafka.topic"] = args.topic
+    # `ingest --streaming` flags are spellings of [ingest.streaming] keys; given, they win over the file.
+    if getattr(args, "commit_interval_s", None) is not None:
+        overrides["ingest.streaming.commit_interval_s"] = args.commit_interval_s
+    if getattr(args, "max_batches", None) is not None:
+        overrides["ingest.streaming.max_batches"] = args.max_batches
     return load_config(args.config, overrides)
 
 
@@ -173,13 +178,12 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
 def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: list[str]) -> int:
     import threading
 
-    from ingest.streaming import StreamingConfig, install_stop_signals, run_streaming
+    from ingest.streaming import install_stop_signals, run_streaming
 
-    streaming = StreamingConfig(commit_interval_s=args.commit_interval_s, max_batches=args.max_batches)
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:
-        summary = run_streaming(config, streaming, bootstrap=_require_bootstrap(config), stop=stop, beam_args=extra)
+        summary = run_streaming(config, config.ingest.streaming, bootstrap=_require_bootstrap(config), stop=stop, beam_args=extra)
     finally:
         restore()
     print(_as_json(summary))
@@ -402,8 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     _kafka_flags(p)
     p.add_argument("--streaming", action="store_true",
                    help="run until SIGINT/SIGTERM, one exactly-once micro-batch per --commit-interval-s")
-    p.add_argument("--commit-interval-s", type=float, default=5.0, help="streaming: seconds between micro-batches")
-    p.add_argument("--max-batches", type=int, default=None, help="streaming: stop after N micro-batches (tests)")
+    p.add_argument("--commit-interval-s", type=float, default=None,
+                   help="streaming: seconds between micro-batches (sets ingest.streaming.commit_interval_s, default 5)")
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="streaming: stop after N micro-batches (sets ingest.streaming.max_batches; tests)")
     p.add_argument("--reset-topic", action="store_true",
                    help="the topic was recreated on purpose: forget the committed offsets and start over from its "
                         "beginning (recorded in the events commit)")

@@ -31,7 +31,7 @@ MIN_RETENTION_HOURS = 1.0
 
 @dataclass(frozen=True, kw_only=True)
 class HygieneConfig:
-    """How each table is kept tidy."""
+    """How each table is kept tidy: ``[build.hygiene]`` for the build tables, the only ones tidied today."""
 
     checkpoint_every: int = 10
     """Write a checkpoint when the table version is a multiple of this K (commits)."""
@@ -43,14 +43,14 @@ class HygieneConfig:
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
-            raise BadConfigError(f"hygiene.checkpoint_every must be >= 1 commit, got {self.checkpoint_every}")
+            raise BadConfigError(f"build.hygiene.checkpoint_every must be >= 1 commit, got {self.checkpoint_every}")
         if not self.retention_hours >= MIN_RETENTION_HOURS:
             raise BadConfigError(
-                f"hygiene.retention_hours must be >= {MIN_RETENTION_HOURS} (files a running writer or reader still "
+                f"build.hygiene.retention_hours must be >= {MIN_RETENTION_HOURS} (files a running writer or reader still "
                 f"needs would go), got {self.retention_hours}"
             )
         if self.compact_min_files < 2:
-            raise BadConfigError(f"hygiene.compact_min_files must be >= 2 files, got {self.compact_min_files}")
+            raise BadConfigError(f"build.hygiene.compact_min_files must be >= 2 files, got {self.compact_min_files}")
 
 
 def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:

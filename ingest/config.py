@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from gemline.errors import BadConfigError
@@ -43,6 +43,26 @@ class KafkaConfig:
             raise BadConfigError(f"kafka.producer_batch_messages must be >= 1, got {self.producer_batch_messages}")
         if self.partitions < 1:
             raise BadConfigError(f"kafka.partitions must be >= 1, got {self.partitions}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingConfig:
+    """Settings of streaming ingest, ``gemline ingest --streaming`` (``[ingest.streaming]``; the driver
+    loop is ``ingest.streaming.run_streaming``)."""
+
+    commit_interval_s: float = 5.0
+    """Seconds from the start of one micro-batch to the start of the next (the loop never overlaps
+    batches); ``--commit-interval-s`` sets it too."""
+    max_batches: int | None = None
+    """Stop after this many micro-batch cycles, skipped ones included (tests, backfills); None: until
+    stopped; ``--max-batches`` sets it too."""
+
+    def __post_init__(self) -> None:
+        """Raises BadConfigError (a ValueError) naming the ``ingest.streaming.*`` key of a bad value."""
+        if not self.commit_interval_s > 0:
+            raise BadConfigError(f"ingest.streaming.commit_interval_s: expected > 0 seconds, got {self.commit_interval_s}")
+        if self.max_batches is not None and self.max_batches < 1:
+            raise BadConfigError(f"ingest.streaming.max_batches: expected >= 1 or None, got {self.max_batches}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +107,8 @@ class IngestConfig:
     max_offsets_per_partition: int | None = None
     """Offsets one ingest batch reads per partition at most, bounding a batch's memory (the driver holds
     its rows to dedup and commit); the rest is left to the next batch. None: up to the high watermark."""
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    """The micro-batch loop of ``gemline ingest --streaming``."""
 
     def __post_init__(self) -> None:
         if not self.domains:

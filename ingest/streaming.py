@@ -1,8 +1,8 @@
 """Streaming ingest: run until stopped, committing one exactly-once micro-batch every few seconds.
 
 The CLI (``gemline ingest --streaming``) uses :func:`run_streaming`, a driver loop that runs a
-bounded :func:`ingest.pipeline.run_ingest` snapshot every ``commit_interval_s``. Each snapshot is
-one micro-batch: the same app transaction ``(ingest:<topic>, batch_version)``, the same
+bounded :func:`ingest.pipeline.run_ingest` snapshot every ``ingest.streaming.commit_interval_s``.
+Each snapshot is one micro-batch: the same app transaction ``(ingest:<topic>, batch_version)``, the same
 dead_letter-then-events commits, the same crash recovery. The Python DirectRunner cannot
 checkpoint an unbounded pipeline or commit Delta transactions from one, while a snapshot loop
 inherits bounded ingest's exactly-once proof unchanged; its cost is a Beam pipeline start per
@@ -21,29 +21,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gemline.config import GemlineConfig
-from gemline.errors import BadConfigError
+from ingest.config import StreamingConfig
 from ingest.pipeline import IngestResult, run_ingest
 
+__all__ = ["StreamingConfig", "StreamingSummary", "install_stop_signals", "run_streaming"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamingConfig:
-    """Settings of streaming ingest (the driver loop)."""
-
-    commit_interval_s: float = 5.0
-    """Seconds from the start of one micro-batch to the start of the next (the loop never overlaps batches)."""
-    max_batches: int | None = None
-    """Stop after this many micro-batch cycles, skipped ones included (tests, backfills); None: until stopped."""
-
-    def __post_init__(self) -> None:
-        if not self.commit_interval_s > 0:
-            raise BadConfigError(f"streaming.commit_interval_s: expected > 0 seconds, got {self.commit_interval_s}")
-        if self.max_batches is not None and self.max_batches < 1:
-            raise BadConfigError(f"streaming.max_batches: expected >= 1 or None, got {self.max_batches}")
 
 
 @dataclass
@@ -60,8 +46,8 @@ class StreamingSummary:
     """Rows moved to ``late_events`` (behind the watermark by more than the allowed lateness)."""
     duplicates_dropped: int = 0
     """Second deliveries of an event_id dropped (counted, not written)."""
-    stopped_by: str = "max_batches"
-    """'max_batches' or 'stop' (signal or caller's event)."""
+    stopped_by: Literal["max_batches", "stop"] = "max_batches"
+    """What ended the loop: ``ingest.streaming.max_batches`` ran, or ``stop`` was set (signal or caller's event)."""
 
 
 def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
@@ -107,6 +93,7 @@ def run_streaming(
     batch took longer.
 
     Args:
+        streaming: the loop's settings, ``config.ingest.streaming`` from the CLI (a test may pass others).
         stop: set it (another thread, or :func:`install_stop_signals`) to end after the batch in flight.
         on_batch: called with each cycle's result, after its commits (tests use it to produce more).
         clock: monotonic seconds, for the interval only.

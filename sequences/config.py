@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar, Literal, get_args
 
 from gemline.errors import BadConfigError
+from gemline.hygiene import HygieneConfig
 
 MS_PER_DAY = 24 * 3600 * 1000
+
+ShardStep = Literal["vectorized", "reference"]
+"""``build.shard_step``: the vectorised shard build or the per-user reference (same tables)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,16 +34,14 @@ class BuildConfig:
     """Per-domain attribution windows, ``"DOMAIN:click|conversion:MS"`` entries (others: the defaults)."""
     max_same_domain_seq_len: int | None = None
     """Newest N kept of the example's-domain-only sequence; None: ``max_seq_len``."""
-    checkpoint_every: int = 10
-    """Delta checkpoint of each build table every K commits (``gemline.hygiene``)."""
-    vacuum_retention_hours: float = 168.0
-    """Vacuum keeps unreferenced files this long (hours); a crashed build time-travels to its predecessor."""
-    compact_min_files: int = 16
-    """Compact a build table once one of its partitions has this many files (at least
-    2 x ``shards`` + 1: a build writes up to one file per shard into a partition)."""
+    hygiene: HygieneConfig = field(default_factory=HygieneConfig)
+    """Checkpoints, compaction and vacuum of the build tables (``[build.hygiene]``). Vacuum's
+    retention must outlast a crashed build, which time-travels to its predecessor; compaction
+    starts at no fewer than 2 x ``shards`` + 1 files (a build writes up to one file per shard
+    into a partition; a lower ``compact_min_files`` is raised at run time, with a warning)."""
     state_lookback_ms: int = 30 * MS_PER_DAY
     """How far behind the watermark raw events stay in the build state (ms); >= every window and TTL."""
-    shard_step: str = "vectorized"
+    shard_step: ShardStep = "vectorized"
     """How a shard is built: "vectorized" (polars/numpy over all its users) or "reference" (a loop
     of the per-user functions of sequences.incremental; same tables, slower)."""
     shards: int = 4
@@ -48,8 +52,14 @@ class BuildConfig:
     (validated and passed, or released; a quarantined or never-validated version stops the build,
     see gemline.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
 
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
+        "checkpoint_every": "hygiene.checkpoint_every", "vacuum_retention_hours": "hygiene.retention_hours",
+        "compact_min_files": "hygiene.compact_min_files",
+    })
+    """Keys of this section that moved into ``[build.hygiene]`` (old name -> new name, relative to
+    ``build.``): the config loader names the new key when a file or ``--set`` still uses an old one."""
+
     def __post_init__(self) -> None:
-        self.hygiene  # noqa: B018  (validates the hygiene fields)
         for entry in self.window_overrides:
             _parse_override(entry)
         if self.max_same_domain_seq_len is not None and self.max_same_domain_seq_len < 1:
@@ -62,8 +72,8 @@ class BuildConfig:
                 f"build.state_lookback_ms must be >= the longest attribution or feature window ({longest} ms), "
                 f"got {self.state_lookback_ms}; raise it so pending impressions and 7 d counters stay in the state"
             )
-        if self.shard_step not in ("vectorized", "reference"):
-            raise BadConfigError(f"build.shard_step must be 'vectorized' or 'reference', got {self.shard_step!r}")
+        if self.shard_step not in get_args(ShardStep):
+            raise BadConfigError(f"build.shard_step must be one of {get_args(ShardStep)}, got {self.shard_step!r}")
         if self.events_gate not in ("required", "off"):
             raise BadConfigError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
         if self.shards < 1:
@@ -82,14 +92,6 @@ class BuildConfig:
                 "build.ctr_prior_clicks + build.ctr_prior_non_clicks must be > 0 "
                 f"(else the CTR of an unseen entity is 0/0), got {self.ctr_prior_clicks} + {self.ctr_prior_non_clicks}"
             )
-
-    @property
-    def hygiene(self):  # -> gemline.hygiene.HygieneConfig (imported late: gemline imports this module)
-        """The :class:`gemline.hygiene.HygieneConfig` of the build tables."""
-        from gemline.hygiene import HygieneConfig
-
-        return HygieneConfig(checkpoint_every=self.checkpoint_every, retention_hours=self.vacuum_retention_hours,
-                             compact_min_files=self.compact_min_files)
 
     @property
     def same_domain_seq_len(self) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -53,7 +54,7 @@ from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import require_allowed
-from gemline.hygiene import conform, tidy
+from gemline.hygiene import HygieneConfig, conform, tidy
 from gemline.lake import (
     StorageOptions,
     commit_files_once,
@@ -83,6 +84,8 @@ from sequences.shards import (
     user_shard_reference,
 )
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
+
+log = logging.getLogger(__name__)
 
 APP_ID = "build"
 STATE_PREFIX = "_build_state"
@@ -373,6 +376,24 @@ def _emit_table(_: Any, spec: tuple):
         yield table
 
 
+def build_hygiene(build: BuildConfig) -> HygieneConfig:
+    """The hygiene :func:`run_build` applies to the build tables: ``build.hygiene`` with
+    ``compact_min_files`` raised to at least 2 x ``build.shards`` + 1.
+
+    Each build writes up to one file per shard into a partition, so a lower threshold would
+    compact after every build or two; a raised value is logged as a warning naming the key, the
+    configured value and the value used.
+    """
+    floor = 2 * build.shards + 1
+    configured = build.hygiene.compact_min_files
+    if configured >= floor:
+        return build.hygiene
+    log.warning("build.hygiene.compact_min_files=%d is overridden at run time: using %d (2 x build.shards + 1; "
+                "a build writes up to one file per shard into a partition); set it to >= %d to silence this",
+                configured, floor, floor)
+    return dataclasses.replace(build.hygiene, compact_min_files=floor)
+
+
 def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | None, final: bool,
                  close_windows_at: int | None) -> int:
     close = watermark_ms if old_close_ms is None else max(old_close_ms, watermark_ms)
@@ -509,10 +530,7 @@ def run_build(
             storage_options=opts,
         )
     shutil.rmtree(staging, ignore_errors=True)
-    # Each build writes up to one file per shard into a partition: compact only once a partition
-    # holds more than two builds' worth.
-    hygiene = dataclasses.replace(config.build.hygiene, compact_min_files=max(
-        config.build.hygiene.compact_min_files, 2 * config.build.shards + 1))
+    hygiene = build_hygiene(config.build)
     for name in _OUTPUTS:
         tidy(lake, name, hygiene, storage_options=opts)
     return _result_from_lake(lake, version, skipped=False, published=published, opts=opts)

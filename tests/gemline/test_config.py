@@ -43,3 +43,64 @@ def test_set_flags_need_equals():
     assert parse_set_flags(["a.b=1", "c = x=y"]) == {"a.b": "1", "c": "x=y"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_set_flags(["a.b"])
+
+
+def test_nested_sections_load_from_toml_and_set(tmp_path):
+    """[build.hygiene] and [ingest.streaming] are sections of the one tree, like [trainer.gem]."""
+    from gemline.hygiene import HygieneConfig
+    from ingest.config import StreamingConfig
+
+    path = tmp_path / "gemline.toml"
+    path.write_text("[build]\nshards = 2\n[build.hygiene]\ncheckpoint_every = 5\ncompact_min_files = 30\n"
+                    "[ingest.streaming]\ncommit_interval_s = 0.5\n")
+    config = load_config(path, {"build.hygiene.retention_hours": "24", "ingest.streaming.max_batches": "3"})
+    assert config.build.shards == 2
+    assert config.build.hygiene == HygieneConfig(checkpoint_every=5, retention_hours=24.0, compact_min_files=30)
+    assert config.ingest.streaming == StreamingConfig(commit_interval_s=0.5, max_batches=3)
+    defaults = load_config()
+    assert (defaults.build.hygiene, defaults.ingest.streaming) == (HygieneConfig(), StreamingConfig())
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("build.checkpoint_every", "build.hygiene.checkpoint_every"),
+    ("build.vacuum_retention_hours", "build.hygiene.retention_hours"),
+    ("build.compact_min_files", "build.hygiene.compact_min_files"),
+])
+def test_a_flat_hygiene_key_names_its_new_key(old, new):
+    with pytest.raises(ValueError) as error:
+        load_config(overrides={old: "20"})
+    leaf = new.rsplit(".", 1)[1]
+    assert str(error.value) == (f"config key {old!r} moved to {new!r}: write {leaf} = ... under [build.hygiene] in the "
+                                f"TOML, or --set {new}=...")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"build.hygiene.compact_min_files": "1"}, "build.hygiene.compact_min_files must be >= 2 files, got 1"),
+    ({"ingest.streaming.commit_interval_s": "0"}, "ingest.streaming.commit_interval_s: expected > 0 seconds, got 0.0"),
+    ({"ingest.streaming.max_batches": "0"}, "ingest.streaming.max_batches: expected >= 1 or None, got 0"),
+])
+def test_bad_nested_values_name_the_full_key(overrides, message):
+    with pytest.raises(ValueError) as error:
+        load_config(overrides=overrides)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(("key", "value", "choices"), [
+    ("build.shard_step", "polars", "('vectorized', 'reference')"),
+    ("build.events_gate", "warn", "('required', 'off')"),
+    ("trainer.gem.kernel_backend", "cuda", "('reference', 'triton')"),
+    ("trainer.init_from", "best", "('scratch', 'latest')"),
+    ("validation.drift_severity", "error", "('warning', 'critical')"),
+])
+def test_a_bad_mode_names_the_key_and_its_choices(key, value, choices):
+    with pytest.raises(ValueError) as error:
+        load_config(overrides={key: value})
+    assert str(error.value) == f"{key}: expected one of {choices}, got {value!r}"
+
+
+def test_shard_step_is_checked_without_the_loader_too():
+    from sequences.config import BuildConfig
+
+    with pytest.raises(ValueError, match=r"^build.shard_step must be one of \('vectorized', 'reference'\), got 'polars'$"):
+        BuildConfig(shard_step="polars")
+    assert BuildConfig().shard_step == "vectorized"

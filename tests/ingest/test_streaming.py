@@ -43,6 +43,19 @@ def test_streaming_config_rejects_bad_values(kwargs, match):
         StreamingConfig(**kwargs)
 
 
+def test_streaming_flags_set_the_ingest_streaming_section(tmp_path):
+    """--commit-interval-s / --max-batches are spellings of [ingest.streaming] keys: given, they win over the file."""
+    from gemline.cli import _config, build_parser
+
+    path = tmp_path / "gemline.toml"
+    path.write_text("[ingest.streaming]\ncommit_interval_s = 2.5\nmax_batches = 9\n")
+    argv = ["ingest", "--streaming", "--config", str(path)]
+    parser = build_parser()
+    assert _config(parser.parse_known_args(argv)[0]).ingest.streaming == StreamingConfig(commit_interval_s=2.5, max_batches=9)
+    flagged = _config(parser.parse_known_args([*argv, "--commit-interval-s", "0.5", "--max-batches", "2"])[0])
+    assert flagged.ingest.streaming == StreamingConfig(commit_interval_s=0.5, max_batches=2)
+
+
 def test_cli_rejects_a_zero_interval(capsys, tmp_path):
     assert main(["ingest", "--streaming", "--commit-interval-s", "0", "--lake", str(tmp_path),
                  "--bootstrap", "127.0.0.1:1"]) == 2

@@ -107,6 +107,37 @@ def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, mak
     assert committed_version(lake, "examples", "build") == 0 and open_table(lake, "examples").version() == 1
 
 
+@pytest.mark.parametrize(("shards", "configured", "used"), [(8, 16, 17), (8, 2, 17), (4, 16, 16), (8, 17, 17)])
+def test_build_hygiene_raises_compact_min_files_with_a_warning(caplog, shards, configured, used):
+    """run_build compacts at >= 2 x shards + 1 files; raising a configured value is logged, naming the key."""
+    from gemline.hygiene import HygieneConfig
+    from sequences.pipeline import build_hygiene
+
+    build = BuildConfig(shards=shards, hygiene=HygieneConfig(compact_min_files=configured, checkpoint_every=3))
+    with caplog.at_level("WARNING", logger="sequences.pipeline"):
+        hygiene = build_hygiene(build)
+    assert hygiene == HygieneConfig(compact_min_files=used, checkpoint_every=3)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sequences.pipeline" and r.levelname == "WARNING"]
+    if used == configured:
+        assert warnings == [] and hygiene is build.hygiene
+    else:
+        assert warnings == [
+            f"build.hygiene.compact_min_files={configured} is overridden at run time: using {used} (2 x build.shards + 1; "
+            f"a build writes up to one file per shard into a partition); set it to >= {used} to silence this"
+        ]
+
+
+@pytest.mark.slow
+def test_run_build_warns_when_it_raises_compact_min_files(tmp_path, make_event, caplog):
+    lake = str(tmp_path / "lake")
+    write_events(lake, [make_event("v", 9, "engagement")], version=0)
+    with caplog.at_level("WARNING", logger="sequences.pipeline"):
+        run_build(GemlineConfig(lake=lake, build=BuildConfig(events_gate="off", shards=9)))
+    assert [r.getMessage().split(" is overridden")[0] for r in caplog.records if r.name == "sequences.pipeline" and r.levelname == "WARNING"] == [
+        "build.hygiene.compact_min_files=16"]
+    assert "using 19 (2 x build.shards + 1" in caplog.text
+
+
 def test_build_increment_transform(make_event):
     import apache_beam as beam
     from apache_beam.testing import test_pipeline

@@ -81,9 +81,13 @@ def test_nested_sections_travel_to_torchrun_ranks_as_set_flags():
 
     config = load_config(overrides={
         "trainer.gem.layers": "3", "trainer.gem.pyramid_ratio": "0.25", "trainer.gem.kernel_backend": "triton",
+        "build.hygiene.compact_min_files": "40", "build.shard_step": "reference",
+        "ingest.streaming.commit_interval_s": "2.5", "ingest.streaming.max_batches": "7",
     })
     flags = config_overrides(config)
     assert sorted(flags) == sorted([
         "trainer.gem.layers=3", "trainer.gem.pyramid_ratio=0.25", "trainer.gem.kernel_backend=triton",
+        "build.hygiene.compact_min_files=40", "build.shard_step=reference",
+        "ingest.streaming.commit_interval_s=2.5", "ingest.streaming.max_batches=7",
     ])
     assert load_config(overrides=parse_set_flags(flags)) == config
