@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from gemline.lake import is_remote, lake_fs
 from ingest.broker import EmbeddedBroker
 from ingest.datasets import EARLIEST_EVENT_MS
 from trainer.metrics import describe_undefined, nan_to_none
+
+log = logging.getLogger(__name__)
 
 
 def _demo_topic(config: GemlineConfig, dataset: str, limit: int | None) -> str:
@@ -79,6 +82,9 @@ def run_demo(
     config = dataclasses.replace(config, kafka=dataclasses.replace(config.kafka, topic=topic))
     floor = EARLIEST_EVENT_MS.get(dataset)
     if floor is not None and floor < config.ingest.min_event_time_ms:  # MovieLens is from 1997-98
+        log.warning("ingest.min_event_time_ms=%d is overridden at run time: using %d, the earliest event of %s "
+                    "(else its events would be dead-lettered as too_early_event_time)",
+                    config.ingest.min_event_time_ms, floor, dataset)
         config = dataclasses.replace(config, ingest=dataclasses.replace(config.ingest, min_event_time_ms=floor))
     remote = is_remote(config.lake)
     if not remote:

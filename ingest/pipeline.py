@@ -218,8 +218,10 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset
         rules = with_rules(config.ingest, meta.get("rules", {}))
         changed = tuple(k for k in RULE_FIELDS if getattr(rules, k) != getattr(config.ingest, k))
         if changed:
-            log.warning("ingest %s: recovering batch %d with the settings it was planned with; changed since: %s "
-                        "(the new values apply from the next batch)", app_id, batch_version, ", ".join(changed))
+            log.warning("ingest %s: recovering batch %d with the settings it was planned with, overriding at run time "
+                        "%s (the configured values apply from the next batch)", app_id, batch_version,
+                        "; ".join(f"ingest.{k}={getattr(config.ingest, k)!r} configured, {getattr(rules, k)!r} used"
+                                  for k in changed))
         recorded = meta.get("topic_identity")
         snapshot_identity = previous if recorded is None else TopicIdentity.from_dict(recorded)
         if recorded is not None:  # the crashed run's topic must still be there

@@ -146,6 +146,9 @@ def run_compare(
 
     if not models:
         raise BadConfigError("models must name at least one of gem, dlrm, lr, ranker")
+    if config.trainer.init_from != "scratch":
+        log.warning("trainer.init_from=%r is overridden at run time: using 'scratch' (compare trains every model "
+                    "from fresh parameters, so none starts from another's checkpoint)", config.trainer.init_from)
     # A name is any str here: TrainerConfig.__post_init__ (run by replace) rejects an unknown one.
     trainer_configs = {m: replace(config.trainer, model=cast(ModelName, m), init_from="scratch") for m in models}
     version = latest_examples_version(config.lake) if examples_version is None else examples_version

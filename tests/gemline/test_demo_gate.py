@@ -28,7 +28,7 @@ class _NoBroker:
         return False
 
 
-def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch):
+def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(demo, "EmbeddedBroker", _NoBroker)
     monkeypatch.setattr(ingest.datasets, "load_records", lambda *a, **k: list(range(6)))
@@ -52,6 +52,10 @@ def test_demo_stops_at_the_events_gate(tmp_path, monkeypatch):
     summary = demo.run_demo(GemlineConfig(lake=str(tmp_path)), console=console, increments=1)
 
     assert calls == [("validate", "events"), ("build",)]  # no examples validation, no training
+    # MovieLens is from 1997: the demo lowers ingest.min_event_time_ms (default 2000-01-01) and says so.
+    assert [r.getMessage() for r in caplog.records if r.name == "gemline.demo" and r.levelname == "WARNING"] == [
+        f"ingest.min_event_time_ms=946684800000 is overridden at run time: using {ingest.datasets.EARLIEST_EVENT_MS['movielens']}, "
+        "the earliest event of movielens (else its events would be dead-lettered as too_early_event_time)"]
     assert (summary["quality_passed"], summary["examples"], summary["auc"]) == (False, None, None)
     text = console.export_text()
     assert ("build refused: events@2 is quarantined: critical expectations failed: unique:event_id; inspect it "

@@ -243,7 +243,7 @@ def test_a_gap_exits_non_zero_unless_accepted(monkeypatch, tmp_path, capsys):
     assert cli.main([*argv, "--set", "ingest.accept_gaps=true"]) == 0
 
 
-def test_recovery_decides_with_the_crashed_batchs_settings(broker, tmp_path, monkeypatch):
+def test_recovery_decides_with_the_crashed_batchs_settings(broker, tmp_path, monkeypatch, caplog):
     topic = _topic(broker, 2)
     msgs = [(b"u0", _event(i, domain="facebook" if i % 2 else "instagram")) for i in range(10)]
     _produce(broker.bootstrap, topic, msgs)
@@ -266,6 +266,10 @@ def test_recovery_decides_with_the_crashed_batchs_settings(broker, tmp_path, mon
     changed = _config(crashy, topic, domains=("facebook",), allowed_lateness_ms=0)
     res = run_ingest(changed, bootstrap=broker.bootstrap, now_ms=NOW_MS + 86_400_000)
     assert res.recovered and set(res.rules_changed) == {"domains", "allowed_lateness_ms"}
+    warned = [r.getMessage() for r in caplog.records if r.name == "ingest.pipeline" and r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].endswith(
+        f"overriding at run time ingest.domains=('facebook',) configured, {IngestConfig().domains!r} used; "
+        "ingest.allowed_lateness_ms=0 configured, 86400000 used (the configured values apply from the next batch)"), warned
     assert _counts(crashy) == _counts(clean) == {"events": 10, "dead_letter": 0, "late_events": 0}
     # The new settings apply from the next batch on.
     _produce(broker.bootstrap, topic, [(b"u0", _event(50, domain="instagram"))])

@@ -47,3 +47,15 @@ def test_rejects_bad_model_lists_before_training(tmp_path, models, message):
 
     with pytest.raises(ValueError, match=message):
         run_compare(load_config(overrides={"lake": str(tmp_path)}), models=models, progress=False)
+
+
+def test_compare_warns_that_it_trains_from_scratch_whatever_init_from_says(tmp_path, caplog):
+    from gemline.config import load_config
+
+    config = load_config(overrides={"lake": str(tmp_path), "trainer.init_from": "latest"})
+    # An unknown model stops run_compare before any training, after it read the config.
+    with pytest.raises(ValueError, match="trainer.model must be one of"):
+        run_compare(config, models=("gem", "xgboost"), progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "trainer.compare" and r.levelname == "WARNING"] == [
+        "trainer.init_from='latest' is overridden at run time: using 'scratch' (compare trains every model from fresh "
+        "parameters, so none starts from another's checkpoint)"]
