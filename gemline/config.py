@@ -4,8 +4,10 @@
     bootstrap = "broker:9092"
     [build]
     max_seq_len = 512
+    [trainer.gem]
+    layers = 3
 
-`--set build.max_seq_len=512` on any command overrides the same key. Nothing else reads the
+`--set build.max_seq_len=512` (or `--set trainer.gem.layers=3`) on any command overrides the same key. Nothing else reads the
 environment: every stage receives its section of this tree.
 """
 
