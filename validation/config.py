@@ -26,6 +26,9 @@ class ValidationConfig:
     """Dead-letter rows / (events + dead-letter rows) of one ingest batch above this is a warning."""
     dead_letter_critical_rate: float = 0.10
     """Dead-letter fraction of one ingest batch above this is critical (quarantines the events version)."""
+    dead_letter_min_records: int = 20
+    """The critical dead-letter rate judges only batches of at least this many records (and with good events):
+    a micro-batch's rate says little, and a few poison messages must not block the stream."""
     drift_history_batches: int = 5
     """K: drift compares a batch's profile with the mean of the previous K passed batches of the same table."""
     drift_severity: Literal["warning", "critical"] = "warning"
@@ -57,6 +60,8 @@ class ValidationConfig:
                 "need 0 <= dead_letter_warning_rate <= dead_letter_critical_rate <= 1, got "
                 f"{self.dead_letter_warning_rate}, {self.dead_letter_critical_rate}"
             )
+        if self.dead_letter_min_records < 0:
+            raise BadConfigError(f"validation.dead_letter_min_records must be >= 0, got {self.dead_letter_min_records}")
         if self.drift_history_batches < 1:
             raise BadConfigError(f"validation.drift_history_batches must be >= 1, got {self.drift_history_batches}")
         if self.drift_severity not in ("warning", "critical"):

@@ -96,7 +96,7 @@ def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tupl
     num_dead = 0 if dead is None else in_ranges(dead, ranges).num_rows
     vc = config.validation
     checks = dead_letter_checks(batch.num_rows, num_dead, warning_rate=vc.dead_letter_warning_rate,
-                                critical_rate=vc.dead_letter_critical_rate)
+                                critical_rate=vc.dead_letter_critical_rate, min_records=vc.dead_letter_min_records)
     return batch, checks
 
 

@@ -123,6 +123,21 @@ def test_dead_letter_rate_thresholds(num_events, num_dead, expected):
     assert results[0].details["observed_value"] == (num_dead / total if total else 0.0)
 
 
+@pytest.mark.parametrize("num_events,num_dead,min_records,critical_fails,why", [
+    (0, 3, 20, False, "no good events to quarantine"),     # a poison-only batch: dead letters kept, stream goes on
+    (0, 500, 20, False, "no good events to quarantine"),
+    (2, 1, 20, False, "fewer than 20 records"),            # a micro-batch
+    (14, 5, 20, False, "fewer than 20 records"),
+    (15, 5, 20, True, ""),                                 # 20 records, rate 0.25: judged
+    (2, 1, 0, True, ""),                                   # min_records 0 judges every batch
+])
+def test_the_critical_rate_judges_only_batches_it_can_protect(num_events, num_dead, min_records, critical_fails, why):
+    warning, critical = dead_letter_checks(num_events, num_dead, warning_rate=0.01, critical_rate=0.10,
+                                           min_records=min_records)
+    assert not warning.success, "the warning reports every batch's rate"
+    assert critical.success is not critical_fails and why in critical.observed
+
+
 def test_in_ranges_selects_the_batch_records():
     table = pa.table({"kafka_partition": [0, 0, 1, 1, 0], "kafka_offset": [5, 6, 6, 7, 9]})
     got = in_ranges(table, [{"topic": "t", "partition": 0, "start": 5, "end": 7}, [1, 7, 8]])

@@ -24,7 +24,9 @@ def config(lake) -> GemlineConfig:
         lake=str(lake),
         ingest=IngestConfig(domains=("facebook", "instagram")),
         build=BuildConfig(max_seq_len=4),
-        validation=ValidationConfig(min_label_rate=0.1, max_label_rate=0.9, min_event_time_ms=T0 - 1000),
+        # dead_letter_min_records=0: the hand-made batches here have a few records, and their rates are judged.
+        validation=ValidationConfig(min_label_rate=0.1, max_label_rate=0.9, min_event_time_ms=T0 - 1000,
+                                    dead_letter_min_records=0),
     )
 
 
