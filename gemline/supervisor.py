@@ -1,0 +1,237 @@
+"""A small process supervisor: keeps each stage of the pipeline running in its own process.
+
+``gemline run`` starts every stage (streaming ingest, ``build --follow``, ``validate --follow``, ``train --follow``)
+as a child process under a :class:`Supervisor`. A child that exits while the supervisor is not stopping (a crash,
+a SIGKILL, an unexpected exit 0) is started again after an exponential backoff, and the supervisor says so. Each
+stage commits idempotently to the lake, so a restarted stage redoes at most its half-done batch and writes
+nothing twice. Stopping (Ctrl-C or SIGTERM to the supervisor) sends SIGTERM to every child, which finishes its
+step in flight and exits, and SIGKILLs a child still running after the grace period.
+
+Children run in their own sessions (``start_new_session``): a Ctrl-C in the terminal reaches the supervisor only,
+which then stops the children in order, instead of every process at once. Their stdout and stderr go to one log
+file per stage.
+
+The restart policy follows the usual supervisor shape (systemd's ``Restart=always`` with ``RestartSec``, Erlang/OTP
+supervisors' restart intensity): the delay doubles with each consecutive failure up to a cap, and a child that
+stayed up for ``healthy_after_s`` seconds counts as healthy again, so its next crash waits the base delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageCommand:
+    """One supervised stage: a name and the command line of its process (``argv[0]`` an executable)."""
+
+    name: str
+    argv: tuple[str, ...]
+
+
+def restart_delay_s(failures: int, *, base_s: float, cap_s: float) -> float:
+    """Seconds to wait before the restart after ``failures`` consecutive failures (>= 1): ``base_s * 2**(failures
+    - 1)``, at most ``cap_s``.
+
+    Raises:
+        ValueError: ``failures < 1``.
+    """
+    if failures < 1:
+        raise ValueError(f"restart_delay_s: expected failures >= 1, got {failures}")
+    return min(cap_s, base_s * 2 ** min(failures - 1, 32))
+
+
+@dataclass
+class StageState:
+    """What the supervisor knows of one stage (shown by the status view)."""
+
+    command: StageCommand
+    log_path: Path
+    process: subprocess.Popen | None = None
+    started_at: float | None = None
+    """Monotonic seconds when the current process started; None while waiting to restart."""
+    restarts: int = 0
+    failures: int = 0
+    """Consecutive exits without a healthy run in between (sets the backoff)."""
+    last_exit_code: int | None = None
+    restart_at: float | None = None
+    """Monotonic seconds when a restart is due; None when running or stopped."""
+    stopped: bool = False
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        """The running process's id, None when not running."""
+        return None if self.process is None else self.process.pid
+
+    def state(self, now: float) -> str:
+        """``running``, ``restarting in N s`` or ``stopped (exit C)``."""
+        if self.process is not None:
+            return "running"
+        if self.restart_at is not None:
+            return f"restarting in {max(0.0, self.restart_at - now):.0f} s"
+        return f"stopped (exit {self.last_exit_code})"
+
+    def last_log_line(self, max_bytes: int = 4096) -> str:
+        """The last non-empty line of the stage's log (read from its last ``max_bytes``), or ''."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, 2)
+                size = fh.tell()
+                fh.seek(max(0, size - max_bytes))
+                tail = fh.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+
+class Supervisor:
+    """Keeps ``commands`` running (module docstring).
+
+    Args:
+        commands: the stages, started in this order and stopped in reverse order.
+        log_dir: one ``<name>.log`` per stage (appended to across restarts).
+        backoff_s: the first restart delay (s); it doubles with each consecutive failure.
+        max_backoff_s: the longest restart delay (s).
+        healthy_after_s: a process that ran this long (s) resets its stage's failure count.
+        on_event: called with one line per start, exit and restart (besides the log).
+
+    Raises:
+        ValueError: two stages with one name, or a negative delay.
+    """
+
+    def __init__(self, commands: Sequence[StageCommand], *, log_dir: Path, backoff_s: float = 1.0,
+                 max_backoff_s: float = 60.0, healthy_after_s: float = 60.0,
+                 on_event: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        names = [c.name for c in commands]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Supervisor: stage names must be unique, got {names}")
+        if min(backoff_s, max_backoff_s, healthy_after_s) < 0:
+            raise ValueError("Supervisor: delays must be >= 0")
+        self.log_dir = Path(log_dir)
+        self.stages = [StageState(c, self.log_dir / f"{c.name}.log") for c in commands]
+        self.backoff_s, self.max_backoff_s, self.healthy_after_s = backoff_s, max_backoff_s, healthy_after_s
+        self.on_event = on_event
+        self.clock = clock
+        self.stopping = False
+
+    def _say(self, line: str) -> None:
+        log.info("%s", line)
+        if self.on_event is not None:
+            self.on_event(line)
+
+    def _spawn(self, stage: StageState) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if stage._log is None:
+            stage._log = open(stage.log_path, "ab")
+        stage.process = subprocess.Popen(stage.command.argv, stdout=stage._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        stage.started_at, stage.restart_at = self.clock(), None
+        self._say(f"{stage.command.name}: started (pid {stage.process.pid})")
+
+    def start(self) -> None:
+        """Start every stage's process, in order."""
+        for stage in self.stages:
+            self._spawn(stage)
+
+    def poll(self) -> None:
+        """Notice exited processes, schedule their restarts, and start the restarts that are due."""
+        now = self.clock()
+        for stage in self.stages:
+            if stage.process is not None:
+                code = stage.process.poll()
+                if code is None:
+                    continue
+                ran = now - (stage.started_at or now)
+                stage.process, stage.started_at, stage.last_exit_code = None, None, code
+                if self.stopping or stage.stopped:
+                    continue
+                stage.failures = 1 if ran >= self.healthy_after_s else stage.failures + 1
+                delay = restart_delay_s(stage.failures, base_s=self.backoff_s, cap_s=self.max_backoff_s)
+                stage.restart_at = now + delay
+                self._say(f"{stage.command.name}: exited with {_describe(code)} after {ran:.1f} s; restarting in "
+                          f"{delay:.1f} s (restart {stage.restarts + 1}; its log: {stage.log_path})")
+            elif stage.restart_at is not None and now >= stage.restart_at and not self.stopping:
+                stage.restarts += 1
+                self._spawn(stage)
+
+    def stop(self, grace_s: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM every running stage (last started first), wait up to ``grace_s`` for all, SIGKILL the rest;
+        return each stage's exit code (None: was not running)."""
+        self.stopping = True
+        for stage in reversed(self.stages):
+            stage.restart_at = None
+            if stage.process is not None and stage.process.poll() is None:
+                stage.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for stage in reversed(self.stages):
+            if stage.process is None:
+                continue
+            try:
+                stage.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._say(f"{stage.command.name}: still running {grace_s:.0f} s after SIGTERM; killed")
+                stage.process.kill()
+                stage.process.wait()
+            stage.last_exit_code = stage.process.returncode
+            stage.process, stage.stopped = None, True
+        for stage in self.stages:
+            if stage._log is not None:
+                stage._log.close()
+                stage._log = None
+        return {s.command.name: s.last_exit_code for s in self.stages}
+
+    def run(self, *, poll_interval_s: float = 0.5, until: Callable[[], bool] | None = None,
+            render: Callable[[Supervisor], None] | None = None, grace_s: float = 30.0) -> int:
+        """Start the stages and keep them running until ``until()`` is true, Ctrl-C or SIGTERM; then stop them.
+
+        Returns:
+            0 when stopped by ``until`` or SIGTERM, 130 after Ctrl-C.
+        """
+        def on_sigterm(signum: int, frame: object) -> None:
+            raise _Terminated()
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        code = 0
+        try:
+            self.start()
+            while until is None or not until():
+                self.poll()
+                if render is not None:
+                    render(self)
+                time.sleep(poll_interval_s)
+        except KeyboardInterrupt:
+            code = 130
+        except _Terminated:
+            code = 0
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self._say("stopping every stage (SIGTERM; each finishes its step in flight)")
+            codes = self.stop(grace_s)
+            self._say("stopped: " + ", ".join(f"{name} {_describe(c)}" for name, c in codes.items()))
+        return code
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the supervisor."""
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "not running"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"

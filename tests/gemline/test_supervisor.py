@@ -1,0 +1,96 @@
+"""gemline.supervisor: a crashed or killed stage is started again with backoff; stopping reaches every stage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from gemline.supervisor import StageCommand, Supervisor, restart_delay_s
+
+
+def _python(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", code)
+
+
+def _wait(condition, timeout_s: float = 30.0, supervisor: Supervisor | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        if supervisor is not None:
+            supervisor.poll()
+        time.sleep(0.02)
+
+
+def test_restart_delay_doubles_up_to_the_cap():
+    assert [restart_delay_s(n, base_s=1.0, cap_s=10.0) for n in range(1, 7)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert restart_delay_s(10_000, base_s=0.5, cap_s=60.0) == 60.0
+    with pytest.raises(ValueError):
+        restart_delay_s(0, base_s=1.0, cap_s=1.0)
+
+
+def test_a_crashing_stage_is_restarted_with_backoff_until_it_stays_up(tmp_path):
+    # The stage fails on its first two starts (counted in a file), then runs until stopped.
+    counter = tmp_path / "starts"
+    code = (f"import pathlib, time; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() else 0; "
+            "p.write_text(str(n + 1)); print('start', n + 1, flush=True)\n"
+            "if n < 2: raise SystemExit(3)\n"
+            "time.sleep(60)")
+    events: list[str] = []
+    sup = Supervisor([StageCommand("flaky", _python(code))], log_dir=tmp_path / "logs", backoff_s=0.05,
+                     max_backoff_s=1.0, healthy_after_s=30.0, on_event=events.append)
+    sup.start()
+    stage = sup.stages[0]
+    _wait(lambda: stage.restarts == 2 and stage.process is not None and counter.read_text() == "3", supervisor=sup)
+    assert stage.failures == 2 and stage.last_exit_code == 3
+    exits = [e for e in events if "exited" in e]
+    assert len(exits) == 2 and "exit 3" in exits[0] and "restarting in 0.1 s" in exits[1]  # 0.05 then 0.1
+    codes = sup.stop(grace_s=10)
+    assert codes == {"flaky": -signal.SIGTERM}
+    assert stage.last_log_line() == "start 3"
+
+
+def test_a_sigkilled_stage_is_started_again_and_stop_reaches_every_stage(tmp_path):
+    # Each stage traps SIGTERM, writes that it stopped cleanly, and exits 0 (as gemline's --follow commands do).
+    def stage_code(name: str) -> str:
+        return ("import signal, sys, time, pathlib\n"
+                f"def done(*_): pathlib.Path({str(tmp_path)!r}, {name!r} + '.stopped').write_text('clean'); sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, done)\n"
+                "print('up', flush=True)\n"
+                "while True: time.sleep(0.05)")
+
+    sup = Supervisor([StageCommand("a", _python(stage_code("a"))), StageCommand("b", _python(stage_code("b")))],
+                     log_dir=tmp_path / "logs", backoff_s=0.05)
+    sup.start()
+    a, b = sup.stages
+    _wait(lambda: a.last_log_line() == "up" and b.last_log_line() == "up")
+    first_pid = a.pid
+    assert first_pid is not None
+    os.kill(first_pid, signal.SIGKILL)
+    _wait(lambda: a.restarts == 1 and a.pid not in (None, first_pid), supervisor=sup)
+    assert a.last_exit_code == -signal.SIGKILL and b.restarts == 0
+    _wait(lambda: (tmp_path / "logs" / "a.log").read_text().count("up") == 2)
+    codes = sup.stop(grace_s=10)
+    assert codes == {"a": 0, "b": 0}
+    assert (tmp_path / "a.stopped").read_text() == (tmp_path / "b.stopped").read_text() == "clean"
+    sup.poll()
+    assert all(s.process is None and s.restart_at is None for s in sup.stages), "nothing restarts after stop"
+
+
+def test_a_stage_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    events: list[str] = []
+    sup = Supervisor([StageCommand("stubborn", _python(code))], log_dir=tmp_path / "logs", on_event=events.append)
+    sup.start()
+    _wait(lambda: sup.stages[0].last_log_line() == "up")
+    assert sup.stop(grace_s=0.5) == {"stubborn": -signal.SIGKILL}
+    assert any("killed" in e for e in events)
+
+
+def test_duplicate_names_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unique"):
+        Supervisor([StageCommand("x", ("true",)), StageCommand("x", ("true",))], log_dir=tmp_path)
