@@ -5,10 +5,10 @@
     gemline generate [--rate EVENTS_PER_S] [--set generate.num_users=N ...] [--bootstrap HOST:PORT]
     gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N]]
                    [--runner dask --dask-address HOST:PORT] [beam flags ...]
-    gemline build [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
+    gemline build [--follow [--interval-s S]] [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
     gemline backfill --late-events
     gemline cluster up [--workers N] [--port P]
-    gemline validate --table T [--version V]
+    gemline validate --table T [--version V] | --follow [--table T1,T2] [--interval-s S]
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
     gemline train [--holdout-last-day] [--version V] [--nproc N] | --once | --follow [--poll-interval-s S]
@@ -193,6 +193,13 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from sequences.pipeline import run_build
 
+    if args.follow:
+        from gemline.follow import follow_build
+
+        follow_build(_config(args), interval_s=args.interval_s, beam_args=_beam_args(args, extra),
+                     on_pass=_print_new_work())
+        return 0
+
     # Quarantined or never-validated events: gemline.gate.GateClosedError, exit 3 (see main).
     result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
                        final=args.final)
@@ -217,8 +224,27 @@ def cmd_cluster(args: argparse.Namespace, extra: list[str]) -> int:
     return cluster_up(args.workers, host=args.host, port=args.port, on_ready=ready)
 
 
+def _print_new_work():
+    """An ``on_pass`` for the follow loops: one JSON line per version built or validated, as it happens."""
+    shown = {"n": 0}
+
+    def on_pass(state: Any) -> None:
+        for record in state.done[shown["n"]:]:
+            print(json.dumps(record, default=str), flush=True)
+        shown["n"] = len(state.done)
+
+    return on_pass
+
+
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
     from validation.run import validate_table
+
+    if args.follow:
+        from gemline.follow import follow_validate
+
+        follow_validate(_config(args), [t.strip() for t in args.table.split(",")], interval_s=args.interval_s,
+                        on_pass=_print_new_work())
+        return 0
 
     result = validate_table(_config(args), args.table, args.version)
     print(f"{result.table}@{result.table_version}: {'PASSED' if result.passed else 'QUARANTINED'}  report: {result.report_html}")
@@ -424,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="end of a bounded replay: close every attribution window now and publish all impressions "
              "(labels marked not final); default waits for windows to close by the watermark",
     )
+    p.add_argument("--follow", action="store_true",
+                   help="keep building each new gate-allowed events version until Ctrl-C/SIGTERM (gemline.follow)")
+    p.add_argument("--interval-s", type=float, default=30.0, help="--follow: seconds between passes (default 30)")
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
 
@@ -443,8 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="run the quality suite on a table version; exit 3 if quarantined")
     _common(p)
-    p.add_argument("--table", default="examples", help="events | sequences | examples | features/user | features/item")
+    p.add_argument("--table", default="examples", help="events | sequences | examples | features/user | features/item; "
+                                                       "with --follow a comma-separated list")
     p.add_argument("--version", type=int, default=None, help="Delta version (default latest)")
+    p.add_argument("--follow", action="store_true",
+                   help="keep validating every new version of --table until Ctrl-C/SIGTERM (gemline.follow)")
+    p.add_argument("--interval-s", type=float, default=30.0, help="--follow: seconds between passes (default 30)")
     p.set_defaults(func=cmd_validate, passthrough=False)
 
     p = sub.add_parser("report", help="print the quality verdict and the path of the HTML report")

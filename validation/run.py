@@ -77,6 +77,7 @@ def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[Che
         min_label_rate=config.validation.min_label_rate,
         max_label_rate=config.validation.max_label_rate,
         sample_rows=sample_rows,
+        empty_severity="warning" if table in INCREMENTAL else "critical",
     )
 
 

@@ -279,14 +279,14 @@ def _named(expectation, name: str, severity: Severity):
 
 
 def _common(expected: pa.Schema, *, domains: Sequence[str], time_column: str, min_time_ms: int,
-            max_time_ms: int) -> list:
+            max_time_ms: int, empty_severity: Severity = "critical") -> list:
     """Row count, columns, exact not-null on required columns (scalar and list), domain set, time range.
 
     A set or range check lets nulls through, so every column checked by one also has its not-null.
     """
     gxe = _gxe()
     specs: list = [
-        _named(gxe.ExpectTableRowCountToBeBetween(min_value=1), "empty", "critical"),
+        _named(gxe.ExpectTableRowCountToBeBetween(min_value=1), "empty", empty_severity),
         _named(
             gxe.ExpectTableColumnsToMatchSet(column_set=list(expected.names), exact_match=False), "columns", "critical"
         ),
@@ -454,8 +454,12 @@ def validate_examples(
     min_label_rate: float,
     max_label_rate: float,
     sample_rows: int | None = None,
+    empty_severity: Severity = "critical",
 ) -> list[CheckResult]:
     """Run the examples suite on a batch of the ``examples`` table (contract in ``sequences/schema.py``).
+
+    ``empty_severity``: of the ``empty`` check (no rows). ``warning`` for an increment, the rows one version
+    added: a build that published nothing (every attribution window still open) has nothing to quarantine.
 
     Besides the events-like checks: labels in {0, 1}; ``seq_length`` in [0, max_seq_len] and equal to
     every list's length; no leakage; sequences time-ascending; the click rate of each domain present
@@ -469,7 +473,7 @@ def validate_examples(
     """
     gxe = _gxe()
     specs = _common(EXAMPLES_BASE_SCHEMA, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
-                    max_time_ms=max_time_ms)
+                    max_time_ms=max_time_ms, empty_severity=empty_severity)
     specs.append(_unique(["example_id"]))
     for label in LABELS:
         specs.append(_named(gxe.ExpectColumnValuesToBeInSet(column=label, value_set=[0, 1]), f"in_set:{label}", "critical"))

@@ -59,6 +59,13 @@ def test_empty_batch_fails_as_empty(events_table, examples_table, bounds, exampl
     assert failed(validate_examples(examples_table(0), **example_bounds)) == {"empty": "critical"}
 
 
+def test_an_empty_increment_of_examples_is_a_warning_only(examples_table, example_bounds):
+    # A build that published nothing (every window still open) adds an empty examples version.
+    results = validate_examples(examples_table(0), **example_bounds, empty_severity="warning")
+    assert failed(results) == {"empty": "warning"}
+    assert failed(validate_examples(examples_table(), **example_bounds, empty_severity="warning")) == {}
+
+
 def test_missing_column_fails_columns_and_its_checks_without_crashing(events_table, bounds):
     table = events_table().drop_columns(["event_type"])
     results = {r.name: r for r in validate_events(table, **bounds)}

@@ -1,0 +1,151 @@
+"""``gemline build --follow`` and ``gemline validate --follow``: a stage that keeps up with the one before it.
+
+Each is a loop of the stage's one-shot command, run again every ``interval_s`` seconds, as ``gemline train
+--follow`` is for the trainer. Every pass is what a person would run by hand, so the restart story is the
+one-shot command's: a pass cut by Ctrl-C, SIGTERM or a crash is redone by the next run from what the lake has
+committed, and nothing is written twice. An interrupt while waiting between passes ends the loop cleanly.
+
+- the build follows ``events``: each pass builds the newest events version the quality gate allows (passed, or
+  released by hand); while the newest is not validated yet, or a version on the way is quarantined, it says so
+  once and waits (the build's own gate check, :func:`gemline.gate.require_allowed`, decides);
+- validation follows the tables it is given: each pass validates every version not validated yet, in order
+  (for ``events`` only the newest: events validation reads the whole table at that version, so the versions
+  before it are covered, see README "The events gate").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gemline.config import GemlineConfig
+from gemline.gate import GateClosedError, gate_decisions
+from gemline.increments import latest_version
+from gemline.lake import Lake
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FollowState:
+    """What a follow loop did so far (the CLI prints one JSON line per pass that did something)."""
+
+    passes: int = 0
+    done: list[dict[str, Any]] = field(default_factory=list)
+    """One record per version built or validated: ``{"table", "version", ...}``."""
+    waiting: str = ""
+    """Why the newest version waited in the last pass (not validated yet, quarantined); '' when nothing waits."""
+
+
+def _sleep_or_stop(seconds: float) -> bool:
+    """Sleep; True when Ctrl-C or SIGTERM (a KeyboardInterrupt in gemline's CLI) came meanwhile."""
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def _loop(one_pass: Callable[[FollowState], None], state: FollowState, interval_s: float,
+          max_passes: int | None) -> FollowState:
+    if interval_s < 0:
+        raise ValueError(f"follow: expected interval_s >= 0, got {interval_s}")
+    while max_passes is None or state.passes < max_passes:
+        one_pass(state)
+        state.passes += 1
+        if max_passes is not None and state.passes >= max_passes:
+            break
+        if _sleep_or_stop(interval_s):
+            break
+    return state
+
+
+def _latest(lake: Lake, table: str) -> int | None:
+    return latest_version(lake.root, table, storage_options=lake.storage_options)
+
+
+def _newest_allowed(lake: Lake) -> tuple[int | None, str]:
+    """The newest ``events`` version the gate allows (None if none), and why the newest version is not
+    allowed ('' when it is, or when there is no events table)."""
+    newest = _latest(lake, "events")
+    if newest is None:
+        return None, ""
+    decisions = gate_decisions(lake, "events", range(newest + 1))
+    allowed = [v for v, d in decisions.items() if d.allowed]
+    return (max(allowed) if allowed else None), ("" if decisions[newest].allowed else decisions[newest].reason)
+
+
+def follow_build(config: GemlineConfig, *, interval_s: float = 30.0, beam_args: Sequence[str] | None = None,
+                 on_pass: Callable[[FollowState], None] | None = None,
+                 max_passes: int | None = None) -> FollowState:
+    """Build each new gate-allowed ``events`` version until interrupted (module docstring).
+
+    Args:
+        interval_s: seconds between passes.
+        beam_args: Beam pipeline flags of every build.
+        on_pass: called after each pass with the loop's state.
+        max_passes: stop after this many passes (tests); None: until interrupted.
+
+    Raises:
+        ValueError: ``interval_s < 0``; and what :func:`sequences.pipeline.run_build` raises, except
+            :class:`~gemline.gate.GateClosedError`, which makes the loop wait.
+    """
+    from sequences.pipeline import run_build
+
+    lake = Lake.for_config(config)
+
+    def one_pass(state: FollowState) -> None:
+        before = state.waiting
+        version, state.waiting = _newest_allowed(lake)
+        if version is not None:
+            try:
+                result = run_build(config, events_version=version, beam_args=list(beam_args or []))
+            except GateClosedError as exc:  # a version on the way is quarantined or not validated yet
+                state.waiting = str(exc)
+            else:
+                if not result.skipped:
+                    state.done.append({"table": "events", "version": version, "published": result.num_published})
+                    log.info("built events@%d: %d examples published", version, result.num_published)
+        if state.waiting and state.waiting != before:  # said once, not at every pass
+            log.warning("build waits: %s", state.waiting)
+        if on_pass is not None:
+            on_pass(state)
+
+    return _loop(one_pass, FollowState(), interval_s, max_passes)
+
+
+def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s: float = 30.0,
+                    on_pass: Callable[[FollowState], None] | None = None,
+                    max_passes: int | None = None) -> FollowState:
+    """Validate each new version of ``tables`` until interrupted (module docstring).
+
+    Raises:
+        ValueError: ``interval_s < 0`` or no table; and what :func:`validation.run.validate_table` raises.
+    """
+    from validation.run import validate_table
+
+    if not tables:
+        raise ValueError("follow_validate: expected at least one table")
+    lake = Lake.for_config(config)
+
+    def one_pass(state: FollowState) -> None:
+        state.waiting = ""
+        for table in tables:
+            newest = _latest(lake, table)
+            if newest is None:
+                continue
+            todo = [v for v, d in gate_decisions(lake, table, range(newest + 1)).items() if not d.validated]
+            if table == "events":
+                todo = [newest] if newest in todo else []
+            for version in todo:
+                result = validate_table(config, table, version)
+                state.done.append({"table": table, "version": version, "passed": result.passed,
+                                   "report": result.report_html})
+                log.info("%s@%d: %s", table, version, "PASSED" if result.passed else "QUARANTINED")
+        if on_pass is not None:
+            on_pass(state)
+
+    return _loop(one_pass, FollowState(), interval_s, max_passes)
