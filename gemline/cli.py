@@ -13,6 +13,7 @@
     gemline quality release V --reason "..." [--table T]
     gemline train [--holdout-last-day] [--version V] [--nproc N] | --once | --follow [--poll-interval-s S]
                   [--from-scratch]
+    gemline run [--bootstrap HOST:PORT] [--generate-rate R] [--interval-s S] [--poll-interval-s S] [--no-train]
     gemline lineage [--json]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
@@ -337,6 +338,14 @@ def _train_continuous(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from gemline.run import RunPlan, run_pipeline
+
+    plan = RunPlan(bootstrap=args.bootstrap, broker_port=args.broker_port, generate_rate=args.generate_rate,
+                   interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, train=not args.no_train)
+    return run_pipeline(_config(args), plan)
+
+
 def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
     from trainer.continuous import lineage
 
@@ -511,6 +520,18 @@ def build_parser() -> argparse.ArgumentParser:
     _nproc_flag(p)
     _multinode_flags(p)
     p.set_defaults(func=cmd_train, passthrough=False)
+
+    p = sub.add_parser("run", help="keep every stage running (ingest, validate, build, train), restart what crashes")
+    _common(p)
+    _kafka_flags(p)
+    p.add_argument("--broker-port", type=int, default=0,
+                   help="without --bootstrap: the embedded broker's port (default: a free one)")
+    p.add_argument("--generate-rate", type=float, default=None,
+                   help="also produce synthetic traffic at this many events/s ([generate] settings)")
+    p.add_argument("--interval-s", type=float, default=10.0, help="seconds between build/validate passes")
+    p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training runs")
+    p.add_argument("--no-train", action="store_true", help="run every stage but the trainer")
+    p.set_defaults(func=cmd_run, passthrough=False)
 
     p = sub.add_parser("lineage", help="what the newest continuous checkpoint was trained on")
     _common(p)

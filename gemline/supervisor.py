@@ -25,17 +25,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StageCommand:
-    """One supervised stage: a name and the command line of its process (``argv[0]`` an executable)."""
+    """One supervised stage: a name, the command line of its process (``argv[0]`` an executable), and when it
+    is started again after it exits: ``always`` (a stage that runs until stopped), ``on-failure`` (a job that
+    may finish: exit 0 is done) or ``never``."""
 
     name: str
     argv: tuple[str, ...]
+    restart: Literal["always", "on-failure", "never"] = "always"
 
 
 def restart_delay_s(failures: int, *, base_s: float, cap_s: float) -> float:
@@ -139,10 +142,12 @@ class Supervisor:
         stage.started_at, stage.restart_at = self.clock(), None
         self._say(f"{stage.command.name}: started (pid {stage.process.pid})")
 
-    def start(self) -> None:
-        """Start every stage's process, in order."""
+    def start(self, names: Sequence[str] | None = None) -> None:
+        """Start the processes of the stages ``names`` (all when None) that were never started, in order."""
         for stage in self.stages:
-            self._spawn(stage)
+            if (names is None or stage.command.name in names) and stage.started_at is None \
+                    and stage.restart_at is None and not stage.stopped and stage.process is None:
+                self._spawn(stage)
 
     def poll(self) -> None:
         """Notice exited processes, schedule their restarts, and start the restarts that are due."""
@@ -155,6 +160,12 @@ class Supervisor:
                 ran = now - (stage.started_at or now)
                 stage.process, stage.started_at, stage.last_exit_code = None, None, code
                 if self.stopping or stage.stopped:
+                    continue
+                policy = stage.command.restart
+                if policy == "never" or (policy == "on-failure" and code == 0):
+                    stage.stopped = True
+                    self._say(f"{stage.command.name}: exited with {_describe(code)} after {ran:.1f} s; not restarted "
+                              f"(restart={policy})")
                     continue
                 stage.failures = 1 if ran >= self.healthy_after_s else stage.failures + 1
                 delay = restart_delay_s(stage.failures, base_s=self.backoff_s, cap_s=self.max_backoff_s)

@@ -94,3 +94,19 @@ def test_a_stage_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path)
 def test_duplicate_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unique"):
         Supervisor([StageCommand("x", ("true",)), StageCommand("x", ("true",))], log_dir=tmp_path)
+
+
+def test_a_job_that_finishes_is_not_restarted_unless_it_failed(tmp_path):
+    events: list[str] = []
+    sup = Supervisor([StageCommand("done", _python("print('ok')"), restart="on-failure"),
+                      StageCommand("failed", _python("raise SystemExit(4)"), restart="on-failure"),
+                      StageCommand("once", _python("raise SystemExit(5)"), restart="never")],
+                     log_dir=tmp_path / "logs", backoff_s=0.05, on_event=events.append)
+    sup.start(["done"])
+    assert [s.pid is not None for s in sup.stages] == [True, False, False]
+    sup.start()
+    done, failed, once = sup.stages
+    _wait(lambda: failed.restarts >= 1 and done.stopped and once.stopped, supervisor=sup)
+    assert (done.last_exit_code, done.restarts, once.last_exit_code, once.restarts) == (0, 0, 5, 0)
+    assert any("done: exited with exit 0" in e and "not restarted" in e for e in events)
+    sup.stop(grace_s=5)

@@ -1,0 +1,177 @@
+"""``gemline run``: every stage of the pipeline kept running on one machine, each in its own process.
+
+    broker (embedded, when no --bootstrap) -> [generate --rate R] -> ingest --streaming -> validate --follow
+    (events, examples) -> build --follow -> train --follow
+
+A :class:`gemline.supervisor.Supervisor` starts them, restarts a crashed stage with backoff and stops them all
+on Ctrl-C or SIGTERM. Each stage is the same command a person would run alone (a deployment runs them on
+separate machines the same way); each commits idempotently, so a restarted stage neither loses nor doubles
+anything. The configuration reaches the children as ``--set`` flags of every non-default setting, except the
+lake's storage options (they may hold secrets, which never go on a command line: ``ps`` shows it to every user),
+which go in a 0600 TOML file in a private temporary folder, as for torchrun's ranks.
+
+With a terminal, a live status table (rich) shows each stage's state, restarts and last log line, and the
+newest version of the lake's main tables; without one, one line per start, exit and restart.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table as RichTable
+
+from gemline.config import GemlineConfig
+from gemline.increments import latest_version
+from gemline.lake import Lake, is_remote
+from gemline.supervisor import StageCommand, Supervisor
+
+GEMLINE = (sys.executable, "-m", "gemline.cli")
+"""How a child runs a gemline command: the same interpreter and code as the supervisor."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What ``gemline run`` keeps running.
+
+    Attributes:
+        bootstrap: the Kafka cluster ("HOST:PORT"); None starts the embedded broker on ``broker_port``.
+        broker_port: the embedded broker's port (0: a free one, chosen at start).
+        generate_rate: events/s of a synthetic ``gemline generate`` stage; None: no generator.
+        interval_s: seconds between the passes of ``build --follow`` and ``validate --follow``.
+        poll_interval_s: seconds between the runs of ``train --follow``.
+        train: run the continuous trainer.
+    """
+
+    bootstrap: str | None = None
+    broker_port: int = 0
+    generate_rate: float | None = None
+    interval_s: float = 10.0
+    poll_interval_s: float = 10.0
+    train: bool = True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    """True once something accepts TCP connections on (host, port), False after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def config_flags(config: GemlineConfig, private_config: Path | None) -> list[str]:
+    """The flags that rebuild ``config`` in a child gemline command: ``--config`` of the private options file
+    (when there is one) and ``--set KEY=VALUE`` per non-default setting (the storage options excluded)."""
+    from trainer.launch import config_overrides  # the same spelling torchrun's ranks get
+
+    flags = [] if private_config is None else ["--config", str(private_config)]
+    for pair in config_overrides(config):
+        flags += ["--set", pair]
+    return flags
+
+
+def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[StageCommand]:
+    """The stages for ``plan`` (the embedded broker not included), in start order."""
+    kafka = ["--bootstrap", bootstrap]
+    stages = []
+    if plan.generate_rate is not None:
+        # A finite synthetic log: done when it exits 0; restarted only after a failure.
+        stages.append(StageCommand("generate", (*GEMLINE, "generate", "--rate", str(plan.generate_rate), *kafka,
+                                                *flags), restart="on-failure"))
+    stages += [
+        StageCommand("ingest", (*GEMLINE, "ingest", "--streaming", *kafka, *flags)),
+        StageCommand("validate", (*GEMLINE, "validate", "--follow", "--table", "events,examples", "--interval-s",
+                                  str(plan.interval_s), *flags)),
+        StageCommand("build", (*GEMLINE, "build", "--follow", "--interval-s", str(plan.interval_s), *flags)),
+    ]
+    if plan.train:
+        stages.append(StageCommand("train", (*GEMLINE, "train", "--follow", "--poll-interval-s",
+                                             str(plan.poll_interval_s), *flags)))
+    return stages
+
+
+def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = ("events", "examples")) -> Group:
+    """The live status: one row per stage, then the newest version of ``tables``."""
+    now = time.monotonic()
+    stages = RichTable(title="gemline run (Ctrl-C stops every stage)", expand=True)
+    for column in ("stage", "state", "pid", "up", "restarts", "last log line"):
+        stages.add_column(column, overflow="ellipsis", no_wrap=column == "last log line")
+    for s in sup.stages:
+        up = "" if s.started_at is None else f"{now - s.started_at:.0f} s"
+        stages.add_row(s.command.name, s.state(now), str(s.pid or ""), up, str(s.restarts), s.last_log_line()[-120:])
+    versions = ", ".join(f"{t}@{v}" if (v := latest_version(lake.root, t, storage_options=lake.storage_options))
+                         is not None else f"{t}: none yet" for t in tables)
+    return Group(stages, f"lake {lake.root}: {versions}")
+
+
+def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None = None,
+                 say: Callable[[str], None] | None = None, live: bool | None = None,
+                 until: Callable[[Supervisor], bool] | None = None) -> int:
+    """Run every stage until Ctrl-C or SIGTERM (module docstring); return 130 after Ctrl-C, else 0.
+
+    Args:
+        log_dir: one log per stage (default ``LAKE/_run/logs`` for a local lake, a temporary folder otherwise).
+        say: where start/exit/restart lines go (default stderr).
+        live: show the live status table (default: when stdout is a terminal).
+        until: stop when this returns True, called with the supervisor at each poll (tests).
+
+    Raises:
+        gemline.errors.BrokerUnreachableError: the embedded broker did not listen within 60 s.
+    """
+    from gemline.errors import BrokerUnreachableError
+    from trainer.launch import write_private_config
+
+    lake = Lake.for_config(config)
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    live = sys.stdout.isatty() if live is None else live
+    with tempfile.TemporaryDirectory(prefix="gemline-run-") as private:  # 0700: only this user reads it
+        options_file = (write_private_config(config, Path(private) / "options.toml")
+                        if config.lake_storage_options else None)
+        flags = config_flags(config, options_file)
+        logs = log_dir or (Path(private) / "logs" if is_remote(config.lake) else Path(config.lake) / "_run" / "logs")
+        broker: list[StageCommand] = []
+        bootstrap = plan.bootstrap or config.kafka.bootstrap
+        port = 0
+        if not bootstrap:
+            port = plan.broker_port or free_port()
+            bootstrap = f"127.0.0.1:{port}"
+            broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)))]
+        sup = Supervisor([*broker, *stage_commands(plan, bootstrap, flags)], log_dir=logs, on_event=say)
+        if broker:
+            sup.start(["broker"])
+            if not wait_for_port("127.0.0.1", port, 60.0):
+                sup.stop(grace_s=5)
+                raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within 60 s; "
+                                             f"its log: {sup.stages[0].log_path}")
+        say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
+        stop = None if until is None else (lambda: until(sup))
+        if not live:
+            return sup.run(until=stop)
+        console = Console()
+        with Live(status_view(sup, lake), console=console, refresh_per_second=2, transient=False) as view:
+            last = {"t": 0.0}
+
+            def render(s: Supervisor) -> None:
+                if time.monotonic() - last["t"] >= 1.0:  # reading the Delta logs once a second is plenty
+                    view.update(status_view(s, lake))
+                    last["t"] = time.monotonic()
+
+            return sup.run(until=stop, render=render)
