@@ -13,6 +13,7 @@ its traceback. So raise one of these only where the message tells the user what 
     2     BrokerTimeoutError         a Kafka read made no progress within its timeout
     2     gemline.locks.LakeBusyError         another run of the stage holds the lake
     2     gemline.lake.CommitConflictError    another writer committed the same batch first
+    2     TableSpecError             a write names a table the registry lacks, or breaks its spec
     2     ingest.kafka_source.TopicChangedError   the topic is not the one the lake read
     3     gemline.gate.GateClosedError     the quality gate refuses a version a stage would read
     3     trainer.train.QuarantinedError      the quality gate refuses the examples version to train on
@@ -79,3 +80,9 @@ class RetentionGapError(GemlineError):
     ``ingest.accept_gaps`` is set."""
 
     exit_code: ClassVar[int] = 4
+
+
+class TableSpecError(GemlineError, ValueError):
+    """A write that does not fit the table registry (``gemline.tables``): a table it does not list,
+    data without the spec's partition columns, or a table in the lake partitioned otherwise than
+    its spec (exit 2). The message names the table, what the spec says and what came."""

@@ -1,15 +1,13 @@
 """Lake layout and idempotent Delta commits shared by every stage.
 
-    LAKE/events              ingest     partitioned by event_date
-    LAKE/dead_letter         ingest
-    LAKE/sequences           sequences
-    LAKE/examples            sequences  partitioned by event_date
-    LAKE/features/user       features
-    LAKE/features/item       features
-    LAKE/quality             validation one row per (table, version, expectation)
+    LAKE/<table>             the Delta tables of gemline.tables.TABLES (events, examples, features/user, ...)
     LAKE/_quality/<table>/<version>/report.{json,html}
     LAKE/_checkpoints/step-N/
     LAKE/_runs/<run_id>/summary.json
+
+Stages write tables through :mod:`gemline.tables`, which applies each table's spec (partition
+columns, write mode) and calls :func:`commit_once` / :func:`commit_files_once` here; these two
+also take any other table path (tests, benchmarks).
 
 The lake root is a local directory or an object-store URI (``s3://bucket/prefix``). Every function
 takes ``storage_options`` (delta-rs object-store keys such as ``AWS_ENDPOINT_URL``,
@@ -262,7 +260,7 @@ def as_lake(lake: Lake | str | Path, storage_options: StorageOptions | None = No
 
 
 def committed_version(
-    lake: str | Path, table: str, app_id: str, *, storage_options: StorageOptions | None = None
+    lake: Lake | str | Path, table: str, app_id: str, *, storage_options: StorageOptions | None = None
 ) -> int | None:
     """Last app-transaction version ``app_id`` committed to ``table``; None if never (or no table)."""
     dt = open_table(lake, table, storage_options=storage_options)
@@ -276,16 +274,26 @@ class CommitConflictError(GemlineError, RuntimeError):
     committing; this commit was refused whole (its data files stay unreferenced until vacuum). Exit 2."""
 
 
-def _is_next_version(dt: DeltaTable | None, table: str, app_id: str, version: int) -> bool:
+VersionRule = Literal["next", "increasing"]
+"""Which app-transaction versions a commit accepts: ``"next"``, only the last committed version + 1
+(0 first); ``"increasing"``, any version above the last (any first one): for a writer whose app
+committed its earlier versions to other tables only (ingest's ``late_events``, added to lakes that
+already had events; the continuous trainer's metrics)."""
+
+
+def _is_next_version(dt: DeltaTable | None, table: str, app_id: str, version: int,
+                     rule: VersionRule = "next") -> bool:
     """False when (app_id, version) or a later version is committed in the snapshot ``dt`` (None:
-    no table yet); True when ``version`` is next.
+    no table yet); True when ``version`` may be committed under ``rule``.
 
     Raises:
-        ValueError: ``version`` skips ahead of the last committed version + 1.
+        ValueError: ``rule`` is "next" and ``version`` skips ahead of the last committed version + 1.
     """
     last = None if dt is None else dt.transaction_version(app_id)
     if last is not None and version <= last:
         return False
+    if rule == "increasing":
+        return True
     expected = 0 if last is None else last + 1
     if version != expected:
         raise ValueError(f"{table}: app {app_id!r} must commit version {expected} next, got {version}")
@@ -293,7 +301,7 @@ def _is_next_version(dt: DeltaTable | None, table: str, app_id: str, version: in
 
 
 @contextlib.contextmanager
-def _conflict_is_an_error(lake: str | Path, table: str, app_id: str, version: int) -> Iterator[None]:
+def _conflict_is_an_error(lake: Lake | str | Path, table: str, app_id: str, version: int) -> Iterator[None]:
     """Turn delta-rs's refusal of a commit that lost a race into :class:`CommitConflictError`."""
     try:
         yield
@@ -312,7 +320,7 @@ def _commit_properties(app_id: str, version: int, metadata: dict[str, Any] | Non
 
 
 def commit_once(
-    lake: str | Path,
+    lake: Lake | str | Path,
     table: str,
     data: pa.Table,
     *,
@@ -321,6 +329,7 @@ def commit_once(
     mode: Literal["append", "overwrite"] = "append",
     partition_by: list[str] | None = None,
     metadata: dict[str, Any] | None = None,
+    version_rule: VersionRule = "next",
     storage_options: StorageOptions | None = None,
 ) -> bool:
     """Write ``data`` to ``table`` in one commit tagged (app_id, version), unless already committed.
@@ -331,17 +340,18 @@ def commit_once(
         version: monotonically increasing batch sequence number of that writer.
         metadata: JSON-serialisable values stored in the commit's custom metadata
             (e.g. Kafka offset ranges), readable with :func:`commit_metadata`.
+        version_rule: which versions are accepted (:data:`VersionRule`; default: only the next).
         storage_options: object-store options for a remote lake (see the module docstring).
 
     Returns:
         True if this call committed, False if (app_id, version) or a later version was already there.
 
     Raises:
-        ValueError: ``version`` skips ahead of the last committed version + 1.
+        ValueError: ``version_rule`` is "next" and ``version`` skips ahead of the last committed version + 1.
         CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
     dt = open_table(lake, table, storage_options=storage_options)
-    if not _is_next_version(dt, table, app_id, version):
+    if not _is_next_version(dt, table, app_id, version, version_rule):
         return False
     with _conflict_is_an_error(lake, table, app_id, version):
         write_deltalake(
@@ -366,7 +376,7 @@ _WRITE_THREADS = 4
 
 
 def write_data_file(
-    lake: str | Path,
+    lake: Lake | str | Path,
     table: str,
     data: pa.Table,
     *,
@@ -438,7 +448,7 @@ def write_data_file(
 
 
 def commit_files_once(
-    lake: str | Path,
+    lake: Lake | str | Path,
     table: str,
     files: Sequence[Mapping[str, Any]],
     schema: pa.Schema,
@@ -489,7 +499,7 @@ def commit_files_once(
 
 
 def commit_metadata(
-    lake: str | Path, table: str, app_id: str, *, storage_options: StorageOptions | None = None
+    lake: Lake | str | Path, table: str, app_id: str, *, storage_options: StorageOptions | None = None
 ) -> dict[str, Any] | None:
     """Custom metadata of the newest commit of ``table`` whose app transaction belongs to ``app_id``.
 
