@@ -12,6 +12,8 @@ gate lives in the core (``gemline``), which every stage may import.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,12 +21,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import write_deltalake
 
+from gemline import tables
 from gemline.errors import BadConfigError, GemlineError
 from gemline.lake import Lake, StorageOptions, as_lake, read_table
+from gemline.tables import Table
 
-QUALITY_TABLE = "quality"
 RELEASE = "__release__"
 
 QUALITY_SCHEMA = pa.schema(
@@ -54,16 +56,33 @@ class GateDecision:
     """False when the version has no validation run at all (the gate then fails closed)."""
 
 
-def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, storage_options: StorageOptions | None = None) -> None:
-    """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit.
+def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, app_id: str | None = None,
+                        storage_options: StorageOptions | None = None) -> bool:
+    """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit, once.
 
-    ``lake``: a :class:`gemline.lake.Lake`, or a root with its ``storage_options`` (object-store
-    options for a remote lake, see :mod:`gemline.lake`).
+    The commit is the app transaction ``(app_id, 0)`` (:func:`gemline.tables.commit`): a retry of the
+    same write (same ``app_id``) writes nothing.
+
+    Args:
+        lake: a :class:`gemline.lake.Lake`, or a root with its ``storage_options`` (object-store
+            options for a remote lake, see :mod:`gemline.lake`).
+        app_id: the writer, one per run (a validation run passes ``validate:<run_id>``); None:
+            ``quality:<digest of the rows>``, so only the very same rows count as a retry.
+
+    Returns:
+        True if this call committed; False for no rows, or when ``app_id`` already committed.
+
+    Raises:
+        gemline.lake.CommitConflictError: another writer committed the same ``app_id`` meanwhile.
     """
-    if rows:
-        lake = as_lake(lake, storage_options)
-        write_deltalake(lake.uri(QUALITY_TABLE), pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), mode="append",
-                        storage_options=lake.delta_options)
+    if not rows:
+        return False
+    lake = as_lake(lake, storage_options)
+    if app_id is None:
+        digest = hashlib.blake2b(json.dumps(rows, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
+        app_id = f"quality:{digest}"
+    return tables.commit(lake, Table.QUALITY, pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), app_id=app_id,
+                         version=0)
 
 
 def gate_decision(lake: Lake | str | Path, table: str, table_version: int, *,
@@ -82,7 +101,7 @@ def gate_decisions(lake: Lake | str | Path, table: str, table_versions: Iterable
     Returns ``{version: GateDecision}``; never raises for a missing quality table.
     """
     versions = list(table_versions)
-    quality = read_table(lake, QUALITY_TABLE, storage_options=storage_options)
+    quality = read_table(lake, Table.QUALITY, storage_options=storage_options)
     by_version: dict[int, list[dict]] = {v: [] for v in versions}
     if quality is not None and versions:
         mask = pc.and_(pc.equal(quality["table"], table),

@@ -27,14 +27,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import write_deltalake
 
-from gemline.lake import StorageOptions, is_remote, read_table, table_uri
+from gemline import tables
+from gemline.lake import StorageOptions, read_table
+from gemline.tables import Table
 from sequences.schema import LABELS
 from validation.config import ValidationConfig
 from validation.suites import CheckResult
-
-PROFILES_TABLE = "quality_profiles"
 
 PROFILES_SCHEMA = pa.schema(
     [
@@ -178,19 +177,29 @@ def drift_checks(
 
 def append_profile(
     lake: str | Path, *, table: str, table_version: int, run_id: str, run_ts_ms: int, passed: bool,
-    profile: Mapping[str, float], storage_options: StorageOptions | None = None,
-) -> None:
-    """Append one run's profile to ``quality_profiles`` (one commit; non-finite values are skipped)."""
+    profile: Mapping[str, float], app_id: str | None = None, storage_options: StorageOptions | None = None,
+) -> bool:
+    """Append one run's profile to ``quality_profiles`` in one commit, once (non-finite values are skipped).
+
+    The commit is the app transaction ``(app_id, 0)`` (:func:`gemline.tables.commit`; None:
+    ``validate:<run_id>``): a retry of the same run's write writes nothing.
+
+    Returns:
+        True if this call committed; False when no value is finite or the run's profile is already there.
+
+    Raises:
+        gemline.lake.CommitConflictError: another writer committed the same app transaction meanwhile.
+    """
     rows = [
         dict(table=table, table_version=table_version, run_id=run_id, run_ts_ms=run_ts_ms, passed=passed, metric=m,
              value=float(v))
         for m, v in sorted(profile.items())
         if math.isfinite(v)
     ]
-    if rows:
-        opts = dict(storage_options) if storage_options and is_remote(lake) else None
-        write_deltalake(table_uri(lake, PROFILES_TABLE), pa.Table.from_pylist(rows, schema=PROFILES_SCHEMA), mode="append",
-                        storage_options=opts)
+    if not rows:
+        return False
+    return tables.commit(lake, Table.QUALITY_PROFILES, pa.Table.from_pylist(rows, schema=PROFILES_SCHEMA),
+                         app_id=app_id or f"validate:{run_id}", version=0, storage_options=storage_options)
 
 
 def profile_history(lake: str | Path, table: str, before_version: int, k: int, *,
@@ -200,7 +209,7 @@ def profile_history(lake: str | Path, table: str, before_version: int, k: int, *
     Only a version whose newest run passed counts (a quarantined batch must not become the baseline).
     Returns [] when ``quality_profiles`` does not exist yet.
     """
-    data = read_table(lake, PROFILES_TABLE, storage_options=storage_options)
+    data = read_table(lake, Table.QUALITY_PROFILES, storage_options=storage_options)
     if data is None:
         return []
     mask = pc.and_(pc.equal(data["table"], table), pc.less(data["table_version"], before_version))

@@ -30,13 +30,14 @@ from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import append_quality_rows
 from gemline.increments import rows_added
 from gemline.lake import is_remote, lake_fs, open_table, read_table
+from gemline.tables import Table
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
 from validation.suites import CheckResult, validate_events, validate_examples
 
-VALIDATED_TABLES: tuple[str, ...] = ("events", "sequences", "examples", *FEATURE_VIEWS)
+VALIDATED_TABLES: tuple[str, ...] = (Table.EVENTS, Table.SEQUENCES, Table.EXAMPLES, *FEATURE_VIEWS)
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,9 @@ def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[Che
         max_time_ms=now_ms + config.validation.max_future_skew_ms,
     )
     sample_rows = config.validation.gx_sample_rows
-    if table == "events":
+    if table == Table.EVENTS:
         return validate_events(data, **bounds, sample_rows=sample_rows, dedup_window_ms=config.ingest.dedup_window_ms)
-    if table == "sequences":
+    if table == Table.SEQUENCES:
         return validate_sequences(data, max_seq_len=config.build.max_seq_len, min_time_ms=bounds["min_time_ms"],
                                   max_time_ms=bounds["max_time_ms"], sample_rows=sample_rows)
     if table in FEATURE_VIEWS:
@@ -89,10 +90,10 @@ def _opts(config: GemlineConfig) -> dict[str, str] | None:
 def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tuple[object, list[CheckResult]]:
     """(the batch to profile, the dead-letter checks): for ``events``, the rows of the commit's offset ranges."""
     ranges = (source or {}).get("offset_ranges")
-    if table != "events" or not ranges or "kafka_offset" not in data.column_names:
+    if table != Table.EVENTS or not ranges or "kafka_offset" not in data.column_names:
         return data, []
     batch = in_ranges(data, ranges)
-    dead = read_table(config.lake, "dead_letter", columns=["kafka_partition", "kafka_offset"],
+    dead = read_table(config.lake, Table.DEAD_LETTER, columns=["kafka_partition", "kafka_offset"],
                       storage_options=_opts(config))
     num_dead = 0 if dead is None else in_ranges(dead, ranges).num_rows
     vc = config.validation
@@ -101,7 +102,7 @@ def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tupl
     return batch, checks
 
 
-INCREMENTAL = ("examples",)
+INCREMENTAL = (Table.EXAMPLES,)
 """Tables validated on the rows each version added rather than the whole table at that version."""
 
 
@@ -168,8 +169,10 @@ def validate_table(
         history=history,
     )
     json_path, html_path = write_report(config.lake, report, data, storage_options=opts)
+    # One app transaction per run on both tables: a retried write of this run lands once.
+    app_id = f"validate:{run_id}"
     append_profile(config.lake, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
-                   passed=verdict(results) == PASSED, profile=profile, storage_options=opts)
+                   passed=verdict(results) == PASSED, profile=profile, app_id=app_id, storage_options=opts)
     steps.update()
     append_quality_rows(
         config.lake,
@@ -187,6 +190,7 @@ def validate_table(
             }
             for r in results
         ],
+        app_id=app_id,
         storage_options=opts,
     )
     steps.update()
