@@ -53,10 +53,11 @@ import pyarrow.dataset as pads
 from deltalake import DeltaTable
 
 from gemline.config import GemlineConfig
-from gemline.lake import commit_metadata, commit_once, committed_version, open_table
+from gemline.lake import commit_metadata, committed_version, open_table
 from gemline.locks import holding
+from gemline.tables import Table, commit
 from ingest.dedup import committed_ids, committed_payloads, drop_duplicates, split_conflicts
-from ingest.pipeline import DEAD_LETTER_TABLE, EVENTS_TABLE, LATE_EVENTS_TABLE, app_id_for
+from ingest.pipeline import app_id_for
 from ingest.schema import EVENTS_TABLE_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ class BackfillResult:
 def _consumed_version(config: GemlineConfig) -> tuple[int | None, int]:
     """(late_events version the last backfill consumed up to, or None; this run's batch version)."""
     opts = config.lake_storage_options
-    last = committed_version(config.lake, EVENTS_TABLE, BACKFILL_APP_ID, storage_options=opts)
+    last = committed_version(config.lake, Table.EVENTS, BACKFILL_APP_ID, storage_options=opts)
     if last is None:
         return None, 0
-    meta = commit_metadata(config.lake, EVENTS_TABLE, BACKFILL_APP_ID, storage_options=opts)
+    meta = commit_metadata(config.lake, Table.EVENTS, BACKFILL_APP_ID, storage_options=opts)
     assert meta is not None and "late_events_version" in meta, "backfill commit without its metadata"
     return int(meta["late_events_version"]), last + 1
 
@@ -106,11 +107,11 @@ def _check_ingest_settled(config: GemlineConfig) -> None:
     """Raise ValueError when the configured topic's ingest batch is committed to ``dead_letter`` or
     ``late_events`` but not yet to ``events`` (a crashed ingest)."""
     app_id, opts = app_id_for(config.kafka.topic), config.lake_storage_options
-    done = committed_version(config.lake, EVENTS_TABLE, app_id, storage_options=opts)
-    for table in (DEAD_LETTER_TABLE, LATE_EVENTS_TABLE):
+    done = committed_version(config.lake, Table.EVENTS, app_id, storage_options=opts)
+    for table in (Table.DEAD_LETTER, Table.LATE_EVENTS):
         ahead = committed_version(config.lake, table, app_id, storage_options=opts)
         if ahead is not None and (done is None or ahead > done):
-            raise ValueError(f"ingest batch {ahead} of {app_id!r} is in {table} but not yet in {EVENTS_TABLE} "
+            raise ValueError(f"ingest batch {ahead} of {app_id!r} is in {table} but not yet in {Table.EVENTS} "
                              "(an ingest crashed mid-commit): run `gemline ingest` to finish it, then backfill")
 
 
@@ -138,13 +139,13 @@ def late_rows_since(
     """
     if old_version is not None and old_version > version:
         raise ValueError(f"late_rows_since: expected old_version <= version, got {old_version} > {version}")
-    new = open_table(lake, LATE_EVENTS_TABLE, version, storage_options=storage_options)
+    new = open_table(lake, Table.LATE_EVENTS, version, storage_options=storage_options)
     if new is None:
-        raise ValueError(f"no {LATE_EVENTS_TABLE} table under {lake!r}")
+        raise ValueError(f"no {Table.LATE_EVENTS} table under {lake!r}")
     dataset = new.to_pyarrow_dataset()
     if old_version is None:
         return dataset.to_table()
-    old = open_table(lake, LATE_EVENTS_TABLE, old_version, storage_options=storage_options)
+    old = open_table(lake, Table.LATE_EVENTS, old_version, storage_options=storage_options)
     assert old is not None, "late_events exists at a later version but not at an earlier one"
     if _appends_only(new, old_version):
         seen = {frag.path for frag in old.to_pyarrow_dataset().get_fragments()}
@@ -164,7 +165,7 @@ def _as_events(late: pa.Table, backfill_ms: int) -> pa.Table:
         elif field.nullable:  # a column late_events gained after these rows were written
             columns.append(pa.nulls(late.num_rows, field.type))
         else:
-            raise ValueError(f"{LATE_EVENTS_TABLE} lacks the events column {field.name!r}; "
+            raise ValueError(f"{Table.LATE_EVENTS} lacks the events column {field.name!r}; "
                              f"expected the columns of ingest.schema.LATE_EVENTS_SCHEMA")
     rows = pa.Table.from_arrays(columns, names=EVENTS_TABLE_SCHEMA.names).cast(EVENTS_TABLE_SCHEMA)
     created = pc.max_element_wise(rows.column("created_ts_ms"), pa.scalar(backfill_ms, pa.int64()))
@@ -199,23 +200,23 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
     backfill_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
     _check_ingest_settled(config)
     consumed, batch_version = _consumed_version(config)
-    late_table = open_table(lake, LATE_EVENTS_TABLE, storage_options=opts)
+    late_table = open_table(lake, Table.LATE_EVENTS, storage_options=opts)
     if late_table is None:
         return BackfillResult(None, 0, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
     version = late_table.version()
     if consumed is not None and consumed > version:
-        raise ValueError(f"{LATE_EVENTS_TABLE} is at version {version} but the last backfill consumed it up to "
-                         f"version {consumed}: it was replaced or restored alone; restore {LATE_EVENTS_TABLE} and "
-                         f"{EVENTS_TABLE} to the same point together")
+        raise ValueError(f"{Table.LATE_EVENTS} is at version {version} but the last backfill consumed it up to "
+                         f"version {consumed}: it was replaced or restored alone; restore {Table.LATE_EVENTS} and "
+                         f"{Table.EVENTS} to the same point together")
     late = (late_rows_since(lake, consumed, version, storage_options=opts) if consumed != version
             else late_table.to_pyarrow_dataset().schema.empty_table())
     if late.num_rows == 0:
         # Nothing to re-admit (ingest commits late_events every batch, mostly empty): no events commit.
-        log.info("backfill: nothing new in %s up to version %d", LATE_EVENTS_TABLE, version)
+        log.info("backfill: nothing new in %s up to version %d", Table.LATE_EVENTS, version)
         return BackfillResult(version, 0, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
 
     rows = _as_events(late, backfill_ms)
-    existing = open_table(lake, EVENTS_TABLE, storage_options=opts)
+    existing = open_table(lake, Table.EVENTS, storage_options=opts)
     window_ms = config.ingest.dedup_window_ms
     dataset = None if existing is None else existing.to_pyarrow_dataset()
     candidates = rows
@@ -229,11 +230,11 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
     metadata = {"late_events_version": version, "late_rows_read": late.num_rows, "rows_readmitted": rows.num_rows,
                 "duplicates_skipped": duplicates, "conflicts_skipped": conflicts, "backfill_ms": backfill_ms}
     # Even when every row was a duplicate, the (possibly empty) commit records the consumed version.
-    wrote = commit_once(lake, EVENTS_TABLE, rows, app_id=BACKFILL_APP_ID, version=batch_version,
-                        partition_by=["event_date"], metadata=metadata, storage_options=opts)
+    wrote = commit(lake, Table.EVENTS, rows, app_id=BACKFILL_APP_ID, version=batch_version, metadata=metadata,
+                   storage_options=opts)
     assert wrote, "the backfill batch was committed by someone else while the ingest lock was held"
     log.info("backfill: %d of %d late rows re-admitted to %s (%d duplicates, %d conflicts), %s consumed up to "
-             "version %d", rows.num_rows, late.num_rows, EVENTS_TABLE, duplicates, conflicts, LATE_EVENTS_TABLE,
+             "version %d", rows.num_rows, late.num_rows, Table.EVENTS, duplicates, conflicts, Table.LATE_EVENTS,
              version)
     return BackfillResult(version, late.num_rows, rows.num_rows, duplicates, conflicts, batch_version,
                           skipped=False, backfill_ms=backfill_ms)

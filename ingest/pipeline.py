@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -56,13 +55,13 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.feather as feather
 from apache_beam.options.pipeline_options import PipelineOptions
-from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.beam_runner import local_runner_args
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError
-from gemline.lake import commit_metadata, commit_once, committed_version, is_remote, open_table, table_uri
+from gemline.lake import commit_metadata, committed_version, is_remote, open_table
 from gemline.locks import holding
+from gemline.tables import Table, commit
 from ingest.config import IngestConfig
 from ingest.dedup import (
     committed_ids,
@@ -78,11 +77,6 @@ from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA
 from ingest.vectorized import ParseBatches
 
 log = logging.getLogger(__name__)
-
-EVENTS_TABLE = "events"
-DEAD_LETTER_TABLE = "dead_letter"
-LATE_EVENTS_TABLE = "late_events"
-
 
 @dataclass(frozen=True)
 class IngestResult:
@@ -197,21 +191,21 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset
     """Decide the batch: version, ranges, clock, rules (fresh, or recovered from a dead_letter commit)."""
     lake, topic, opts = config.lake, config.kafka.topic, config.lake_storage_options
     app_id = app_id_for(topic)
-    last_events = committed_version(lake, EVENTS_TABLE, app_id, storage_options=opts)
+    last_events = committed_version(lake, Table.EVENTS, app_id, storage_options=opts)
     batch_version = 0 if last_events is None else last_events + 1
-    events_meta = commit_metadata(lake, EVENTS_TABLE, app_id, storage_options=opts) or {}
+    events_meta = commit_metadata(lake, Table.EVENTS, app_id, storage_options=opts) or {}
     prev_ends = {int(p): int(e) for p, e in events_meta.get("end_offsets", {}).items()}
     marks = {int(p): int(w) for p, w in events_meta.get("watermarks_ms", {}).items()}
     identity = events_meta.get("topic_identity")
     previous = None if identity is None else TopicIdentity.from_dict(identity)
     plan_args: dict[str, Any] = dict(client=config.kafka.client, timeout_s=config.ingest.read_timeout_s)
 
-    last_dead = committed_version(lake, DEAD_LETTER_TABLE, app_id, storage_options=opts)
+    last_dead = committed_version(lake, Table.DEAD_LETTER, app_id, storage_options=opts)
     if last_dead is not None and last_dead > batch_version:
-        raise RuntimeError(f"{DEAD_LETTER_TABLE} holds batch {last_dead} of {app_id!r} but {EVENTS_TABLE} only "
+        raise RuntimeError(f"{Table.DEAD_LETTER} holds batch {last_dead} of {app_id!r} but {Table.EVENTS} only "
                            f"{last_events}: the tables were changed outside the ingest job; restore them together")
     if last_dead == batch_version:
-        meta = commit_metadata(lake, DEAD_LETTER_TABLE, app_id, storage_options=opts)
+        meta = commit_metadata(lake, Table.DEAD_LETTER, app_id, storage_options=opts)
         assert meta is not None, "dead_letter has a txn version but no gemline metadata"
         ranges = tuple(OffsetRange.from_dict(d) for d in meta["offset_ranges"])
         ends = {int(p): int(e) for p, e in meta["end_offsets"].items()}
@@ -415,8 +409,8 @@ def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, b
                                              plan.rules.retention_ms, min_event_time_ms=plan.rules.min_event_time_ms,
                                              max_message_bytes=plan.rules.max_message_bytes)
         )
-        _ = parsed[GOOD] | "StageEvents" >> StageRows(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)
-        _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
+        _ = parsed[GOOD] | "StageEvents" >> StageRows(stage / Table.EVENTS, EVENTS_TABLE_SCHEMA)
+        _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
 
 
 @holding("ingest")
@@ -463,16 +457,16 @@ def run_ingest(
 
     stage = _stage_for(lake, plan.batch_version)
     shutil.rmtree(stage, ignore_errors=True)
-    for table in (EVENTS_TABLE, DEAD_LETTER_TABLE):
+    for table in (Table.EVENTS, Table.DEAD_LETTER):
         (stage / table).mkdir(parents=True)
     log.info("ingest %s: batch %d, %d records over %d partitions -> staging", app_id, plan.batch_version, planned,
              len(plan.ranges))
     _run_beam(config, bootstrap, plan, stage, list(beam_args or []))
 
-    events = read_staged(stage / EVENTS_TABLE, EVENTS_TABLE_SCHEMA)
-    dead = read_staged(stage / DEAD_LETTER_TABLE, DEAD_LETTER_SCHEMA)
+    events = read_staged(stage / Table.EVENTS, EVENTS_TABLE_SCHEMA)
+    dead = read_staged(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
     _check_batch(events, dead, plan.ranges)
-    existing = open_table(lake, EVENTS_TABLE, storage_options=opts)
+    existing = open_table(lake, Table.EVENTS, storage_options=opts)
     rules = plan.rules
     dataset = None if existing is None else existing.to_pyarrow_dataset()
     committed = committed_ids(dataset, events, rules.dedup_window_ms)
@@ -500,12 +494,14 @@ def run_ingest(
         "gaps": [{"partition": p, "start": a, "end": b, "count": b - a} for p, (a, b) in sorted(plan.gaps.items())],
         **({"reset": plan.reset} if plan.reset is not None else {}),
     }
-    wrote_dead = commit_once(lake, DEAD_LETTER_TABLE, dead, app_id=app_id, version=plan.batch_version,
-                             metadata=metadata, storage_options=opts)
-    wrote_late = _commit_at(lake, LATE_EVENTS_TABLE, late, app_id=app_id, version=plan.batch_version,
-                            metadata=metadata, storage_options=opts)
-    wrote_events = commit_once(lake, EVENTS_TABLE, events, app_id=app_id, version=plan.batch_version,
-                               partition_by=["event_date"], metadata=metadata, storage_options=opts)
+    wrote_dead = commit(lake, Table.DEAD_LETTER, dead, app_id=app_id, version=plan.batch_version,
+                        metadata=metadata, storage_options=opts)
+    # late_events joined the lake after events: in an existing lake its first batch is the app's next
+    # events version, not 0, so any version above its last is accepted there.
+    wrote_late = commit(lake, Table.LATE_EVENTS, late, app_id=app_id, version=plan.batch_version,
+                        metadata=metadata, version_rule="increasing", storage_options=opts)
+    wrote_events = commit(lake, Table.EVENTS, events, app_id=app_id, version=plan.batch_version,
+                          metadata=metadata, storage_options=opts)
     shutil.rmtree(stage, ignore_errors=True)
     log.info("ingest %s: batch %d committed: %d events, %d dead-letter, %d late, %d duplicates dropped", app_id,
              plan.batch_version, events.num_rows, dead.num_rows, late.num_rows, duplicates)
@@ -523,25 +519,6 @@ def run_ingest(
         rules_changed=plan.rules_changed,
         reset=plan.reset is not None,
     )
-
-
-def _commit_at(lake: str | Path, table: str, data: pa.Table, *, app_id: str, version: int,
-               metadata: dict[str, Any], storage_options: dict[str, str] | None = None) -> bool:
-    """Like :func:`gemline.lake.commit_once`, but the first commit may carry any version.
-
-    ``late_events`` joined the lake after ``events``: in an existing lake its first batch is the
-    app's next events version, not 0, so commit_once's "version must be last + 1" check cannot hold.
-    Idempotence is the same: skip when (app_id, version) or later is already there.
-    """
-    last = committed_version(lake, table, app_id, storage_options=storage_options)
-    if last is not None and version <= last:
-        return False
-    custom = {"gemline": json.dumps({**metadata, "app_id": app_id, "txn_version": version}, sort_keys=True)}
-    write_deltalake(table_uri(lake, table), data, mode="append", schema_mode="merge",
-                    storage_options=dict(storage_options) if storage_options and is_remote(lake) else None,
-                    commit_properties=CommitProperties(custom_metadata=custom,
-                                                       app_transactions=[Transaction(app_id=app_id, version=version)]))
-    return True
 
 
 def ingest_backlog(

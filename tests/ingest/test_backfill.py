@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-import ingest.backfill as backfill_mod
+import gemline.lake as lake_mod
 from gemline.cli import main
 from gemline.config import GemlineConfig
 from gemline.lake import commit_once, open_table, read_table, table_uri
@@ -108,12 +108,12 @@ def test_a_crash_before_or_after_the_commit_then_a_rerun_writes_each_row_once(tm
     config = _config(tmp_path)
     late = [_row(f"l{i}", T - DAY - i, i + 1, created=T + i) for i in range(3)]
     _ingest_batch(config, 0, [_row("a", T, 0, created=T)], [_late(r, T) for r in late])
-    real = backfill_mod.commit_once
+    real = lake_mod.commit_once
 
     def die_before(*args, **kwargs):
         raise RuntimeError("killed before the commit")
 
-    monkeypatch.setattr(backfill_mod, "commit_once", die_before)
+    monkeypatch.setattr(lake_mod, "commit_once", die_before)
     with pytest.raises(RuntimeError, match="killed before"):
         backfill_late_events(config, now_ms=BACKFILL_MS)
     assert [r["event_id"] for r in _events(config.lake)] == ["a"]
@@ -122,10 +122,10 @@ def test_a_crash_before_or_after_the_commit_then_a_rerun_writes_each_row_once(tm
         real(*args, **kwargs)
         raise RuntimeError("killed after the commit")
 
-    monkeypatch.setattr(backfill_mod, "commit_once", die_after)
+    monkeypatch.setattr(lake_mod, "commit_once", die_after)
     with pytest.raises(RuntimeError, match="killed after"):
         backfill_late_events(config, now_ms=BACKFILL_MS)
-    monkeypatch.setattr(backfill_mod, "commit_once", real)
+    monkeypatch.setattr(lake_mod, "commit_once", real)
     rerun = backfill_late_events(config, now_ms=BACKFILL_MS + 1)
     assert rerun.skipped and rerun.rows_readmitted == 0
     assert [r["event_id"] for r in _events(config.lake)] == ["a", "l0", "l1", "l2"]

@@ -17,7 +17,7 @@ files written but no log entry yet; where that one lands varies with load, but t
 right wherever it is.
 
 The deterministic crash between the ``dead_letter`` and ``events`` commits replaces
-``ingest.pipeline.commit_once`` in that child only (a fault hook handed in by the test, nothing
+``gemline.lake.commit_once`` in that child only (a fault hook handed in by the test, nothing
 read from the environment): after committing ``dead_letter`` the child exits with status 137.
 """
 
@@ -58,7 +58,7 @@ STEPS = (
     ("ingest.pipeline", "_plan_batch"), ("ingest.pipeline", "_run_beam"), ("ingest.kafka_source", "claim_batch"),
     ("ingest.vectorized", "parse_batch"), ("pyarrow.feather", "write_feather"), ("os", "replace"),
     ("ingest.pipeline", "read_staged"), ("ingest.pipeline", "committed_ids"), ("ingest.pipeline", "drop_duplicates"),
-    ("ingest.pipeline", "split_late"), ("ingest.pipeline", "commit_once"), ("ingest.pipeline", "_commit_at"),
+    ("ingest.pipeline", "split_late"), ("gemline.lake", "commit_once"),
     ("shutil", "rmtree"),
 )
 """(module, function) of every step whose entry and exit are kill points; each is called through its
@@ -69,12 +69,13 @@ import importlib, json, os, signal, sys, threading, time
 import apache_beam, deltalake, confluent_kafka, pyarrow.dataset, pyarrow.feather  # noqa: F401  (warm imports)
 import apache_beam.runners.direct.direct_runner  # noqa: F401
 import apache_beam.runners.portability.fn_api_runner  # noqa: F401
-import ingest.pipeline
+import gemline.lake
+import ingest.pipeline  # noqa: F401  (warm import)
 from gemline.cli import main
 
 
 def crash_between_commits():
-    real = ingest.pipeline.commit_once
+    real = gemline.lake.commit_once
 
     def commit_then_die(lake, table, data, **kw):
         done = real(lake, table, data, **kw)
@@ -82,7 +83,7 @@ def crash_between_commits():
             os._exit(137)
         return done
 
-    ingest.pipeline.commit_once = commit_then_die
+    gemline.lake.commit_once = commit_then_die
 
 
 def install_kill_points(steps, kill_at, delay_s):

@@ -183,7 +183,7 @@ def test_crash_between_commits_recovers_to_the_clean_result(broker, topic, tmp_p
             raise OSError("simulated crash before the events commit")
         return real_commit(lake, table, data, **kw)
 
-    monkeypatch.setattr("ingest.pipeline.commit_once", commit_or_crash)
+    monkeypatch.setattr("gemline.lake.commit_once", commit_or_crash)
     with pytest.raises(OSError, match="simulated crash"):
         run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert committed_version(cfg.lake, "dead_letter", app_id_for(topic)) == 0
@@ -410,11 +410,11 @@ def test_crash_after_late_events_commit_writes_late_rows_once(broker, topic, tmp
             raise OSError("simulated crash before the events commit")
         return real_commit(lake, table, data, **kw)
 
-    monkeypatch.setattr("ingest.pipeline.commit_once", commit_or_crash)
+    monkeypatch.setattr("gemline.lake.commit_once", commit_or_crash)
     with pytest.raises(OSError, match="simulated crash"):
         run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert committed_version(cfg.lake, "late_events", app_id_for(topic)) == 1
-    monkeypatch.setattr("ingest.pipeline.commit_once", real_commit)
+    monkeypatch.setattr("gemline.lake.commit_once", real_commit)
     recovered = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert recovered.recovered and (recovered.events_written, recovered.late_events_written) == (1, 0)
     assert recovered.duplicates_dropped == 1
