@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from gemline.tables import Table, spec
+
 HOUR_MS = 3600 * 1000
 DAY_MS = 24 * HOUR_MS
 
@@ -151,8 +153,8 @@ def counters_as_of(
 class FeatureView:
     """A feature table defined in code (after Feast's FeatureView)."""
 
-    name: str
-    """Table name under the lake root."""
+    name: Table
+    """The table (its path under the lake root)."""
     entity_keys: tuple[str, ...]
     """Columns identifying one row."""
     timestamp_field: str
@@ -163,8 +165,11 @@ class FeatureView:
     """How long a row stays valid for online lookup after its event time; None: forever."""
     schema: pa.Schema
     """Typed columns of the table."""
-    partition_by: tuple[str, ...] = ("domain", "event_date")
-    """Delta partition columns."""
+
+    @property
+    def partition_by(self) -> tuple[str, ...]:
+        """Delta partition columns: those of the table's spec (:mod:`gemline.tables`)."""
+        return spec(self.name).partition_by
 
 
 def _counter_fields() -> list[pa.Field]:
@@ -182,7 +187,7 @@ _TIME_FIELDS = [
 ]
 
 USER_FEATURES = FeatureView(
-    name="features/user",
+    name=Table.FEATURES_USER,
     entity_keys=("user_id", "domain"),
     timestamp_field="event_ts_ms",
     created_timestamp_field="created_ts_ms",
@@ -203,7 +208,7 @@ USER_FEATURES = FeatureView(
 """Per (user_id, domain) counters plus the user's static attributes (latest non-null within the TTL)."""
 
 ITEM_FEATURES = FeatureView(
-    name="features/item",
+    name=Table.FEATURES_ITEM,
     entity_keys=("item_id", "domain"),
     timestamp_field="event_ts_ms",
     created_timestamp_field="created_ts_ms",
@@ -221,7 +226,7 @@ ITEM_FEATURES = FeatureView(
 """Per (item_id, domain) counters plus the item's latest category."""
 
 USER_CATEGORY_FEATURES = FeatureView(
-    name="features/user_category",
+    name=Table.FEATURES_USER_CATEGORY,
     entity_keys=("user_id", "domain", "category"),
     timestamp_field="event_ts_ms",
     created_timestamp_field="created_ts_ms",

@@ -12,7 +12,7 @@ tables, spilled to IPC files so the shuffles carry paths; each shard is built ve
 users (:mod:`sequences.vectorized`), which equals looping the per-entity functions of
 :mod:`sequences.incremental` (the reference, ``build.shard_step = "reference"``). Workers write
 the outputs as data files straight into the tables, uncommitted, and list them in manifests; the
-driver commits each table's files once (:func:`gemline.lake.commit_files_once`). New events are the rows of
+driver commits each table's files once (:func:`gemline.tables.commit_files`). New events are the rows of
 the Parquet files the events table gained since the last built version (the table is append-only;
 if a version in between rewrote files, e.g. a compaction, the rows are found by Kafka offset
 instead). Nothing older than the state is reread.
@@ -57,16 +57,15 @@ from gemline.gate import require_allowed
 from gemline.hygiene import HygieneConfig, conform, tidy
 from gemline.lake import (
     StorageOptions,
-    commit_files_once,
     commit_metadata,
     committed_version,
     is_remote,
     lake_fs,
     open_table,
     read_table,
-    write_data_file,
 )
 from gemline.locks import holding
+from gemline.tables import Table, commit_files, write_files
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
@@ -88,24 +87,24 @@ from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 log = logging.getLogger(__name__)
 
 APP_ID = "build"
-STATE_PREFIX = "_build_state"
 
 # Columns the build needs; the Kafka bookkeeping columns stay out of the pipeline.
 _EVENT_COLUMNS = list(EVENT_SCHEMA.names)
 
 
-_OUTPUTS: dict[str, tuple[pa.Schema, list[str] | None]] = {
-    "sequences": (SEQUENCES_SCHEMA, None),
-    "sequences_by_domain": (SEQUENCES_BY_DOMAIN_SCHEMA, None),
-    USER_FEATURES.name: (USER_FEATURES.schema, list(USER_FEATURES.partition_by)),
-    ITEM_FEATURES.name: (ITEM_FEATURES.schema, list(ITEM_FEATURES.partition_by)),
-    USER_CATEGORY_FEATURES.name: (USER_CATEGORY_FEATURES.schema, list(USER_CATEGORY_FEATURES.partition_by)),
-    f"{STATE_PREFIX}/buffer": (EVENT_SCHEMA, None),
-    f"{STATE_PREFIX}/evicted": (EVICTED_SCHEMA, None),
-    f"{STATE_PREFIX}/pending": (PENDING_SCHEMA, None),
-    "examples": (EXAMPLES_SCHEMA, ["event_date"]),  # last: its commit marks the build complete
+_OUTPUTS: dict[str, pa.Schema] = {
+    Table.SEQUENCES: SEQUENCES_SCHEMA,
+    Table.SEQUENCES_BY_DOMAIN: SEQUENCES_BY_DOMAIN_SCHEMA,
+    USER_FEATURES.name: USER_FEATURES.schema,
+    ITEM_FEATURES.name: ITEM_FEATURES.schema,
+    USER_CATEGORY_FEATURES.name: USER_CATEGORY_FEATURES.schema,
+    Table.BUILD_BUFFER: EVENT_SCHEMA,
+    Table.BUILD_EVICTED: EVICTED_SCHEMA,
+    Table.BUILD_PENDING: PENDING_SCHEMA,
+    Table.EXAMPLES: EXAMPLES_SCHEMA,  # last: its commit marks the build complete
 }
-"""Every table the build writes, its schema and partition columns, in commit order."""
+"""Every table the build writes and its schema, in commit order (partition columns and write mode:
+the table's spec, :mod:`gemline.tables`)."""
 
 
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int):
@@ -146,10 +145,10 @@ def _is_not_item(table: pa.Table):
     return pc.invert(_is_item(table))
 
 
-_USER_OUTPUT_TABLES = {"buffer": f"{STATE_PREFIX}/buffer", "evicted": f"{STATE_PREFIX}/evicted",
-                       "pending": f"{STATE_PREFIX}/pending"}
-_USER_OUTPUT_TABLES.update({name: name for name in USER_OUTPUTS if name not in _USER_OUTPUT_TABLES})
-_ITEM_OUTPUT_TABLES = {"evicted": f"{STATE_PREFIX}/evicted", ITEM_FEATURES.name: ITEM_FEATURES.name}
+_USER_OUTPUT_TABLES = {"buffer": Table.BUILD_BUFFER, "evicted": Table.BUILD_EVICTED, "pending": Table.BUILD_PENDING}
+# The other shard outputs are named after their tables ("sequences", "features/user", "examples", ...).
+_USER_OUTPUT_TABLES.update({name: Table(name) for name in USER_OUTPUTS if name not in _USER_OUTPUT_TABLES})
+_ITEM_OUTPUT_TABLES = {"evicted": Table.BUILD_EVICTED, ITEM_FEATURES.name: ITEM_FEATURES.name}
 
 
 class BuildIncrement(beam.PTransform):
@@ -227,9 +226,8 @@ def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions
     name, part_name, table = part
     if name in done:
         return
-    schema, partition_by = _OUTPUTS[name]
-    files = write_data_file(lake, name, conform(table, schema), name=f"build{build:06d}-{part_name}",
-                            partition_by=partition_by, storage_options=opts)
+    files = write_files(lake, name, conform(table, _OUTPUTS[name]), name=f"build{build:06d}-{part_name}",
+                        storage_options=opts)
     directory = Path(manifests) / name
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{part_name}.json.tmp"
@@ -271,24 +269,24 @@ def _rows(lake: str, table: str, opts: StorageOptions | None = None) -> int:
 
 def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0,
                       opts: StorageOptions | None = None) -> BuildResult:
-    examples = open_table(lake, "examples", storage_options=opts)
+    examples = open_table(lake, Table.EXAMPLES, storage_options=opts)
     lengths_np = np.zeros(0) if examples is None else (
         examples.to_pyarrow_dataset().to_table(columns=["seq_length"]).column("seq_length").to_numpy()
     )
     has = lengths_np.size > 0
-    meta = commit_metadata(lake, "examples", APP_ID, storage_options=opts) or {}
+    meta = commit_metadata(lake, Table.EXAMPLES, APP_ID, storage_options=opts) or {}
     return BuildResult(
         events_version=events_version,
         examples_version=None if examples is None else examples.version(),
-        num_examples=_rows(lake, "examples", opts),
-        num_sequences=_rows(lake, "sequences", opts),
+        num_examples=_rows(lake, Table.EXAMPLES, opts),
+        num_sequences=_rows(lake, Table.SEQUENCES, opts),
         num_user_features=_rows(lake, USER_FEATURES.name, opts),
         num_item_features=_rows(lake, ITEM_FEATURES.name, opts),
         seq_length_p50=float(np.percentile(lengths_np, 50)) if has else None,
         seq_length_p99=float(np.percentile(lengths_np, 99)) if has else None,
         skipped=skipped,
         num_published=published,
-        num_pending=_rows(lake, f"{STATE_PREFIX}/pending", opts),
+        num_pending=_rows(lake, Table.BUILD_PENDING, opts),
         watermark_ms=meta.get("watermark_ms"),
         close_ms=meta.get("close_ms"),
     )
@@ -333,10 +331,10 @@ def new_event_rows(
     columns = list(_EVENT_COLUMNS) if columns is None else columns
     schema = pa.schema([EVENT_SCHEMA.field(name) for name in columns])
     opts = storage_options
-    new = open_table(lake, "events", version, storage_options=opts)
+    new = open_table(lake, Table.EVENTS, version, storage_options=opts)
     if old_version is None:
-        return read_table(lake, "events", version, columns=columns, storage_options=opts)
-    old = open_table(lake, "events", old_version, storage_options=opts)
+        return read_table(lake, Table.EVENTS, version, columns=columns, storage_options=opts)
+    old = open_table(lake, Table.EVENTS, old_version, storage_options=opts)
     assert new is not None and old is not None, "the events versions a build names exist"
     appends_only = all(
         entry.get("operation") in ("WRITE", "CREATE TABLE")
@@ -449,13 +447,13 @@ def run_build(
             ``events@version`` was never validated (one line naming the version and the command).
     """
     lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
-    table = open_table(lake, "events", events_version, storage_options=opts)
+    table = open_table(lake, Table.EVENTS, events_version, storage_options=opts)
     if table is None:
         raise MissingInputError(f"no events table under {lake!r}; run the ingest job first")
     if close_windows_at is not None and close_windows_at < 0:
         raise ValueError(f"close_windows_at must be ms since epoch UTC (>= 0), got {close_windows_at}")
     version = table.version()
-    meta = commit_metadata(lake, "examples", APP_ID, storage_options=opts) or {}
+    meta = commit_metadata(lake, Table.EXAMPLES, APP_ID, storage_options=opts) or {}
     old_version = meta.get("events_version")
     if old_version is not None and version < old_version:
         raise BadConfigError(f"events_version {version} is older than the last built version {old_version}; "
@@ -467,13 +465,13 @@ def run_build(
         wants_close = final or (close_windows_at is not None and close_windows_at > (old_close or 0))
         moves = wants_close and (old_close is None or _close_point(
             config.build, meta.get("watermark_ms") or 0, old_close, final, close_windows_at) > old_close)
-        if not moves or _rows(lake, f"{STATE_PREFIX}/pending", opts) == 0:
+        if not moves or _rows(lake, Table.BUILD_PENDING, opts) == 0:
             return _result_from_lake(lake, version, skipped=True, opts=opts)
     _check_events(table.to_pyarrow_dataset().schema.names)
     if config.build.events_gate == "required" and version != old_version:
         # Only the events versions the quality gate allows are built (the rows read are those of
         # old_version (exclusive) .. version); a refusal names the version and the command to run.
-        require_allowed(lake, "events", version, since=old_version, reader="build", storage_options=opts)
+        require_allowed(lake, Table.EVENTS, version, since=old_version, reader="build", storage_options=opts)
     new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"],
                                storage_options=opts).column("event_time_ms")
     newest = pc.max(new_times).as_py() if len(new_times) else None
@@ -484,8 +482,8 @@ def run_build(
     last_build = meta.get("build")
     build = 0 if last_build is None else last_build + 1
     state = {name: ("state", lake, name, _version_at_build(lake, name, last_build, opts), opts) for name in
-             ("sequences", "sequences_by_domain", f"{STATE_PREFIX}/buffer", f"{STATE_PREFIX}/evicted",
-              f"{STATE_PREFIX}/pending")}
+             (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED,
+              Table.BUILD_PENDING)}
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
     # local temp dir (multi-machine runners need a shared one).
@@ -500,11 +498,11 @@ def run_build(
         start = pipeline | "Start" >> beam.Create([None])
         inputs = {
             "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_table, ("new", lake, old_version, version, opts)),
-            "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/buffer"]),
-            "seq": start | "ReadSequences" >> beam.FlatMap(_emit_table, state["sequences"]),
-            "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_table, state["sequences_by_domain"]),
-            "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/evicted"]),
-            "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[f"{STATE_PREFIX}/pending"]),
+            "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_table, state[Table.BUILD_BUFFER]),
+            "seq": start | "ReadSequences" >> beam.FlatMap(_emit_table, state[Table.SEQUENCES]),
+            "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_table, state[Table.SEQUENCES_BY_DOMAIN]),
+            "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_table, state[Table.BUILD_EVICTED]),
+            "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[Table.BUILD_PENDING]),
         }
         parts = inputs | "BuildIncrement" >> BuildIncrement(
             config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms,
@@ -515,17 +513,14 @@ def run_build(
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):
-        schema, partition_by = _OUTPUTS[name]
         if name in done:
             continue  # committed before a crash: the rerun computed the same rows
         files = _manifest_files(staging / name)
-        if name == "examples":
+        if name == Table.EXAMPLES:
             published = sum(f["num_records"] for f in files)
         last = committed_version(lake, name, APP_ID, storage_options=opts)
-        commit_files_once(
-            lake, name, files, schema, app_id=APP_ID, version=0 if last is None else last + 1,
-            mode="append" if name == "examples" else "overwrite",
-            partition_by=partition_by,
+        commit_files(
+            lake, name, files, _OUTPUTS[name], app_id=APP_ID, version=0 if last is None else last + 1,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
             storage_options=opts,
         )

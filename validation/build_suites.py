@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from features.definitions import COUNTER_NAMES, ITEM_FEATURES, USER_FEATURES
+from features.definitions import COUNTER_NAMES, ITEM_FEATURES, USER_FEATURES, FeatureView
 from sequences.schema import SEQUENCES_SCHEMA
 from validation.suites import (
     CheckResult,
@@ -35,7 +35,7 @@ from validation.suites import (
     run_specs,
 )
 
-FEATURE_VIEWS = {USER_FEATURES.name: USER_FEATURES, ITEM_FEATURES.name: ITEM_FEATURES}
+FEATURE_VIEWS: dict[str, FeatureView] = {USER_FEATURES.name: USER_FEATURES, ITEM_FEATURES.name: ITEM_FEATURES}
 
 
 def validate_sequences(

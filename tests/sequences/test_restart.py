@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import sequences.pipeline as pipeline
+import gemline.lake as lake_mod
 from gemline.config import GemlineConfig
 from gemline.lake import open_table, read_table
 from sequences.pipeline import _OUTPUTS, run_build
@@ -50,7 +50,7 @@ def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, 
     lake = str(tmp_path / "crashed")
     config = GemlineConfig(lake=lake, build=CONFIG)
     batches = [_events(make_event), _second_batch(make_event)]
-    real = {"commit": pipeline.commit_files_once, "write": pipeline.write_data_file}[where]
+    real = {"commit": lake_mod.commit_files_once, "write": lake_mod.write_data_file}[where]
     calls = []
 
     def crashing(*args, **kwargs):
@@ -63,7 +63,7 @@ def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, 
         write_events(lake, batch, version=n)
         final = n == len(batches) - 1
         if n == build:
-            monkeypatch.setattr(pipeline, {"commit": "commit_files_once", "write": "write_data_file"}[where], crashing)
+            monkeypatch.setattr(lake_mod, {"commit": "commit_files_once", "write": "write_data_file"}[where], crashing)
             with pytest.raises(Exception, match="injected crash"):
                 run_build(config, final=final)
             monkeypatch.undo()
