@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from gemline.config import GemlineConfig, load_config, parse_set_flags
 from gemline.errors import BadConfigError, GemlineError, RetentionGapError
 from gemline.process import run_and_exit
+from gemline.tables import Table
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -481,8 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="run the quality suite on a table version; exit 3 if quarantined")
     _common(p)
-    p.add_argument("--table", default="examples", help="events | sequences | examples | features/user | features/item; "
-                                                       "with --follow a comma-separated list")
+    p.add_argument("--table", default=Table.EXAMPLES, help=" | ".join(
+        (Table.EVENTS, Table.SEQUENCES, Table.EXAMPLES, Table.FEATURES_USER, Table.FEATURES_ITEM))
+        + "; with --follow a comma-separated list")
     p.add_argument("--version", type=int, default=None, help="Delta version (default latest)")
     p.add_argument("--follow", action="store_true",
                    help="keep validating every new version of --table until Ctrl-C/SIGTERM (gemline.follow)")
@@ -491,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="print the quality verdict and the path of the HTML report")
     _common(p)
-    p.add_argument("--table", default="examples")
+    p.add_argument("--table", default=Table.EXAMPLES)
     p.add_argument("--version", type=int, default=None)
     p.set_defaults(func=cmd_report, passthrough=False)
 
@@ -501,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(q)
     q.add_argument("version", type=int)
     q.add_argument("--reason", required=True)
-    q.add_argument("--table", default="examples")
+    q.add_argument("--table", default=Table.EXAMPLES)
     q.set_defaults(func=cmd_quality, passthrough=False)
 
     p = sub.add_parser("train", help="train on a version of examples (refuses quarantined versions)")

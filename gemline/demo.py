@@ -24,6 +24,7 @@ from rich.table import Table
 
 from gemline.config import GemlineConfig
 from gemline.lake import is_remote, lake_fs
+from gemline.tables import Table as LakeTable
 from ingest.broker import EmbeddedBroker
 from ingest.datasets import EARLIEST_EVENT_MS
 from trainer.metrics import describe_undefined, nan_to_none
@@ -126,8 +127,8 @@ def run_demo(
             summary["ingest_skipped"] = ingested.skipped
             if ingested.skipped:
                 console.print("ingest: every offset of this topic is already in the lake; nothing added")
-            events_quality = validate_table(config, "events")
-            reports["events"] = _quality_line(console, events_quality)
+            events_quality = validate_table(config, LakeTable.EVENTS)
+            reports[LakeTable.EVENTS] = _quality_line(console, events_quality)
             final = k == len(parts) - 1  # a bounded replay: the last build closes every attribution window
             try:
                 built = run_build(config, beam_args=beam_args, final=final)
@@ -139,8 +140,8 @@ def run_demo(
                 return _finish(config, console, run_id, summary, started)
             if built.examples_version is None or built.examples_version == validated_examples:
                 continue
-            examples_quality = validate_table(config, "examples", built.examples_version)
-            reports["examples"] = _quality_line(console, examples_quality)
+            examples_quality = validate_table(config, LakeTable.EXAMPLES, built.examples_version)
+            reports[LakeTable.EXAMPLES] = _quality_line(console, examples_quality)
             validated_examples = built.examples_version
             if len(parts) > 1:
                 consumed = run_once(config, from_scratch=k == 0)
@@ -154,8 +155,8 @@ def run_demo(
     summary["seq_len_p50"] = built.seq_length_p50
     summary["seq_len_p99"] = built.seq_length_p99
     if examples_quality is None:
-        examples_quality = validate_table(config, "examples", built.examples_version)
-        reports["examples"] = _quality_line(console, examples_quality)
+        examples_quality = validate_table(config, LakeTable.EXAMPLES, built.examples_version)
+        reports[LakeTable.EXAMPLES] = _quality_line(console, examples_quality)
     summary["quality_passed"] = bool(events_quality.passed and examples_quality.passed)
     summary["quality_reports"] = reports
 
@@ -199,7 +200,7 @@ def _has_offsets(config: GemlineConfig) -> bool:
     from gemline.lake import committed_version
     from ingest.pipeline import app_id_for
 
-    return committed_version(config.lake, "events", app_id_for(config.kafka.topic),
+    return committed_version(config.lake, LakeTable.EVENTS, app_id_for(config.kafka.topic),
                              storage_options=config.lake_storage_options) is not None
 
 

@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from deltalake import CommitProperties, Transaction, write_deltalake
 
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
-from gemline.lake import committed_version, is_remote, open_table, table_uri
+from gemline.lake import is_remote, open_table
 from gemline.locks import holding
+from gemline.tables import Table, commit
 from trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainState,
@@ -65,8 +65,8 @@ from trainer.train import predict, prior_rates, train_step
 
 log = logging.getLogger(__name__)
 
-EXAMPLES = "examples"
-METRICS_TABLE = "training_metrics"
+EXAMPLES = Table.EXAMPLES
+METRICS_TABLE = Table.TRAINING_METRICS
 CONTINUOUS_DIR = "_continuous"
 """Continuous runs keep their checkpoints under ``LAKE/_continuous/_checkpoints``, apart from one-shot runs."""
 
@@ -127,14 +127,9 @@ def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: in
 
 def _append_metrics(config: GemlineConfig, run_id: str, sequence: int, rows: list[dict[str, Any]]) -> None:
     """Append one evaluation's rows to ``training_metrics`` once: app transaction (train:<run_id>, sequence)."""
-    app_id = f"train:{run_id}"
-    last = committed_version(config.lake, METRICS_TABLE, app_id, storage_options=config.lake_storage_options)
-    if last is not None and sequence <= last:
-        return  # written before a crash that came before the checkpoint
-    opts = dict(config.lake_storage_options) if config.lake_storage_options and is_remote(config.lake) else None
-    write_deltalake(table_uri(config.lake, METRICS_TABLE), pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA),
-                    mode="append", storage_options=opts,
-                    commit_properties=CommitProperties(app_transactions=[Transaction(app_id=app_id, version=sequence)]))
+    # A sequence already there was written before a crash that came before the checkpoint: skipped.
+    commit(config.lake, METRICS_TABLE, pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA), app_id=f"train:{run_id}",
+           version=sequence, version_rule="increasing", storage_options=config.lake_storage_options)
 
 
 BOOTSTRAP_ROWS = 100_000
@@ -376,7 +371,7 @@ class _Sources:
         """``{"events_versions": [...], "kafka_offsets": [{"events_version", "topic", "partition", "start",
         "end"}]}`` of examples@version (empty lists where the lake does not record them)."""
         if self._examples is None:
-            self._examples, self._events = self._history(EXAMPLES), self._history("events")
+            self._examples, self._events = self._history(EXAMPLES), self._history(Table.EVENTS)
         built = self._examples.get(version, {}).get("events_version")
         if built is None:
             return {"events_versions": [], "kafka_offsets": []}

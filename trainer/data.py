@@ -29,6 +29,7 @@ from torchrec import KeyedJaggedTensor
 
 from gemline.errors import InputSchemaError, MissingInputError
 from gemline.lake import Lake, StorageOptions, open_table, read_table
+from gemline.tables import Table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class ExamplesSplit:
 def latest_examples_version(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> int:
     """Newest Delta version of ``examples`` (``lake``: a Lake, or a root with its ``storage_options``);
     raises MissingInputError (a FileNotFoundError) if the table does not exist."""
-    dt = open_table(lake, "examples", storage_options=storage_options)
+    dt = open_table(lake, Table.EXAMPLES, storage_options=storage_options)
     if dt is None:
         raise MissingInputError(f"no examples table under {str(lake)!r}; run the build stage first")
     return dt.version()
@@ -265,7 +266,7 @@ def load_split(lake: Lake | str | Path, examples_version: int, *,
         FileNotFoundError: the table or version does not exist.
         ValueError: fewer than 2 dates, or a missing required column.
     """
-    table = read_table(lake, "examples", examples_version, storage_options=storage_options)
+    table = read_table(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
     if table is None:
         raise MissingInputError(f"no examples table under {str(lake)!r}; run the build stage first")
     required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]

@@ -29,6 +29,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from gemline.config import GemlineConfig  # noqa: E402
 from gemline.lake import lake_fs, read_table  # noqa: E402
+from gemline.tables import Table  # noqa: E402
 
 _COLOURS = {"passed": "#2b8a3e", "released": "#e67700", "quarantined": "#c92a2a"}
 
@@ -160,7 +161,7 @@ def write_run_report(config: GemlineConfig, run_id: str, *, lineage: Sequence[di
                      rows_trained_total: int, checkpoint: str | None) -> str:
     """Write ``LAKE/_runs/<run_id>/report.html`` and ``LAKE/_runs/<run_id>/tensorboard/`` (local or
     object-store lake) and return the page's path."""
-    table = read_table(config.lake, "training_metrics", storage_options=config.lake_storage_options)
+    table = read_table(config.lake, Table.TRAINING_METRICS, storage_options=config.lake_storage_options)
     metrics = [] if table is None else table.to_pylist()
     page = render_run_report(run_id, lineage, metrics, step=step, rows_trained_total=rows_trained_total,
                              checkpoint=checkpoint)

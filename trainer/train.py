@@ -27,6 +27,7 @@ from gemline.config import GemlineConfig
 from gemline.errors import GemlineError
 from gemline.gate import gate_decision
 from gemline.lake import Lake
+from gemline.tables import Table
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, load_weights, read_state, save_checkpoint
 from trainer.data import (
     Batch,
@@ -104,7 +105,7 @@ def _loss_curve_png(loss_curve: list[float]) -> bytes:
 def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:
     """Raise QuarantinedError unless the gate allows ``examples@examples_version`` (``lake``: a Lake,
     or a root with its ``storage_options``)."""
-    decision = gate_decision(lake, "examples", examples_version, storage_options=storage_options)
+    decision = gate_decision(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
     if not decision.allowed:
         log.error("refusing to train: %s", decision.reason)
         raise QuarantinedError(decision.reason)

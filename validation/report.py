@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 import gemline
 from gemline.lake import StorageOptions, is_remote, lake_fs, open_table
+from gemline.tables import Table
 from validation.suites import CheckResult
 
 PASSED = "PASSED"
@@ -227,17 +228,17 @@ def plot_drift(report: dict[str, Any]) -> str:
 
 
 PLOTS: dict[str, dict[str, Callable[[pa.Table], str]]] = {
-    "events": {"Events per domain and day": plot_per_domain_day},
-    "examples": {
+    Table.EVENTS: {"Events per domain and day": plot_per_domain_day},
+    Table.EXAMPLES: {
         "Sequence length": plot_seq_length,
         "Sequence length p50/p99 per domain": plot_seq_length_by_domain,
         "Click rate per domain": plot_label_rate,
         "Examples per domain and day": plot_per_domain_day,
         "Feature distributions": plot_distributions,
     },
-    "sequences": {"Sequence length": plot_seq_length},
-    "features/user": {"Feature distributions": plot_distributions},
-    "features/item": {"Feature distributions": plot_distributions},
+    Table.SEQUENCES: {"Sequence length": plot_seq_length},
+    Table.FEATURES_USER: {"Feature distributions": plot_distributions},
+    Table.FEATURES_ITEM: {"Feature distributions": plot_distributions},
 }
 
 
