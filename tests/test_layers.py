@@ -1,6 +1,6 @@
 """Imports flow one way: application -> stages -> core (issue 17), checked on the import graph.
 
-- core (``gemline.lake``, ``locks``, ``errors``, ``hygiene``, ``beam_runner``, ``gate``, ``increments``, ``tables``): imports no stage and no application
+- core (``gemline.lake``, ``locks``, ``errors``, ``hygiene``, ``beam_runner``, ``gate``, ``increments``, ``process``, ``tables``): imports no stage and no application
   module;
 - stages (``ingest``, ``sequences``, ``features``, ``validation``, ``trainer``, ``kernels``): import the core, their
   own package, and of another stage only its typed records (``ingest.schema``, ``ingest.config``,
