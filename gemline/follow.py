@@ -25,6 +25,7 @@ from gemline.config import GemlineConfig
 from gemline.gate import GateClosedError, gate_decisions
 from gemline.increments import latest_version
 from gemline.lake import Lake
+from gemline.tables import Table
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,10 @@ def _latest(lake: Lake, table: str) -> int | None:
 def _newest_allowed(lake: Lake) -> tuple[int | None, str]:
     """The newest ``events`` version the gate allows (None if none), and why the newest version is not
     allowed ('' when it is, or when there is no events table)."""
-    newest = _latest(lake, "events")
+    newest = _latest(lake, Table.EVENTS)
     if newest is None:
         return None, ""
-    decisions = gate_decisions(lake, "events", range(newest + 1))
+    decisions = gate_decisions(lake, Table.EVENTS, range(newest + 1))
     allowed = [v for v, d in decisions.items() if d.allowed]
     return (max(allowed) if allowed else None), ("" if decisions[newest].allowed else decisions[newest].reason)
 
@@ -107,7 +108,7 @@ def follow_build(config: GemlineConfig, *, interval_s: float = 30.0, beam_args: 
                 state.waiting = str(exc)
             else:
                 if not result.skipped:
-                    state.done.append({"table": "events", "version": version, "published": result.num_published})
+                    state.done.append({"table": str(Table.EVENTS), "version": version, "published": result.num_published})
                     log.info("built events@%d: %d examples published", version, result.num_published)
         if state.waiting and state.waiting != before:  # said once, not at every pass
             log.warning("build waits: %s", state.waiting)
@@ -138,7 +139,7 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
             if newest is None:
                 continue
             todo = [v for v, d in gate_decisions(lake, table, range(newest + 1)).items() if not d.validated]
-            if table == "events":
+            if table == Table.EVENTS:
                 todo = [newest] if newest in todo else []
             for version in todo:
                 result = validate_table(config, table, version)

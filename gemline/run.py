@@ -32,6 +32,7 @@ from gemline.config import GemlineConfig
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.supervisor import StageCommand, Supervisor
+from gemline.tables import Table
 
 GEMLINE = (sys.executable, "-m", "gemline.cli")
 """How a child runs a gemline command: the same interpreter and code as the supervisor."""
@@ -108,7 +109,7 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[Stag
     return stages
 
 
-def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = ("events", "examples")) -> Group:
+def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EVENTS, Table.EXAMPLES)) -> Group:
     """The live status: one row per stage, then the newest version of ``tables``."""
     now = time.monotonic()
     stages = RichTable(title="gemline run (Ctrl-C stops every stage)", expand=True)
