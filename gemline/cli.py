@@ -321,9 +321,11 @@ def _train_continuous(args: argparse.Namespace) -> int:
     """``train --once`` / ``--follow``: the continuous trainer (trainer.continuous), one JSON line per run."""
     from trainer.continuous import follow, run_once
 
-    if args.nproc > 1 or args.version is not None:
-        raise BadConfigError("train --once/--follow consume every new examples version in one process; "
-                             "--version and --nproc are for one-shot runs")
+    if args.version is not None:
+        raise BadConfigError("train --once/--follow consume every new examples version; --version is for one-shot runs")
+    if args.nnodes > 1 or args.rdzv_endpoint is not None:
+        raise BadConfigError("train --once/--follow run on one node (--nproc N); --nnodes and --rdzv-endpoint are "
+                             "for one-shot runs")
     config = _config(args)
 
     def show(result: object) -> None:
@@ -333,9 +335,10 @@ def _train_continuous(args: argparse.Namespace) -> int:
               flush=True)
 
     if args.follow:
-        follow(config, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch, on_result=show)
+        follow(config, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch, on_result=show,
+               nproc=args.nproc)
         return 0
-    show(run_once(config, from_scratch=args.from_scratch))
+    show(run_once(config, from_scratch=args.from_scratch, nproc=args.nproc))
     return 0
 
 

@@ -18,6 +18,11 @@ validated are covered by that validation (it reads the whole table); a quarantin
 and recorded, and consumed by a later run once released (``gemline quality release V``). Versions after
 the newest allowed one wait for their validation.
 
+With ``nproc > 1`` (``gemline train --once --nproc N``) every rank of a torchrun job runs :func:`consume`: the
+same versions, read batches and global batches, each rank training its slice of each (trainer.loop's one
+loop, trainer.sharded_engine); rank 0 writes the metrics, the report and the checkpoint's meta.json, whose
+DCP shards (model and both optimisers of every rank) sit in ``_checkpoints/sharded/step-N``.
+
 Exactly once: the cursor is saved with the parameters, so after a crash at any point the next run
 restarts from the last checkpoint and every row after it is trained again, from the same parameters,
 in the same order: each published, gate-allowed example reaches the final model exactly once.
@@ -41,6 +46,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
@@ -49,19 +55,13 @@ from gemline.increments import Cursor, CursorError, latest_version, read_from, t
 from gemline.lake import is_remote, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
-from trainer.checkpoint import (
-    CHECKPOINTS_DIR,
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    read_state,
-    save_checkpoint,
-)
-from trainer.data import DenseNormalizer, encode_examples, fit_normalizer, make_batch
+from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
+from trainer.data import DenseNormalizer, encode_examples, fit_normalizer
+from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
-from trainer.models import build_model
 from trainer.run_report import write_run_report
-from trainer.train import predict, prior_rates, train_step
+from trainer.sharded_checkpoint import sharded_checkpoint_dir
+from trainer.train import prior_rates
 
 log = logging.getLogger(__name__)
 
@@ -157,41 +157,53 @@ def _bootstrap_sample(config: GemlineConfig, start: Cursor, version: int) -> pa.
     return pa.Table.from_batches(batches) if batches else pa.table({})
 
 
-def _progressive(model: Any, config: GemlineConfig, normalizer: DenseNormalizer, start: Cursor,
+def _progressive(engine: Engine, config: GemlineConfig, normalizer: DenseNormalizer, start: Cursor,
                  version: int) -> dict | None:
-    """:func:`trainer.metrics.evaluate` of ``model`` on every row ``version`` added, predicted batch by batch
-    (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows."""
+    """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
+    batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows.
+
+    Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
+    ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
     tc = config.trainer
     labels, probs, domains = [], [], []
     for batch in _version_batches(config, start, version):
         data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
         labels.append(data.labels)
-        probs.append(predict(model, data, tc.batch_size))
+        part = engine.predict(data, tc.batch_size)
+        if part is not None:
+            probs.append(part)
         domains.append(np.asarray(data.domains, dtype=object))
     if not labels:
         return None
+    if not probs:  # not rank 0
+        return {}
     return evaluate(np.concatenate(labels), np.concatenate(probs), np.concatenate(domains))
 
 
 def _prune(root: str, keep: int) -> None:
-    """Keep the ``keep`` newest complete continuous checkpoints (local lakes)."""
+    """Keep the ``keep`` newest complete continuous checkpoints and their sharded (DCP) folders (local lakes)."""
     if is_remote(root):
         return
     folder = Path(root) / CHECKPOINTS_DIR
     steps = sorted((int(p.name.split("-")[1]), p) for p in folder.glob("step-*") if (p / "meta.json").is_file())
-    for _, path in steps[:-keep]:
+    for step, path in steps[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(sharded_checkpoint_dir(root, step), ignore_errors=True)
 
 
 @holding("train")
 def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
-             max_versions: int | None = None, progress: bool = False) -> ContinuousResult:
+             max_versions: int | None = None, progress: bool = False, nproc: int = 1) -> ContinuousResult:
     """Consume every new, gate-allowed ``examples`` version once (module docstring), checkpoint, return.
+
+    Holds ``LAKE/_locks/train.lock`` for the run (the ranks of a sharded run under it take no lock).
 
     Args:
         from_scratch: start a new run (new run id, cursor at version 0) instead of resuming.
         keep_checkpoints: complete continuous checkpoints kept (the newest).
         max_versions: stop after consuming this many versions (tests, bounded daily runs); None: all.
+        nproc: processes; > 1 runs :func:`consume` on every rank of a torchrun job (trainer.launch), the
+            model sharded (trainer.sharded_engine); the result is rank 0's.
 
     Returns:
         A :class:`ContinuousResult`.
@@ -202,23 +214,95 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
         ValueError: ``keep_checkpoints < 1``.
         gemline.errors.InputSchemaError: a dense column the model was trained with is missing or retyped.
+        gemline.errors.BadConfigError: with ``nproc > 1``: an object-store lake, a checkpoint of another world
+            size or of a one-process run.
         gemline.errors.BadConfigError: the run being resumed trains another ``trainer.model``.
     """
     if keep_checkpoints < 1:
         raise ValueError(f"run_once: expected keep_checkpoints >= 1, got {keep_checkpoints}")
-    tc, lake, opts = config.trainer, config.lake, config.lake_storage_options
-    tid = table_id(lake, EXAMPLES, storage_options=opts)
-    if tid is None:
-        raise MissingInputError(f"no examples table in {lake}: run `gemline build` first")
-    root = continuous_root(lake)
-    resume = None if from_scratch else latest_checkpoint(root, storage_options=opts)
+    if nproc > 1:
+        # trainer.launch imports this module on the ranks' side (consume); the launcher is imported here only.
+        from trainer.launch import run_once_with_torchrun
 
-    torch.manual_seed(tc.seed)
-    model: Any = None  # a gemline ranker (nn.Module with dense_parameters, embedding_parameters, init_output_bias)
-    optimizers: dict[str, torch.optim.Optimizer] = {}
+        return run_once_with_torchrun(config, nproc, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
+                                      max_versions=max_versions)
+    result = consume(config, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
+                     max_versions=max_versions)
+    assert result is not None, "one process is rank 0"
+    return result
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group (a torchrun rank), else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int) -> dict[str, Any]:
+    """What this run consumes, decided once on rank 0 and broadcast, so every rank walks the same versions
+    even when a build or a validation commits meanwhile: ``{"table_id", "resume" (checkpoint path or None),
+    "run_id" (a new run's), "newest", "decisions"}``; or ``{"error": exception}`` raised on every rank."""
+    plan: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            lake, opts = config.lake, config.lake_storage_options
+            tid = table_id(lake, EXAMPLES, storage_options=opts)
+            if tid is None:
+                raise MissingInputError(f"no examples table in {lake}: run `gemline build` first")
+            resume = None if from_scratch else latest_checkpoint(continuous_root(lake), storage_options=opts)
+            cursor_version = 0
+            skipped: list[int] = []
+            if resume is not None:
+                cont = read_state(resume).extra["continuous"]
+                cursor_version, skipped = int(cont["cursor"]["version"]), list(cont["skipped"])
+            newest = latest_version(lake, EXAMPLES, storage_options=opts)
+            assert newest is not None
+            decisions = gate_decisions(lake, EXAMPLES, sorted(set(range(cursor_version, newest + 1)) | set(skipped)),
+                                       storage_options=opts)
+            plan = {"table_id": tid, "resume": None if resume is None else str(resume), "run_id": uuid.uuid4().hex[:12],
+                    "newest": newest, "decisions": decisions}
+        except Exception as exc:  # noqa: BLE001 - re-raised below on every rank, so no rank waits forever
+            plan = {"error": exc}
+    if world > 1:
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    if "error" in plan:
+        raise plan["error"]
+    return plan
+
+
+def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
+            max_versions: int | None = None) -> ContinuousResult | None:
+    """:func:`run_once` without the lock, on one process (:func:`trainer.loop.local_engine`) or on every rank
+    of an initialised process group (:func:`trainer.sharded_engine.sharded_engine`, called by trainer.launch).
+
+    Every rank reads the same rows (the same read batches, in the same order) and trains on its slice of
+    each global batch, the batches of a one-process run; why not a share of the files per rank: the cursor
+    stays one value, the global batches and so the losses stay those of one process, and no rows travel
+    between ranks (the reader is several times faster than training, so reading N times costs little).
+    Progressive predictions are gathered on rank 0, which alone writes ``training_metrics``, the
+    checkpoint's meta.json, the report and the result.
+
+    Returns:
+        The :class:`ContinuousResult` on rank 0, None on the other ranks.
+
+    Raises:
+        As :func:`run_once`.
+    """
+    tc, lake, opts = config.trainer, config.lake, config.lake_storage_options
+    rank, world = _rank_and_world()
+    if world > 1 and is_remote(lake):
+        raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
+                         "sharded checkpoints (DCP) are written to a file system every rank sees; use --nproc 1 here")
+    plan = _plan(config, from_scratch, rank, world)
+    tid, root = plan["table_id"], continuous_root(lake)
+    resume = plan["resume"]
+    engine: Engine | None = None
     normalizer: DenseNormalizer | None = None
     domains: tuple[str, ...] = ()
-    step = examples_seen = 0
+    counters = Progress()
     if resume is not None:
         state = read_state(resume)
         cont = state.extra["continuous"]
@@ -233,19 +317,17 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
                                  "with --from-scratch")
         normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
         domains = tuple(state.extra["domains"])
-        model, optimizers = _build(config, normalizer, domains)
-        load_checkpoint(resume, model, optimizers)
-        step, examples_seen = state.step, state.examples_seen
-        log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, step, cursor)
+        torch.manual_seed(tc.seed)
+        engine = make_engine(tc, len(normalizer.names), domains, None)
+        engine.load(resume, state)
+        counters.step, counters.examples_seen = state.step, state.examples_seen
+        log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, counters.step, cursor)
     else:
-        run_id, cursor = uuid.uuid4().hex[:12], Cursor(tid, 0)
+        run_id, cursor = plan["run_id"], Cursor(tid, 0)
         skipped, lineage, evaluations = [], [], 0
 
-    result = ContinuousResult(run_id, step, examples_seen, cursor)
-    newest = latest_version(lake, EXAMPLES, storage_options=opts)
-    assert newest is not None
-    decisions = gate_decisions(lake, EXAMPLES, sorted(set(range(cursor.version, newest + 1)) | set(skipped)),
-                               storage_options=opts)
+    result = ContinuousResult(run_id, counters.step, counters.examples_seen, cursor)
+    newest, decisions = plan["newest"], plan["decisions"]
     allowed = [v for v, d in decisions.items() if d.allowed and v >= cursor.version]
     upto = max(allowed) if allowed else cursor.version - 1
     released = [v for v in skipped if decisions[v].allowed]
@@ -254,18 +336,19 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         result.waiting_for = upto + 1
         log.info("examples@%d and later wait for their validation (%s)", upto + 1, decisions[upto + 1].reason)
 
-    def checkpoint() -> str:
-        assert model is not None and normalizer is not None
+    def checkpoint() -> str | None:
+        assert engine is not None and normalizer is not None
         extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model,
                  "continuous": {"run_id": run_id, "cursor": cursor.to_dict(), "skipped": skipped,
                                 "lineage": lineage, "evaluations": evaluations}}
-        state = TrainState(step=step, examples_seen=examples_seen, examples_version=max(cursor.version - 1, 0),
-                           extra=extra)
-        path = str(save_checkpoint(root, state, model, optimizers, storage_options=opts))
-        _prune(root, keep_checkpoints)
+        state = TrainState(step=counters.step, examples_seen=counters.examples_seen,
+                           examples_version=max(cursor.version - 1, 0), extra=extra)
+        path = engine.save(root, state, storage_options=opts)
+        if rank == 0:
+            _prune(root, keep_checkpoints)
         return path
 
-    sources = _Sources(config)
+    sources = _Sources(config) if rank == 0 else None
     consumed = 0
     for version in todo:
         if max_versions is not None and consumed >= max_versions:
@@ -275,7 +358,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
             if version not in skipped:
                 skipped.append(version)
                 record = {"version": version, "rows_trained": 0, "quality": "quarantined", "evaluated": False,
-                          "mean_loss": None, "step": step, **sources.of(version)}
+                          "mean_loss": None, "step": counters.step, **(sources.of(version) if sources else {})}
                 lineage.append(record)
                 result.versions.append(record)
                 log.warning("skipping %s; `gemline quality release %d` lets a later run consume it",
@@ -284,7 +367,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
                 cursor = Cursor(tid, version + 1)
             continue
         start = cursor if version == cursor.version else Cursor(tid, version)
-        if model is None:  # a new run: the first version's rows fit the input statistics and the output bias
+        if engine is None:  # a new run: the first version's rows fit the input statistics and the output bias
             first = _bootstrap_sample(config, start, version)
             if first.num_rows == 0:
                 cursor = Cursor(tid, version + 1) if version == cursor.version else cursor
@@ -295,57 +378,63 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
             # Sizing them by every configured domain instead (8 by default) made GEM rank MovieLens' second
             # version at AUC 0.30 where DLRM and LR reached 0.70: not understood yet, so not done.
             domains = tuple(sorted(set(first["domain"].to_pylist()) - {None}))
-            model, optimizers = _build(config, normalizer, domains)
-            if hasattr(model, "init_output_bias"):
-                model.init_output_bias(prior_rates(encode_examples(first, tc.num_embeddings, normalizer).labels))
-        assert model is not None and normalizer is not None
+            torch.manual_seed(tc.seed)
+            engine = make_engine(tc, len(normalizer.names), domains,
+                                 prior_rates(encode_examples(first, tc.num_embeddings, normalizer).labels))
+        assert engine is not None and normalizer is not None
         evaluated = False
-        if step > 0 and start.file_index == 0 and start.row_offset == 0:
-            metrics = _progressive(model, config, normalizer, start, version)
+        if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
+            metrics = _progressive(engine, config, normalizer, start, version)
             if metrics is not None:
                 evaluations += 1
-                _append_metrics(config, run_id, evaluations, _metric_rows(run_id, step, version, metrics,
-                                                                         int(time.time() * 1000)))
-                click = metrics["click"]["overall"]
-                result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
-                                           "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
                 evaluated = True
-        rows, losses = 0, []
-        for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
-                                         batch_rows=tc.batch_size * 64, storage_options=opts):
-            if batch is not None:
-                data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
-                position = cursor if version == cursor.version else start
-                order = np.random.default_rng([tc.seed, version, position.file_index, position.row_offset]).permutation(len(data))
-                for i in range(0, len(data), tc.batch_size):
-                    mini = make_batch(data, order[i: i + tc.batch_size])
-                    loss = train_step(model, optimizers, mini)
-                    if loss is not None:
-                        step += 1
-                        examples_seen += mini.batch_size
-                        losses.append(loss)
-                rows += len(data)
-            if version == cursor.version:
-                cursor = after
-            else:
-                start = after
+                if rank == 0:
+                    _append_metrics(config, run_id, evaluations, _metric_rows(run_id, counters.step, version, metrics,
+                                                                             int(time.time() * 1000)))
+                    click = metrics["click"]["overall"]
+                    result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
+                                               "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
+        rows, losses_before = 0, len(counters.losses)
+
+        def global_batches(version: int = version) -> Iterator[GlobalBatch]:
+            nonlocal rows, cursor, start
+            for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
+                                             batch_rows=tc.batch_size * 64, storage_options=opts):
+                if batch is not None:
+                    data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
+                    position = cursor if version == cursor.version else start
+                    seed = [tc.seed, version, position.file_index, position.row_offset]
+                    order = np.random.default_rng(seed).permutation(len(data))
+                    for i in range(0, len(data), tc.batch_size):
+                        yield GlobalBatch(data, order[i: i + tc.batch_size], after)
+                    rows += len(data)
+                if version == cursor.version:
+                    cursor = after
+                else:
+                    start = after
+
+        train_loop(engine, counters, global_batches())
+        losses = counters.losses[losses_before:]
         quality = "released" if version in skipped else "passed"
         if version in skipped:
             skipped.remove(version)
         record = {"version": version, "rows_trained": rows, "quality": quality, "evaluated": evaluated,
-                  "mean_loss": float(np.mean(losses)) if losses else None, "step": step, **sources.of(version)}
+                  "mean_loss": float(np.mean(losses)) if losses else None, "step": counters.step,
+                  **(sources.of(version) if sources else {})}
         lineage.append(record)
         result.versions.append(record)
         consumed += 1
         result.checkpoint_path = checkpoint()
-        log.info("examples@%d: %d rows trained (step %d)", version, rows, step)
+        log.info("examples@%d: %d rows trained (step %d)", version, rows, counters.step)
 
-    if model is not None and result.checkpoint_path is None and cursor != result.cursor:
-        result.checkpoint_path = checkpoint()  # only skips moved the cursor
-    result.step, result.rows_trained_total, result.cursor = step, examples_seen, cursor
+    if engine is not None and consumed == 0 and cursor != result.cursor:
+        result.checkpoint_path = checkpoint()  # only skips moved the cursor (rank 0 alone has the path: count instead)
+    result.step, result.rows_trained_total, result.cursor = counters.step, counters.examples_seen, cursor
+    if rank != 0:
+        return None
     if lineage:
-        result.report_path = write_run_report(config, run_id, lineage=lineage, step=step,
-                                              rows_trained_total=examples_seen, checkpoint=result.checkpoint_path)
+        result.report_path = write_run_report(config, run_id, lineage=lineage, step=counters.step,
+                                              rows_trained_total=counters.examples_seen, checkpoint=result.checkpoint_path)
     return result
 
 
@@ -384,19 +473,8 @@ class _Sources:
         return {"events_versions": versions, "kafka_offsets": offsets}
 
 
-def _build(config: GemlineConfig, normalizer: DenseNormalizer,
-           domains: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, torch.optim.Optimizer]]:
-    tc = config.trainer
-    model: Any = build_model(tc, len(normalizer.names), domains)
-    optimizers = {
-        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
-        "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
-    }
-    return model, optimizers
-
-
 def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
-           on_result: Any = None, max_polls: int | None = None) -> int:
+           on_result: Any = None, max_polls: int | None = None, nproc: int = 1) -> int:
     """Run :func:`run_once` again every ``poll_interval_s`` seconds until Ctrl-C or SIGTERM (``gemline train
     --follow``); each call resumes from the checkpoint the previous one wrote. Returns the calls made.
 
@@ -406,6 +484,7 @@ def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch
     Args:
         on_result: called with each :class:`ContinuousResult` (the CLI prints a JSON line).
         max_polls: stop after this many calls (tests); None: until interrupted.
+        nproc: processes of each call (:func:`run_once`); each call with ``nproc > 1`` is one torchrun job.
 
     Raises:
         ValueError: ``poll_interval_s < 0``; and what :func:`run_once` raises.
@@ -414,7 +493,7 @@ def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch
         raise ValueError(f"follow: expected poll_interval_s >= 0, got {poll_interval_s}")
     calls = 0
     while max_polls is None or calls < max_polls:
-        result = run_once(config, from_scratch=from_scratch and calls == 0)
+        result = run_once(config, from_scratch=from_scratch and calls == 0, nproc=nproc)
         calls += 1
         if on_result is not None:
             on_result(result)

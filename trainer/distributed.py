@@ -394,20 +394,24 @@ def compile_dense(model: nn.Module) -> None:
         getattr(model, name).compile()
 
 
-def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_size: int) -> float | None:
+def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_size: int, *, weight: float = 1.0) -> float | None:
     """One step on this rank's slice of a global batch; returns the global mean loss (same on every rank).
 
     The loss is the sum over both heads of BCE-with-logits, averaged over the global batch, as
-    trainer.train.train_step computes it in one process. Every rank must call this the same
+    trainer.loop.train_step computes it in one process. Every rank must call this the same
     number of times (the embedding all-to-alls are collective). Returns None on every rank,
     with no parameter changed, when the global loss is NaN or inf.
+
+    Args:
+        weight: factor on this rank's loss; 0.0 for a rank whose slice is empty, which still has to take
+            part in the collectives: it passes a stand-in row whose loss and gradients count zero.
 
     Raises:
         ValueError: the local slice breaks the Batch layout.
     """
     validate_batch(local, sharded.num_dense)
     logits = sharded.forward(local)
-    loss = F.binary_cross_entropy_with_logits(logits, local.labels, reduction="none").sum() / global_batch_size
+    loss = weight * F.binary_cross_entropy_with_logits(logits, local.labels, reduction="none").sum() / global_batch_size
     total = loss.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     sharded.dense_optimizer.zero_grad()

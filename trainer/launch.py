@@ -2,16 +2,17 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node N -m trainer.launch \\
         [--config FILE] [--lake DIR] [--set KEY=VALUE ...] [--version V] [--result-json PATH]
+        [--once [--from-scratch] [--keep-checkpoints K] [--max-versions M]]
 
 or, on each of M nodes (torchrun_command builds this argv):
 
     python -m torch.distributed.run --nnodes M --node_rank R --rdzv_backend c10d \\
         --rdzv_endpoint HOST:PORT --rdzv_id JOB --nproc_per_node N -m trainer.launch ...
 
-Every rank reads the same examples split and walks the same global batch order
-(trainer.train.epoch_order); each trains on its slice of every global batch. Rank 0 evaluates the
-gathered predictions, writes the checkpoint (full parameters gathered from the shards, no
-optimiser state) and the TrainResult as JSON. torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and
+Every rank runs trainer.train.train_holdout (``--once``: trainer.continuous.consume) through
+trainer.sharded_engine: the same examples, the same global batch order, each rank training its slice
+of every global batch. Rank 0 evaluates the gathered predictions, writes the checkpoint's meta.json
+(full parameters gathered from the shards beside every rank's DCP shards) and the result as JSON. torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; this entry point is the only place that reads them (through ``env://``).
 
 The config reaches the ranks as ``--set`` flags, except the lake's storage options: they can hold
@@ -30,73 +31,27 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
+from gemline.errors import GemlineError
 from gemline.lake import Lake
 from gemline.process import run_and_exit
-from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.data import encode_examples, fit_normalizer, latest_examples_version, load_split, make_batch, num_batches
-from trainer.distributed import (
-    SHARDABLE_MODELS,
-    ShardedRanker,
-    build_shardable_model,
-    distributed_train_step,
-    full_state_dict,
-    shard_model,
-    split_rows,
-)
-from trainer.metrics import evaluate, nan_to_none
-from trainer.models import build_model
-from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_checkpoint_dir
-from trainer.train import (
-    TrainResult,
-    _loss_curve_png,
-    _Position,
-    _resume_position,
-    _run_record,
-    check_gate,
-    epoch_order,
-    training_domains,
-)
+from trainer.data import latest_examples_version
+from trainer.distributed import SHARDABLE_MODELS
+from trainer.sharded_engine import sharded_engine
+from trainer.train import TrainResult, check_gate, train_holdout
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+    from trainer.continuous import ContinuousResult
+
 log = logging.getLogger(__name__)
-
-
-def _predict(sharded: ShardedRanker, data, batch_size: int, rank: int, world: int) -> np.ndarray | None:
-    """(N, 2) float64 probabilities on rank 0 (None elsewhere); collective over every rank.
-
-    A rank whose slice of the last global batch is empty looks up row 0 and drops the output:
-    every rank must run the same number of forwards (the embedding all-to-alls are collective).
-    """
-    sharded.model.eval()
-    mine: list[tuple[np.ndarray, np.ndarray]] = []
-    with torch.no_grad():
-        for start in range(0, len(data), batch_size):
-            rows = np.array_split(np.arange(start, min(start + batch_size, len(data))), world)[rank]
-            batch = make_batch(data, rows if len(rows) else np.zeros(1, dtype=np.int64))
-            probs = torch.sigmoid(sharded.forward(batch)).double().numpy()
-            if len(rows):
-                mine.append((rows, probs))
-    sharded.model.train()
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is None:  # not rank 0
-        return None
-    out = np.zeros((len(data), 2))
-    for part in gathered:
-        for rows, probs in part:
-            out[rows] = probs
-    return out
 
 
 def check_distributable(tc: TrainerConfig, nproc: int) -> None:
@@ -113,7 +68,8 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
 
 
 def run_distributed_training(config: GemlineConfig, *, examples_version: int | None = None, progress: bool = True) -> TrainResult | None:
-    """Train on ``examples@examples_version`` with every rank of the initialised process group.
+    """Train on ``examples@examples_version`` with every rank of the initialised process group:
+    :func:`trainer.train.train_holdout` through :func:`trainer.sharded_engine.sharded_engine`.
 
     Returns the TrainResult on rank 0 and None on the other ranks.
 
@@ -121,114 +77,15 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
         QuarantinedError: the quality gate does not allow that version.
         ValueError: ``trainer.model`` outside SHARDABLE_MODELS (gem, dlrm, ranker), a batch_size smaller than
             the world size, or ``trainer.init_from = "latest"`` with a latest checkpoint this run cannot
-            resume from (:func:`check_resumable`).
+            resume from (:func:`trainer.sharded_engine.check_resumable`).
     """
-    tc = config.trainer
-    lake = Lake.for_config(config)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    check_distributable(tc, world)
+    tc, lake = config.trainer, Lake.for_config(config)
+    check_distributable(tc, dist.get_world_size())
     version = latest_examples_version(lake) if examples_version is None else examples_version
     check_gate(lake, version)
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
-    split = load_split(lake, version)
-    normalizer = fit_normalizer(split.train)
-
-    torch.manual_seed(tc.seed)
-    domains = training_domains(split.train, None)
-    sharded = shard_model(build_shardable_model(tc, len(normalizer.names), domains), tc, world)
-    step = examples_seen = 0
-    start = _Position(0, 0)
-    resume_from = latest_checkpoint(lake) if tc.init_from == "latest" else None
-    if resume_from is not None:
-        state = read_state(resume_from)
-        check_resumable(state, resume_from, world, tc.model, normalizer.names)
-        load_sharded(sharded, state.extra["sharded"])
-        step, examples_seen = state.step, state.examples_seen
-        start = _resume_position(state, version, tc.epochs)
-        log.info("resumed %d-process run from %s at step %d (epoch %d, batch %d)", world, resume_from, step, start.epoch, start.batch)
-    train = encode_examples(split.train, tc.num_embeddings, normalizer)
-    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
-
-    def checkpoint(position: _Position, finished: bool, extra: dict | None = None, files: dict | None = None) -> str | None:
-        """Collective: DCP shards of every rank, then rank 0's full-parameter checkpoint naming them (path on rank 0)."""
-        shards = None if lake.is_remote else sharded_checkpoint_dir(lake.root, step)
-        if shards is not None:
-            save_sharded(sharded, shards)
-        full = full_state_dict(sharded)
-        path = None
-        if rank == 0:
-            # The unsharded twin (build_model's; for "ranker" the TwoTaskRanker) has the same state_dict keys.
-            model = build_model(tc, len(normalizer.names), domains)
-            assert full is not None, "full_state_dict returns the parameters on rank 0"
-            model.load_state_dict(full)
-            meta = {
-                "normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "world_size": world,
-                "sharded": None if shards is None else str(shards), "run": _run_record(position, tc.epochs, finished), **(extra or {}),
-            }
-            state = TrainState(step=step, examples_seen=examples_seen, examples_version=version, extra=meta)
-            path = str(save_checkpoint(lake, state, model, {}, extra_files=files))
-        dist.barrier()
-        return path
-
-    loss_curve: list[float] = []
-    per_epoch = num_batches(train, tc.batch_size)
-    total = tc.epochs * per_epoch
-    with tqdm(total=total, initial=start.epoch * per_epoch + start.batch, desc=f"train x{world}", unit="step",
-              disable=not (progress and rank == 0)) as bar:
-        for epoch in range(start.epoch, tc.epochs):
-            order = epoch_order(len(train), tc.seed, version, epoch)
-            for index in range(start.batch if epoch == start.epoch else 0, per_epoch):
-                rows = order[index * tc.batch_size : (index + 1) * tc.batch_size]
-                bar.update(1)
-                if len(rows) < world:
-                    log.warning("epoch %d: last batch of %d rows < %d processes, skipped", epoch, len(rows), world)
-                    continue
-                loss = distributed_train_step(sharded, make_batch(train, split_rows(rows, rank, world)), len(rows))
-                if loss is None:
-                    log.warning("epoch %d batch %d: non-finite loss, step skipped", epoch, index)
-                    continue
-                step += 1
-                examples_seen += len(rows)
-                loss_curve.append(loss)
-                bar.set_postfix(loss=f"{loss:.4f}")
-                if tc.checkpoint_every_steps is not None and step % tc.checkpoint_every_steps == 0:
-                    checkpoint(_Position(epoch, index + 1), finished=False)
-
-    probs = _predict(sharded, evaluation, tc.batch_size, rank, world)
-    metrics = evaluate(evaluation.labels, probs, evaluation.domains) if probs is not None else {}  # rank 0
-    path = checkpoint(
-        _Position(tc.epochs, 0), finished=True,
-        extra={"eval_date": split.eval_date, "metrics": nan_to_none(metrics)}, files={"loss_curve.png": _loss_curve_png(loss_curve)},
-    )
-    if rank != 0:
-        return None
-    return TrainResult(
-        examples_version=version, train_examples=len(train), eval_examples=len(evaluation), eval_date=split.eval_date,
-        metrics=metrics, checkpoint_path=str(path), steps=step, loss_curve=loss_curve,
-    )
-
-
-def check_resumable(state: TrainState, path: Path, world: int, model: str, dense_names: Sequence[str]) -> None:
-    """Raise ValueError (what to do) unless a ``world``-process run of ``model`` can resume from the checkpoint at ``path``.
-
-    It must be a sharded run's checkpoint with its DCP shards (a local lake), of the same model,
-    world size and dense features; resharding onto another world size is not done here.
-    """
-    extra = state.extra
-    if not extra.get("sharded"):
-        raise ValueError(
-            f"the latest checkpoint {path} holds no sharded state (written by a one-process run, an object-store "
-            "lake, or before sharded checkpoints); a sharded run resumes only from one; use trainer.init_from=scratch"
-        )
-    if extra.get("world_size") != world or extra.get("model") != model:
-        raise ValueError(
-            f"the latest checkpoint {path} is a {extra.get('world_size')}-process {extra.get('model')!r} run; this is a "
-            f"{world}-process {model!r} run: resume with the same --nproc and trainer.model, or use trainer.init_from=scratch"
-        )
-    saved = extra.get("normalizer", {}).get("names")
-    if saved is not None and list(saved) != list(dense_names):
-        raise ValueError(f"checkpoint {path} was trained on dense features {saved}, this table has {dense_names}; use trainer.init_from=scratch")
+    return train_holdout(config, version, sharded_engine, progress=progress)
 
 
 def config_overrides(config: DataclassInstance, prefix: str = "") -> list[str]:
@@ -298,6 +155,7 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "gemline",
     local_addr: str | None = None,
+    rank_args: Sequence[str] = (),
 ) -> list[str]:
     """The ``python -m torch.distributed.run ... -m trainer.launch ...`` argv for one node (launcher).
 
@@ -323,6 +181,7 @@ def torchrun_command(
             needs another id).
         local_addr: address other nodes reach this one at (torchrun ``--local_addr``); None lets
             torchrun look up this host's name.
+        rank_args: more flags of :func:`main` (``--once``, ``--from-scratch``, ...).
 
     Raises:
         ValueError: nnodes < 1, node_rank outside [0, nnodes), nnodes > 1 without rdzv_endpoint,
@@ -358,7 +217,7 @@ def torchrun_command(
         cmd += ["--set", pair]
     if examples_version is not None:
         cmd += ["--version", str(examples_version)]
-    return cmd + ["--result-json", str(result_json)]
+    return cmd + [*rank_args, "--result-json", str(result_json)]
 
 
 def train_with_torchrun(
@@ -388,33 +247,77 @@ def train_with_torchrun(
         RuntimeError: torchrun exited non-zero (the message ends with its output), or a one-node
             run wrote no result.
     """
+    record = _torchrun(config, nproc, examples_version=examples_version, nnodes=nnodes, node_rank=node_rank,
+                       rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr)
+    return None if record is None else TrainResult(**record)
+
+
+def run_once_with_torchrun(config: GemlineConfig, nproc: int, *, from_scratch: bool = False, keep_checkpoints: int = 3,
+                           max_versions: int | None = None) -> ContinuousResult:
+    """:func:`trainer.continuous.consume` on ``nproc`` ranks of a standalone torchrun job (``gemline train --once
+    --nproc N``); returns rank 0's result. The caller holds the lake's train lock (trainer.continuous.run_once).
+
+    Raises:
+        ValueError: see :func:`check_distributable`.
+        RankError: rank 0 stopped on a GemlineError (a recreated table, another model's run, a checkpoint
+            of another world size...); its message.
+        RuntimeError: torchrun exited non-zero otherwise (the message ends with its output).
+    """
+    from gemline.increments import Cursor
+    from trainer.continuous import ContinuousResult
+
+    rank_args = ["--once", "--keep-checkpoints", str(keep_checkpoints)]
+    rank_args += ["--from-scratch"] if from_scratch else []
+    rank_args += [] if max_versions is None else ["--max-versions", str(max_versions)]
+    record = _torchrun(config, nproc, rank_args=rank_args)
+    assert record is not None, "a one-node job hosts rank 0"
+    cursor = record.pop("cursor")
+    return ContinuousResult(**record, cursor=None if cursor is None else Cursor.from_dict(cursor))
+
+
+class RankError(GemlineError, RuntimeError):
+    """Rank 0 of a torchrun job stopped on a GemlineError (its message, seen from the launcher; exit 2)."""
+
+
+def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (), **launch: object) -> dict | None:
+    """Run :func:`main` on ``nproc`` local ranks (``launch``: :func:`torchrun_command`'s node arguments); the JSON
+    record rank 0 wrote, or None on a node that did not host rank 0."""
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         result_json = Path(tmp) / "result.json"
         private = write_private_config(config, Path(tmp) / "config.toml") if config.lake_storage_options else None
-        cmd = torchrun_command(
-            config, nproc, result_json=result_json, private_config=private, examples_version=examples_version, nnodes=nnodes,
-            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr,
-        )
+        cmd = torchrun_command(config, nproc, result_json=result_json, private_config=private, rank_args=rank_args,
+                               **launch)  # type: ignore[arg-type]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        nnodes, node_rank = launch.get("nnodes", 1), launch.get("node_rank", 0)
         where = f"{nproc} processes" if nnodes == 1 else f"{nproc} processes on node {node_rank} of {nnodes}"
-        if proc.returncode != 0 or (nnodes == 1 and not result_json.exists()):
+        record = json.loads(result_json.read_text()) if result_json.exists() else None
+        if isinstance(record, dict) and "error" in record:
+            raise RankError(f"{record['type']} on rank 0: {record['error']}")
+        if proc.returncode != 0 or (nnodes == 1 and record is None):
             raise RuntimeError(f"torchrun with {where} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        if not result_json.exists():
-            return None
-        return TrainResult(**json.loads(result_json.read_text()))
+        return record
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, join the process group (``env://`` from torchrun), train, write the result on rank 0."""
+    """Parse flags, join the process group (``env://`` from torchrun), train, write the result on rank 0.
+
+    ``--once``: the continuous trainer (trainer.continuous.consume) instead of the one-shot run. A
+    GemlineError on rank 0 is written as ``{"error", "type"}`` to ``--result-json`` (the launcher
+    re-raises it as one line, :class:`RankError`) before the rank exits non-zero.
+    """
     parser = argparse.ArgumentParser(prog="trainer.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML config file (the launcher's private file of storage options)")
     parser.add_argument("--lake")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--version", type=int, default=None)
-    parser.add_argument("--result-json", type=Path, default=None, help="rank 0 writes the TrainResult here")
+    parser.add_argument("--once", action="store_true", help="continuous: consume the new examples versions once")
+    parser.add_argument("--from-scratch", action="store_true", help="--once: start a new continuous run")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, help="--once: complete checkpoints kept")
+    parser.add_argument("--max-versions", type=int, default=None, help="--once: versions consumed at most")
+    parser.add_argument("--result-json", type=Path, default=None, help="rank 0 writes the result here")
     args = parser.parse_args(argv)
     overrides = parse_set_flags(args.overrides)
     if args.lake:
@@ -423,12 +326,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     dist.init_process_group(backend=config.trainer.distributed.backend)
     try:
-        result = run_distributed_training(config, examples_version=args.version)
+        result: TrainResult | ContinuousResult | None
+        if args.once:
+            from trainer.continuous import consume
+
+            check_distributable(config.trainer, dist.get_world_size())
+            if config.trainer.torch_threads is not None:
+                torch.set_num_threads(config.trainer.torch_threads)
+            result = consume(config, sharded_engine, from_scratch=args.from_scratch,
+                             keep_checkpoints=args.keep_checkpoints, max_versions=args.max_versions)
+        else:
+            result = run_distributed_training(config, examples_version=args.version)
         if result is not None:
             text = json.dumps(dataclasses.asdict(result), indent=2, default=str)
             if args.result_json is not None:
                 args.result_json.write_text(text)
             print(text)
+    except GemlineError as exc:
+        if dist.get_rank() == 0 and args.result_json is not None:
+            args.result_json.write_text(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        raise
     finally:
         dist.destroy_process_group()
     return 0

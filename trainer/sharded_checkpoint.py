@@ -9,8 +9,9 @@ plan continues bit for bit (tests/trainer/test_distributed.py). What is saved, o
     dense_optim    Adam state of the fully_shard-ed modules, as FQN-keyed DTensors
                    (torch.distributed.checkpoint.state_dict.get_optimizer_state_dict, flattened)
 
-The folder lives at ``LAKE/_checkpoints/sharded/step-N/``; the run's ordinary ``step-N/``
-checkpoint (full parameters written by rank 0, trainer.launch) names it in its meta.json, which is
+The folder lives at ``ROOT/_checkpoints/sharded/step-N/`` (ROOT: the lake, or ``LAKE/_continuous`` for the
+continuous trainer); the run's ordinary ``step-N/`` checkpoint (full parameters written by rank 0,
+trainer.sharded_engine.ShardedEngine.save) names it in its meta.json, which is
 written last, so a sharded folder without a complete ``step-N/`` beside it is never resumed from.
 Step numbering, position in the epoch and the normalizer travel in that meta.json.
 """

@@ -1,9 +1,9 @@
-"""One training run: gate check, temporal split, train, evaluate on the last day, checkpoint.
+"""One-shot training: gate check, temporal split, train, evaluate on the last day, checkpoint.
 
 Optimisers: Adagrad on the embedding tables (rows are touched sparsely, Adagrad's per-row step
-size suits that; Duchi et al. 2011), Adam on the rest. This module trains in one process; the
-sharded multi-process run (`gemline train --nproc N`, TorchRec DMP then FSDP2 HSDP, wrap order
-in trainer.distributed) is trainer.launch.run_distributed_training.
+size suits that; Duchi et al. 2011), Adam on the rest. :func:`train_holdout` is the run of one
+process (:func:`run_training`) and of each rank of a sharded run (``gemline train --nproc N``,
+trainer.launch); both go through the one loop of trainer.loop, the differences behind its Engine.
 
 Restarts: with ``trainer.init_from = "latest"`` a run continues from the newest checkpoint. If
 that checkpoint is an unfinished run on the same examples version and epoch count (written every
@@ -16,11 +16,9 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.config import GemlineConfig
@@ -28,26 +26,21 @@ from gemline.errors import GemlineError
 from gemline.gate import gate_decision
 from gemline.lake import Lake
 from gemline.tables import Table
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, load_weights, read_state, save_checkpoint
+from trainer.checkpoint import TrainState, latest_checkpoint, read_state
 from trainer.data import (
-    Batch,
     DenseNormalizer,
-    EncodedExamples,
     encode_examples,
     fit_normalizer,
-    iter_batches,
     latest_examples_version,
     load_split,
-    make_batch,
     num_batches,
-    validate_batch,
 )
+from trainer.loop import EngineFactory, GlobalBatch, Progress, local_engine, predict, train_loop, train_step
 from trainer.metrics import evaluate, nan_to_none
-from trainer.models import build_model, encode_domains
-from trainer.models.towers import RankingModel
 
-if TYPE_CHECKING:
-    from trainer.models import Ranker
+__all__ = ["QuarantinedError", "TrainResult", "check_gate", "epoch_order", "predict", "prior_rates", "run_training",
+           "train_holdout", "train_step", "training_domains"]
+"""``predict`` and ``train_step`` live in trainer.loop; they are named here too, where callers have found them."""
 
 log = logging.getLogger(__name__)
 
@@ -112,43 +105,6 @@ def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict
     log.info("gate: %s", decision.reason)
 
 
-def domain_ids(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """(B,) int64 ids of ``batch.domains`` in the model's domain vocabulary (unknown -> K)."""
-    return encode_domains(getattr(getattr(model, "module", model), "domains", ()), batch.domains)
-
-
-def train_step(model: Ranker, optimizers: dict[str, torch.optim.Optimizer], batch: Batch) -> float | None:
-    """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
-
-    Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
-
-    Raises:
-        ValueError: the batch breaks the :class:`trainer.data.Batch` layout.
-    """
-    validate_batch(batch, model.num_dense)
-    logits = model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(dim=0).sum()
-    for opt in optimizers.values():
-        opt.zero_grad()
-    if not torch.isfinite(loss):
-        return None
-    loss.backward()
-    for opt in optimizers.values():
-        opt.step()
-    return float(loss.item())
-
-
-def predict(model: torch.nn.Module, data: EncodedExamples, batch_size: int) -> np.ndarray:
-    """(N, 2) float64 probabilities (click, conversion) of every row of ``data``, in order."""
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for batch in iter_batches(data, batch_size):
-            out.append(torch.sigmoid(model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))).double().numpy())
-    model.train()
-    return np.concatenate(out) if out else np.zeros((0, 2))
-
-
 def run_training(config: GemlineConfig, *, examples_version: int | None = None, progress: bool = True) -> TrainResult:
     """Train on ``examples@examples_version`` (latest when None) and evaluate on its last day.
 
@@ -164,7 +120,9 @@ def run_training(config: GemlineConfig, *, examples_version: int | None = None, 
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
     try:
-        return _train(config, version, progress)
+        result = train_holdout(config, version, local_engine, progress=progress)
+        assert result is not None, "one process is rank 0"
+        return result
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -186,10 +144,6 @@ class _Position:
     batch: int
 
 
-def _run_record(position: _Position, epochs: int, finished: bool) -> dict:
-    return {"epoch": position.epoch, "batch": position.batch, "epochs": epochs, "finished": finished}
-
-
 def _resume_position(state: TrainState, version: int, epochs: int) -> _Position:
     """Continue an unfinished run of the same version and epoch count; otherwise start at epoch 0."""
     run = state.extra.get("run")
@@ -198,97 +152,85 @@ def _resume_position(state: TrainState, version: int, epochs: int) -> _Position:
     return _Position(0, 0)
 
 
-def _train(config: GemlineConfig, version: int, progress: bool) -> TrainResult:
-    """run_training after the gate allowed ``version``."""
+def train_holdout(config: GemlineConfig, version: int, make_engine: EngineFactory, *, progress: bool = True) -> TrainResult | None:
+    """Train ``make_engine``'s model on every day of ``examples@version`` but the last and evaluate it on the last.
+
+    The one-shot run of one process (:func:`run_training`, :func:`trainer.loop.local_engine`) and of every
+    rank of a sharded run (trainer.launch, :func:`trainer.sharded_engine.sharded_engine`): every rank walks
+    the same global batches (:func:`epoch_order`) through :func:`trainer.loop.train_loop`. With
+    ``trainer.init_from = "latest"`` it resumes from the newest checkpoint (an unfinished run of the same
+    version and epoch count continues at its next batch). The gate must have allowed ``version``.
+
+    Returns:
+        The TrainResult on rank 0, None on the other ranks.
+
+    Raises:
+        ValueError: fewer than 2 event dates; a checkpoint trained on other dense features; one the engine
+            cannot resume from (trainer.sharded_engine.check_resumable).
+    """
     tc, lake = config.trainer, Lake.for_config(config)
     split = load_split(lake, version)
-
-    torch.manual_seed(tc.seed)
     resume_from = latest_checkpoint(lake) if tc.init_from == "latest" else None
     normalizer = fit_normalizer(split.train)
-    domains = training_domains(split.train, resume_from)
-    model = build_model(tc, len(normalizer.names), domains)
-    optimizers = {
-        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
-        "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
-    }
-    step, examples_seen, start = 0, 0, _Position(0, 0)
-    if resume_from is not None and "world_size" in read_state(resume_from).extra:
-        # A sharded run saves full parameters only (trainer.launch): warm start with fresh optimisers.
-        state = load_weights(resume_from, model)
-        log.info("warm start from the parameters of a %d-process run; optimisers start fresh", state.extra["world_size"])
-    elif resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizers)
-    if resume_from is not None:
-        step, examples_seen = state.step, state.examples_seen
-        start = _resume_position(state, version, tc.epochs)
+    resumed = read_state(resume_from) if resume_from is not None else None
+    if resumed is not None:
         # Keep the statistics the resumed weights were trained with, so inputs mean the same thing.
-        saved = DenseNormalizer.from_dict(state.extra["normalizer"])
+        saved = DenseNormalizer.from_dict(resumed.extra["normalizer"])
         if saved.names != normalizer.names:
             raise ValueError(
                 f"checkpoint {resume_from} was trained on dense features {saved.names}, this table has "
                 f"{normalizer.names}; use trainer.init_from=scratch"
             )
         normalizer = saved
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, step, start.epoch, start.batch)
-
     train = encode_examples(split.train, tc.num_embeddings, normalizer)
     evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
-    if resume_from is None and isinstance(model, RankingModel):  # the "ranker" has no init_output_bias
-        model.init_output_bias(prior_rates(train.labels))
+    domains = training_domains(split.train, resume_from)
+    torch.manual_seed(tc.seed)
+    engine = make_engine(tc, len(normalizer.names), domains, prior_rates(train.labels) if resumed is None else None)
+    counters, start = Progress(), _Position(0, 0)
+    if resume_from is not None and resumed is not None:
+        engine.load(resume_from, resumed)
+        counters.step, counters.examples_seen = resumed.step, resumed.examples_seen
+        start = _resume_position(resumed, version, tc.epochs)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, counters.step, start.epoch, start.batch)
     log.info(
-        "examples@%d: train %d rows on %s, eval %d rows on %s",
-        version, len(train), ",".join(split.train_dates), len(evaluation), split.eval_date,
+        "examples@%d: train %d rows on %s, eval %d rows on %s (%d process(es))",
+        version, len(train), ",".join(split.train_dates), len(evaluation), split.eval_date, engine.world_size,
     )
 
-    def checkpoint(position: _Position, finished: bool, extra: dict | None = None, files: dict | None = None) -> str:
+    def checkpoint(position: _Position, finished: bool = False, extra: dict | None = None, files: dict | None = None) -> str | None:
+        run = {"epoch": position.epoch, "batch": position.batch, "epochs": tc.epochs, "finished": finished}
         state = TrainState(
-            step=step,
-            examples_seen=examples_seen,
-            examples_version=version,
-            extra={"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "run": _run_record(position, tc.epochs, finished), **(extra or {})},
+            step=counters.step, examples_seen=counters.examples_seen, examples_version=version,
+            extra={"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "run": run, **(extra or {})},
         )
-        return str(save_checkpoint(lake, state, model, optimizers, extra_files=files))
+        return engine.save(lake.root, state, files=files, storage_options=lake.storage_options)
 
-    loss_curve: list[float] = []
-    per_epoch = num_batches(train, tc.batch_size)
-    with tqdm(total=tc.epochs * per_epoch, initial=start.epoch * per_epoch + start.batch, desc="train", unit="step", disable=not progress) as bar:
+    def batches():
         for epoch in range(start.epoch, tc.epochs):
             order = epoch_order(len(train), tc.seed, version, epoch)
-            first = start.batch if epoch == start.epoch else 0
-            for index in range(first, per_epoch):
-                batch = make_batch(train, order[index * tc.batch_size : (index + 1) * tc.batch_size])
-                bar.update(1)
-                loss = train_step(model, optimizers, batch)
-                if loss is None:
-                    log.warning("epoch %d batch %d: non-finite loss, step skipped", epoch, index)
-                    continue
-                step += 1
-                examples_seen += batch.batch_size
-                loss_curve.append(loss)
-                bar.set_postfix(loss=f"{loss:.4f}")
-                if tc.checkpoint_every_steps is not None and step % tc.checkpoint_every_steps == 0:
-                    checkpoint(_Position(epoch, index + 1), finished=False)
+            for index in range(start.batch if epoch == start.epoch else 0, per_epoch):
+                yield GlobalBatch(train, order[index * tc.batch_size : (index + 1) * tc.batch_size], _Position(epoch, index + 1))
 
-    probs = predict(model, evaluation, tc.batch_size)
-    metrics = evaluate(evaluation.labels, probs, evaluation.domains)
-    overall = {task: metrics[task]["overall"] for task in metrics}
-    log.info("eval %s: %s", split.eval_date, overall)
+    per_epoch = num_batches(train, tc.batch_size)
+    shown = progress and engine.rank == 0
+    desc = "train" if engine.world_size == 1 else f"train x{engine.world_size}"
+    with tqdm(total=tc.epochs * per_epoch, initial=start.epoch * per_epoch + start.batch, desc=desc, unit="step", disable=not shown) as bar:
+        train_loop(engine, counters, batches(), checkpoint_every_steps=tc.checkpoint_every_steps, checkpoint=checkpoint, bar=bar)
+
+    probs = engine.predict(evaluation, tc.batch_size)
+    metrics = evaluate(evaluation.labels, probs, evaluation.domains) if probs is not None else {}  # rank 0
+    if probs is not None:
+        log.info("eval %s: %s", split.eval_date, {task: metrics[task]["overall"] for task in metrics})
     path = checkpoint(
-        _Position(tc.epochs, 0),
-        finished=True,
-        extra={"eval_date": split.eval_date, "metrics": nan_to_none(metrics)},
-        files={"loss_curve.png": _loss_curve_png(loss_curve)},
+        _Position(tc.epochs, 0), finished=True, extra={"eval_date": split.eval_date, "metrics": nan_to_none(metrics)},
+        files={"loss_curve.png": _loss_curve_png(counters.losses)} if engine.rank == 0 else None,
     )
+    if engine.rank != 0:
+        return None
     return TrainResult(
-        examples_version=version,
-        train_examples=len(train),
-        eval_examples=len(evaluation),
-        eval_date=split.eval_date,
-        metrics=metrics,
-        checkpoint_path=path,
-        steps=step,
-        loss_curve=loss_curve,
+        examples_version=version, train_examples=len(train), eval_examples=len(evaluation), eval_date=split.eval_date,
+        metrics=metrics, checkpoint_path=str(path), steps=counters.step, loss_curve=counters.losses,
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainer.continuous as continuous
+import trainer.loop as loop
 from gemline.config import load_config
 from gemline.increments import CursorError
 from gemline.lake import read_table
@@ -109,7 +110,7 @@ def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, 
     assert [r["version"] for r in out.versions] == [1, 2] and out.rows_trained_total == 600
     assert all(torch.equal(reference[k], v) for k, v in _params(out.checkpoint_path).items())
 
-    real_step, calls = continuous.train_step, {"n": 0}
+    real_step, calls = loop.train_step, {"n": 0}
 
     def dies_mid_version(*args, **kwargs):  # a SIGKILL in the middle of version 1
         calls["n"] += 1
@@ -117,10 +118,10 @@ def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, 
             raise KeyboardInterrupt("killed")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(continuous, "train_step", dies_mid_version)
+    monkeypatch.setattr(loop, "train_step", dies_mid_version)
     with pytest.raises(KeyboardInterrupt):
         run_once(_config(crashed))
-    monkeypatch.setattr(continuous, "train_step", real_step)
+    monkeypatch.setattr(loop, "train_step", real_step)
     out = run_once(_config(crashed))
     assert [r["version"] for r in out.versions] == [1, 2], "version 1 is retrained from the checkpoint of version 0"
     assert out.rows_trained_total == 600
@@ -239,7 +240,8 @@ def test_cli_train_once_lineage_and_a_second_trainer_refused(tmp_path, capsys):
         assert main(["train", "--once", "--lake", str(lake), *sets]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another train is running on this lake" in err[0]
-    assert main(["train", "--once", "--nproc", "2", "--lake", str(lake), *sets]) == 2
+    assert main(["train", "--once", "--version", "1", "--lake", str(lake), *sets]) == 2
+    assert "--version is for one-shot runs" in capsys.readouterr().err
 
 
 def test_follow_consumes_what_arrives_between_polls(tmp_path, monkeypatch):

@@ -54,6 +54,7 @@ _KILLER = r"""
 import json, os, signal, sys
 import torch
 import trainer.continuous as continuous
+import trainer.loop as loop
 from gemline.config import load_config
 
 lake, point, k, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
@@ -71,7 +72,7 @@ def die_at_k(real, before):
     return wrapped
 
 if point == "between_read_and_step":    # a batch read and encoded, the step not begun
-    continuous.train_step = die_at_k(continuous.train_step, before=True)
+    loop.train_step = die_at_k(loop.train_step, before=True)
 elif point == "mid_step":               # gradients computed, no optimiser has stepped
     torch.Tensor.backward = die_at_k(torch.Tensor.backward, before=False)
 elif point == "mid_checkpoint":         # state.pt written, meta.json (the completion mark) not

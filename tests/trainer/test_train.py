@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-import trainer.train as train_module
+import trainer.loop as loop_module
 from gemline.config import load_config
 from trainer.checkpoint import latest_checkpoint, read_state
 from trainer.data import encode_examples, fit_normalizer, make_batch
@@ -144,7 +144,7 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
     other = str(tmp_path / "other")
     shutil.copytree(Path(lake) / "examples", Path(other) / "examples")
     shutil.copytree(Path(lake) / "quality", Path(other) / "quality")
-    real_step, calls = train_module.train_step, []
+    real_step, calls = loop_module.train_step, []
 
     def dies_at_step_5(*args):
         if len(calls) == 5:
@@ -152,10 +152,10 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
         calls.append(1)
         return real_step(*args)
 
-    monkeypatch.setattr(train_module, "train_step", dies_at_step_5)
+    monkeypatch.setattr(loop_module, "train_step", dies_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_training(config(other, **settings), progress=False)
-    monkeypatch.setattr(train_module, "train_step", real_step)
+    monkeypatch.setattr(loop_module, "train_step", real_step)
     assert latest_checkpoint(other).name == "step-3"  # steps 4-5 were lost with the crash
 
     resumed = run_training(config(other, **settings, **{"trainer.init_from": "latest"}), progress=False)

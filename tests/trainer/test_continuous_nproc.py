@@ -1,0 +1,76 @@
+"""``gemline train --once --nproc 2``: the continuous trainer on two gloo ranks (torchrun, CPU).
+
+Two increments, ``--once`` after each: every row is trained once, the progressive evaluation of the second
+version is written once (by rank 0), the second run resumes from the first's sharded checkpoint, and the
+losses and progressive metrics are those of the one-process run on a copy of the same lake (within 1e-5:
+the reduction order differs, tests/trainer/test_distributed.py). The first version has 193 rows, so its
+last global batch (1 row) is smaller than the world: the rank without a row must count zero.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gemline.config import load_config
+from gemline.lake import read_table
+from trainer.continuous import run_once
+
+from .conftest import mark_quality, synthetic_examples, write_examples
+from .test_continuous import SMALL
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = (193, 200)
+"""Rows of examples@0 and examples@1: 4 steps each in batches of 64 (193 = 3 x 64 + 1)."""
+
+
+def _add(lake: Path, version: int) -> None:
+    assert write_examples(lake, synthetic_examples([f"2026-01-0{version + 1}"], ROWS[version], seed=version)) == version
+    mark_quality(lake, version, passed=True)
+
+
+@pytest.mark.integration
+def test_once_twice_on_two_ranks_trains_each_row_once_and_resumes(tmp_path, monkeypatch, capsys):
+    from gemline.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the ranks import this checkout's trainer
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    _add(sharded, 0)
+    shutil.copytree(sharded, single)
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+
+    assert main(["train", "--once", "--nproc", "2", "--lake", str(sharded), *sets]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(v["version"], v["rows_trained"], v["evaluated"]) for v in first["versions"]] == [(0, 193, False)]
+    assert (first["rows_trained_total"], first["step"]) == (193, 4) and first["progressive"] == []
+
+    _add(sharded, 1)
+    second = run_once(load_config(overrides={"lake": str(sharded), **SMALL}), nproc=2)
+    assert second.run_id == first["run_id"], "the second run resumes the first"
+    assert [(v["version"], v["rows_trained"], v["evaluated"]) for v in second.versions] == [(1, 200, True)]
+    assert (second.rows_trained_total, second.step) == (393, 8)
+
+    metrics = read_table(str(sharded), "training_metrics").to_pylist()
+    # One evaluation (examples@1) x 2 tasks x (overall + 3 domains) x 5 metrics, written by rank 0 only.
+    assert len(metrics) == 2 * 4 * 5
+    assert {(r["run_id"], r["examples_version"], r["step"]) for r in metrics} == {(first["run_id"], 1, 4)}
+    meta = json.loads((Path(second.checkpoint_path) / "meta.json").read_text())
+    assert Path(second.checkpoint_path).name == "step-8" and meta["extra"]["world_size"] == 2
+    assert (Path(meta["extra"]["sharded"]) / ".metadata").is_file()
+    assert meta["extra"]["continuous"]["cursor"]["version"] == 2
+    assert [v["rows_trained"] for v in meta["extra"]["continuous"]["lineage"]] == list(ROWS)
+
+    one = load_config(overrides={"lake": str(single), **SMALL})
+    reference = run_once(one).versions
+    _add(single, 1)
+    reference += run_once(one).versions
+    ours = [*first["versions"], *second.versions]
+    assert [v["mean_loss"] for v in ours] == pytest.approx([v["mean_loss"] for v in reference], rel=1e-5)
+    single_ne = [r["value"] for r in read_table(str(single), "training_metrics").to_pylist()
+                 if (r["domain"], r["task"], r["metric"]) == ("all", "click", "ne")]
+    sharded_ne = [r["value"] for r in metrics if (r["domain"], r["task"], r["metric"]) == ("all", "click", "ne")]
+    assert sharded_ne == pytest.approx(single_ne, rel=1e-5)

@@ -1,0 +1,216 @@
+"""The one training loop of every trainer entry point, and the interface it trains through.
+
+Three callers share :func:`train_loop`: the one-shot run (trainer.train.train_holdout: epochs over the
+train days), its sharded twin under torchrun (trainer.launch, same function) and the continuous trainer
+(trainer.continuous: each new examples version). What differs between one process and N ranks sits
+behind :class:`Engine`, as torchtitan keeps its ``Trainer`` loop apart from the parallelisms and the
+``CheckpointManager``:
+
+    ============  =======================================  ==========================================
+    Engine        LocalEngine (this module)                ShardedEngine (trainer.sharded_engine)
+    ============  =======================================  ==========================================
+    model         build_model, Adam + Adagrad              DMP tables + FSDP2 HSDP dense part
+    train_step    the whole global batch                   this rank's slice of it (split_rows)
+    predict       every row                                a slice per rank, gathered on rank 0
+    save          step-N/ (state.pt: model, optimisers)    DCP shards + rank 0's step-N/ (full
+                                                           parameters) naming them
+    load          load_checkpoint (a sharded run's:        check_resumable + DCP load
+                  parameters only, fresh optimisers)
+    ============  =======================================  ==========================================
+
+Every checkpoint has one format (trainer.checkpoint): ``step-N/meta.json`` (written last: step,
+examples seen, the caller's position and its extra) and ``state.pt`` with the full parameters, so a
+sharded run's checkpoint warm-starts a one-process run; the optimiser state lives in ``state.pt`` (one
+process) or in the DCP folder ``meta.json`` names (``extra["sharded"]``, sharded runs).
+
+Shape letters: B global batch, N rows of an encoded read batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from gemline.lake import StorageOptions
+from trainer.checkpoint import TrainState, load_checkpoint, load_weights, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.data import Batch, EncodedExamples, iter_batches, make_batch, validate_batch
+from trainer.models import build_model, encode_domains
+from trainer.models.towers import RankingModel
+
+if TYPE_CHECKING:
+    from trainer.models import Ranker
+
+log = logging.getLogger(__name__)
+
+
+def domain_ids(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """(B,) int64 ids of ``batch.domains`` in the model's domain vocabulary (unknown -> K)."""
+    return encode_domains(getattr(getattr(model, "module", model), "domains", ()), batch.domains)
+
+
+def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], batch: Batch) -> float | None:
+    """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
+
+    Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
+
+    Raises:
+        ValueError: the batch breaks the :class:`trainer.data.Batch` layout.
+    """
+    validate_batch(batch, model.num_dense)
+    logits = model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(dim=0).sum()
+    for opt in optimizers.values():
+        opt.zero_grad()
+    if not torch.isfinite(loss):
+        return None
+    loss.backward()
+    for opt in optimizers.values():
+        opt.step()
+    return float(loss.item())
+
+
+def predict(model: torch.nn.Module, data: EncodedExamples, batch_size: int) -> np.ndarray:
+    """(N, 2) float64 probabilities (click, conversion) of every row of ``data``, in order."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for batch in iter_batches(data, batch_size):
+            out.append(torch.sigmoid(model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))).double().numpy())
+    model.train()
+    return np.concatenate(out) if out else np.zeros((0, 2))
+
+
+class Engine(Protocol):
+    """What the loop needs of a model and its optimisers, in one process or on one rank of N.
+
+    Every method is collective on a sharded engine: each rank calls it the same number of times.
+    """
+
+    rank: int
+    """This process's global rank (0 in one process); only rank 0 writes tables, reports and results."""
+    world_size: int
+    """Processes training together (1 in one process)."""
+
+    def train_step(self, data: EncodedExamples, rows: np.ndarray) -> float | None:
+        """One optimiser step on the global batch ``rows`` (B,) int64 of ``data``; the mean loss over the
+        global batch (the same on every rank), or None when the step was skipped (non-finite loss, or a
+        global batch too small to give every rank a row)."""
+        ...
+
+    def predict(self, data: EncodedExamples, batch_size: int) -> np.ndarray | None:
+        """(N, 2) float64 probabilities of every row of ``data`` on rank 0; None on the other ranks."""
+        ...
+
+    def save(self, root: str | Path, state: TrainState, *, files: Mapping[str, bytes] | None = None,
+             storage_options: StorageOptions | None = None) -> str | None:
+        """Write checkpoint ``step-<state.step>`` under ``root/_checkpoints``; its path on rank 0, None elsewhere."""
+        ...
+
+    def load(self, path: str | Path, state: TrainState) -> None:
+        """Restore the checkpoint at ``path`` (whose meta.json reads ``state``) into this engine in place."""
+        ...
+
+
+@dataclass
+class LocalEngine:
+    """:class:`Engine` of a one-process run: the model and its optimisers (``"dense"`` Adam, ``"embeddings"`` Adagrad)."""
+
+    model: Ranker
+    optimizers: dict[str, torch.optim.Optimizer]
+    rank: int = 0
+    world_size: int = 1
+
+    def train_step(self, data: EncodedExamples, rows: np.ndarray) -> float | None:
+        """See :meth:`Engine.train_step` (the module-level :func:`train_step` on the whole batch)."""
+        return train_step(self.model, self.optimizers, make_batch(data, rows))
+
+    def predict(self, data: EncodedExamples, batch_size: int) -> np.ndarray:
+        """See :meth:`Engine.predict`."""
+        return predict(self.model, data, batch_size)
+
+    def save(self, root: str | Path, state: TrainState, *, files: Mapping[str, bytes] | None = None,
+             storage_options: StorageOptions | None = None) -> str:
+        """See :meth:`Engine.save`: ``state.pt`` holds model, optimisers and RNG states."""
+        return str(save_checkpoint(root, state, self.model, self.optimizers, extra_files=files, storage_options=storage_options))
+
+    def load(self, path: str | Path, state: TrainState) -> None:
+        """See :meth:`Engine.load`. A sharded run's checkpoint (``extra["world_size"]``) holds full parameters
+        but no optimiser state here: the parameters are loaded and the optimisers start fresh (a warm start)."""
+        if "world_size" in state.extra:
+            load_weights(path, self.model)
+            log.info("warm start from the parameters of a %d-process run; optimisers start fresh", state.extra["world_size"])
+        else:
+            load_checkpoint(path, self.model, self.optimizers)
+
+
+EngineFactory = Callable[[TrainerConfig, int, tuple[str, ...], "torch.Tensor | None"], Engine]
+"""``factory(tc, num_dense, domains, base_rates)``: a fresh engine after ``torch.manual_seed(tc.seed)``;
+``base_rates`` (2,) float64 start the output intercepts (``init_output_bias``), None leaves them."""
+
+
+def local_engine(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...], base_rates: torch.Tensor | None) -> LocalEngine:
+    """:data:`EngineFactory` of one process: ``build_model`` with Adam (dense) and Adagrad (tables)."""
+    model = build_model(tc, num_dense, domains)
+    if base_rates is not None and isinstance(model, RankingModel):  # the "ranker" has no intercepts to set
+        model.init_output_bias(base_rates)
+    optimizers = {
+        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
+        "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
+    }
+    return LocalEngine(model, optimizers)
+
+
+@dataclass
+class Progress:
+    """Counters a run keeps across the loop's calls and its checkpoints."""
+
+    step: int = 0
+    """Optimiser steps taken (skipped steps not counted)."""
+    examples_seen: int = 0
+    """Rows those steps trained on."""
+    losses: list[float] = field(default_factory=list)
+    """Loss of each step of this process's run (not of resumed steps)."""
+
+
+class GlobalBatch(NamedTuple):
+    """One step's work: rows ``rows`` (B,) int64 of ``data``; ``after`` is the caller's position once it is
+    trained (what a checkpoint taken right after it must resume from)."""
+
+    data: EncodedExamples
+    rows: np.ndarray
+    after: Any
+
+
+def train_loop(engine: Engine, progress: Progress, batches: Iterable[GlobalBatch], *,
+               checkpoint_every_steps: int | None = None, checkpoint: Callable[[Any], object] | None = None,
+               bar: tqdm | None = None) -> None:
+    """Train ``engine`` on each global batch in turn, counting into ``progress``.
+
+    A skipped step (:meth:`Engine.train_step` returned None) moves no counter. Every
+    ``checkpoint_every_steps`` steps ``checkpoint(batch.after)`` is called (collective on a sharded engine:
+    every rank reaches the same steps, since the loss that decides a skip is reduced over ranks).
+    """
+    for batch in batches:
+        if bar is not None:
+            bar.update(1)
+        loss = engine.train_step(batch.data, batch.rows)
+        if loss is None:
+            log.warning("step after %d skipped at %s (non-finite loss or a batch of %d rows < %d ranks)",
+                        progress.step, batch.after, len(batch.rows), engine.world_size)
+            continue
+        progress.step += 1
+        progress.examples_seen += len(batch.rows)
+        progress.losses.append(loss)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}")
+        if checkpoint is not None and checkpoint_every_steps is not None and progress.step % checkpoint_every_steps == 0:
+            checkpoint(batch.after)
