@@ -259,7 +259,7 @@ def run_once_with_torchrun(config: GemlineConfig, nproc: int, *, from_scratch: b
 
     Raises:
         ValueError: see :func:`check_distributable`.
-        RankError: rank 0 stopped on a GemlineError (a recreated table, another model's run, a checkpoint
+        RankError: a rank stopped on a GemlineError (a recreated table, another model's run, a checkpoint
             of another world size...); its message.
         RuntimeError: torchrun exited non-zero otherwise (the message ends with its output).
     """
@@ -276,7 +276,14 @@ def run_once_with_torchrun(config: GemlineConfig, nproc: int, *, from_scratch: b
 
 
 class RankError(GemlineError, RuntimeError):
-    """Rank 0 of a torchrun job stopped on a GemlineError (its message, seen from the launcher; exit 2)."""
+    """A rank of a torchrun job stopped on a GemlineError (its message, seen from the launcher; exit 2)."""
+
+
+def _error_file(result_json: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes the GemlineError it stops on: beside ``result_json``, one file per rank, so
+    the first rank to fail has written its reason before torchrun stops the others (one shared file would
+    race: torchrun may stop rank 0 before it writes, when another rank fails first)."""
+    return result_json.with_name(f"{result_json.name}.error-rank{rank}")
 
 
 def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (), **launch: object) -> dict | None:
@@ -294,8 +301,10 @@ def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (
         nnodes, node_rank = launch.get("nnodes", 1), launch.get("node_rank", 0)
         where = f"{nproc} processes" if nnodes == 1 else f"{nproc} processes on node {node_rank} of {nnodes}"
         record = json.loads(result_json.read_text()) if result_json.exists() else None
-        if isinstance(record, dict) and "error" in record:
-            raise RankError(f"{record['type']} on rank 0: {record['error']}")
+        errors = sorted(Path(tmp).glob(f"{result_json.name}.error-rank*"))
+        if proc.returncode != 0 and errors:
+            error = json.loads(errors[0].read_text())
+            raise RankError(f"{error['type']} on rank {error['rank']}: {error['error']}")
         if proc.returncode != 0 or (nnodes == 1 and record is None):
             raise RuntimeError(f"torchrun with {where} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         return record
@@ -305,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse flags, join the process group (``env://`` from torchrun), train, write the result on rank 0.
 
     ``--once``: the continuous trainer (trainer.continuous.consume) instead of the one-shot run. A
-    GemlineError on rank 0 is written as ``{"error", "type"}`` to ``--result-json`` (the launcher
-    re-raises it as one line, :class:`RankError`) before the rank exits non-zero.
+    GemlineError on a rank is written as ``{"error", "type", "rank"}`` beside ``--result-json``
+    (:func:`_error_file`; the launcher re-raises it as one line, :class:`RankError`) before the rank exits
+    non-zero.
     """
     parser = argparse.ArgumentParser(prog="trainer.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML config file (the launcher's private file of storage options)")
@@ -343,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.result_json.write_text(text)
             print(text)
     except GemlineError as exc:
-        if dist.get_rank() == 0 and args.result_json is not None:
-            args.result_json.write_text(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        if args.result_json is not None:
+            rank = dist.get_rank()
+            error = {"error": str(exc), "type": type(exc).__name__, "rank": rank}
+            _error_file(args.result_json, rank).write_text(json.dumps(error))
         raise
     finally:
         dist.destroy_process_group()

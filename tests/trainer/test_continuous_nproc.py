@@ -74,3 +74,22 @@ def test_once_twice_on_two_ranks_trains_each_row_once_and_resumes(tmp_path, monk
                  if (r["domain"], r["task"], r["metric"]) == ("all", "click", "ne")]
     sharded_ne = [r["value"] for r in metrics if (r["domain"], r["task"], r["metric"]) == ("all", "click", "ne")]
     assert sharded_ne == pytest.approx(single_ne, rel=1e-5)
+
+
+@pytest.mark.integration
+def test_resuming_a_one_process_run_on_two_ranks_is_one_line(tmp_path, monkeypatch, capsys):
+    """The ranks stop on the checkpoint they cannot resume (no DCP shards); the CLI prints rank 0's reason."""
+    from gemline.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    lake = tmp_path / "lake"
+    _add(lake, 0)
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    assert main(["train", "--once", "--lake", str(lake), *sets]) == 0
+    _add(lake, 1)
+    capsys.readouterr()
+    assert main(["train", "--once", "--nproc", "2", "--lake", str(lake), *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no sharded state" in err[0] and "--from-scratch" in err[0], err
+    assert read_table(str(lake), "training_metrics") is None, "the refused run evaluated nothing"
