@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
 from gemline.errors import BadConfigError, GemlineError, RetentionGapError
+from gemline.lake import Lake
 from gemline.process import run_and_exit
 from gemline.tables import Table
 
@@ -312,7 +313,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         result = train_with_torchrun(config, args.nproc, examples_version=version)
         print(_train_summary(result))
         return 0
-    result = run_training(_config(args), examples_version=args.version)  # QuarantinedError: exit 3 (see main)
+    config = _config(args)
+    # QuarantinedError: exit 3 (see main)
+    result = run_training(config.trainer, Lake.for_config(config), examples_version=args.version)
     print(_train_summary(result))
     return 0
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gemline.config import GemlineConfig
-from gemline.lake import is_remote, lake_fs
+from gemline.lake import Lake, is_remote, lake_fs
 from gemline.tables import Table as LakeTable
 from ingest.broker import EmbeddedBroker
 from ingest.datasets import EARLIEST_EVENT_MS
@@ -167,7 +167,7 @@ def run_demo(
 
             trained = train_with_torchrun(config, nproc, examples_version=built.examples_version)
         else:
-            trained = run_training(config, examples_version=built.examples_version)
+            trained = run_training(config.trainer, Lake.for_config(config), examples_version=built.examples_version)
         if trained is None:  # only a launcher that did not host rank 0 gets None; the demo launches all ranks
             raise RuntimeError("demo: the sharded run returned no result (rank 0 ran elsewhere?)")
         click = nan_to_none(trained.metrics["click"]["overall"])  # summary.json is JSON: no NaN

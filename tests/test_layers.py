@@ -33,7 +33,7 @@ KNOWN = {
     ("ingest.backfill", "gemline.config"), ("ingest.pipeline", "gemline.config"), ("ingest.streaming", "gemline.config"),
     ("sequences.pipeline", "gemline.config"), ("validation.run", "gemline.config"), ("trainer.compare", "gemline.config"),
     ("trainer.continuous", "gemline.config"), ("trainer.launch", "gemline.config"),
-    ("trainer.run_report", "gemline.config"), ("trainer.train", "gemline.config"),
+    ("trainer.run_report", "gemline.config"),
 }
 
 

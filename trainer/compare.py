@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError
+from gemline.lake import Lake
 from trainer.config import ModelName
 from trainer.data import latest_examples_version
 from trainer.metrics import TASKS
@@ -158,7 +159,7 @@ def run_compare(
     for model, tc in trainer_configs.items():
         log.info("compare: training %s on examples@%d", model, version)
         started = time.perf_counter()
-        result = run_training(replace(config, trainer=tc), examples_version=version, progress=progress)
+        result = run_training(tc, Lake.for_config(config), examples_version=version, progress=progress)
         metrics[model] = result.metrics
         summary["eval_date"] = result.eval_date
         summary["models"][model] = {

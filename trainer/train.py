@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from gemline.config import GemlineConfig
 from gemline.errors import GemlineError
 from gemline.gate import gate_decision
 from gemline.lake import Lake
 from gemline.tables import Table
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state
+from trainer.config import TrainerConfig
 from trainer.data import (
     DenseNormalizer,
     encode_examples,
@@ -105,22 +106,22 @@ def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict
     log.info("gate: %s", decision.reason)
 
 
-def run_training(config: GemlineConfig, *, examples_version: int | None = None, progress: bool = True) -> TrainResult:
-    """Train on ``examples@examples_version`` (latest when None) and evaluate on its last day.
+def run_training(tc: TrainerConfig, lake: Lake, *, examples_version: int | None = None, progress: bool = True) -> TrainResult:
+    """Train ``tc.model`` in this process on ``lake``'s ``examples@examples_version`` (latest when None) and
+    evaluate it on its last day (:func:`train_holdout`).
 
     Raises:
         QuarantinedError: the quality gate does not allow that version.
         FileNotFoundError: no examples table.
         ValueError: fewer than 2 event dates, or a table that breaks the examples contract.
     """
-    tc, lake = config.trainer, Lake.for_config(config)
     version = latest_examples_version(lake) if examples_version is None else examples_version
     check_gate(lake, version)
     previous_threads = torch.get_num_threads()
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
     try:
-        result = train_holdout(config, version, local_engine, progress=progress)
+        result = train_holdout(tc, lake, version, local_engine, progress=progress)
         assert result is not None, "one process is rank 0"
         return result
     finally:
@@ -152,7 +153,8 @@ def _resume_position(state: TrainState, version: int, epochs: int) -> _Position:
     return _Position(0, 0)
 
 
-def train_holdout(config: GemlineConfig, version: int, make_engine: EngineFactory, *, progress: bool = True) -> TrainResult | None:
+def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: EngineFactory, *,
+                  progress: bool = True) -> TrainResult | None:
     """Train ``make_engine``'s model on every day of ``examples@version`` but the last and evaluate it on the last.
 
     The one-shot run of one process (:func:`run_training`, :func:`trainer.loop.local_engine`) and of every
@@ -168,7 +170,6 @@ def train_holdout(config: GemlineConfig, version: int, make_engine: EngineFactor
         ValueError: fewer than 2 event dates; a checkpoint trained on other dense features; one the engine
             cannot resume from (trainer.sharded_engine.check_resumable).
     """
-    tc, lake = config.trainer, Lake.for_config(config)
     split = load_split(lake, version)
     resume_from = latest_checkpoint(lake) if tc.init_from == "latest" else None
     normalizer = fit_normalizer(split.train)
@@ -206,7 +207,7 @@ def train_holdout(config: GemlineConfig, version: int, make_engine: EngineFactor
         )
         return engine.save(lake.root, state, files=files, storage_options=lake.storage_options)
 
-    def batches():
+    def batches() -> Iterator[GlobalBatch]:
         for epoch in range(start.epoch, tc.epochs):
             order = epoch_order(len(train), tc.seed, version, epoch)
             for index in range(start.batch if epoch == start.epoch else 0, per_epoch):

@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from gemline.config import GemlineConfig
-from gemline.lake import lake_fs, open_table, read_table
+from gemline.lake import Lake, lake_fs, open_table, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.config import KafkaConfig
 from ingest.datasets.types import RawRecord
@@ -102,7 +102,7 @@ def test_whole_pipeline_on_s3(s3_lake):
         latest_report(lake, "sequences", storage_options=opts)
 
     assert examples_quality.passed, examples_quality.failures
-    trained = run_training(config, examples_version=built.examples_version)
+    trained = run_training(config.trainer, Lake.for_config(config), examples_version=built.examples_version)
     checkpoints = _files(lake, opts, "_checkpoints")
     step_dir = str(trained.checkpoint_path).removeprefix(f"{lake}/")
     assert step_dir.startswith("_checkpoints/step-")

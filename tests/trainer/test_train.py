@@ -15,6 +15,7 @@ import torch
 
 import trainer.loop as loop_module
 from gemline.config import load_config
+from gemline.lake import Lake
 from trainer.checkpoint import latest_checkpoint, read_state
 from trainer.data import encode_examples, fit_normalizer, make_batch
 from trainer.model import TwoTaskRanker
@@ -35,10 +36,15 @@ def config(lake: str, **overrides):
     return load_config(overrides={"lake": lake, **SMALL, **overrides})
 
 
+def _run(config, **kwargs):
+    """run_training with the config's trainer section and lake."""
+    return run_training(config.trainer, Lake.for_config(config), **kwargs)
+
+
 @pytest.mark.slow
 def test_learns_and_checkpoints(make_lake):
     lake, version = make_lake(rows_per_date=400)
-    result = run_training(config(lake), progress=False)
+    result = _run(config(lake), progress=False)
 
     assert (result.examples_version, result.train_examples, result.eval_examples) == (version, 800, 400)
     assert result.eval_date == "2026-01-03"
@@ -62,12 +68,12 @@ def test_learns_and_checkpoints(make_lake):
 @pytest.mark.slow
 def test_resume_continues_and_runs_are_deterministic(make_lake, tmp_path):
     lake, _ = make_lake(rows_per_date=100)
-    first = run_training(config(lake, **{"trainer.epochs": "1"}), progress=False)
-    resumed = run_training(config(lake, **{"trainer.epochs": "1", "trainer.init_from": "latest"}), progress=False)
+    first = _run(config(lake, **{"trainer.epochs": "1"}), progress=False)
+    resumed = _run(config(lake, **{"trainer.epochs": "1", "trainer.init_from": "latest"}), progress=False)
     assert first.steps == 4 and resumed.steps == 8
     assert read_state(resumed.checkpoint_path).examples_seen == 2 * 200
     assert latest_checkpoint(lake).name == "step-8"
-    again = run_training(config(lake, **{"trainer.epochs": "1"}), progress=False)
+    again = _run(config(lake, **{"trainer.epochs": "1"}), progress=False)
     assert again.loss_curve == first.loss_curve and again.steps == 4
 
 
@@ -75,7 +81,7 @@ def test_resume_continues_and_runs_are_deterministic(make_lake, tmp_path):
 def test_gate_refuses(make_lake, caplog, passed, message):
     lake, version = make_lake(rows_per_date=10, passed=passed)
     with pytest.raises(QuarantinedError, match=message):
-        run_training(config(lake), examples_version=version, progress=False)
+        _run(config(lake), examples_version=version, progress=False)
     assert message in caplog.text
     assert latest_checkpoint(lake) is None
 
@@ -83,12 +89,12 @@ def test_gate_refuses(make_lake, caplog, passed, message):
 def test_fewer_than_two_dates_is_rejected(make_lake):
     lake, version = make_lake(dates=("2026-01-05",), rows_per_date=10)
     with pytest.raises(ValueError, match=r"2026-01-05"):
-        run_training(config(lake), examples_version=version, progress=False)
+        _run(config(lake), examples_version=version, progress=False)
 
 
 def test_missing_table(tmp_path):
     with pytest.raises(FileNotFoundError, match="no examples table"):
-        run_training(config(str(tmp_path / "lake")), progress=False)
+        _run(config(str(tmp_path / "lake")), progress=False)
 
 
 def test_non_finite_loss_skips_the_step(make_examples):
@@ -119,7 +125,7 @@ GOLDEN = Path(__file__).parent / "data" / "tiny_loss_curve.json"
 def tiny_run(make_lake):
     lake, _ = make_lake(rows_per_date=60, seed=3)
     # The golden curve was recorded with the TwoTaskRanker, before trainer.model defaulted to gem.
-    return run_training(config(lake, **{"trainer.epochs": "1", "trainer.batch_size": "32", "trainer.model": "ranker"}), progress=False)
+    return _run(config(lake, **{"trainer.epochs": "1", "trainer.batch_size": "32", "trainer.model": "ranker"}), progress=False)
 
 
 def test_tiny_run_reproduces_checked_in_losses(make_lake):
@@ -139,7 +145,7 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
     """A run that dies mid-epoch and is resumed ends where an uninterrupted run ends, bit for bit."""
     settings = {"trainer.epochs": "2", "trainer.batch_size": "32", "trainer.checkpoint_every_steps": "3"}
     lake, _ = make_lake(rows_per_date=50)  # 100 train rows -> 4 batches per epoch, 8 steps
-    uninterrupted = run_training(config(lake, **settings), progress=False)
+    uninterrupted = _run(config(lake, **settings), progress=False)
 
     other = str(tmp_path / "other")
     shutil.copytree(Path(lake) / "examples", Path(other) / "examples")
@@ -154,11 +160,11 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
 
     monkeypatch.setattr(loop_module, "train_step", dies_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_training(config(other, **settings), progress=False)
+        _run(config(other, **settings), progress=False)
     monkeypatch.setattr(loop_module, "train_step", real_step)
     assert latest_checkpoint(other).name == "step-3"  # steps 4-5 were lost with the crash
 
-    resumed = run_training(config(other, **settings, **{"trainer.init_from": "latest"}), progress=False)
+    resumed = _run(config(other, **settings, **{"trainer.init_from": "latest"}), progress=False)
     assert resumed.steps == uninterrupted.steps == 8
     assert resumed.loss_curve == uninterrupted.loss_curve[3:]
     assert read_state(resumed.checkpoint_path).examples_seen == read_state(uninterrupted.checkpoint_path).examples_seen == 200
@@ -187,7 +193,7 @@ def test_warm_start_from_a_sharded_runs_checkpoint(make_lake):
     extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": "dlrm", "world_size": 2}
     save_checkpoint(lake, TrainState(step=7, examples_seen=224, examples_version=version, extra=extra), saved, {})
     # lr 1e-12: the run barely moves the parameters, so they must end where the checkpoint put them.
-    result = run_training(config(lake, **settings, **{"trainer.init_from": "latest", "trainer.learning_rate": "1e-12",
+    result = _run(config(lake, **settings, **{"trainer.init_from": "latest", "trainer.learning_rate": "1e-12",
                                                       "trainer.embedding_learning_rate": "1e-12"}), progress=False)
     assert result.steps == 7 + 4  # 120 train rows / 32 -> 4 steps after the sharded run's 7
     final = torch.load(Path(result.checkpoint_path) / "state.pt", weights_only=False)

@@ -12,7 +12,7 @@ import pytest
 
 from gemline.config import load_config
 from gemline.gate import gate_decision, release
-from gemline.lake import commit_once, read_table
+from gemline.lake import Lake, commit_once, read_table
 from trainer.train import QuarantinedError, run_training
 from validation.report import build_report, write_report
 from validation.run import validate_table
@@ -47,7 +47,7 @@ def test_leaked_examples_are_quarantined_refused_by_the_trainer_then_released(tm
     assert [(r["table_version"], r["success"]) for r in leak] == [(0, False)]
 
     with caplog.at_level(logging.ERROR, logger="trainer.train"), pytest.raises(QuarantinedError, match="leakage"):
-        run_training(config, examples_version=0, progress=False)
+        run_training(config.trainer, Lake.for_config(config), examples_version=0, progress=False)
     assert any("refusing to train" in r.getMessage() and "leakage" in r.getMessage() for r in caplog.records)
 
     release(tmp_path, "examples", 0, "leak is one test row, accepted", now_ms=NOW_MS + 1)
@@ -55,7 +55,7 @@ def test_leaked_examples_are_quarantined_refused_by_the_trainer_then_released(tm
     assert decision.allowed and "leak is one test row" in decision.reason
     released = [r for r in read_table(tmp_path, "quality").to_pylist() if r["expectation"] == "__release__"]
     assert [(r["table_version"], r["observed"]) for r in released] == [(0, "leak is one test row, accepted")]
-    trained = run_training(config, examples_version=0, progress=False)
+    trained = run_training(config.trainer, Lake.for_config(config), examples_version=0, progress=False)
     assert trained.examples_version == 0
 
 
