@@ -85,7 +85,7 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     check_gate(lake, version)
     if tc.torch_threads is not None:
         torch.set_num_threads(tc.torch_threads)
-    return train_holdout(config, version, sharded_engine, progress=progress)
+    return train_holdout(tc, lake, version, sharded_engine, progress=progress)
 
 
 def config_overrides(config: DataclassInstance, prefix: str = "") -> list[str]:
@@ -297,7 +297,17 @@ def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (
         private = write_private_config(config, Path(tmp) / "config.toml") if config.lake_storage_options else None
         cmd = torchrun_command(config, nproc, result_json=result_json, private_config=private, rank_args=rank_args,
                                **launch)  # type: ignore[arg-type]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = proc.communicate()
+        except BaseException:
+            # Ctrl-C or SIGTERM of the launcher: SIGTERM lets torchrun stop its ranks (subprocess.run would
+            # SIGKILL torchrun and leave the ranks running without the lake's lock). The ranks do not
+            # finish their step; the next run resumes from the last complete checkpoint, so no row is lost
+            # or trained twice.
+            proc.terminate()
+            proc.wait(timeout=60)
+            raise
         nnodes, node_rank = launch.get("nnodes", 1), launch.get("node_rank", 0)
         where = f"{nproc} processes" if nnodes == 1 else f"{nproc} processes on node {node_rank} of {nnodes}"
         record = json.loads(result_json.read_text()) if result_json.exists() else None
@@ -306,7 +316,7 @@ def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (
             error = json.loads(errors[0].read_text())
             raise RankError(f"{error['type']} on rank {error['rank']}: {error['error']}")
         if proc.returncode != 0 or (nnodes == 1 and record is None):
-            raise RuntimeError(f"torchrun with {where} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"torchrun with {where} failed (exit {proc.returncode}):\n{stderr[-4000:]}")
         return record
 
 
