@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(e.g. '--direct_num_workers=2 --direct_running_mode=multi_threading')")
     args = parser.parse_args(argv)
 
-    from gemline.config import GemlineConfig
-    from gemline.lake import commit_once
+    from gemline.lake import Lake, commit_once
     from sequences.config import BuildConfig
     from sequences.pipeline import run_build
 
@@ -158,10 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         warm = str(Path(tmp) / "lake")
         commit_once(warm, "events", synthetic_events(5, 4, seed=1), app_id="bench", version=0,
                     partition_by=["event_date"])
-        run_build(GemlineConfig(lake=warm, build=build), final=True)
+        run_build(Lake(warm), build, final=True)
     with tempfile.TemporaryDirectory() as tmp:
         lake = str(Path(tmp) / "lake")
-        config = GemlineConfig(lake=lake, build=build)
         order = np.argsort(events.column("event_time_ms").to_numpy(), kind="stable")
         parts = np.array_split(order, args.batches)
         beam_s = 0.0
@@ -169,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             commit_once(lake, "events", events.take(pa.array(part)), app_id="bench", version=k,
                         partition_by=["event_date"])
             start = time.perf_counter()
-            result = run_build(config, final=k == len(parts) - 1, beam_args=args.beam_args.split())
+            result = run_build(Lake(lake), build, final=k == len(parts) - 1, beam_args=args.beam_args.split())
             beam_s += time.perf_counter() - start
         build_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         lake_bytes = sum(p.stat().st_size for p in Path(lake).rglob("*") if p.is_file() and "events" not in p.parts)

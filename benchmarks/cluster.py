@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from gemline.cluster import dask_beam_args
 from gemline.config import GemlineConfig
-from gemline.lake import read_table
+from gemline.lake import Lake, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.config import KafkaConfig
 from ingest.generate import GenerateConfig, generate_records, stream_records
@@ -60,14 +60,15 @@ def _run(name: str, lake: Path, bootstrap: str, topic: str, partitions: int, bea
     config = GemlineConfig(lake=str(lake), kafka=KafkaConfig(topic=topic, partitions=partitions),
                            build=BuildConfig(events_gate="off"))  # timing, not the quality gate
     began = time.perf_counter()
-    result = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=NOW_MS)
+    result = run_ingest(Lake.for_config(config), config.kafka, config.ingest, bootstrap=bootstrap, beam_args=beam_args,
+                        now_ms=NOW_MS)
     ingest_s = time.perf_counter() - began
     build_s = examples = None
     if build:
         from sequences.pipeline import run_build
 
         began = time.perf_counter()
-        run_build(config, beam_args=beam_args, final=True)
+        run_build(Lake.for_config(config), config.build, beam_args=beam_args, final=True)
         build_s = time.perf_counter() - began
         examples = read_table(lake, "examples").num_rows
     return Run(name, ingest_s, result.events_written, result.dead_letter_written, build_s, examples)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from benchmarks.ingest_rss import message_of, produce_batched
 from gemline.config import GemlineConfig
-from gemline.lake import read_table, table_uri
+from gemline.lake import Lake, read_table, table_uri
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.datasets.types import event_time_sort_key
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                                 kafka=KafkaConfig(topic=TOPIC, partitions=args.partitions), ingest=ingest_cfg)
 
             def pipeline() -> int:
-                res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=now_ms)
+                res = run_ingest(Lake.for_config(cfg), cfg.kafka, cfg.ingest, bootstrap=broker.bootstrap, now_ms=now_ms)
                 return res.events_written + res.dead_letter_written + res.late_events_written + res.duplicates_dropped
 
             runs.append(_timed("pipeline", pipeline))

@@ -130,17 +130,17 @@ def produce(bootstrap: str, topic: str, num_events: int, partitions: int, seed: 
 
 def ingest(bootstrap: str, topic: str, lake: str, partitions: int, max_offsets: int, now_ms: int) -> dict:
     """Ingest the whole topic in capped batches; return rows written, timing and peak RSS."""
-    from gemline.config import GemlineConfig
+    from gemline.lake import Lake
     from ingest.config import IngestConfig, KafkaConfig
     from ingest.pipeline import ingest_backlog
 
-    cfg = GemlineConfig(lake=lake, kafka=KafkaConfig(topic=topic, partitions=partitions),
-                        ingest=IngestConfig(max_offsets_per_partition=max_offsets))
+    kafka = KafkaConfig(topic=topic, partitions=partitions)
+    ingest_cfg = IngestConfig(max_offsets_per_partition=max_offsets)
     began, cpu = time.perf_counter(), time.process_time()
     rows, batches, first_peak = 0, 0, None
     with tqdm(desc="ingest", unit="msg", disable=None) as progress:
         while True:
-            done = ingest_backlog(cfg, bootstrap=bootstrap, now_ms=now_ms, max_batches=1)
+            done = ingest_backlog(Lake(lake), kafka, ingest_cfg, bootstrap=bootstrap, now_ms=now_ms, max_batches=1)
             if not done:
                 break
             res = done[0]

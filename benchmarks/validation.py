@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from gemline.config import load_config
-from gemline.lake import commit_once
+from gemline.lake import Lake, commit_once
 from ingest.schema import EVENTS_TABLE_SCHEMA
 from sequences.schema import EXAMPLES_BASE_SCHEMA
 
@@ -124,7 +124,7 @@ def _time_build(num_events: int) -> tuple[int, float]:
         commit_once(lake, "events", synthetic_events(num_events), app_id="bench", version=0,
                     partition_by=["event_date"])
         start = time.perf_counter()
-        built = run_build(config)
+        built = run_build(Lake.for_config(config), config.build)
         return built.num_examples, time.perf_counter() - start
 
 
@@ -142,7 +142,8 @@ def main() -> None:
         commit_once(lake, "examples", examples, app_id="bench", version=0, mode="overwrite",
                     partition_by=["event_date"])
         start = time.perf_counter()
-        result = validate_table(config, "examples", 0, now_ms=T0_MS + 30 * DAY_MS)
+        result = validate_table(Lake.for_config(config), "examples", 0, now_ms=T0_MS + 30 * DAY_MS,
+                                validation=config.validation, ingest=config.ingest, build=config.build)
         validation_s = time.perf_counter() - start
         print(f"validation of {args.examples} examples: {validation_s:.1f} s, verdict "
               f"{'PASSED' if result.passed else 'QUARANTINED'}, failures {result.failures}")

@@ -160,12 +160,12 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     if config.ingest.max_offsets_per_partition is not None:
         # Capped batches: read the whole backlog, one bounded batch (one JSON line) at a time, each
         # printed as it commits: a run killed later still shows what it committed.
-        results = ingest_backlog(config, bootstrap=_require_bootstrap(config), beam_args=extra,
-                                 reset_topic=args.reset_topic,
+        results = ingest_backlog(Lake.for_config(config), config.kafka, config.ingest,
+                                 bootstrap=_require_bootstrap(config), beam_args=extra, reset_topic=args.reset_topic,
                                  on_batch=lambda result: print(_json_line(result), flush=True))
     else:
-        results = [run_ingest(config, bootstrap=_require_bootstrap(config), beam_args=extra,
-                              reset_topic=args.reset_topic)]
+        results = [run_ingest(Lake.for_config(config), config.kafka, config.ingest,
+                              bootstrap=_require_bootstrap(config), beam_args=extra, reset_topic=args.reset_topic)]
         print(_as_json(results[0]))
     gaps = [gap for result in results for gap in result.gaps]
     if gaps and not config.ingest.accept_gaps:
@@ -186,7 +186,8 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:
-        summary = run_streaming(config, config.ingest.streaming, bootstrap=_require_bootstrap(config), stop=stop, beam_args=extra)
+        summary = run_streaming(Lake.for_config(config), config.kafka, config.ingest, config.ingest.streaming,
+                                bootstrap=_require_bootstrap(config), stop=stop, beam_args=extra)
     finally:
         restore()
     print(_as_json(summary))
@@ -204,8 +205,9 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
 
     # Quarantined or never-validated events: gemline.gate.GateClosedError, exit 3 (see main).
-    result = run_build(_config(args), events_version=args.events_version, beam_args=_beam_args(args, extra),
-                       final=args.final)
+    config = _config(args)
+    result = run_build(Lake.for_config(config), config.build, events_version=args.events_version,
+                       beam_args=_beam_args(args, extra), final=args.final)
     print(_as_json(result))
     return 0
 
@@ -213,7 +215,8 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_backfill(args: argparse.Namespace, extra: list[str]) -> int:
     from ingest.backfill import backfill_late_events
 
-    print(_json_line(backfill_late_events(_config(args))), flush=True)
+    config = _config(args)
+    print(_json_line(backfill_late_events(Lake.for_config(config), config.kafka, config.ingest)), flush=True)
     return 0
 
 
@@ -249,7 +252,9 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
                         on_pass=_print_new_work())
         return 0
 
-    result = validate_table(_config(args), args.table, args.version)
+    config = _config(args)
+    result = validate_table(Lake.for_config(config), args.table, args.version, validation=config.validation,
+                            ingest=config.ingest, build=config.build)
     print(f"{result.table}@{result.table_version}: {'PASSED' if result.passed else 'QUARANTINED'}  report: {result.report_html}")
     return 0 if result.passed else 3
 
@@ -257,13 +262,12 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from validation.run import latest_report
 
-    config = _config(args)
-    verdict, html = latest_report(config.lake, args.table, args.version,
-                                  storage_options=config.lake_storage_options or None)
+    lake = Lake.for_config(_config(args))
+    verdict, html = latest_report(lake, args.table, args.version)
     from gemline.gate import gate_decision
 
     version = args.version if args.version is not None else int(Path(str(html)).parent.name)
-    decision = gate_decision(config.lake, args.table, version, storage_options=config.lake_storage_options or None)
+    decision = gate_decision(lake, args.table, version)
     print(f"{args.table}@{version}: {verdict}  report: {html}")
     print(f"gate: {'allowed' if decision.allowed else 'refused'}: {decision.reason}")
     return 0

@@ -75,7 +75,7 @@ def run_demo(
     from sequences.pipeline import run_build
     from trainer.continuous import run_once
     from trainer.train import run_training
-    from validation.run import validate_table
+    from validation.run import QualityResult, validate_table
 
     console = console or Console()
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -92,6 +92,11 @@ def run_demo(
         Path(config.lake).mkdir(parents=True, exist_ok=True)
     lake_name = str(config.lake) if remote else str(Path(config.lake).resolve())
     summary: dict[str, Any] = {"run_id": run_id, "dataset": dataset, "lake": lake_name}
+    lake = Lake.for_config(config)
+
+    def validate(table: str, version: int | None = None) -> QualityResult:
+        return validate_table(lake, table, version, validation=config.validation, ingest=config.ingest,
+                              build=config.build)
     started = time.monotonic()
 
     with contextlib.ExitStack() as stack:
@@ -120,18 +125,19 @@ def run_demo(
             console.rule(f"{label}: replay {hi - lo} records -> {topic}, ingest (Beam)")
             replay(records[lo:hi], bootstrap=bootstrap, topic=topic, partitions=config.kafka.partitions,
                    batch_messages=config.kafka.producer_batch_messages)
-            ingested = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, reset_topic=reset)
+            ingested = run_ingest(lake, config.kafka, config.ingest, bootstrap=bootstrap, beam_args=beam_args,
+                                  reset_topic=reset)
             reset = False
             summary["events_ingested"] += ingested.events_written
             summary["dead_letter"] += ingested.dead_letter_written
             summary["ingest_skipped"] = ingested.skipped
             if ingested.skipped:
                 console.print("ingest: every offset of this topic is already in the lake; nothing added")
-            events_quality = validate_table(config, LakeTable.EVENTS)
+            events_quality = validate(LakeTable.EVENTS)
             reports[LakeTable.EVENTS] = _quality_line(console, events_quality)
             final = k == len(parts) - 1  # a bounded replay: the last build closes every attribution window
             try:
-                built = run_build(config, beam_args=beam_args, final=final)
+                built = run_build(lake, config.build, beam_args=beam_args, final=final)
             except GateClosedError as exc:
                 # The events gate holds the build: nothing is built or trained on quarantined events.
                 console.print(str(exc), style="red", markup=False)
@@ -140,7 +146,7 @@ def run_demo(
                 return _finish(config, console, run_id, summary, started)
             if built.examples_version is None or built.examples_version == validated_examples:
                 continue
-            examples_quality = validate_table(config, LakeTable.EXAMPLES, built.examples_version)
+            examples_quality = validate(LakeTable.EXAMPLES, built.examples_version)
             reports[LakeTable.EXAMPLES] = _quality_line(console, examples_quality)
             validated_examples = built.examples_version
             if len(parts) > 1:
@@ -155,7 +161,7 @@ def run_demo(
     summary["seq_len_p50"] = built.seq_length_p50
     summary["seq_len_p99"] = built.seq_length_p99
     if examples_quality is None:
-        examples_quality = validate_table(config, LakeTable.EXAMPLES, built.examples_version)
+        examples_quality = validate(LakeTable.EXAMPLES, built.examples_version)
         reports[LakeTable.EXAMPLES] = _quality_line(console, examples_quality)
     summary["quality_passed"] = bool(events_quality.passed and examples_quality.passed)
     summary["quality_reports"] = reports

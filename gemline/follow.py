@@ -103,7 +103,7 @@ def follow_build(config: GemlineConfig, *, interval_s: float = 30.0, beam_args: 
         version, state.waiting = _newest_allowed(lake)
         if version is not None:
             try:
-                result = run_build(config, events_version=version, beam_args=list(beam_args or []))
+                result = run_build(lake, config.build, events_version=version, beam_args=list(beam_args or []))
             except GateClosedError as exc:  # a version on the way is quarantined or not validated yet
                 state.waiting = str(exc)
             else:
@@ -142,7 +142,8 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
             if table == Table.EVENTS:
                 todo = [newest] if newest in todo else []
             for version in todo:
-                result = validate_table(config, table, version)
+                result = validate_table(lake, table, version, validation=config.validation, ingest=config.ingest,
+                                        build=config.build)
                 state.done.append({"table": table, "version": version, "passed": result.passed,
                                    "report": result.report_html})
                 log.info("%s@%d: %s", table, version, "PASSED" if result.passed else "QUARANTINED")

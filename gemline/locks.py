@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gemline.errors import GemlineError
-from gemline.lake import is_remote
+from gemline.lake import Lake, is_remote
 
 
 class LakeBusyError(GemlineError, RuntimeError):
@@ -66,8 +66,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def holding(name: str) -> Callable[[_F], _F]:
-    """Decorator: run the function with :func:`exclusive` ``(config.lake, name)`` held, where
-    ``config`` (a ``GemlineConfig``) is its first argument.
+    """Decorator: run the function with :func:`exclusive` ``(root, name)`` held, where the function's
+    first argument is a :class:`gemline.lake.Lake` (the stages' entry points) or, until every stage
+    takes a Lake, a config with a ``lake`` root (``GemlineConfig``).
 
     Raises:
         LakeBusyError: another process holds the lock (before the function runs).
@@ -75,9 +76,10 @@ def holding(name: str) -> Callable[[_F], _F]:
 
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
-        def locked(config: Any, *args: Any, **kwargs: Any) -> Any:
-            with exclusive(config.lake, name):
-                return fn(config, *args, **kwargs)
+        def locked(first: Any, *args: Any, **kwargs: Any) -> Any:
+            root = first.root if isinstance(first, Lake) else first.lake
+            with exclusive(root, name):
+                return fn(first, *args, **kwargs)
 
         return locked  # type: ignore[return-value]
 

@@ -52,10 +52,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 from deltalake import DeltaTable
 
-from gemline.config import GemlineConfig
-from gemline.lake import commit_metadata, committed_version, open_table
+from gemline.lake import Lake, commit_metadata, committed_version, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
+from ingest.config import IngestConfig, KafkaConfig
 from ingest.dedup import committed_ids, committed_payloads, drop_duplicates, split_conflicts
 from ingest.pipeline import app_id_for
 from ingest.schema import EVENTS_TABLE_SCHEMA
@@ -92,24 +92,24 @@ class BackfillResult:
     """The backfill clock, ms since epoch UTC: the re-admitted rows' ``created_ts_ms`` is at least this."""
 
 
-def _consumed_version(config: GemlineConfig) -> tuple[int | None, int]:
+def _consumed_version(lake: Lake) -> tuple[int | None, int]:
     """(late_events version the last backfill consumed up to, or None; this run's batch version)."""
-    opts = config.lake_storage_options
-    last = committed_version(config.lake, Table.EVENTS, BACKFILL_APP_ID, storage_options=opts)
+    root, opts = lake.root, lake.delta_options
+    last = committed_version(root, Table.EVENTS, BACKFILL_APP_ID, storage_options=opts)
     if last is None:
         return None, 0
-    meta = commit_metadata(config.lake, Table.EVENTS, BACKFILL_APP_ID, storage_options=opts)
+    meta = commit_metadata(root, Table.EVENTS, BACKFILL_APP_ID, storage_options=opts)
     assert meta is not None and "late_events_version" in meta, "backfill commit without its metadata"
     return int(meta["late_events_version"]), last + 1
 
 
-def _check_ingest_settled(config: GemlineConfig) -> None:
-    """Raise ValueError when the configured topic's ingest batch is committed to ``dead_letter`` or
+def _check_ingest_settled(lake: Lake, topic: str) -> None:
+    """Raise ValueError when ``topic``'s ingest batch is committed to ``dead_letter`` or
     ``late_events`` but not yet to ``events`` (a crashed ingest)."""
-    app_id, opts = app_id_for(config.kafka.topic), config.lake_storage_options
-    done = committed_version(config.lake, Table.EVENTS, app_id, storage_options=opts)
+    app_id, root, opts = app_id_for(topic), lake.root, lake.delta_options
+    done = committed_version(root, Table.EVENTS, app_id, storage_options=opts)
     for table in (Table.DEAD_LETTER, Table.LATE_EVENTS):
-        ahead = committed_version(config.lake, table, app_id, storage_options=opts)
+        ahead = committed_version(root, table, app_id, storage_options=opts)
         if ahead is not None and (done is None or ahead > done):
             raise ValueError(f"ingest batch {ahead} of {app_id!r} is in {table} but not yet in {Table.EVENTS} "
                              "(an ingest crashed mid-commit): run `gemline ingest` to finish it, then backfill")
@@ -175,15 +175,18 @@ def _as_events(late: pa.Table, backfill_ms: int) -> pa.Table:
 
 
 @holding("ingest")
-def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) -> BackfillResult:
+def backfill_late_events(
+    lake: Lake, kafka: KafkaConfig, ingest: IngestConfig, *, now_ms: int | None = None
+) -> BackfillResult:
     """Re-admit the rows ``late_events`` gained since the last backfill into ``events``, exactly once.
 
     See the module docstring for the protocol and the ``created_ts_ms`` rule. Safe to rerun at any
     time: a run after a crash redoes the uncommitted batch; a run with nothing new writes nothing.
 
     Args:
-        config: ``lake``, ``lake_storage_options``, ``kafka.topic`` (the ingest whose crash state is
-            checked) and ``ingest.dedup_window_ms`` are used.
+        lake: the lake of ``late_events`` and ``events`` (its root's ingest lock is held).
+        kafka: ``topic`` is used: the ingest whose crash state is checked first.
+        ingest: ``dedup_window_ms`` is used.
         now_ms: the backfill clock, ms since epoch UTC (the re-admitted rows' ``created_ts_ms`` is at
             least this); None reads the wall clock.
 
@@ -196,11 +199,11 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
             it lacks an events column.
         gemline.locks.LakeBusyError: an ingest (or another backfill) is running on this lake.
     """
-    lake, opts = config.lake, config.lake_storage_options
+    root, opts = lake.root, lake.delta_options
     backfill_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
-    _check_ingest_settled(config)
-    consumed, batch_version = _consumed_version(config)
-    late_table = open_table(lake, Table.LATE_EVENTS, storage_options=opts)
+    _check_ingest_settled(lake, kafka.topic)
+    consumed, batch_version = _consumed_version(lake)
+    late_table = open_table(root, Table.LATE_EVENTS, storage_options=opts)
     if late_table is None:
         return BackfillResult(None, 0, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
     version = late_table.version()
@@ -208,7 +211,7 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
         raise ValueError(f"{Table.LATE_EVENTS} is at version {version} but the last backfill consumed it up to "
                          f"version {consumed}: it was replaced or restored alone; restore {Table.LATE_EVENTS} and "
                          f"{Table.EVENTS} to the same point together")
-    late = (late_rows_since(lake, consumed, version, storage_options=opts) if consumed != version
+    late = (late_rows_since(root, consumed, version, storage_options=opts) if consumed != version
             else late_table.to_pyarrow_dataset().schema.empty_table())
     if late.num_rows == 0:
         # Nothing to re-admit (ingest commits late_events every batch, mostly empty): no events commit.
@@ -216,8 +219,8 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
         return BackfillResult(version, 0, 0, 0, 0, None, skipped=True, backfill_ms=backfill_ms)
 
     rows = _as_events(late, backfill_ms)
-    existing = open_table(lake, Table.EVENTS, storage_options=opts)
-    window_ms = config.ingest.dedup_window_ms
+    existing = open_table(root, Table.EVENTS, storage_options=opts)
+    window_ms = ingest.dedup_window_ms
     dataset = None if existing is None else existing.to_pyarrow_dataset()
     candidates = rows
     rows, duplicates = drop_duplicates(candidates, committed_ids(dataset, candidates, window_ms), window_ms)
@@ -230,7 +233,7 @@ def backfill_late_events(config: GemlineConfig, *, now_ms: int | None = None) ->
     metadata = {"late_events_version": version, "late_rows_read": late.num_rows, "rows_readmitted": rows.num_rows,
                 "duplicates_skipped": duplicates, "conflicts_skipped": conflicts, "backfill_ms": backfill_ms}
     # Even when every row was a duplicate, the (possibly empty) commit records the consumed version.
-    wrote = commit(lake, Table.EVENTS, rows, app_id=BACKFILL_APP_ID, version=batch_version, metadata=metadata,
+    wrote = commit(root, Table.EVENTS, rows, app_id=BACKFILL_APP_ID, version=batch_version, metadata=metadata,
                    storage_options=opts)
     assert wrote, "the backfill batch was committed by someone else while the ingest lock was held"
     log.info("backfill: %d of %d late rows re-admitted to %s (%d duplicates, %d conflicts), %s consumed up to "

@@ -57,12 +57,11 @@ import pyarrow.feather as feather
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from gemline.beam_runner import local_runner_args
-from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError
-from gemline.lake import commit_metadata, committed_version, is_remote, open_table
+from gemline.lake import Lake, commit_metadata, committed_version, is_remote, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
-from ingest.config import IngestConfig
+from ingest.config import IngestConfig, KafkaConfig
 from ingest.dedup import (
     committed_ids,
     committed_payloads,
@@ -187,34 +186,35 @@ def cap_ranges(ranges: list[OffsetRange], max_offsets: int | None) -> list[Offse
     return [OffsetRange(r.topic, r.partition, r.start, min(r.end, r.start + max_offsets)) for r in ranges]
 
 
-def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset_topic: bool = False) -> _Plan:
+def _plan_batch(lake: Lake, kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, now_ms: int | None,
+                reset_topic: bool = False) -> _Plan:
     """Decide the batch: version, ranges, clock, rules (fresh, or recovered from a dead_letter commit)."""
-    lake, topic, opts = config.lake, config.kafka.topic, config.lake_storage_options
+    root, topic, opts = lake.root, kafka.topic, lake.delta_options
     app_id = app_id_for(topic)
-    last_events = committed_version(lake, Table.EVENTS, app_id, storage_options=opts)
+    last_events = committed_version(root, Table.EVENTS, app_id, storage_options=opts)
     batch_version = 0 if last_events is None else last_events + 1
-    events_meta = commit_metadata(lake, Table.EVENTS, app_id, storage_options=opts) or {}
+    events_meta = commit_metadata(root, Table.EVENTS, app_id, storage_options=opts) or {}
     prev_ends = {int(p): int(e) for p, e in events_meta.get("end_offsets", {}).items()}
     marks = {int(p): int(w) for p, w in events_meta.get("watermarks_ms", {}).items()}
     identity = events_meta.get("topic_identity")
     previous = None if identity is None else TopicIdentity.from_dict(identity)
-    plan_args: dict[str, Any] = dict(client=config.kafka.client, timeout_s=config.ingest.read_timeout_s)
+    plan_args: dict[str, Any] = dict(client=kafka.client, timeout_s=ingest.read_timeout_s)
 
-    last_dead = committed_version(lake, Table.DEAD_LETTER, app_id, storage_options=opts)
+    last_dead = committed_version(root, Table.DEAD_LETTER, app_id, storage_options=opts)
     if last_dead is not None and last_dead > batch_version:
         raise RuntimeError(f"{Table.DEAD_LETTER} holds batch {last_dead} of {app_id!r} but {Table.EVENTS} only "
                            f"{last_events}: the tables were changed outside the ingest job; restore them together")
     if last_dead == batch_version:
-        meta = commit_metadata(lake, Table.DEAD_LETTER, app_id, storage_options=opts)
+        meta = commit_metadata(root, Table.DEAD_LETTER, app_id, storage_options=opts)
         assert meta is not None, "dead_letter has a txn version but no gemline metadata"
         ranges = tuple(OffsetRange.from_dict(d) for d in meta["offset_ranges"])
         ends = {int(p): int(e) for p, e in meta["end_offsets"].items()}
-        rules = with_rules(config.ingest, meta.get("rules", {}))
-        changed = tuple(k for k in RULE_FIELDS if getattr(rules, k) != getattr(config.ingest, k))
+        rules = with_rules(ingest, meta.get("rules", {}))
+        changed = tuple(k for k in RULE_FIELDS if getattr(rules, k) != getattr(ingest, k))
         if changed:
             log.warning("ingest %s: recovering batch %d with the settings it was planned with, overriding at run time "
                         "%s (the configured values apply from the next batch)", app_id, batch_version,
-                        "; ".join(f"ingest.{k}={getattr(config.ingest, k)!r} configured, {getattr(rules, k)!r} used"
+                        "; ".join(f"ingest.{k}={getattr(ingest, k)!r} configured, {getattr(rules, k)!r} used"
                                   for k in changed))
         recorded = meta.get("topic_identity")
         snapshot_identity = previous if recorded is None else TopicIdentity.from_dict(recorded)
@@ -242,12 +242,12 @@ def _plan_batch(config: GemlineConfig, bootstrap: str, now_ms: int | None, reset
                  "at_ms": int(time.time() * 1000)}
         prev_ends, previous = {}, None
     snap = plan_topic(bootstrap, topic, prev_ends, previous=previous,
-                      max_offsets=config.ingest.max_offsets_per_partition, **plan_args)
+                      max_offsets=ingest.max_offsets_per_partition, **plan_args)
     ranges = tuple(snap.ranges)
     ends = {**prev_ends, **{r.partition: r.end for r in ranges}} if not reset_topic else {r.partition: r.end
                                                                                            for r in ranges}
     clock_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
-    return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks, rules=config.ingest,
+    return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks, rules=ingest,
                  identity=snap.identity, gaps=snap.gaps, reset=reset)
 
 
@@ -393,17 +393,18 @@ class ReadRecordBatches(beam.PTransform):
         return batches | "Reshuffle" >> beam.Reshuffle() if self._reshuffle else batches
 
 
-def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, beam_args: list[str]) -> None:
-    options = PipelineOptions(local_runner_args([f"--runner={config.ingest.runner}", *beam_args]))
+def _run_beam(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, plan: _Plan, stage: Path,
+              beam_args: list[str]) -> None:
+    options = PipelineOptions(local_runner_args([f"--runner={ingest.runner}", *beam_args]))
     nonempty = [r for r in plan.ranges if r.num_offsets > 0]
     with beam.Pipeline(options=options) as p:
         parsed = (
             p
             | "Ranges" >> beam.Create(nonempty)
-            | "ReadKafka" >> ReadRecordBatches(bootstrap=bootstrap, client=config.kafka.client,
-                                               timeout_s=config.ingest.read_timeout_s,
-                                               max_records=config.ingest.batch_max_records,
-                                               reshuffle=config.ingest.reshuffle,
+            | "ReadKafka" >> ReadRecordBatches(bootstrap=bootstrap, client=kafka.client,
+                                               timeout_s=ingest.read_timeout_s,
+                                               max_records=ingest.batch_max_records,
+                                               reshuffle=ingest.reshuffle,
                                                max_message_bytes=plan.rules.max_message_bytes)
             | "ParseBatches" >> ParseBatches(plan.rules.domains, plan.now_ms, plan.rules.max_future_skew_ms,
                                              plan.rules.retention_ms, min_event_time_ms=plan.rules.min_event_time_ms,
@@ -415,20 +416,25 @@ def _run_beam(config: GemlineConfig, bootstrap: str, plan: _Plan, stage: Path, b
 
 @holding("ingest")
 def run_ingest(
-    config: GemlineConfig,
+    lake: Lake,
+    kafka: KafkaConfig,
+    ingest: IngestConfig,
     *,
     bootstrap: str,
     beam_args: list[str] | None = None,
     now_ms: int | None = None,
     reset_topic: bool = False,
 ) -> IngestResult:
-    """Ingest one bounded snapshot of ``config.kafka.topic`` into ``events`` and ``dead_letter``.
+    """Ingest one bounded snapshot of ``kafka.topic`` into ``events`` and ``dead_letter``.
 
     See the module docstring for the protocol. Safe to rerun at any time: a run after a crash
     completes the crashed batch; a run with nothing new is skipped.
 
     Args:
-        config: ``lake``, ``kafka.topic`` / ``kafka.client`` and the ``ingest`` section are used.
+        lake: the lake the tables are in (its root is locked against a second ingest).
+        kafka: ``topic`` and ``client`` are used (the broker is ``bootstrap``).
+        ingest: the parsing, dedup, lateness and batching settings of a fresh batch (a recovered
+            batch keeps the fate-deciding rules it was planned with).
         bootstrap: ``HOST:PORT`` of the Kafka cluster.
         beam_args: extra Beam pipeline flags (e.g. ``["--direct_num_workers=2"]``).
         now_ms: the ingest clock for ``future_event_time``, ms since epoch UTC; None reads the
@@ -448,25 +454,25 @@ def run_ingest(
             exactly-once invariants.
         gemline.locks.LakeBusyError: another ingest is running on this lake.
     """
-    lake, app_id, opts = config.lake, app_id_for(config.kafka.topic), config.lake_storage_options
-    plan = _plan_batch(config, bootstrap, now_ms, reset_topic)
+    root, app_id, opts = lake.root, app_id_for(kafka.topic), lake.delta_options
+    plan = _plan_batch(lake, kafka, ingest, bootstrap, now_ms, reset_topic)
     planned = sum(r.num_offsets for r in plan.ranges)
     if planned == 0 and plan.reset is None and not plan.gaps:
         log.info("ingest %s: nothing new (batch %d skipped)", app_id, plan.batch_version)
         return IngestResult(plan.batch_version, 0, 0, plan.ranges, skipped=True)
 
-    stage = _stage_for(lake, plan.batch_version)
+    stage = _stage_for(root, plan.batch_version)
     shutil.rmtree(stage, ignore_errors=True)
     for table in (Table.EVENTS, Table.DEAD_LETTER):
         (stage / table).mkdir(parents=True)
     log.info("ingest %s: batch %d, %d records over %d partitions -> staging", app_id, plan.batch_version, planned,
              len(plan.ranges))
-    _run_beam(config, bootstrap, plan, stage, list(beam_args or []))
+    _run_beam(kafka, ingest, bootstrap, plan, stage, list(beam_args or []))
 
     events = read_staged(stage / Table.EVENTS, EVENTS_TABLE_SCHEMA)
     dead = read_staged(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
     _check_batch(events, dead, plan.ranges)
-    existing = open_table(lake, Table.EVENTS, storage_options=opts)
+    existing = open_table(root, Table.EVENTS, storage_options=opts)
     rules = plan.rules
     dataset = None if existing is None else existing.to_pyarrow_dataset()
     committed = committed_ids(dataset, events, rules.dedup_window_ms)
@@ -494,13 +500,13 @@ def run_ingest(
         "gaps": [{"partition": p, "start": a, "end": b, "count": b - a} for p, (a, b) in sorted(plan.gaps.items())],
         **({"reset": plan.reset} if plan.reset is not None else {}),
     }
-    wrote_dead = commit(lake, Table.DEAD_LETTER, dead, app_id=app_id, version=plan.batch_version,
+    wrote_dead = commit(root, Table.DEAD_LETTER, dead, app_id=app_id, version=plan.batch_version,
                         metadata=metadata, storage_options=opts)
     # late_events joined the lake after events: in an existing lake its first batch is the app's next
     # events version, not 0, so any version above its last is accepted there.
-    wrote_late = commit(lake, Table.LATE_EVENTS, late, app_id=app_id, version=plan.batch_version,
+    wrote_late = commit(root, Table.LATE_EVENTS, late, app_id=app_id, version=plan.batch_version,
                         metadata=metadata, version_rule="increasing", storage_options=opts)
-    wrote_events = commit(lake, Table.EVENTS, events, app_id=app_id, version=plan.batch_version,
+    wrote_events = commit(root, Table.EVENTS, events, app_id=app_id, version=plan.batch_version,
                           metadata=metadata, storage_options=opts)
     shutil.rmtree(stage, ignore_errors=True)
     log.info("ingest %s: batch %d committed: %d events, %d dead-letter, %d late, %d duplicates dropped", app_id,
@@ -522,7 +528,9 @@ def run_ingest(
 
 
 def ingest_backlog(
-    config: GemlineConfig,
+    lake: Lake,
+    kafka: KafkaConfig,
+    ingest: IngestConfig,
     *,
     bootstrap: str,
     beam_args: list[str] | None = None,
@@ -533,7 +541,7 @@ def ingest_backlog(
 ) -> list[IngestResult]:
     """Run :func:`run_ingest` until the topic is caught up (a run is skipped) or ``max_batches`` ran.
 
-    With ``config.ingest.max_offsets_per_partition`` set, each batch reads at most that many offsets
+    With ``ingest.max_offsets_per_partition`` set, each batch reads at most that many offsets
     per partition, so a backlog of any size is ingested with the memory of one bounded batch.
     The high watermarks are read anew by each batch, so records produced meanwhile are read too.
 
@@ -541,7 +549,8 @@ def ingest_backlog(
         max_batches: stop after this many batches (skipped ones included); None: until caught up.
         reset_topic: as for :func:`run_ingest`, for the first batch.
         on_batch: called with each committed batch's result as soon as it committed (progress lines).
-        bootstrap, beam_args, now_ms: as for :func:`run_ingest` (one ``now_ms`` for every batch).
+        lake, kafka, ingest, bootstrap, beam_args, now_ms: as for :func:`run_ingest` (one ``now_ms`` for
+            every batch).
 
     Returns:
         The results of the non-skipped batches, in order.
@@ -553,7 +562,7 @@ def ingest_backlog(
         raise ValueError(f"ingest_backlog: expected max_batches >= 1 or None, got {max_batches}")
     results: list[IngestResult] = []
     for i in itertools.count() if max_batches is None else range(max_batches):
-        result = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms,
+        result = run_ingest(lake, kafka, ingest, bootstrap=bootstrap, beam_args=beam_args, now_ms=now_ms,
                             reset_topic=reset_topic and i == 0)
         if result.skipped:
             break

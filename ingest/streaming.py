@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gemline.config import GemlineConfig
-from ingest.config import StreamingConfig
+from gemline.lake import Lake
+from ingest.config import IngestConfig, KafkaConfig, StreamingConfig
 from ingest.pipeline import IngestResult, run_ingest
 
 __all__ = ["StreamingConfig", "StreamingSummary", "install_stop_signals", "run_streaming"]
@@ -77,7 +77,9 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
 
 
 def run_streaming(
-    config: GemlineConfig,
+    lake: Lake,
+    kafka: KafkaConfig,
+    ingest: IngestConfig,
     streaming: StreamingConfig,
     *,
     bootstrap: str,
@@ -86,14 +88,15 @@ def run_streaming(
     on_batch: Callable[[IngestResult], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> StreamingSummary:
-    """Ingest ``config.kafka.topic`` in micro-batches until ``stop`` is set or ``streaming.max_batches`` ran.
+    """Ingest ``kafka.topic`` in micro-batches until ``stop`` is set or ``streaming.max_batches`` ran.
 
     Each cycle is one :func:`ingest.pipeline.run_ingest` call (exactly once, restartable); the
     next cycle starts ``commit_interval_s`` after the previous one started, or at once when a
     batch took longer.
 
     Args:
-        streaming: the loop's settings, ``config.ingest.streaming`` from the CLI (a test may pass others).
+        lake, kafka, ingest: as for :func:`ingest.pipeline.run_ingest`, for every micro-batch.
+        streaming: the loop's settings, ``ingest.streaming`` from the CLI (a test may pass others).
         stop: set it (another thread, or :func:`install_stop_signals`) to end after the batch in flight.
         on_batch: called with each cycle's result, after its commits (tests use it to produce more).
         clock: monotonic seconds, for the interval only.
@@ -109,7 +112,7 @@ def run_streaming(
     summary = StreamingSummary()
     while not stop.is_set():
         started = clock()
-        result = run_ingest(config, bootstrap=bootstrap, beam_args=beam_args)
+        result = run_ingest(lake, kafka, ingest, bootstrap=bootstrap, beam_args=beam_args)
         summary.batches += 1
         if not result.skipped:
             summary.committed.append(result.batch_version)

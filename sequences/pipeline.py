@@ -51,11 +51,11 @@ from tqdm import tqdm
 
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from gemline.beam_runner import local_runner_args
-from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import require_allowed
 from gemline.hygiene import HygieneConfig, conform, tidy
 from gemline.lake import (
+    Lake,
     StorageOptions,
     commit_metadata,
     committed_version,
@@ -406,7 +406,8 @@ def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | Non
 
 @holding("build")
 def run_build(
-    config: GemlineConfig,
+    lake: Lake,
+    config: BuildConfig,
     *,
     events_version: int | None = None,
     beam_args: list[str] | None = None,
@@ -431,12 +432,19 @@ def run_build(
     Restartable: a build of an already-built events version returns ``skipped=True`` and changes
     nothing; a crashed build is redone from the state of the previous one.
 
-    The quality gate holds the build (``config.build.events_gate = "required"``, the default):
+    The quality gate holds the build (``config.events_gate = "required"``, the default):
     ``events@version`` must have passed its newest validation or been released by hand, and no
     version between the last built one and it may be quarantined
     (:func:`gemline.gate.require_allowed`); a never-validated version is refused too (validate
     it first). Nothing is written before that check. A rerun with nothing new reads no events and
     is not checked.
+
+    Args:
+        lake: the lake of ``events`` and the build's tables (its root's build lock is held).
+        config: the ``build`` section: windows, sequence lengths, shards, the events gate, hygiene.
+        events_version: the ``events`` version to build up to; None: the latest.
+        beam_args: extra Beam pipeline flags (DirectRunner unless they name another runner).
+        final, close_windows_at: close attribution windows beyond the watermark (see above).
 
     Raises:
         MissingInputError: no ``events`` table (run ingest first; a ValueError).
@@ -446,14 +454,15 @@ def run_build(
         gemline.gate.GateClosedError: an events version to be read is quarantined, or
             ``events@version`` was never validated (one line naming the version and the command).
     """
-    lake, opts = config.lake, (dict(config.lake_storage_options) if is_remote(config.lake) else None)
-    table = open_table(lake, Table.EVENTS, events_version, storage_options=opts)
+    # The helpers and the Beam steps below take the root and its delta-rs options (None for a local lake).
+    root, opts = lake.root, lake.delta_options
+    table = open_table(root, Table.EVENTS, events_version, storage_options=opts)
     if table is None:
-        raise MissingInputError(f"no events table under {lake!r}; run the ingest job first")
+        raise MissingInputError(f"no events table under {root!r}; run the ingest job first")
     if close_windows_at is not None and close_windows_at < 0:
         raise ValueError(f"close_windows_at must be ms since epoch UTC (>= 0), got {close_windows_at}")
     version = table.version()
-    meta = commit_metadata(lake, Table.EXAMPLES, APP_ID, storage_options=opts) or {}
+    meta = commit_metadata(root, Table.EXAMPLES, APP_ID, storage_options=opts) or {}
     old_version = meta.get("events_version")
     if old_version is not None and version < old_version:
         raise BadConfigError(f"events_version {version} is older than the last built version {old_version}; "
@@ -464,40 +473,40 @@ def run_build(
         # are pending; otherwise a rerun (e.g. a second `build --final`) is a no-op, not an empty version.
         wants_close = final or (close_windows_at is not None and close_windows_at > (old_close or 0))
         moves = wants_close and (old_close is None or _close_point(
-            config.build, meta.get("watermark_ms") or 0, old_close, final, close_windows_at) > old_close)
-        if not moves or _rows(lake, Table.BUILD_PENDING, opts) == 0:
-            return _result_from_lake(lake, version, skipped=True, opts=opts)
+            config, meta.get("watermark_ms") or 0, old_close, final, close_windows_at) > old_close)
+        if not moves or _rows(root, Table.BUILD_PENDING, opts) == 0:
+            return _result_from_lake(root, version, skipped=True, opts=opts)
     _check_events(table.to_pyarrow_dataset().schema.names)
-    if config.build.events_gate == "required" and version != old_version:
+    if config.events_gate == "required" and version != old_version:
         # Only the events versions the quality gate allows are built (the rows read are those of
         # old_version (exclusive) .. version); a refusal names the version and the command to run.
-        require_allowed(lake, Table.EVENTS, version, since=old_version, reader="build", storage_options=opts)
-    new_times = new_event_rows(lake, old_version, version, columns=["event_time_ms"],
+        require_allowed(root, Table.EVENTS, version, since=old_version, reader="build", storage_options=opts)
+    new_times = new_event_rows(root, old_version, version, columns=["event_time_ms"],
                                storage_options=opts).column("event_time_ms")
     newest = pc.max(new_times).as_py() if len(new_times) else None
     old_watermark = meta.get("watermark_ms")
     # An empty first snapshot has no event time: the epoch makes every as-of output empty.
     watermark_ms = max(x for x in (old_watermark, newest, 0) if x is not None)
-    close_ms = _close_point(config.build, watermark_ms, old_close, final, close_windows_at)
+    close_ms = _close_point(config, watermark_ms, old_close, final, close_windows_at)
     last_build = meta.get("build")
     build = 0 if last_build is None else last_build + 1
-    state = {name: ("state", lake, name, _version_at_build(lake, name, last_build, opts), opts) for name in
+    state = {name: ("state", root, name, _version_at_build(root, name, last_build, opts), opts) for name in
              (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED,
               Table.BUILD_PENDING)}
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
     # local temp dir (multi-machine runners need a shared one).
-    staging = (Path(tempfile.mkdtemp(prefix=f"gemline-build-{version}-")) if is_remote(lake)
-               else Path(lake) / "_staging" / APP_ID / str(version))
+    staging = (Path(tempfile.mkdtemp(prefix=f"gemline-build-{version}-")) if is_remote(root)
+               else Path(root) / "_staging" / APP_ID / str(version))
     # A crashed earlier attempt may have left manifests: start afresh (its files get rewritten).
     shutil.rmtree(staging, ignore_errors=True)
     done = frozenset(name for name in _OUTPUTS
-                     if (commit_metadata(lake, name, APP_ID, storage_options=opts) or {}).get("build") == build)
+                     if (commit_metadata(root, name, APP_ID, storage_options=opts) or {}).get("build") == build)
 
     with beam.Pipeline(options=PipelineOptions(local_runner_args(beam_args or []))) as pipeline:
         start = pipeline | "Start" >> beam.Create([None])
         inputs = {
-            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_table, ("new", lake, old_version, version, opts)),
+            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_table, ("new", root, old_version, version, opts)),
             "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_table, state[Table.BUILD_BUFFER]),
             "seq": start | "ReadSequences" >> beam.FlatMap(_emit_table, state[Table.SEQUENCES]),
             "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_table, state[Table.SEQUENCES_BY_DOMAIN]),
@@ -505,9 +514,9 @@ def run_build(
             "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[Table.BUILD_PENDING]),
         }
         parts = inputs | "BuildIncrement" >> BuildIncrement(
-            config.build, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms,
+            config, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms,
             spill_dir=str(staging / "shuffle"))
-        write = (str(lake), opts, str(staging), build, done)
+        write = (str(root), opts, str(staging), build, done)
         parts["item"] | "WriteItemParts" >> beam.Map(_write_part, *write)
         parts["user"] | "WriteUserParts" >> beam.Map(_write_part, *write)
 
@@ -518,14 +527,14 @@ def run_build(
         files = _manifest_files(staging / name)
         if name == Table.EXAMPLES:
             published = sum(f["num_records"] for f in files)
-        last = committed_version(lake, name, APP_ID, storage_options=opts)
+        last = committed_version(root, name, APP_ID, storage_options=opts)
         commit_files(
-            lake, name, files, _OUTPUTS[name], app_id=APP_ID, version=0 if last is None else last + 1,
+            root, name, files, _OUTPUTS[name], app_id=APP_ID, version=0 if last is None else last + 1,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
             storage_options=opts,
         )
     shutil.rmtree(staging, ignore_errors=True)
-    hygiene = build_hygiene(config.build)
+    hygiene = build_hygiene(config)
     for name in _OUTPUTS:
-        tidy(lake, name, hygiene, storage_options=opts)
-    return _result_from_lake(lake, version, skipped=False, published=published, opts=opts)
+        tidy(root, name, hygiene, storage_options=opts)
+    return _result_from_lake(root, version, skipped=False, published=published, opts=opts)

@@ -8,3 +8,23 @@ collects them, before ``tests/kernels/conftest.py`` is read.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def ingest_args(config):
+    """``(lake, kafka, ingest)`` of a root ``GemlineConfig``: the leading arguments of ``run_ingest``,
+    ``ingest_backlog``, ``backfill_late_events`` and ``run_streaming``, for tests that build one config."""
+    from gemline.lake import Lake
+
+    return Lake.for_config(config), config.kafka, config.ingest
+
+
+def build_args(config):
+    """``(lake, build)`` of a root ``GemlineConfig``: the leading arguments of ``run_build``."""
+    from gemline.lake import Lake
+
+    return Lake.for_config(config), config.build
+
+
+def quality_sections(config):
+    """The config sections ``validate_table`` takes by keyword, from a root ``GemlineConfig``."""
+    return {"validation": config.validation, "ingest": config.ingest, "build": config.build}

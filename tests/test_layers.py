@@ -30,10 +30,8 @@ RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.conf
 
 KNOWN = {
     # Stages still take the root config instead of their own section and a Lake.
-    ("ingest.backfill", "gemline.config"), ("ingest.pipeline", "gemline.config"), ("ingest.streaming", "gemline.config"),
-    ("sequences.pipeline", "gemline.config"), ("validation.run", "gemline.config"), ("trainer.compare", "gemline.config"),
-    ("trainer.continuous", "gemline.config"), ("trainer.launch", "gemline.config"),
-    ("trainer.run_report", "gemline.config"),
+    ("trainer.compare", "gemline.config"), ("trainer.continuous", "gemline.config"),
+    ("trainer.launch", "gemline.config"), ("trainer.run_report", "gemline.config"),
 }
 
 

@@ -25,13 +25,15 @@ from typing import Any
 import pyarrow.fs as pafs
 from tqdm import tqdm
 
-from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import append_quality_rows
 from gemline.increments import rows_added
-from gemline.lake import is_remote, lake_fs, open_table, read_table
+from gemline.lake import Lake, lake_fs, open_table, read_table
 from gemline.tables import Table
+from ingest.config import IngestConfig
+from sequences.config import BuildConfig
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
+from validation.config import ValidationConfig
 from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
@@ -57,48 +59,45 @@ class QualityResult:
     report_html: Path | str
 
 
-def _run_suite(config: GemlineConfig, table: str, data, now_ms: int) -> list[CheckResult]:
+def _run_suite(validation: ValidationConfig, ingest: IngestConfig, build: BuildConfig, table: str, data,
+               now_ms: int) -> list[CheckResult]:
     bounds: dict[str, Any] = dict(
-        domains=config.ingest.domains,
-        min_time_ms=config.validation.min_event_time_ms,
-        max_time_ms=now_ms + config.validation.max_future_skew_ms,
+        domains=ingest.domains,
+        min_time_ms=validation.min_event_time_ms,
+        max_time_ms=now_ms + validation.max_future_skew_ms,
     )
-    sample_rows = config.validation.gx_sample_rows
+    sample_rows = validation.gx_sample_rows
     if table == Table.EVENTS:
-        return validate_events(data, **bounds, sample_rows=sample_rows, dedup_window_ms=config.ingest.dedup_window_ms)
+        return validate_events(data, **bounds, sample_rows=sample_rows, dedup_window_ms=ingest.dedup_window_ms)
     if table == Table.SEQUENCES:
-        return validate_sequences(data, max_seq_len=config.build.max_seq_len, min_time_ms=bounds["min_time_ms"],
+        return validate_sequences(data, max_seq_len=build.max_seq_len, min_time_ms=bounds["min_time_ms"],
                                   max_time_ms=bounds["max_time_ms"], sample_rows=sample_rows)
     if table in FEATURE_VIEWS:
         return validate_features(data, table, **bounds, sample_rows=sample_rows)
     return validate_examples(
         data,
         **bounds,
-        max_seq_len=config.build.max_seq_len,
-        min_label_rate=config.validation.min_label_rate,
-        max_label_rate=config.validation.max_label_rate,
+        max_seq_len=build.max_seq_len,
+        min_label_rate=validation.min_label_rate,
+        max_label_rate=validation.max_label_rate,
         sample_rows=sample_rows,
         empty_severity="warning" if table in INCREMENTAL else "critical",
     )
 
 
-def _opts(config: GemlineConfig) -> dict[str, str] | None:
-    """``config.lake_storage_options`` for an object-store lake, None for a local one."""
-    return dict(config.lake_storage_options) if is_remote(config.lake) else None
-
-
-def _batch(config: GemlineConfig, table: str, data, source: dict | None) -> tuple[object, list[CheckResult]]:
+def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
+           source: dict | None) -> tuple[object, list[CheckResult]]:
     """(the batch to profile, the dead-letter checks): for ``events``, the rows of the commit's offset ranges."""
     ranges = (source or {}).get("offset_ranges")
     if table != Table.EVENTS or not ranges or "kafka_offset" not in data.column_names:
         return data, []
     batch = in_ranges(data, ranges)
-    dead = read_table(config.lake, Table.DEAD_LETTER, columns=["kafka_partition", "kafka_offset"],
-                      storage_options=_opts(config))
+    dead = read_table(lake.root, Table.DEAD_LETTER, columns=["kafka_partition", "kafka_offset"],
+                      storage_options=lake.delta_options)
     num_dead = 0 if dead is None else in_ranges(dead, ranges).num_rows
-    vc = config.validation
-    checks = dead_letter_checks(batch.num_rows, num_dead, warning_rate=vc.dead_letter_warning_rate,
-                                critical_rate=vc.dead_letter_critical_rate, min_records=vc.dead_letter_min_records)
+    checks = dead_letter_checks(batch.num_rows, num_dead, warning_rate=validation.dead_letter_warning_rate,
+                                critical_rate=validation.dead_letter_critical_rate,
+                                min_records=validation.dead_letter_min_records)
     return batch, checks
 
 
@@ -107,7 +106,14 @@ INCREMENTAL = (Table.EXAMPLES,)
 
 
 def validate_table(
-    config: GemlineConfig, table: str, version: int | None = None, *, now_ms: int | None = None
+    lake: Lake,
+    table: str,
+    version: int | None = None,
+    *,
+    validation: ValidationConfig,
+    ingest: IngestConfig,
+    build: BuildConfig,
+    now_ms: int | None = None,
 ) -> QualityResult:
     """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
 
@@ -115,9 +121,12 @@ def validate_table(
     whole table at that version (``events`` adds the dead-letter rate of its ingest batch).
 
     Args:
-        config: the pipeline config (lake root, domains, max_seq_len, validation bounds).
+        lake: the lake of ``table``, the ``quality`` tables and the reports.
         table: one of :data:`VALIDATED_TABLES`.
         version: Delta version to validate; None takes the latest.
+        validation: the bounds, label rates, dead-letter rates, drift settings and GX sample size.
+        ingest: ``domains`` and ``dedup_window_ms`` (what ingest admitted is what is checked).
+        build: ``max_seq_len`` (of ``sequences`` and ``examples``).
         now_ms: validation clock, ms since epoch UTC (upper bound of sane event times and the run's
             timestamp in ``quality``); None reads the wall clock.
 
@@ -131,10 +140,10 @@ def validate_table(
     if table not in VALIDATED_TABLES:
         raise BadConfigError(f"no quality suite for table {table!r}; expected one of {VALIDATED_TABLES}")
     ts = int(time.time() * 1000) if now_ms is None else now_ms
-    opts = _opts(config)
-    dt = open_table(config.lake, table, storage_options=opts)
+    root, opts = lake.root, lake.delta_options
+    dt = open_table(root, table, storage_options=opts)
     if dt is None:
-        raise MissingInputError(f"table {table!r} does not exist under lake {config.lake!r}; run the stage that writes it first")
+        raise MissingInputError(f"table {table!r} does not exist under lake {root!r}; run the stage that writes it first")
     latest = dt.version()
     table_version = latest if version is None else version
     if not 0 <= table_version <= latest:
@@ -143,18 +152,18 @@ def validate_table(
     steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
     # examples is append-only: a version is judged on the rows it added (the increment a trainer consumes),
     # so the cost does not grow with the table and one bad build does not fail every later version.
-    added = rows_added(config.lake, table, table_version, storage_options=opts) if table in INCREMENTAL else None
-    data = added if added is not None else read_table(config.lake, table, table_version, storage_options=opts)
+    added = rows_added(root, table, table_version, storage_options=opts) if table in INCREMENTAL else None
+    data = added if added is not None else read_table(root, table, table_version, storage_options=opts)
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
-    source = source_metadata(config.lake, table, table_version, storage_options=opts)
+    source = source_metadata(root, table, table_version, storage_options=opts)
     steps.update()
-    results = _run_suite(config, table, data, ts)
+    results = _run_suite(validation, ingest, build, table, data, ts)
     steps.update()
-    batch, dead_checks = _batch(config, table, data, source)
+    batch, dead_checks = _batch(lake, validation, table, data, source)
     profile = profile_batch(batch)
-    history = profile_history(config.lake, table, table_version, config.validation.drift_history_batches,
+    history = profile_history(root, table, table_version, validation.drift_history_batches,
                               storage_options=opts)
-    results = results + dead_checks + drift_checks(profile, [p for _, p in history], config.validation)
+    results = results + dead_checks + drift_checks(profile, [p for _, p in history], validation)
     steps.update()
     run_id = f"{ts:013d}-{uuid.uuid4().hex[:8]}"
     report = build_report(
@@ -168,14 +177,14 @@ def validate_table(
         profile=profile,
         history=history,
     )
-    json_path, html_path = write_report(config.lake, report, data, storage_options=opts)
+    json_path, html_path = write_report(root, report, data, storage_options=opts)
     # One app transaction per run on both tables: a retried write of this run lands once.
     app_id = f"validate:{run_id}"
-    append_profile(config.lake, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
+    append_profile(root, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
                    passed=verdict(results) == PASSED, profile=profile, app_id=app_id, storage_options=opts)
     steps.update()
     append_quality_rows(
-        config.lake,
+        root,
         [
             {
                 "table": table,
@@ -206,13 +215,11 @@ def validate_table(
     )
 
 
-def latest_report(
-    lake: str | Path, table: str, version: int | None = None, *, storage_options: dict[str, str] | None = None
-) -> tuple[str, Path | str]:
+def latest_report(lake: Lake, table: str, version: int | None = None) -> tuple[str, Path | str]:
     """(verdict, path of report.html) of the newest report of ``table`` (at ``version`` if given).
 
     A local lake gives a ``Path``; an object-store lake (``s3://...``) the report's URI, read
-    through ``gemline.lake.lake_fs`` with ``storage_options``.
+    through ``gemline.lake.lake_fs`` with the lake's storage options.
 
     Raises:
         BadConfigError: ``table`` has no suite.
@@ -220,15 +227,15 @@ def latest_report(
     """
     if table not in VALIDATED_TABLES:
         raise BadConfigError(f"no quality suite (so no report) for table {table!r}; reports exist for {VALIDATED_TABLES}")
-    if is_remote(lake):
-        return _latest_remote_report(str(lake), table, version, storage_options)
+    if lake.is_remote:
+        return _latest_remote_report(lake.root, table, version, lake.delta_options)
     if version is None:
-        root = Path(lake) / "_quality" / table
+        root = Path(lake.root) / "_quality" / table
         versions = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit() and (p / "report.json").is_file())
         if not versions:
             raise MissingInputError(f"no quality report for {table!r} under {root}; run `gemline validate --table {table}`")
         version = versions[-1]
-    out = report_dir(lake, table, version)
+    out = report_dir(lake.root, table, version)
     if not (out / "report.json").is_file():
         raise MissingInputError(f"no quality report for {table}@{version} at {out}; run `gemline validate --table {table} --version {version}`")
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))

@@ -27,6 +27,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from gemline.cluster import RUNNER, dask_beam_args, group_partition, run_dofn_bundle, select_tag, stable_key_hash
 from gemline.config import GemlineConfig
 from gemline.lake import read_table
+from tests.conftest import build_args, ingest_args
 
 NOW_MS = 1_800_000_000_000  # fixed ingest clock, later than every generated event
 TOPIC = "cluster-events"
@@ -216,7 +217,7 @@ def ingested(produced, cluster, tmp_path_factory):
     lakes = {}
     for name, args in (("direct", []), ("dask", dask_beam_args(cluster.scheduler_address))):
         lakes[name] = tmp_path_factory.mktemp(name)
-        run_ingest(_config(lakes[name]), bootstrap=bootstrap, beam_args=args, now_ms=NOW_MS)
+        run_ingest(*ingest_args(_config(lakes[name])), bootstrap=bootstrap, beam_args=args, now_ms=NOW_MS)
     return lakes
 
 
@@ -241,7 +242,7 @@ def test_dask_build_equals_direct_build(ingested, cluster):
     from sequences.pipeline import _OUTPUTS, run_build
 
     for name, args in (("direct", []), ("dask", dask_beam_args(cluster.scheduler_address))):
-        run_build(_config(ingested[name]), beam_args=args, final=True)
+        run_build(*build_args(_config(ingested[name])), beam_args=args, final=True)
     for table in _OUTPUTS:
         assert _sorted_rows(ingested["dask"], table) == _sorted_rows(ingested["direct"], table), table
     assert _sorted_rows(ingested["direct"], "examples")
@@ -295,11 +296,11 @@ def test_worker_killed_mid_job_leaves_the_lake_of_a_clean_run(produced, ingested
         client.register_plugin(_DieOnceInParse(str(marker)), name="die-once")
         try:
             try:
-                first = run_ingest(_config(lake), bootstrap=bootstrap,
+                first = run_ingest(*ingest_args(_config(lake)), bootstrap=bootstrap,
                                    beam_args=dask_beam_args(cluster.scheduler_address), now_ms=NOW_MS)
             except Exception:  # noqa: BLE001 - the job may fail with the worker; the rerun must finish it
                 first = None
-            rerun = run_ingest(_config(lake), bootstrap=bootstrap,
+            rerun = run_ingest(*ingest_args(_config(lake)), bootstrap=bootstrap,
                                beam_args=dask_beam_args(cluster.scheduler_address), now_ms=NOW_MS)
         finally:
             client.unregister_worker_plugin("die-once")

@@ -106,7 +106,7 @@ def test_demo_increments_split_the_records_in_order_and_train_continuously(tmp_p
     monkeypatch.setattr(validation.run, "validate_table", lambda config, table, version=None, **k: types.SimpleNamespace(
         table=table, table_version=version or 0, passed=True, report_html="r.html"))
 
-    def build(config, beam_args=None, final=False):
+    def build(lake, config, beam_args=None, final=False):
         builds.append(final)
         return types.SimpleNamespace(num_examples=10, seq_length_p50=1, seq_length_p99=2,
                                      examples_version=len(builds))

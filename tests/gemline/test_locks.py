@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gemline.locks import LakeBusyError, exclusive
+from tests.conftest import build_args, ingest_args
 
 
 def test_second_holder_is_refused_with_the_first_named(tmp_path):
@@ -52,7 +53,7 @@ def test_ingest_and_build_take_their_lock_before_anything_else(tmp_path):
     config = GemlineConfig(lake=str(tmp_path))
     with exclusive(tmp_path, "ingest"):
         with pytest.raises(LakeBusyError, match="another ingest"):
-            run_ingest(config, bootstrap="127.0.0.1:1")  # refused before any Kafka request
+            run_ingest(*ingest_args(config), bootstrap="127.0.0.1:1")  # refused before any Kafka request
     with exclusive(tmp_path, "build"):
         with pytest.raises(LakeBusyError, match="another build"):
-            run_build(config)  # refused before reading the (missing) events table
+            run_build(*build_args(config))  # refused before reading the (missing) events table

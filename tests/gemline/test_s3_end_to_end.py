@@ -18,6 +18,7 @@ from ingest.broker import EmbeddedBroker
 from ingest.config import KafkaConfig
 from ingest.datasets.types import RawRecord
 from ingest.generate import GenerateConfig, generate_records, stream_records
+from tests.conftest import build_args, ingest_args, quality_sections
 from trainer.config import TrainerConfig
 
 from .conftest import s3_bucket
@@ -64,8 +65,8 @@ def test_whole_pipeline_on_s3(s3_lake):
 
     with EmbeddedBroker() as broker:
         stream_records(records, bootstrap=broker.bootstrap, topic=TOPIC, partitions=PARTITIONS, progress=False)
-        first = run_ingest(config, bootstrap=broker.bootstrap, now_ms=NOW_MS)
-        again = run_ingest(config, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+        first = run_ingest(*ingest_args(config), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+        again = run_ingest(*ingest_args(config), bootstrap=broker.bootstrap, now_ms=NOW_MS)
 
     assert (first.events_written, first.dead_letter_written) == (len(good_ids), num_bad)
     events = read_table(lake, "events", storage_options=opts)
@@ -77,12 +78,13 @@ def test_whole_pipeline_on_s3(s3_lake):
     assert read_table(lake, "dead_letter", storage_options=opts).num_rows == num_bad
     assert not _files(lake, opts, "_staging")
 
-    events_quality = validate_table(config, "events", now_ms=NOW_MS)
-    built = run_build(config, final=True)
+    events_quality = validate_table(Lake.for_config(config), "events", now_ms=NOW_MS, **quality_sections(config))
+    built = run_build(*build_args(config), final=True)
     examples = read_table(lake, "examples", built.examples_version, storage_options=opts)
     assert examples.num_rows == built.num_examples > 0
     assert open_table(lake, "examples", storage_options=opts).version() == built.examples_version
-    examples_quality = validate_table(config, "examples", built.examples_version, now_ms=NOW_MS)
+    examples_quality = validate_table(Lake.for_config(config), "examples", built.examples_version, now_ms=NOW_MS,
+                                      **quality_sections(config))
 
     reports = _files(lake, opts, "_quality")
     for table, result in (("events", events_quality), ("examples", examples_quality)):
@@ -94,12 +96,12 @@ def test_whole_pipeline_on_s3(s3_lake):
         report = json.loads(src.read())
     assert (report["table"], report["num_rows"]) == ("examples", examples.num_rows)
     assert read_table(lake, "quality", storage_options=opts).num_rows > 0
-    assert latest_report(lake, "examples", storage_options=opts) == (
+    assert latest_report(Lake(lake, opts), "examples") == (
         "PASSED" if examples_quality.passed else "QUARANTINED",
         f"{lake}/_quality/examples/{built.examples_version}/report.html",
     )
     with pytest.raises(FileNotFoundError, match="no quality report"):
-        latest_report(lake, "sequences", storage_options=opts)
+        latest_report(Lake(lake, opts), "sequences")
 
     assert examples_quality.passed, examples_quality.failures
     trained = run_training(config.trainer, Lake.for_config(config), examples_version=built.examples_version)

@@ -16,9 +16,10 @@ from features.definitions import FEATURE_VIEWS
 from gemline import tables
 from gemline.errors import TableSpecError
 from gemline.gate import QUALITY_SCHEMA, append_quality_rows, gate_decision, release
-from gemline.lake import commit_once, committed_version, open_table, read_table
+from gemline.lake import Lake, commit_once, committed_version, open_table, read_table
 from gemline.tables import TABLES, Table
 from ingest.schema import EVENTS_TABLE_SCHEMA
+from tests.conftest import build_args, ingest_args, quality_sections
 from validation.profiles import append_profile
 
 
@@ -201,10 +202,13 @@ def test_a_demo_like_run_writes_exactly_the_registered_tables(tmp_path):
             records = generate_records(GenerateConfig(num_users=40, num_ads=20, days=1.0, start_ms=start_ms,
                                                       bad_rate=0.05, seed=part))
             stream_records(records, bootstrap=broker.bootstrap, topic="events", partitions=2, progress=False)
-            assert not run_ingest(config, bootstrap=broker.bootstrap, now_ms=start_ms + 3 * day_ms).skipped
-            validate_table(config, Table.EVENTS, now_ms=start_ms + 3 * day_ms)
-            built = run_build(config, final=True)
-            validate_table(config, Table.EXAMPLES, built.examples_version, now_ms=start_ms + 3 * day_ms)
+            assert not run_ingest(*ingest_args(config), bootstrap=broker.bootstrap,
+                                  now_ms=start_ms + 3 * day_ms).skipped
+            validate_table(Lake.for_config(config), Table.EVENTS, now_ms=start_ms + 3 * day_ms,
+                           **quality_sections(config))
+            built = run_build(*build_args(config), final=True)
+            validate_table(Lake.for_config(config), Table.EXAMPLES, built.examples_version,
+                           now_ms=start_ms + 3 * day_ms, **quality_sections(config))
         run_once(config)
     assert read_table(lake, Table.TRAINING_METRICS).num_rows > 0  # the trainer evaluated the second version
     assert _delta_tables(lake) == set(TABLES)

@@ -12,13 +12,14 @@ from deltalake import DeltaTable
 import gemline.lake as lake_mod
 from gemline.cli import main
 from gemline.config import GemlineConfig
-from gemline.lake import commit_once, open_table, read_table, table_uri
+from gemline.lake import Lake, commit_once, open_table, read_table, table_uri
 from gemline.locks import LakeBusyError, exclusive
 from ingest.backfill import BACKFILL_APP_ID, backfill_late_events
 from ingest.config import IngestConfig
 from ingest.dedup import dates_between
 from ingest.pipeline import app_id_for
 from ingest.schema import EVENTS_TABLE_SCHEMA, LATE_EVENTS_SCHEMA
+from tests.conftest import build_args, ingest_args, quality_sections
 
 DAY = 86_400_000
 T = 1_750_000_000_000  # event times of the ingested batches (2025-06-15)
@@ -69,7 +70,7 @@ def test_readmits_exactly_the_late_rows_then_nothing_then_only_new_ones(tmp_path
     y = _row("y", T - 3 * DAY, 2, created=BACKFILL_MS + 9)  # an append after the clock: kept, never lowered
     _ingest_batch(config, 0, [a, b], [_late(x, T), _late(y, T)])
 
-    first = backfill_late_events(config, now_ms=BACKFILL_MS)
+    first = backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     assert (first.late_events_version, first.late_rows_read, first.rows_readmitted, first.duplicates_skipped,
             first.batch_version, first.skipped) == (0, 2, 2, 0, 0, False)
     assert _events(config.lake) == [a, _readmitted(x), _readmitted(y), b]
@@ -79,7 +80,7 @@ def test_readmits_exactly_the_late_rows_then_nothing_then_only_new_ones(tmp_path
     assert read_table(config.lake, "late_events").num_rows == 2  # late_events keeps its record
 
     version = open_table(config.lake, "events").version()
-    second = backfill_late_events(config, now_ms=BACKFILL_MS + 1)
+    second = backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS + 1)
     assert (second.late_events_version, second.rows_readmitted, second.skipped) == (0, 0, True)
     assert open_table(config.lake, "events").version() == version
 
@@ -93,7 +94,7 @@ def test_readmits_exactly_the_late_rows_then_nothing_then_only_new_ones(tmp_path
     b2 = _row("b", T + 1, 8, created=T + 25, item="other")
     w1, w2 = _row("w", T - DAY, 7, created=T + 23), _row("w", T - DAY, 2, created=T + 24, partition=1)
     _ingest_batch(config, 1, [c], [_late(r, T + 2) for r in (w2, a2, z, w1, b2)])
-    third = backfill_late_events(config, now_ms=BACKFILL_MS)
+    third = backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     assert (third.late_events_version, third.late_rows_read, third.rows_readmitted, third.duplicates_skipped,
             third.conflicts_skipped, third.batch_version) == (1, 5, 2, 2, 1, 1)
     ids = [r["event_id"] for r in _events(config.lake)]
@@ -101,7 +102,7 @@ def test_readmits_exactly_the_late_rows_then_nothing_then_only_new_ones(tmp_path
     kept_w = [r for r in _events(config.lake) if r["event_id"] == "w"]
     assert [(r["kafka_partition"], r["kafka_offset"]) for r in kept_w] == [(0, 7)]
     assert [r["item_id"] for r in _events(config.lake) if r["event_id"] == "b"] == ["i1"]
-    assert backfill_late_events(config, now_ms=BACKFILL_MS).skipped
+    assert backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS).skipped
 
 
 def test_a_crash_before_or_after_the_commit_then_a_rerun_writes_each_row_once(tmp_path, monkeypatch):
@@ -115,7 +116,7 @@ def test_a_crash_before_or_after_the_commit_then_a_rerun_writes_each_row_once(tm
 
     monkeypatch.setattr(lake_mod, "commit_once", die_before)
     with pytest.raises(RuntimeError, match="killed before"):
-        backfill_late_events(config, now_ms=BACKFILL_MS)
+        backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     assert [r["event_id"] for r in _events(config.lake)] == ["a"]
 
     def die_after(*args, **kwargs):
@@ -124,9 +125,9 @@ def test_a_crash_before_or_after_the_commit_then_a_rerun_writes_each_row_once(tm
 
     monkeypatch.setattr(lake_mod, "commit_once", die_after)
     with pytest.raises(RuntimeError, match="killed after"):
-        backfill_late_events(config, now_ms=BACKFILL_MS)
+        backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     monkeypatch.setattr(lake_mod, "commit_once", real)
-    rerun = backfill_late_events(config, now_ms=BACKFILL_MS + 1)
+    rerun = backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS + 1)
     assert rerun.skipped and rerun.rows_readmitted == 0
     assert [r["event_id"] for r in _events(config.lake)] == ["a", "l0", "l1", "l2"]
     assert DeltaTable(table_uri(config.lake, "events")).transaction_version(BACKFILL_APP_ID) == 0
@@ -136,11 +137,11 @@ def test_compacted_late_events_reads_only_rows_added_since(tmp_path):
     config = _config(tmp_path)
     x = _row("x", T - 2 * DAY, 1, created=T)
     _ingest_batch(config, 0, [_row("a", T, 0, created=T)], [_late(x, T)])
-    assert backfill_late_events(config, now_ms=BACKFILL_MS).rows_readmitted == 1
+    assert backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS).rows_readmitted == 1
     z = _row("z", T - 3 * DAY, 3, created=T)
     _ingest_batch(config, 1, [_row("c", T, 2, created=T)], [_late(z, T)])
     DeltaTable(table_uri(config.lake, "late_events")).optimize.compact()  # rewrites x's and z's files into one
-    result = backfill_late_events(config, now_ms=BACKFILL_MS)
+    result = backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     # x is not read again (the file diff would have: it sits in the compacted file); only z is new.
     assert (result.late_rows_read, result.rows_readmitted, result.duplicates_skipped) == (1, 1, 0)
     assert sorted(r["event_id"] for r in _events(config.lake)) == ["a", "c", "x", "z"]
@@ -148,14 +149,15 @@ def test_compacted_late_events_reads_only_rows_added_since(tmp_path):
 
 def test_refuses_while_an_ingest_batch_is_half_committed_and_skips_without_late_events(tmp_path):
     config = _config(tmp_path)
-    assert backfill_late_events(config, now_ms=BACKFILL_MS).late_events_version is None  # no tables at all
+    # no tables at all
+    assert backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS).late_events_version is None
     _ingest_batch(config, 0, [_row("a", T, 0, created=T)], [])
     app = app_id_for(config.kafka.topic)
     commit_once(config.lake, "late_events", pa.Table.from_pylist([_late(_row("x", 1, 1, created=T), T)],
                                                                  schema=LATE_EVENTS_SCHEMA), app_id=app, version=1)
     half = r"ingest batch 1 of 'ingest:gemline.events' is in late_events .* `gemline ingest`"
     with pytest.raises(ValueError, match=half):
-        backfill_late_events(config, now_ms=BACKFILL_MS)
+        backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     assert [r["event_id"] for r in _events(config.lake)] == ["a"]
 
 
@@ -164,7 +166,7 @@ def test_holds_the_ingest_lock(tmp_path):
     _ingest_batch(config, 0, [_row("a", T, 0, created=T)], [_late(_row("x", T - 2 * DAY, 1, created=T), T)])
     with exclusive(config.lake, "ingest"):  # an ingest is running: the backfill must not write events
         with pytest.raises(LakeBusyError, match="another ingest is running"):
-            backfill_late_events(config, now_ms=BACKFILL_MS)
+            backfill_late_events(*ingest_args(config), now_ms=BACKFILL_MS)
     assert [r["event_id"] for r in _events(config.lake)] == ["a"]
 
 
@@ -203,10 +205,10 @@ def test_the_build_sees_a_readmitted_event_only_after_its_backfill(tmp_path):
     # Event time T + 500, appended to Kafka at T + 1_800 (before imp2), but judged late: not in events.
     late = {**_row("late_view", T + 500, 2, created=T + 1_800, item="i3"), **ev}
     _ingest_batch(config, 0, [imp1, view, imp2], [_late(late, T + 1_500 + DAY)])
-    assert backfill_late_events(config, now_ms=T + 5_000).rows_readmitted == 1
+    assert backfill_late_events(*ingest_args(config), now_ms=T + 5_000).rows_readmitted == 1
     # The backfill is a new events version: it goes through the quality gate like an ingest batch.
-    assert validate_table(config, "events", now_ms=T + 6_000).passed
-    run_build(config, final=True)
+    assert validate_table(Lake.for_config(config), "events", now_ms=T + 6_000, **quality_sections(config)).passed
+    run_build(*build_args(config), final=True)
 
     examples = {r["example_id"]: r for r in read_table(config.lake, "examples").to_pylist()}
     # imp2 reached Kafka at T + 2_001, before the backfill at T + 5_000: its history is what was known

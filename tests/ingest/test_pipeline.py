@@ -33,6 +33,7 @@ from ingest.pipeline import (
     staging_dir,
 )
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
+from tests.conftest import ingest_args
 
 pytestmark = pytest.mark.integration
 
@@ -102,7 +103,7 @@ def test_ingest_is_exactly_once_and_incremental(broker, topic, tmp_path):
     cfg = _config(tmp_path / "lake", topic)
     _produce(broker.bootstrap, topic, _good(0, 20) + BAD)
 
-    first = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    first = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (first.batch_version, first.events_written, first.dead_letter_written, first.skipped) == (0, 20, 3, False)
     events, dead = read_table(cfg.lake, "events"), read_table(cfg.lake, "dead_letter")
     assert events.schema == EVENTS_TABLE_SCHEMA and dead.schema == DEAD_LETTER_SCHEMA
@@ -120,13 +121,13 @@ def test_ingest_is_exactly_once_and_incremental(broker, topic, tmp_path):
     meta = commit_metadata(cfg.lake, "events", app_id_for(topic))
     assert {int(p): e for p, e in meta["end_offsets"].items()} == {r.partition: r.end for r in first.offset_ranges}
 
-    second = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    second = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert second.skipped and (second.events_written, second.dead_letter_written) == (0, 0)
     assert read_table(cfg.lake, "events").num_rows == 20
     assert committed_version(cfg.lake, "events", app_id_for(topic)) == 0
 
     _produce(broker.bootstrap, topic, _good(20, 7) + BAD[:1])
-    third = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    third = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (third.batch_version, third.events_written, third.dead_letter_written) == (1, 7, 1)
     assert all(r.start == prev.end for r, prev in zip(third.offset_ranges, first.offset_ranges))
     events, dead = read_table(cfg.lake, "events"), read_table(cfg.lake, "dead_letter")
@@ -140,15 +141,16 @@ def test_capped_batches_ingest_a_backlog_like_one_uncapped_batch(broker, topic, 
     whole = _config(tmp_path / "whole", topic)
     capped = dataclasses.replace(whole, lake=str(tmp_path / "capped"),
                                  ingest=IngestConfig(max_offsets_per_partition=3))
-    assert [r.skipped for r in ingest_backlog(whole, bootstrap=broker.bootstrap, now_ms=NOW_MS)] == [False]
-    results = ingest_backlog(capped, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    assert [r.skipped for r in ingest_backlog(*ingest_args(whole), bootstrap=broker.bootstrap,
+                                              now_ms=NOW_MS)] == [False]
+    results = ingest_backlog(*ingest_args(capped), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     longest = max(r.num_offsets for r in plan_topic(broker.bootstrap, topic, {}, previous=None).ranges)
     assert len(results) == -(-longest // 3)  # ceil: one batch per 3 offsets of the longest partition
     assert [r.batch_version for r in results] == list(range(len(results)))
     assert all(r.num_offsets <= 3 for res in results for r in res.offset_ranges)
     for table in ("events", "dead_letter"):
         assert _rows(read_table(capped.lake, table)) == _rows(read_table(whole.lake, table))
-    assert run_ingest(capped, bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
+    assert run_ingest(*ingest_args(capped), bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
 
 
 def test_cap_ranges_cuts_each_range_and_rejects_bad_caps():
@@ -160,7 +162,7 @@ def test_cap_ranges_cuts_each_range_and_rejects_bad_caps():
     with pytest.raises(ValueError, match="max_offsets_per_partition must be >= 1 or None"):
         IngestConfig(max_offsets_per_partition=0)
     with pytest.raises(ValueError, match="expected max_batches >= 1 or None, got 0"):
-        ingest_backlog(_config("unused", "t"), bootstrap="unused:1", max_batches=0)
+        ingest_backlog(*ingest_args(_config("unused", "t")), bootstrap="unused:1", max_batches=0)
 
 
 def _rows(table: pa.Table) -> list[dict]:
@@ -171,7 +173,7 @@ def test_crash_between_commits_recovers_to_the_clean_result(broker, topic, tmp_p
     msgs = _good(0, 12) + BAD
     _produce(broker.bootstrap, topic, msgs)
     clean_cfg = _config(tmp_path / "clean", topic)
-    run_ingest(clean_cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    run_ingest(*ingest_args(clean_cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
 
     cfg = _config(tmp_path / "crashy", topic)
     real_commit = lake_mod.commit_once
@@ -185,38 +187,38 @@ def test_crash_between_commits_recovers_to_the_clean_result(broker, topic, tmp_p
 
     monkeypatch.setattr("gemline.lake.commit_once", commit_or_crash)
     with pytest.raises(OSError, match="simulated crash"):
-        run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+        run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert committed_version(cfg.lake, "dead_letter", app_id_for(topic)) == 0
     assert committed_version(cfg.lake, "events", app_id_for(topic)) is None
 
     # More messages arrive before the restart: the recovered batch must still end where the crashed one did,
     # and use the crashed run's clock, not the new one.
     _produce(broker.bootstrap, topic, _good(100, 4))
-    recovered = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS + 10**12)
+    recovered = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS + 10**12)
     assert recovered.recovered and recovered.batch_version == 0
     assert (recovered.events_written, recovered.dead_letter_written) == (12, 0)
     for table in ("events", "dead_letter"):
         assert _rows(read_table(cfg.lake, table)) == _rows(read_table(clean_cfg.lake, table))
 
-    after = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    after = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (after.batch_version, after.events_written, after.dead_letter_written, after.recovered) == (1, 4, 0, False)
 
 
 def test_all_dead_batch_still_advances_offsets(broker, topic, tmp_path):
     cfg = _config(tmp_path / "lake", topic)
     _produce(broker.bootstrap, topic, BAD)
-    res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (res.events_written, res.dead_letter_written) == (0, 3)
     assert read_table(cfg.lake, "events").num_rows == 0
-    assert run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
+    assert run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
 
 
 def test_kafka_python_client_reads_the_same_records(broker, topic, tmp_path):
     _produce(broker.bootstrap, topic, _good(0, 6) + BAD[:1])
-    a = run_ingest(_config(tmp_path / "a", topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    a = run_ingest(*ingest_args(_config(tmp_path / "a", topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     cfg_b = dataclasses.replace(_config(tmp_path / "b", topic),
                                 kafka=KafkaConfig(topic=topic, partitions=PARTITIONS, client="kafka-python"))
-    b = run_ingest(cfg_b, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    b = run_ingest(*ingest_args(cfg_b), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert a.offset_ranges == b.offset_ranges
     for table in ("events", "dead_letter"):
         assert _rows(read_table(tmp_path / "a", table)) == _rows(read_table(tmp_path / "b", table))
@@ -224,9 +226,10 @@ def test_kafka_python_client_reads_the_same_records(broker, topic, tmp_path):
 
 def test_reshuffled_read_ingests_the_same_rows(broker, topic, tmp_path):
     _produce(broker.bootstrap, topic, _good(0, 9) + BAD[:2])
-    a = run_ingest(_config(tmp_path / "a", topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    a = run_ingest(*ingest_args(_config(tmp_path / "a", topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     base = _config(tmp_path / "b", topic)
-    b = run_ingest(dataclasses.replace(base, ingest=dataclasses.replace(base.ingest, reshuffle=True, batch_max_records=2)),
+    b = run_ingest(*ingest_args(dataclasses.replace(base, ingest=dataclasses.replace(base.ingest, reshuffle=True,
+                                                                                     batch_max_records=2))),
                    bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert a.events_written == b.events_written == 9 and a.dead_letter_written == b.dead_letter_written == 2
     for table in ("events", "dead_letter"):
@@ -291,7 +294,7 @@ def test_stale_staging_from_a_crashed_run_is_ignored(broker, topic, tmp_path):
     stale = staging_dir(cfg.lake, 0) / "events"
     stale.mkdir(parents=True)
     (stale / f"junk{STAGED_SUFFIX}").write_bytes(b"half-written file of a run that died in the pipeline")
-    res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert res.events_written == 5 and read_table(cfg.lake, "events").num_rows == 5
 
 
@@ -344,7 +347,7 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
     # Key every message to one user so one partition holds them all, in order.
     first_batch = [(b"u0", v) for _, v in first_batch]
     _produce(broker.bootstrap, topic, first_batch)
-    res = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (res.events_written, res.dead_letter_written, res.duplicates_dropped, res.late_events_written) == (5, 7, 1, 0)
     dead = read_table(cfg.lake, "dead_letter")
     assert sorted(dead["reason"].to_pylist()) == sorted(["not_json", "missing_field", "wrong_type", "future_event_time",
@@ -367,7 +370,7 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
                     _ev(5, watermark - day - 1),  # behind the watermark by more than a day: late
                     _ev(6, watermark - day)]  # exactly the allowed lateness: on time
     _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in second_batch])
-    res2 = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res2 = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (res2.events_written, res2.dead_letter_written, res2.duplicates_dropped, res2.late_events_written,
             res2.duplicate_conflicts) == (2, 1, 1, 1, 1)
     conflict, = [r for r in read_table(cfg.lake, "dead_letter").to_pylist() if r["reason"] == "duplicate_conflict"]
@@ -399,7 +402,7 @@ def test_crash_after_late_events_commit_writes_late_rows_once(broker, topic, tmp
     cfg = _config(tmp_path / "lake", topic)
     day = 86_400_000
     _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in [_ev(0, BASE_MS), _ev(1, BASE_MS + 3 * day)]])
-    run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     # e2 is 2 days behind the watermark (late), e1 again is a duplicate, e3 is on time.
     _produce(broker.bootstrap, topic, [(b"u0", v) for _, v in [_ev(2, BASE_MS + day), _ev(1, BASE_MS + 3 * day),
                                                                 _ev(3, BASE_MS + 3 * day)]])
@@ -412,10 +415,10 @@ def test_crash_after_late_events_commit_writes_late_rows_once(broker, topic, tmp
 
     monkeypatch.setattr("gemline.lake.commit_once", commit_or_crash)
     with pytest.raises(OSError, match="simulated crash"):
-        run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+        run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert committed_version(cfg.lake, "late_events", app_id_for(topic)) == 1
     monkeypatch.setattr("gemline.lake.commit_once", real_commit)
-    recovered = run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    recovered = run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert recovered.recovered and (recovered.events_written, recovered.late_events_written) == (1, 0)
     assert recovered.duplicates_dropped == 1
     assert read_table(cfg.lake, "late_events")["event_id"].to_pylist() == ["e2"]

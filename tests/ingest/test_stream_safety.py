@@ -27,6 +27,7 @@ from ingest.kafka_clients import KafkaRecord
 from ingest.kafka_source import Fingerprint, TopicChangedError, TopicIdentity, plan_topic
 from ingest.pipeline import app_id_for, run_ingest
 from ingest.schema import Event
+from tests.conftest import ingest_args
 
 NOW_MS = 1_750_000_000_000  # fixed ingest clock: 2025-06-15T15:06:40Z
 BASE_MS = 1_749_000_000_000
@@ -85,7 +86,7 @@ def test_poison_pills_are_dead_lettered_and_the_events_after_them_ingested(broke
     messages = [(b"u0", _event(i)) for i in range(3)] + poison + [(b"u0", _event(i)) for i in range(3, 8)]
     _produce(broker.bootstrap, topic, messages, **{"message.max.bytes": 10 << 20})
     lake = tmp_path / "lake"
-    res = run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res = run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (res.events_written, res.dead_letter_written) == (8, 6)
     events = read_table(lake, "events")
     assert sorted(events["event_id"].to_pylist()) == sorted(f"e{i}" for i in range(8))
@@ -105,7 +106,7 @@ def test_a_message_above_librdkafkas_default_receive_limit_is_read(broker, tmp_p
              **{"message.max.bytes": 200_000_000})
     del big
     lake = tmp_path / "lake"
-    res = run_ingest(_config(lake, topic, read_timeout_s=60), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res = run_ingest(*ingest_args(_config(lake, topic, read_timeout_s=60)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (res.events_written, res.dead_letter_written) == (2, 1)
     row, = read_table(lake, "dead_letter").to_pylist()
     assert row["reason"] == "too_large" and len(row["raw"]) == 1024 and "101000000 bytes" in row["detail"]
@@ -118,13 +119,14 @@ def test_one_ingest_reads_everything_a_batching_producer_wrote(broker, tmp_path)
     _produce(broker.bootstrap, topic, [(b"u", _event(i)) for i in range(2000)],
              **{"linger.ms": 200, "batch.num.messages": 500})
     lake = tmp_path / "lake"
-    res = run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    res = run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert res.events_written == 2000
     assert res.offset_ranges[0].end == 2000
-    assert run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
+    assert run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
     _produce(broker.bootstrap, topic, [(b"u", _event(i)) for i in range(2000, 2700)],
              **{"linger.ms": 200, "batch.num.messages": 500})
-    assert run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS).events_written == 700
+    assert run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap,
+                      now_ms=NOW_MS).events_written == 700
     assert read_table(lake, "events").num_rows == 2700
 
 
@@ -146,24 +148,25 @@ def test_a_recreated_topic_is_refused_until_reset_deliberately(broker, tmp_path)
     topic = _topic(broker, 1)
     _produce(broker.bootstrap, topic, [(b"u", _event(i)) for i in range(100)])
     lake = tmp_path / "lake"
-    assert run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS).events_written == 100
+    assert run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap,
+                      now_ms=NOW_MS).events_written == 100
     _recreate(broker, topic, 1)
     _produce(broker.bootstrap, topic, [(b"u", _event(i)) for i in range(1000, 1130)])  # longer than the old one
     with pytest.raises(TopicChangedError, match=f"{topic}.*--reset-topic"):
-        run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+        run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert read_table(lake, "events").num_rows == 100, "nothing was read from the new topic"
 
-    res = run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS, reset_topic=True)
+    res = run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS, reset_topic=True)
     assert res.reset and res.events_written == 130
     from gemline.errors import BadConfigError
 
     with pytest.raises(BadConfigError, match="is the one the lake read.*nothing to reset"):
-        run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS, reset_topic=True)
+        run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS, reset_topic=True)
     meta = commit_metadata(lake, "events", app_id_for(topic))
     assert meta["reset"]["previous_end_offsets"] == {"0": 100}
     assert meta["end_offsets"] == {"0": 130}
     assert read_table(lake, "events").num_rows == 230
-    assert run_ingest(_config(lake, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
+    assert run_ingest(*ingest_args(_config(lake, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS).skipped
 
 
 def test_a_recreated_topic_via_the_cli_is_one_line_naming_the_reset(broker, tmp_path, capsys):
@@ -248,7 +251,7 @@ def test_recovery_decides_with_the_crashed_batchs_settings(broker, tmp_path, mon
     msgs = [(b"u0", _event(i, domain="facebook" if i % 2 else "instagram")) for i in range(10)]
     _produce(broker.bootstrap, topic, msgs)
     clean, crashy = tmp_path / "clean", tmp_path / "crashy"
-    run_ingest(_config(clean, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    run_ingest(*ingest_args(_config(clean, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
 
     real_commit_at = pipeline._commit_at
 
@@ -257,14 +260,14 @@ def test_recovery_decides_with_the_crashed_batchs_settings(broker, tmp_path, mon
 
     monkeypatch.setattr(pipeline, "_commit_at", crash)
     with pytest.raises(KeyboardInterrupt):
-        run_ingest(_config(crashy, topic), bootstrap=broker.bootstrap, now_ms=NOW_MS)
+        run_ingest(*ingest_args(_config(crashy, topic)), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     monkeypatch.setattr(pipeline, "_commit_at", real_commit_at)
     assert committed_version(crashy, "dead_letter", app_id_for(topic)) == 0
     assert committed_version(crashy, "events", app_id_for(topic)) is None
 
     # Between the crash and its recovery someone drops instagram: the batch must still be decided as planned.
     changed = _config(crashy, topic, domains=("facebook",), allowed_lateness_ms=0)
-    res = run_ingest(changed, bootstrap=broker.bootstrap, now_ms=NOW_MS + 86_400_000)
+    res = run_ingest(*ingest_args(changed), bootstrap=broker.bootstrap, now_ms=NOW_MS + 86_400_000)
     assert res.recovered and set(res.rules_changed) == {"domains", "allowed_lateness_ms"}
     warned = [r.getMessage() for r in caplog.records if r.name == "ingest.pipeline" and r.levelname == "WARNING"]
     assert len(warned) == 1 and warned[0].endswith(
@@ -273,7 +276,7 @@ def test_recovery_decides_with_the_crashed_batchs_settings(broker, tmp_path, mon
     assert _counts(crashy) == _counts(clean) == {"events": 10, "dead_letter": 0, "late_events": 0}
     # The new settings apply from the next batch on.
     _produce(broker.bootstrap, topic, [(b"u0", _event(50, domain="instagram"))])
-    nxt = run_ingest(changed, bootstrap=broker.bootstrap, now_ms=NOW_MS)
+    nxt = run_ingest(*ingest_args(changed), bootstrap=broker.bootstrap, now_ms=NOW_MS)
     assert (nxt.events_written, nxt.dead_letter_written, nxt.rules_changed) == (0, 1, ())
     assert commit_metadata(crashy, "events", app_id_for(topic))["rules"]["domains"] == ["facebook"]
 
@@ -308,7 +311,7 @@ def test_every_produced_message_is_accounted_for(broker, tmp_path, seed):
     results = []
     for chunk in (messages[:cut], messages[cut:]):
         _produce(broker.bootstrap, topic, chunk, partition=rng.randrange(3), **conf)
-        results.append(run_ingest(cfg, bootstrap=broker.bootstrap, now_ms=NOW_MS))
+        results.append(run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS))
     counts = _counts(lake)
     dropped = sum(r.duplicates_dropped for r in results)
     assert counts["events"] + counts["dead_letter"] + counts["late_events"] + dropped == len(messages), (codec, conf)

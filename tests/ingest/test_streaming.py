@@ -25,6 +25,7 @@ from ingest.kafka_source import plan_topic
 from ingest.pipeline import app_id_for
 from ingest.schema import Event
 from ingest.streaming import StreamingConfig, install_stop_signals, run_streaming
+from tests.conftest import ingest_args
 
 PARTITIONS = 3
 BASE_MS = 1_749_000_000_000
@@ -136,7 +137,7 @@ def test_streaming_commits_what_arrives_between_batches_exactly_once(broker, top
         if len(cycles) in more:
             _produce(broker.bootstrap, topic, *more[len(cycles)])
 
-    summary = run_streaming(cfg, StreamingConfig(commit_interval_s=0.01, max_batches=4),
+    summary = run_streaming(*ingest_args(cfg), StreamingConfig(commit_interval_s=0.01, max_batches=4),
                             bootstrap=broker.bootstrap, on_batch=on_batch)
     assert (summary.batches, summary.committed, summary.stopped_by) == (4, [0, 1, 2], "max_batches")
     assert cycles == [0, 1, 2, 3]  # the 4th cycle had nothing new: skipped, version 3 unused
@@ -150,8 +151,8 @@ def test_stop_event_ends_after_the_batch_in_flight(broker, topic, tmp_path):
     cfg = _config(tmp_path / "lake", topic)
     _produce(broker.bootstrap, topic, 0, 6)
     stop = threading.Event()
-    summary = run_streaming(cfg, StreamingConfig(commit_interval_s=3600), bootstrap=broker.bootstrap, stop=stop,
-                            on_batch=lambda _: stop.set())
+    summary = run_streaming(*ingest_args(cfg), StreamingConfig(commit_interval_s=3600), bootstrap=broker.bootstrap,
+                            stop=stop, on_batch=lambda _: stop.set())
     assert (summary.batches, summary.committed, summary.stopped_by) == (1, [0], "stop")
     assert_exactly_once(cfg.lake, broker.bootstrap, topic, 6)
 

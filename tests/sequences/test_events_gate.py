@@ -14,11 +14,12 @@ import pytest
 from gemline.cli import main
 from gemline.config import GemlineConfig
 from gemline.gate import GateClosedError, append_quality_rows, release, require_allowed
-from gemline.lake import commit_once, open_table, read_table
+from gemline.lake import Lake, commit_once, open_table, read_table
 from ingest.config import IngestConfig
 from ingest.schema import EVENTS_TABLE_SCHEMA
 from sequences.config import BuildConfig
 from sequences.pipeline import run_build
+from tests.conftest import build_args, quality_sections
 from validation.config import ValidationConfig
 from validation.run import validate_table
 
@@ -124,22 +125,22 @@ def test_quarantined_events_stop_the_build_until_released(tmp_path, capsys):
                   _ev("b1", 2, "impression", "u2", "i2", "instagram"), _ev("b2", 3, "engagement", "u2", "i3")], 0)
     # Never validated: refused before anything is written.
     with pytest.raises(GateClosedError, match=r"events@0 was never validated; run `gemline validate --table events"):
-        run_build(config)
+        run_build(*build_args(config))
     assert open_table(lake, "examples") is None
-    assert validate_table(config, "events", now_ms=NOW_MS).passed
-    first = run_build(config, final=True)
+    assert validate_table(Lake.for_config(config), "events", now_ms=NOW_MS, **quality_sections(config)).passed
+    first = run_build(*build_args(config), final=True)
     assert (first.events_version, first.skipped, first.num_examples) == (0, False, 2)
 
     # Version 1 writes event ids straight to the table twice (a1 again, c1 twice).
     _write(lake, [_ev("a1", 0, "impression", "u1", "i1"), _ev("c1", 40, "impression", "u3", "i1"),
                   _ev("c1", 40, "impression", "u3", "i1")], 1)
-    verdict = validate_table(config, "events", now_ms=NOW_MS + 1)
+    verdict = validate_table(Lake.for_config(config), "events", now_ms=NOW_MS + 1, **quality_sections(config))
     assert (verdict.table_version, verdict.passed) == (1, False)
     assert [f[:2] for f in verdict.failures if f[1] == "critical"] == [("unique:event_id", "critical")]
 
     examples_version = open_table(lake, "examples").version()
     with pytest.raises(GateClosedError) as info:
-        run_build(config, final=True)
+        run_build(*build_args(config), final=True)
     assert str(info.value) == (
         "build refused: events@1 is quarantined: critical expectations failed: unique:event_id; inspect it "
         f"(`gemline report --table events --version 1`), {RELEASE_1}")
@@ -154,7 +155,7 @@ def test_quarantined_events_stop_the_build_until_released(tmp_path, capsys):
     assert main(["quality", "release", "1", "--table", "events", "--reason", "replayed duplicates, checked",
                  "--lake", lake]) == 0
     assert capsys.readouterr().out == "events@1 released by hand: replayed duplicates, checked\n"
-    built = run_build(config, final=True)
+    built = run_build(*build_args(config), final=True)
     assert (built.events_version, built.skipped) == (1, False)
     ids = sorted(read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist())
     assert ids == ["a1", "b1", "c1"]  # c1 built once its version was released

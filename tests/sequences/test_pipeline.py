@@ -12,6 +12,7 @@ from ingest.schema import EVENTS_TABLE_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA
 from sequences.pipeline import run_build
+from tests.conftest import build_args
 
 # These tests are about the build on a raw lake, not the quality gate (tests/sequences/test_events_gate.py).
 CONFIG = BuildConfig(max_seq_len=3, click_window_ms=100, conversion_window_ms=1_000, events_gate="off")
@@ -48,7 +49,7 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
     lake = str(tmp_path / "lake")
     config = GemlineConfig(lake=lake, build=CONFIG)
     write_events(lake, _events(make_event), version=0)
-    first = run_build(config)
+    first = run_build(*build_args(config))
     # Watermark 2_300: a_imp1 (1_000 + 1_000) and b_imp1 (2_020) closed; a_imp2 (2_200) closed too.
     # examples@0 is the empty CREATE TABLE commit, examples@1 the first build's files.
     assert (first.events_version, first.examples_version, first.skipped, first.watermark_ms) == (0, 1, False, 2_300)
@@ -61,27 +62,27 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
     assert (by_id["a_imp1"]["label_click"], by_id["a_imp1"]["click_latency_ms"]) == (1, 50)
     assert by_id["a_imp1"]["published_watermark_ms"] == 2_300
 
-    again = run_build(config)
+    again = run_build(*build_args(config))
     assert again.skipped and again.examples_version == 1 and again.num_examples == 3
 
     write_events(lake, [make_event("b_imp2", 2_500, "impression", user="u2", item="i3")], version=1)
-    second = run_build(config)
+    second = run_build(*build_args(config))
     assert (second.events_version, second.num_published, second.num_pending) == (1, 0, 1)
     assert second.num_examples == 3  # b_imp2's conversion window is open at watermark 2_500
-    third = run_build(config, final=True)
+    third = run_build(*build_args(config), final=True)
     assert (third.num_published, third.num_pending, third.num_examples) == (1, 0, 4)
     row = [r for r in read_table(lake, "examples").to_pylist() if r["example_id"] == "b_imp2"][0]
     assert row["label_window_closed"] is False and row["seq_item_ids"] == ["i1"]
     assert _ids(lake) == ["a_imp1", "a_imp2", "b_imp1", "b_imp2"]  # each impression exactly once
     # Nothing new and nothing pending: another final build is a no-op, not an empty examples version.
     version = open_table(lake, "examples").version()
-    fourth = run_build(config, final=True)
+    fourth = run_build(*build_args(config), final=True)
     assert fourth.skipped and open_table(lake, "examples").version() == version
 
 
 def test_run_build_without_events_table_raises(tmp_path):
     with pytest.raises(ValueError, match="no events table"):
-        run_build(GemlineConfig(lake=str(tmp_path / "lake"), build=UNGATED))
+        run_build(*build_args(GemlineConfig(lake=str(tmp_path / "lake"), build=UNGATED)))
 
 
 def test_run_build_rejects_events_without_required_columns(tmp_path, make_event):
@@ -90,14 +91,14 @@ def test_run_build_rejects_events_without_required_columns(tmp_path, make_event)
     del row["created_ts_ms"]
     write_deltalake(f"{lake}/events", pa.Table.from_pylist([row]))
     with pytest.raises(ValueError, match=r"events table lacks columns \['created_ts_ms'\]"):
-        run_build(GemlineConfig(lake=lake, build=UNGATED))
+        run_build(*build_args(GemlineConfig(lake=lake, build=UNGATED)))
 
 
 @pytest.mark.slow
 def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, make_event):
     lake = str(tmp_path / "lake")
     write_events(lake, [make_event("c", 5, "click"), make_event("v", 9, "engagement", user="u2")], version=0)
-    result = run_build(GemlineConfig(lake=lake, build=CONFIG))
+    result = run_build(*build_args(GemlineConfig(lake=lake, build=CONFIG)))
     assert (result.num_examples, result.num_sequences, result.seq_length_p50) == (0, 2, None)
     examples = read_table(lake, "examples")
     assert examples.num_rows == 0
@@ -132,7 +133,7 @@ def test_run_build_warns_when_it_raises_compact_min_files(tmp_path, make_event, 
     lake = str(tmp_path / "lake")
     write_events(lake, [make_event("v", 9, "engagement")], version=0)
     with caplog.at_level("WARNING", logger="sequences.pipeline"):
-        run_build(GemlineConfig(lake=lake, build=BuildConfig(events_gate="off", shards=9)))
+        run_build(*build_args(GemlineConfig(lake=lake, build=BuildConfig(events_gate="off", shards=9))))
     assert [r.getMessage().split(" is overridden")[0] for r in caplog.records if r.name == "sequences.pipeline" and r.levelname == "WARNING"] == [
         "build.hygiene.compact_min_files=16"]
     assert "using 19 (2 x build.shards + 1" in caplog.text
@@ -196,7 +197,7 @@ def test_taobao_conversion_labels_match_polars(tmp_path):
     rows = [{**event_to_row(r), "created_ts_ms": r.event_time_ms} for r in records]
     lake = str(tmp_path / "lake")
     write_events(lake, rows, version=0)
-    result = run_build(GemlineConfig(lake=lake, build=UNGATED), final=True)
+    result = run_build(*build_args(GemlineConfig(lake=lake, build=UNGATED)), final=True)
     examples = read_table(lake, "examples", columns=["example_id", "label_conversion", "event_time_ms",
                                                      "seq_event_time_ms", "seq_same_domain_event_time_ms"])
     for row in examples.to_pylist():  # leakage: nothing at or after the example's time

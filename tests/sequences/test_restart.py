@@ -11,6 +11,7 @@ import gemline.lake as lake_mod
 from gemline.config import GemlineConfig
 from gemline.lake import open_table, read_table
 from sequences.pipeline import _OUTPUTS, run_build
+from tests.conftest import build_args
 
 from .conftest import event
 from .test_pipeline import CONFIG, _events, write_events
@@ -35,9 +36,9 @@ def clean(tmp_path_factory) -> dict[str, list[str]]:
     """The tables after two clean builds (the second closes every window)."""
     lake = str(tmp_path_factory.mktemp("clean") / "lake")
     write_events(lake, _events(event), version=0)
-    run_build(GemlineConfig(lake=lake, build=CONFIG))
+    run_build(*build_args(GemlineConfig(lake=lake, build=CONFIG)))
     write_events(lake, _second_batch(event), version=1)
-    run_build(GemlineConfig(lake=lake, build=CONFIG), final=True)
+    run_build(*build_args(GemlineConfig(lake=lake, build=CONFIG)), final=True)
     return _snapshot(lake)
 
 
@@ -65,12 +66,12 @@ def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, 
         if n == build:
             monkeypatch.setattr(lake_mod, {"commit": "commit_files_once", "write": "write_data_file"}[where], crashing)
             with pytest.raises(Exception, match="injected crash"):
-                run_build(config, final=final)
+                run_build(*build_args(config), final=final)
             monkeypatch.undo()
             if where == "commit" and at > 0:
                 examples = open_table(lake, "examples")
                 assert examples is None or build == 1  # the crashed first build committed no examples
-        run_build(config, final=final)
+        run_build(*build_args(config), final=final)
     assert _snapshot(lake) == clean
     ids = read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist()
     assert len(ids) == len(set(ids)) == 5  # every impression once; final closes the last windows

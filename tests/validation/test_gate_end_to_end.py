@@ -13,6 +13,7 @@ import pytest
 from gemline.config import load_config
 from gemline.gate import gate_decision, release
 from gemline.lake import Lake, commit_once, read_table
+from tests.conftest import quality_sections
 from trainer.train import QuarantinedError, run_training
 from validation.report import build_report, write_report
 from validation.run import validate_table
@@ -39,7 +40,7 @@ def test_leaked_examples_are_quarantined_refused_by_the_trainer_then_released(tm
     commit_once(tmp_path, "examples", table, app_id="build", version=0, mode="overwrite", metadata={"events_version": 0})
     config = _config(tmp_path)
 
-    result = validate_table(config, "examples", 0, now_ms=NOW_MS)
+    result = validate_table(Lake.for_config(config), "examples", 0, now_ms=NOW_MS, **quality_sections(config))
     assert not result.passed
     assert [f[:2] for f in result.failures if f[1] == "critical"] == [("leakage", "critical")]
     quality = read_table(tmp_path, "quality").to_pylist()

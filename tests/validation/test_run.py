@@ -9,9 +9,10 @@ import pytest
 
 from gemline.config import GemlineConfig
 from gemline.gate import gate_decision, release
-from gemline.lake import commit_once, read_table
+from gemline.lake import Lake, commit_once, read_table
 from ingest.config import IngestConfig
 from sequences.config import BuildConfig
+from tests.conftest import quality_sections
 from validation.config import ValidationConfig
 from validation.run import latest_report, validate_table
 
@@ -42,11 +43,12 @@ def test_events_pass_then_a_critical_failure_quarantines_until_released(tmp_path
         app_id="ingest:gemline.events", version=1, metadata={"offset_ranges": [[0, 6, 8]], "end_offsets": {"0": 8}},
     )
 
-    ok = validate_table(cfg, "events", 0, now_ms=NOW)
+    ok = validate_table(Lake.for_config(cfg), "events", 0, now_ms=NOW, **quality_sections(cfg))
     assert ok.passed and ok.failures == [] and ok.num_rows == 6 and ok.table_version == 0
     assert gate_decision(tmp_path, "events", 0).allowed
 
-    bad = validate_table(cfg, "events", now_ms=NOW + 1)  # latest = version 1 (8 rows)
+    bad = validate_table(Lake.for_config(cfg), "events", now_ms=NOW + 1,
+                         **quality_sections(cfg))  # latest = version 1 (8 rows)
     assert bad.table_version == 1 and bad.num_rows == 8 and not bad.passed
     # the ingest batch of version 1 has 2 records against 6 before: a volume drift warning beside it
     assert [f[:2] for f in bad.failures] == [("in_set:event_type", "critical"), ("drift:num_rows", "warning")]
@@ -74,8 +76,8 @@ def test_events_pass_then_a_critical_failure_quarantines_until_released(tmp_path
 
     release(tmp_path, "events", 1, "hover is a new event type, accepted", now_ms=NOW + 2)
     assert gate_decision(tmp_path, "events", 1).allowed
-    assert latest_report(tmp_path, "events") == ("QUARANTINED", bad.report_html)
-    assert latest_report(tmp_path, "events", 0) == ("PASSED", ok.report_html)
+    assert latest_report(Lake(str(tmp_path)), "events") == ("QUARANTINED", bad.report_html)
+    assert latest_report(Lake(str(tmp_path)), "events", 0) == ("PASSED", ok.report_html)
 
 
 def test_examples_warning_only_passes_the_gate(tmp_path, examples_table):
@@ -83,7 +85,7 @@ def test_examples_warning_only_passes_the_gate(tmp_path, examples_table):
     # all facebook rows clicked: label rate 1.0 > 0.9 is a warning, not a quarantine
     table = examples_table(8, changes={0: {"label_click": 1}, 4: {"label_click": 1}})
     commit_once(tmp_path, "examples", table, app_id="build", version=0, mode="overwrite", metadata={"events_version": 3})
-    result = validate_table(cfg, "examples", now_ms=NOW)
+    result = validate_table(Lake.for_config(cfg), "examples", now_ms=NOW, **quality_sections(cfg))
     assert result.passed
     assert [f[:2] for f in result.failures] == [("label_rate:facebook", "warning")]
     assert result.failures[0][2] == "1.0"
@@ -100,14 +102,15 @@ def test_examples_leakage_quarantines(tmp_path, examples_table):
     cfg = config(tmp_path)
     table = examples_table(8, changes={2: {"seq_event_time_ms": [T0, T0 + 2000]}})
     commit_once(tmp_path, "examples", table, app_id="build", version=0, mode="overwrite", metadata={"events_version": 0})
-    result = validate_table(cfg, "examples", 0, now_ms=NOW)
+    result = validate_table(Lake.for_config(cfg), "examples", 0, now_ms=NOW, **quality_sections(cfg))
     assert not result.passed and [f[:2] for f in result.failures] == [("leakage", "critical")]
     assert not gate_decision(tmp_path, "examples", 0).allowed
 
 
 def test_empty_table_is_quarantined_as_empty(tmp_path, events_table):
     commit_once(tmp_path, "events", events_table(0), app_id="ingest:gemline.events", version=0)
-    result = validate_table(config(tmp_path), "events", now_ms=NOW)
+    result = validate_table(Lake.for_config(config(tmp_path)), "events", now_ms=NOW,
+                            **quality_sections(config(tmp_path)))
     assert [f[:2] for f in result.failures] == [("empty", "critical")]
     assert not gate_decision(tmp_path, "events", 0).allowed
     assert "QUARANTINED" in result.report_html.read_text()
@@ -123,18 +126,19 @@ BAD_CALLS = [
 @pytest.mark.parametrize("table,version,message", BAD_CALLS)
 def test_bad_calls_raise_value_error(tmp_path, table, version, message):
     with pytest.raises(ValueError, match=message):
-        validate_table(config(tmp_path), table, version, now_ms=NOW)
+        validate_table(Lake.for_config(config(tmp_path)), table, version, now_ms=NOW,
+                       **quality_sections(config(tmp_path)))
 
 
 def test_version_out_of_range_raises(tmp_path, events_table):
     commit_once(tmp_path, "events", events_table(2), app_id="ingest:gemline.events", version=0)
     with pytest.raises(ValueError, match=r"version must be in \[0, 0\], got 5"):
-        validate_table(config(tmp_path), "events", 5, now_ms=NOW)
+        validate_table(Lake.for_config(config(tmp_path)), "events", 5, now_ms=NOW, **quality_sections(config(tmp_path)))
 
 
 def test_latest_report_without_reports_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="gemline validate"):
-        latest_report(tmp_path, "events")
+        latest_report(Lake(str(tmp_path)), "events")
 
 
 def test_revalidation_appends_a_run_and_the_gate_reads_the_newest(tmp_path, events_table):
@@ -142,14 +146,15 @@ def test_revalidation_appends_a_run_and_the_gate_reads_the_newest(tmp_path, even
     commit_once(tmp_path, "events", events_table(4), app_id="ingest:gemline.events", version=0)
     strict = GemlineConfig(lake=str(tmp_path), ingest=IngestConfig(domains=("facebook",)),
                            validation=ValidationConfig(min_event_time_ms=T0 - 1000))
-    first = validate_table(strict, "events", now_ms=NOW)
+    first = validate_table(Lake.for_config(strict), "events", now_ms=NOW, **quality_sections(strict))
     assert [f[:2] for f in first.failures] == [("in_set:domain", "critical")]
     assert not gate_decision(tmp_path, "events", 0).allowed
-    second = validate_table(config(tmp_path), "events", now_ms=NOW + 1)
+    second = validate_table(Lake.for_config(config(tmp_path)), "events", now_ms=NOW + 1,
+                            **quality_sections(config(tmp_path)))
     assert second.passed and gate_decision(tmp_path, "events", 0).allowed
     quality = read_table(tmp_path, "quality").to_pylist()
     assert len({r["run_id"] for r in quality}) == 2
-    assert latest_report(tmp_path, "events")[0] == "PASSED"  # the report file holds the newest run
+    assert latest_report(Lake(str(tmp_path)), "events")[0] == "PASSED"  # the report file holds the newest run
 
 
 def test_dead_letter_rate_of_the_ingest_batch_quarantines_the_events_version(tmp_path, events_table):
@@ -165,7 +170,8 @@ def test_dead_letter_rate_of_the_ingest_batch_quarantines_the_events_version(tmp
     )
     commit_once(tmp_path, "dead_letter", dead, app_id="ingest:gemline.events", version=0, metadata=meta)
     commit_once(tmp_path, "events", events_table(6), app_id="ingest:gemline.events", version=0, metadata=meta)
-    result = validate_table(config(tmp_path), "events", 0, now_ms=NOW)
+    result = validate_table(Lake.for_config(config(tmp_path)), "events", 0, now_ms=NOW,
+                            **quality_sections(config(tmp_path)))
     assert [f[:2] for f in result.failures] == [("dead_letter_rate:warning", "warning"),
                                                 ("dead_letter_rate:critical", "critical")]
     assert result.failures[1][2] == "0.3333 (3 of 9 records); max 0.1"
@@ -186,7 +192,8 @@ def test_drift_against_the_previous_passed_batches(tmp_path, examples_table):
     results = []
     for version, table in enumerate(tables):
         commit_once(tmp_path, "examples", table, app_id="build", version=version, mode="overwrite")
-        results.append(validate_table(strict, "examples", version, now_ms=NOW + version))
+        results.append(validate_table(Lake.for_config(strict), "examples", version, now_ms=NOW + version,
+                                      **quality_sections(strict)))
     assert [r.passed for r in results] == [True, True, False, False]
     assert [f[:2] for f in results[3].failures] == [("drift:num_rows", "critical")]
     assert results[3].failures[0][2] == "16 vs 8 over 2 batches: relative change 1 (max 0.5)"
@@ -204,8 +211,8 @@ def test_examples_versions_are_judged_on_the_rows_they_added(tmp_path, examples_
     good = examples_table(8).set_column(0, "example_id", pa.array([f"later-{i}" for i in range(8)]))
     commit_once(tmp_path, "examples", bad, app_id="build", version=0, metadata={"events_version": 0})
     commit_once(tmp_path, "examples", good, app_id="build", version=1, metadata={"events_version": 1})
-    first = validate_table(cfg, "examples", 0, now_ms=NOW)
-    second = validate_table(cfg, "examples", 1, now_ms=NOW)
+    first = validate_table(Lake.for_config(cfg), "examples", 0, now_ms=NOW, **quality_sections(cfg))
+    second = validate_table(Lake.for_config(cfg), "examples", 1, now_ms=NOW, **quality_sections(cfg))
     assert not first.passed and second.passed, "one bad build does not fail every later version"
     assert (first.num_rows, second.num_rows) == (8, 8)  # each version's own rows, not the table's 16
     assert not gate_decision(tmp_path, "examples", 0).allowed and gate_decision(tmp_path, "examples", 1).allowed
