@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 def ingest_args(config):
     """``(lake, kafka, ingest)`` of a root ``GemlineConfig``: the leading arguments of ``run_ingest``,
     ``ingest_backlog``, ``backfill_late_events`` and ``run_streaming``, for tests that build one config."""
-    from gemline.lake import Lake
+    from gemline.lake import Lake  # here, not at the top: this conftest loads first for every test (kernels too)
 
     return Lake.for_config(config), config.kafka, config.ingest
 
