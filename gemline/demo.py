@@ -173,7 +173,7 @@ def run_demo(
 
             trained = train_with_torchrun(config, nproc, examples_version=built.examples_version)
         else:
-            trained = run_training(config.trainer, Lake.for_config(config), examples_version=built.examples_version)
+            trained = run_training(config.trainer, lake, examples_version=built.examples_version)
         if trained is None:  # only a launcher that did not host rank 0 gets None; the demo launches all ranks
             raise RuntimeError("demo: the sharded run returned no result (rank 0 ran elsewhere?)")
         click = nan_to_none(trained.metrics["click"]["overall"])  # summary.json is JSON: no NaN
