@@ -373,9 +373,14 @@ def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
-    from trainer.compare import run_compare
+    from trainer.compare import run_compare, run_holdout_compare
 
-    result = run_compare(_config(args), examples_version=args.version, models=tuple(args.models.split(",")))
+    models = tuple(args.models.split(","))
+    result: Any
+    if args.version is not None or args.holdout_last_day:
+        result = run_holdout_compare(_config(args), examples_version=args.version, models=models)
+    else:
+        result = run_compare(_config(args), models=models, resamples=args.resamples, seed=args.bootstrap_seed)
     print(open(result.paths["md"]).read())
     print(_as_json(result.paths))
     return 0
@@ -550,10 +555,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the lineage as JSON")
     p.set_defaults(func=cmd_lineage, passthrough=False)
 
-    p = sub.add_parser("compare", help="train GEM, DLRM and LR on one examples version; table + plot under LAKE/_runs")
+    p = sub.add_parser("compare", help="GEM, DLRM and LR through the continuous trainer's progressive validation over "
+                                       "every examples version, with paired bootstrap intervals; report under LAKE/_runs")
     _common(p)
-    p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
-    p.add_argument("--models", default="gem,dlrm,lr", help="comma-separated trainer.model names")
+    p.add_argument("--models", default="gem,dlrm,lr",
+                   help="comma-separated trainer.model names; the first is subtracted from (default gem,dlrm,lr)")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="numpy seed of the bootstrap draws (default 0)")
+    p.add_argument("--holdout-last-day", action="store_true",
+                   help="instead: train on one examples version's days but the last, evaluate on the last")
+    p.add_argument("--version", type=int, default=None,
+                   help="with --holdout-last-day (implied): the examples version (default latest)")
     p.set_defaults(func=cmd_compare, passthrough=False)
 
     p = sub.add_parser("demo", help="broker + replay + ingest + build + validate + train, end to end")

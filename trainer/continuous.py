@@ -38,7 +38,7 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,10 +157,29 @@ def _bootstrap_sample(config: GemlineConfig, start: Cursor, version: int) -> pa.
     return pa.Table.from_batches(batches) if batches else pa.table({})
 
 
+@dataclass(frozen=True)
+class ProgressivePredictions:
+    """What the model predicted for one examples version before training on it, in the order of the log.
+
+    ``labels`` (N, 2) 0/1 and ``probs`` (N, 2) float64 probabilities, columns ``trainer.metrics.TASKS``;
+    ``domains`` (N,) object. ``trainer.compare`` pairs these rows across models for its bootstrap.
+    """
+
+    version: int
+    labels: np.ndarray
+    probs: np.ndarray
+    domains: np.ndarray
+
+
+PredictionsHook = Callable[[ProgressivePredictions], None]
+"""Called with each progressive evaluation's predictions (:func:`run_once`'s ``on_predictions``)."""
+
+
 def _progressive(engine: Engine, config: GemlineConfig, normalizer: DenseNormalizer, start: Cursor,
-                 version: int) -> dict | None:
+                 version: int, on_predictions: PredictionsHook | None = None) -> dict | None:
     """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
     batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows.
+    ``on_predictions`` sees the predictions before they are evaluated (rank 0).
 
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
     ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
@@ -177,7 +196,10 @@ def _progressive(engine: Engine, config: GemlineConfig, normalizer: DenseNormali
         return None
     if not probs:  # not rank 0
         return {}
-    return evaluate(np.concatenate(labels), np.concatenate(probs), np.concatenate(domains))
+    predictions = ProgressivePredictions(version, np.concatenate(labels), np.concatenate(probs), np.concatenate(domains))
+    if on_predictions is not None:
+        on_predictions(predictions)
+    return evaluate(predictions.labels, predictions.probs, predictions.domains)
 
 
 def _prune(root: str, keep: int) -> None:
@@ -193,7 +215,8 @@ def _prune(root: str, keep: int) -> None:
 
 @holding("train")
 def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
-             max_versions: int | None = None, progress: bool = False, nproc: int = 1) -> ContinuousResult:
+             max_versions: int | None = None, progress: bool = False, nproc: int = 1, root: str | None = None,
+             on_predictions: PredictionsHook | None = None) -> ContinuousResult:
     """Consume every new, gate-allowed ``examples`` version once (module docstring), checkpoint, return.
 
     Holds ``LAKE/_locks/train.lock`` for the run (the ranks of a sharded run under it take no lock).
@@ -204,6 +227,10 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         max_versions: stop after consuming this many versions (tests, bounded daily runs); None: all.
         nproc: processes; > 1 runs :func:`consume` on every rank of a torchrun job (trainer.launch), the
             model sharded (trainer.sharded_engine); the result is rank 0's.
+        root: the folder whose ``_checkpoints`` holds this run's checkpoints; None: the lake's continuous
+            run (:func:`continuous_root`). ``gemline compare`` gives each model its own. One process only.
+        on_predictions: called with each progressive evaluation's :class:`ProgressivePredictions` (before
+            its metrics are written); an exception it raises stops the run as a crash would. One process only.
 
     Returns:
         A :class:`ContinuousResult`.
@@ -212,7 +239,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         gemline.errors.MissingInputError: there is no ``examples`` table (a FileNotFoundError).
         gemline.increments.CursorError: the table was recreated, or rows under the cursor are gone.
         gemline.locks.LakeBusyError: another continuous trainer runs on this lake.
-        ValueError: ``keep_checkpoints < 1``.
+        ValueError: ``keep_checkpoints < 1``; ``root`` or ``on_predictions`` with ``nproc > 1``.
         gemline.errors.InputSchemaError: a dense column the model was trained with is missing or retyped.
         gemline.errors.BadConfigError: with ``nproc > 1``: an object-store lake, a checkpoint of another world
             size or of a one-process run.
@@ -220,6 +247,9 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
     """
     if keep_checkpoints < 1:
         raise ValueError(f"run_once: expected keep_checkpoints >= 1, got {keep_checkpoints}")
+    if nproc > 1 and (root is not None or on_predictions is not None):
+        raise ValueError("run_once: root and on_predictions need nproc=1 (the ranks of a torchrun job are other "
+                         "processes)")
     if nproc > 1:
         # trainer.launch imports this module on the ranks' side (consume); the launcher is imported here only.
         from trainer.launch import run_once_with_torchrun
@@ -227,7 +257,7 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         return run_once_with_torchrun(config, nproc, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
                                       max_versions=max_versions)
     result = consume(config, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
-                     max_versions=max_versions)
+                     max_versions=max_versions, root=root, on_predictions=on_predictions)
     assert result is not None, "one process is rank 0"
     return result
 
@@ -239,7 +269,7 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int) -> dict[str, Any]:
+def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int, root: str) -> dict[str, Any]:
     """What this run consumes, decided once on rank 0 and broadcast, so every rank walks the same versions
     even when a build or a validation commits meanwhile: ``{"table_id", "resume" (checkpoint path or None),
     "run_id" (a new run's), "newest", "decisions"}``; or ``{"error": exception}`` raised on every rank."""
@@ -250,7 +280,7 @@ def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int) -> d
             tid = table_id(lake, EXAMPLES, storage_options=opts)
             if tid is None:
                 raise MissingInputError(f"no examples table in {lake}: run `gemline build` first")
-            resume = None if from_scratch else latest_checkpoint(continuous_root(lake), storage_options=opts)
+            resume = None if from_scratch else latest_checkpoint(root, storage_options=opts)
             cursor_version = 0
             skipped: list[int] = []
             if resume is not None:
@@ -274,7 +304,8 @@ def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int) -> d
 
 
 def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
-            max_versions: int | None = None) -> ContinuousResult | None:
+            max_versions: int | None = None, root: str | None = None,
+            on_predictions: PredictionsHook | None = None) -> ContinuousResult | None:
     """:func:`run_once` without the lock, on one process (:func:`trainer.loop.local_engine`) or on every rank
     of an initialised process group (:func:`trainer.sharded_engine.sharded_engine`, called by trainer.launch).
 
@@ -296,8 +327,9 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
     if world > 1 and is_remote(lake):
         raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
                          "sharded checkpoints (DCP) are written to a file system every rank sees; use --nproc 1 here")
-    plan = _plan(config, from_scratch, rank, world)
-    tid, root = plan["table_id"], continuous_root(lake)
+    root = continuous_root(lake) if root is None else root
+    plan = _plan(config, from_scratch, rank, world, root)
+    tid = plan["table_id"]
     resume = plan["resume"]
     engine: Engine | None = None
     normalizer: DenseNormalizer | None = None
@@ -384,7 +416,7 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
         assert engine is not None and normalizer is not None
         evaluated = False
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
-            metrics = _progressive(engine, config, normalizer, start, version)
+            metrics = _progressive(engine, config, normalizer, start, version, on_predictions)
             if metrics is not None:
                 evaluations += 1
                 evaluated = True

@@ -1,4 +1,5 @@
-"""The comparison report: rows from run_training metrics, the markdown table, the files written."""
+"""The comparisons: progressive (every model through the continuous trainer, its means equal to what each run
+recorded in training_metrics) and held-out last day (rows from run_training metrics, the table, the files)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer.compare import comparison_rows, markdown_table, run_compare, write_report
+from trainer.compare import comparison_rows, markdown_table, run_compare, run_holdout_compare, write_report
 from trainer.metrics import evaluate
 
 
@@ -41,21 +42,98 @@ def test_rows_table_and_files(tmp_path):
     assert open(paths["png"], "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("models", "message"), [((), "at least one"), (("gem", "xgboost"), "trainer.model must be one of")])
+@pytest.mark.parametrize(("models", "message"), [
+    ((), "at least one"), (("gem", "xgboost"), "trainer.model must be one of"), (("gem", "dlrm", "gem"), "repeat")])
 def test_rejects_bad_model_lists_before_training(tmp_path, models, message):
     from gemline.config import load_config
 
+    config = load_config(overrides={"lake": str(tmp_path)})  # no examples table: reaching training would fail otherwise
     with pytest.raises(ValueError, match=message):
-        run_compare(load_config(overrides={"lake": str(tmp_path)}), models=models, progress=False)
+        run_compare(config, models=models)
+    with pytest.raises(ValueError, match=message):
+        run_holdout_compare(config, models=models, progress=False)
 
 
 def test_compare_warns_that_it_trains_from_scratch_whatever_init_from_says(tmp_path, caplog):
     from gemline.config import load_config
 
     config = load_config(overrides={"lake": str(tmp_path), "trainer.init_from": "latest"})
-    # An unknown model stops run_compare before any training, after it read the config.
+    # An unknown model stops the comparison before any training, after it read the config.
     with pytest.raises(ValueError, match="trainer.model must be one of"):
-        run_compare(config, models=("gem", "xgboost"), progress=False)
+        run_compare(config, models=("gem", "xgboost"))
     assert [r.getMessage() for r in caplog.records if r.name == "trainer.compare" and r.levelname == "WARNING"] == [
         "trainer.init_from='latest' is overridden at run time: using 'scratch' (compare trains every model from fresh "
         "parameters, so none starts from another's checkpoint)"]
+
+
+def test_rejects_a_bad_bootstrap_before_training(tmp_path):
+    from gemline.config import load_config
+
+    with pytest.raises(ValueError, match="resamples >= 1"):
+        run_compare(load_config(overrides={"lake": str(tmp_path)}), resamples=0)
+
+
+SMALL = {"trainer.num_embeddings": "1000", "trainer.batch_size": "64", "trainer.learning_rate": "0.01",
+         "trainer.embedding_learning_rate": "0.01", "trainer.seed": "0",
+         "ingest.domains": '["feed", "reels", "marketplace"]'}
+
+
+def _weighted(values: list[tuple[float | None, float]]) -> float:
+    defined = [(v, n) for v, n in values if v is not None]
+    return sum(v * n for v, n in defined) / sum(n for _, n in defined)
+
+
+def test_progressive_compare_reports_what_each_continuous_run_recorded(tmp_path):
+    from gemline.config import load_config
+    from gemline.lake import read_table
+
+    from .conftest import mark_quality, synthetic_examples, write_examples
+
+    lake = tmp_path / "lake"
+    sizes = {1: 200, 2: 150, 3: 250, 4: 180}  # versions 0..3; 1..3 are evaluated before training on them
+    for day, rows in sizes.items():
+        mark_quality(lake, write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day)), passed=True)
+    config = load_config(overrides={"lake": str(lake), **SMALL})
+
+    result = run_compare(config, run_id="cmp", resamples=200, seed=3)
+
+    assert result.versions == [1, 2, 3]
+    assert [(r["model"], r["task"]) for r in result.rows] == [
+        (m, t) for t in ("click", "conversion") for m in ("gem", "dlrm", "lr")]
+    recorded = read_table(str(lake), "training_metrics").to_pylist()
+    run_ids = {r["model"]: r["continuous_run_id"] for r in result.rows}
+    assert len(set(run_ids.values())) == 3 and {r["run_id"] for r in recorded} == set(run_ids.values())
+    for row in result.rows:
+        mine = [r for r in recorded if r["run_id"] == row["continuous_run_id"] and r["task"] == row["task"]
+                and r["domain"] == "all"]
+        by = {(r["examples_version"], r["metric"]): r["value"] for r in mine}
+        assert sorted({v for v, _ in by}) == [1, 2, 3]
+        assert [by[(v, "num_examples")] for v in (1, 2, 3)] == [150.0, 250.0, 180.0]
+        assert row["auc"] == pytest.approx(_weighted([(by[(v, "auc")], by[(v, "num_examples")]) for v in (1, 2, 3)]), abs=1e-12)
+        assert row["ne"] == pytest.approx(_weighted([(by[(v, "ne")], by[(v, "num_examples")]) for v in (1, 2, 3)]), abs=1e-12)
+        assert row["versions"] == 3 and row["rows"] == 580
+        assert 0.0 < row["auc"] < 1.0 and row["ne"] > 0
+
+    means = {(r["model"], r["task"]): r for r in result.rows}
+    assert [(d["a"], d["b"], d["task"]) for d in result.differences] == [
+        ("gem", "dlrm", "click"), ("gem", "lr", "click"), ("gem", "dlrm", "conversion"), ("gem", "lr", "conversion")]
+    for d in result.differences:
+        for metric in ("auc", "ne"):
+            interval = d[metric]
+            assert interval["estimate"] == pytest.approx(
+                means[("gem", d["task"])][metric] - means[(d["b"], d["task"])][metric], abs=1e-12)
+            assert interval["low"] <= interval["high"] and interval["requested"] == 200 and interval["seed"] == 3
+
+    saved = json.loads(open(result.paths["json"]).read())
+    assert saved["versions"] == [1, 2, 3] and saved["bootstrap"]["resamples"] == 200
+    assert [p["examples_version"] for p in saved["per_version"]["dlrm"]["click"]] == [1, 2, 3]
+    table = open(result.paths["md"]).read()
+    assert table.startswith("# Progressive comparison: examples@1..3 (3 versions evaluated before training on them)")
+    gem_click = means[("gem", "click")]
+    assert f"| gem | click | {gem_click['auc']:.4f} | {gem_click['ne']:.4f} | 3 | 580 |" in table
+    assert "| gem - dlrm | click | " in table
+    assert open(result.paths["png"], "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each model's run keeps its checkpoints in the compare run's folder, never in the lake's continuous run.
+    for model in ("gem", "dlrm", "lr"):
+        assert list((lake / "_runs" / "cmp" / model / "_checkpoints").glob("step-*/meta.json"))
+    assert not (lake / "_continuous").exists()
