@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -223,7 +224,7 @@ class ProgressiveCompareResult:
     paths: dict[str, str]
 
 
-def row_weighted_mean(values: list[float | None], weights: list[int]) -> float | None:
+def row_weighted_mean(values: Sequence[float | None], weights: Sequence[int]) -> float | None:
     """``sum w_i v_i / sum w_i`` over the entries whose value is defined (not None or NaN); None when none is."""
     pairs = [(v, w) for v, w in zip(values, weights, strict=True) if v is not None and not math.isnan(v)]
     total = sum(w for _, w in pairs)
@@ -244,19 +245,21 @@ def progressive_summary(predictions: dict[str, dict[int, Any]], *, resamples: in
         per_version: ``{model: {task: [{"examples_version", "rows", "auc", "ne"}]}}``.
 
     Raises:
-        ValueError: the models were not evaluated on the same rows of a version (their labels differ).
+        ValueError: no model, or the models were not evaluated on the same rows of a version (their labels differ).
     """
     from trainer.bootstrap import bootstrap_means, difference_interval
     from trainer.metrics import auc, normalized_entropy
 
     models = list(predictions)
-    versions = sorted(set.intersection(*(set(p) for p in predictions.values()))) if models else []
+    if not models:
+        raise ValueError("compare: expected the predictions of at least one model, got none")
+    first = models[0]
+    versions = sorted(set.intersection(*(set(p) for p in predictions.values())))
     for model in models:
         extra = sorted(set(predictions[model]) - set(versions))
         if extra:
             log.warning("compare: %s was also evaluated on examples versions %s, which not every model was; "
                         "they are left out", model, extra)
-    first = models[0] if models else None
     for v in versions:
         for model in models[1:]:
             if not np.array_equal(predictions[model][v].labels, predictions[first][v].labels):
@@ -267,7 +270,7 @@ def progressive_summary(predictions: dict[str, dict[int, Any]], *, resamples: in
     differences: list[dict] = []
     per_version: dict[str, dict[str, list[dict]]] = {m: {} for m in models}
     for j, task in enumerate(TASKS):
-        labels = [predictions[first][v].labels[:, j] for v in versions] if first else []
+        labels = [predictions[first][v].labels[:, j] for v in versions]
         sizes = [len(y) for y in labels]
         scores = {m: [predictions[m][v].probs[:, j] for v in versions] for m in models}
         for model in models:
@@ -374,11 +377,15 @@ def run_compare(
     runs: dict[str, dict[str, Any]] = {}
     for model, tc in trainer_configs.items():
         log.info("compare: %s through the continuous trainer", model)
-        predictions[model] = {}
+        store: dict[int, ProgressivePredictions] = {}
+        predictions[model] = store
+
+        def keep(p: ProgressivePredictions, store: dict[int, ProgressivePredictions] = store) -> None:
+            store[p.version] = p
+
         started = time.perf_counter()
         result = run_once(replace(config, trainer=tc), from_scratch=True, keep_checkpoints=1,
-                          root=str(run_dir / model),
-                          on_predictions=lambda p, store=predictions[model]: store.__setitem__(p.version, p))
+                          root=str(run_dir / model), on_predictions=keep)
         runs[model] = {"continuous_run_id": result.run_id, "steps": result.step,
                        "rows_trained": result.rows_trained_total, "seconds": round(time.perf_counter() - started, 1),
                        "checkpoint_path": result.checkpoint_path, "report_path": result.report_path,
