@@ -363,7 +363,7 @@ def run_compare(
     Raises:
         gemline.errors.BadConfigError: an empty, repeated or unknown model name (before any training).
         ValueError: ``resamples < 1`` or ``confidence`` not in (0, 1) (before any training).
-        FileNotFoundError: no ``examples`` table.
+        gemline.errors.MissingInputError: no ``examples`` table (a FileNotFoundError).
         gemline.locks.LakeBusyError: a continuous trainer runs on this lake (each model's run takes its lock).
     """
     from trainer.continuous import ProgressivePredictions, run_once
