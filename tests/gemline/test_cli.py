@@ -443,3 +443,32 @@ def test_beam_logs_of_a_gemline_error_are_dropped_and_of_a_bug_kept(caplog):
         beam_log.exception("bug [while running 'Step']")
     assert [r.getMessage() for r in caplog.records if r.name == "apache_beam.runners.common"] == \
         ["bug [while running 'Step']"]
+
+
+@pytest.mark.parametrize(("argv", "called"), [
+    ([], ("progressive", {"models": ("gem", "dlrm", "lr"), "resamples": 1000, "seed": 0})),
+    (["--models", "gem,lr", "--resamples", "50", "--bootstrap-seed", "4"],
+     ("progressive", {"models": ("gem", "lr"), "resamples": 50, "seed": 4})),
+    (["--holdout-last-day"], ("holdout", {"examples_version": None, "models": ("gem", "dlrm", "lr")})),
+    (["--version", "3"], ("holdout", {"examples_version": 3, "models": ("gem", "dlrm", "lr")})),
+])
+def test_compare_is_progressive_unless_a_held_out_day_is_asked_for(monkeypatch, capsys, tmp_path, argv, called):
+    import types
+
+    import trainer.compare as compare
+
+    report = tmp_path / "compare.md"
+    report.write_text("| table |\n")
+    calls = []
+
+    def fake(kind):
+        def run(config, **kwargs):
+            calls.append((kind, kwargs))
+            return types.SimpleNamespace(paths={"md": str(report)})
+        return run
+
+    monkeypatch.setattr(compare, "run_compare", fake("progressive"))
+    monkeypatch.setattr(compare, "run_holdout_compare", fake("holdout"))
+    assert main(["compare", "--lake", str(tmp_path), *argv]) == 0
+    assert calls == [called]
+    assert capsys.readouterr().out.startswith("| table |")
