@@ -19,7 +19,7 @@ out of that resample's mean for both; a resample with no defined group is droppe
 :attr:`BootstrapInterval.resamples`). The interval is the (1-c)/2 and (1+c)/2 quantiles of the R differences.
 
 Draw order, so a result can be reproduced: ``rng = numpy.random.default_rng(seed)``; for each resample in
-turn, for each group in turn, ``rng.integers(0, n_k, size=n_k)``.
+turn, for each non-empty group in turn, ``rng.integers(0, n_k, size=n_k)``.
 
 A resample is evaluated without sorting again: each model's scores are ranked once into tie groups, and a
 resample's AUC is a ``bincount`` of its drawn rows by (tie group, label) (:func:`weighted_auc` is the same
@@ -212,7 +212,8 @@ def bootstrap_means(labels: Sequence[np.ndarray], scores: Mapping[str, Sequence[
         drawn = [np.empty((count, len(y)), dtype=np.int64) for y in ys]
         for r in range(count):  # the documented draw order: resample by resample, group by group
             for k, y in enumerate(ys):
-                drawn[k][r] = rng.integers(0, len(y), size=len(y)) if len(y) else drawn[k][r]
+                if len(y):  # an empty group draws nothing and has no metric
+                    drawn[k][r] = rng.integers(0, len(y), size=len(y))
         for model, values in means(drawn, count).items():
             replicates[model][first: first + count] = values
     return estimates, replicates

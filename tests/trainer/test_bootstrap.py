@@ -138,3 +138,16 @@ def test_bad_input_is_refused(message, kwargs):
 def test_confidence_must_be_a_probability():
     with pytest.raises(ValueError, match="0 < confidence < 1"):
         paired_bootstrap([np.array([0.0, 1.0])], [np.array([0.2, 0.7])], [np.array([0.2, 0.7])], confidence=95)
+
+
+def test_an_empty_group_draws_nothing_and_weighs_nothing():
+    labels, a, b = groups(7, sizes=(30, 45))
+    empty = np.zeros(0)
+    with_empty = bootstrap_means([labels[0], empty, labels[1]], {"a": [a[0], empty, a[1]], "b": [b[0], empty, b[1]]},
+                                 resamples=40, seed=9)
+    without = bootstrap_means(labels, {"a": a, "b": b}, resamples=40, seed=9)
+    assert with_empty[0] == pytest.approx(without[0], abs=1e-12)
+    # Equal up to the order of a float sum (the empty group is a zero-weight column of the weighted mean).
+    np.testing.assert_allclose(with_empty[1]["a"], without[1]["a"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(with_empty[1]["b"], without[1]["b"], rtol=0, atol=1e-12)
+    assert np.unique(with_empty[1]["a"]).size > 30
