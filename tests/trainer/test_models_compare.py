@@ -137,3 +137,13 @@ def test_progressive_compare_reports_what_each_continuous_run_recorded(tmp_path)
     for model in ("gem", "dlrm", "lr"):
         assert list((lake / "_runs" / "cmp" / model / "_checkpoints").glob("step-*/meta.json"))
     assert not (lake / "_continuous").exists()
+
+
+def test_the_compare_hooks_of_run_once_need_one_process(tmp_path):
+    from gemline.config import load_config
+    from trainer.continuous import run_once
+
+    config = load_config(overrides={"lake": str(tmp_path)})
+    for hooks in ({"root": str(tmp_path / "gem")}, {"on_predictions": print}):
+        with pytest.raises(ValueError, match="need nproc=1"):
+            run_once(config, nproc=2, **hooks)
