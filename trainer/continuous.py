@@ -314,7 +314,7 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
     stays one value, the global batches and so the losses stay those of one process, and no rows travel
     between ranks (the reader is several times faster than training, so reading N times costs little).
     Progressive predictions are gathered on rank 0, which alone writes ``training_metrics``, the
-    checkpoint's meta.json, the report and the result.
+    checkpoint's meta.json, the report and the result. ``root`` and ``on_predictions``: as :func:`run_once`.
 
     Returns:
         The :class:`ContinuousResult` on rank 0, None on the other ranks.
