@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -52,7 +53,7 @@ from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
-from gemline.lake import is_remote, open_table
+from gemline.lake import StorageOptions, is_remote, lake_fs, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
@@ -68,7 +69,9 @@ log = logging.getLogger(__name__)
 EXAMPLES = Table.EXAMPLES
 METRICS_TABLE = Table.TRAINING_METRICS
 CONTINUOUS_DIR = "_continuous"
-"""Continuous runs keep their checkpoints under ``LAKE/_continuous/_checkpoints``, apart from one-shot runs."""
+"""Continuous runs keep their checkpoints under ``LAKE/_continuous/runs/<run_id>/_checkpoints``, apart from one-shot
+runs; ``LAKE/_continuous/CURRENT`` names the run a plain ``--once`` resumes (:func:`current_root`)."""
+CURRENT_RUN_FILE = "CURRENT"
 
 TRAINING_METRICS_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), nullable=False),
@@ -86,8 +89,45 @@ _METRICS = ("auc", "ne", "calibration", "base_rate", "num_examples")
 
 
 def continuous_root(lake: str | Path) -> str:
-    """The pseudo-lake whose ``_checkpoints`` holds the continuous runs' checkpoints."""
+    """``LAKE/_continuous``: the folder of every continuous run (and the checkpoint root of runs from before
+    runs had their own folders)."""
     return f"{str(lake).rstrip('/')}/{CONTINUOUS_DIR}"
+
+
+def run_root(lake: str | Path, run_id: str) -> str:
+    """The pseudo-lake whose ``_checkpoints`` holds the checkpoints of continuous run ``run_id``."""
+    return f"{continuous_root(lake)}/runs/{run_id}"
+
+
+def current_root(lake: str | Path, storage_options: StorageOptions | None = None) -> str:
+    """The checkpoint root of the run a plain ``train --once`` resumes: the run ``LAKE/_continuous/CURRENT`` names,
+    else :func:`continuous_root` (a lake whose runs predate run folders).
+
+    Why a pointer: a ``--from-scratch`` run starts at step 0, so "the checkpoint with the highest step" across
+    runs would resume the older, longer run; each run's own folder and the pointer to the newest make the new
+    run the one that goes on.
+    """
+    fs, base = lake_fs(continuous_root(lake), storage_options)
+    try:
+        with fs.open_input_stream(f"{base}/{CURRENT_RUN_FILE}") as fh:
+            run_id = fh.read().decode().strip()
+    except (FileNotFoundError, OSError):
+        return continuous_root(lake)
+    return run_root(lake, run_id) if run_id else continuous_root(lake)
+
+
+def _set_current(lake: str | Path, run_id: str, storage_options: StorageOptions | None) -> None:
+    """Point ``LAKE/_continuous/CURRENT`` at ``run_id``: a new file renamed over the old on a local lake (a reader
+    sees the old run or the new, never half a name); one PUT on an object store (atomic there)."""
+    fs, base = lake_fs(continuous_root(lake), storage_options)
+    fs.create_dir(base, recursive=True)
+    if is_remote(lake):
+        with fs.open_output_stream(f"{base}/{CURRENT_RUN_FILE}") as out:
+            out.write(run_id.encode())
+        return
+    tmp = Path(base) / f".{CURRENT_RUN_FILE}.{run_id}.tmp"
+    tmp.write_text(run_id)
+    os.replace(tmp, Path(base) / CURRENT_RUN_FILE)
 
 
 @dataclass
@@ -327,10 +367,15 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
     if world > 1 and is_remote(lake):
         raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
                          "sharded checkpoints (DCP) are written to a file system every rank sees; use --nproc 1 here")
-    root = continuous_root(lake) if root is None else root
+    own_root = root is None
+    root = current_root(lake, opts) if root is None else root
     plan = _plan(config, from_scratch, rank, world, root)
     tid = plan["table_id"]
     resume = plan["resume"]
+    if resume is None and own_root:  # a new run: its own folder, and the lake's current run from now on
+        root = run_root(lake, plan["run_id"])
+        if rank == 0:
+            _set_current(lake, plan["run_id"], opts)
     engine: Engine | None = None
     normalizer: DenseNormalizer | None = None
     domains: tuple[str, ...] = ()
@@ -546,9 +591,10 @@ def lineage(config: GemlineConfig, *, checkpoint: str | None = None) -> dict[str
     Raises:
         gemline.errors.MissingInputError: no continuous checkpoint.
     """
-    path = checkpoint or latest_checkpoint(continuous_root(config.lake), storage_options=config.lake_storage_options)
+    root = current_root(config.lake, config.lake_storage_options)
+    path = checkpoint or latest_checkpoint(root, storage_options=config.lake_storage_options)
     if path is None:
-        raise MissingInputError(f"no continuous checkpoint under {continuous_root(config.lake)}: run `gemline train --once`")
+        raise MissingInputError(f"no continuous checkpoint under {root}: run `gemline train --once`")
     state = read_state(path)
     cont = state.extra["continuous"]
     return json.loads(json.dumps({"step": state.step, "run_id": cont["run_id"],

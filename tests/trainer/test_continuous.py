@@ -5,6 +5,7 @@ parameters of an uninterrupted run; the same lake and seed give the same checkpo
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,19 @@ def test_a_recreated_examples_table_is_refused(tmp_path):
         run_once(_config(lake))
     fresh = run_once(_config(lake), from_scratch=True)
     assert [r["version"] for r in fresh.versions] == [0] and fresh.rows_trained_total == 200
+
+
+def test_after_from_scratch_the_new_run_is_the_one_that_goes_on(tmp_path):
+    lake = tmp_path / "lake"
+    _three_versions(lake)
+    old = run_once(_config(lake))
+    fresh = run_once(_config(lake), from_scratch=True, max_versions=1)
+    assert (old.step, fresh.step) == (12, 4) and fresh.run_id != old.run_id
+    # The old run's checkpoint has the higher step; the lake's CURRENT run is the new one all the same.
+    after = run_once(_config(lake))
+    assert after.run_id == fresh.run_id and [r["version"] for r in after.versions] == [1, 2]
+    assert after.rows_trained_total == 600 and lineage(_config(lake))["run_id"] == fresh.run_id
+    assert Path(old.checkpoint_path).is_dir(), "the old run's checkpoints stay in its own folder"
 
 
 def test_the_run_report_shows_curves_verdicts_and_lineage(tmp_path):

@@ -22,7 +22,7 @@ from deltalake import write_deltalake
 from gemline.config import load_config
 from gemline.increments import CursorError
 from gemline.lake import read_table, table_uri
-from trainer.continuous import run_once
+from trainer.continuous import current_root, run_once
 
 from .conftest import mark_quality, synthetic_examples, write_examples
 
@@ -105,8 +105,8 @@ def test_a_sigkill_at_a_seeded_point_then_a_restart_trains_each_example_once(tmp
     before_kill = 3 - len(lineage)
     assert [r["version"] for r in lineage] == list(range(before_kill, 3)), "the restart goes on where the kill left"
     assert out.rows_trained_total == 600 and out.step == reference.step, "each example trained exactly once"
-    complete = sorted((int(p.name.split("-")[1]), p) for p in (killed / "_continuous" / "_checkpoints").iterdir()
-                      if (p / "meta.json").is_file())
+    folder = Path(current_root(str(killed))) / "_checkpoints"
+    complete = sorted((int(p.name.split("-")[1]), p) for p in folder.iterdir() if (p / "meta.json").is_file())
     newest = str(complete[-1][1])
     assert out.checkpoint_path in (None, newest), "a restart with nothing left to train writes no checkpoint"
     want, got = _params(reference.checkpoint_path), _params(newest)
@@ -212,5 +212,5 @@ def test_a_removed_or_retyped_dense_column_is_one_line_and_nothing_is_trained(tm
     assert len(err) == 1 and column in err[0], err
     state = json.loads(Path(first.checkpoint_path, "meta.json").read_text())
     assert state["step"] == first.step
-    newest = sorted((lake / "_continuous" / "_checkpoints").glob("step-*"))[-1]
+    newest = sorted((Path(current_root(str(lake))) / "_checkpoints").glob("step-*"))[-1]
     assert str(newest) == first.checkpoint_path, "nothing was trained or checkpointed"
