@@ -57,7 +57,7 @@ from gemline.lake import StorageOptions, is_remote, lake_fs, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
-from trainer.data import DenseNormalizer, encode_examples, fit_normalizer
+from trainer.data import DenseNormalizer, dense_names, encode_examples, fit_normalizer
 from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.run_report import write_run_report
@@ -475,10 +475,17 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
 
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
             nonlocal rows, cursor, start
+            noted = False
             for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
                                              batch_rows=tc.batch_size * 64, storage_options=opts):
                 if batch is not None:
-                    data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
+                    table = pa.Table.from_batches([batch])
+                    unread = sorted(set(dense_names(table)) - set(normalizer.names))
+                    if unread and not noted and rank == 0:  # a build added features: the model keeps its inputs
+                        log.info("examples@%d has dense columns the model does not read, trained as before: %s",
+                                 version, unread)
+                    noted = noted or bool(unread)
+                    data = encode_examples(table, tc.num_embeddings, normalizer)
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))
@@ -556,7 +563,8 @@ def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch
     --follow``); each call resumes from the checkpoint the previous one wrote. Returns the calls made.
 
     An interrupt while waiting ends cleanly; one during a call propagates (the CLI prints one line, exit
-    130) and the next run resumes from the newest checkpoint, so nothing is trained twice.
+    130) and the next run resumes from the newest checkpoint, so nothing is trained twice. Before the first
+    ``examples`` version exists (``gemline run`` starts the trainer with the build), it waits, saying so once.
 
     Args:
         on_result: called with each :class:`ContinuousResult` (the CLI prints a JSON line).
@@ -568,12 +576,19 @@ def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch
     """
     if poll_interval_s < 0:
         raise ValueError(f"follow: expected poll_interval_s >= 0, got {poll_interval_s}")
-    calls = 0
+    calls, started, waiting = 0, False, False
     while max_polls is None or calls < max_polls:
-        result = run_once(config, from_scratch=from_scratch and calls == 0, nproc=nproc)
+        try:
+            result = run_once(config, from_scratch=from_scratch and not started, nproc=nproc)
+        except MissingInputError as exc:  # no examples table yet
+            if not waiting:
+                log.warning("train waits: %s", exc)
+            waiting = True
+        else:
+            started, waiting = True, False
+            if on_result is not None:
+                on_result(result)
         calls += 1
-        if on_result is not None:
-            on_result(result)
         if max_polls is not None and calls >= max_polls:
             break
         try:

@@ -272,6 +272,26 @@ def test_follow_consumes_what_arrives_between_polls(tmp_path, monkeypatch):
     assert calls == 3 and seen == [[0], [1], []]
 
 
+def test_follow_waits_for_the_first_examples_version(tmp_path, monkeypatch, caplog):
+    import time
+    import types
+
+    lake = tmp_path / "lake"
+    seen, naps = [], []
+
+    def nap(seconds):  # the build publishes the first version while the trainer waits
+        naps.append(seconds)
+        if len(naps) == 2:
+            _add(lake, 1)
+
+    monkeypatch.setattr(continuous, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=nap))
+    calls = continuous.follow(_config(lake), poll_interval_s=5, on_result=lambda r: seen.append(r.versions),
+                              max_polls=4)
+    assert calls == 4 and naps == [5, 5, 5]
+    assert [[v["version"] for v in versions] for versions in seen] == [[0], []], "two polls waited, then trained"
+    assert sum("train waits: no examples table" in r.getMessage() for r in caplog.records) == 1, "said once"
+
+
 def test_resuming_with_another_model_or_without_a_run_is_one_line(tmp_path, capsys):
     from gemline.cli import main
 

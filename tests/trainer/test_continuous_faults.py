@@ -172,18 +172,23 @@ def test_a_vacuumed_file_under_the_cursor_is_refused_and_nothing_is_trained(tmp_
     assert again_lineage["step"] == first.step, "the newest checkpoint is still the one before"
 
 
-def test_a_new_column_is_trained_as_before(tmp_path, caplog):
+def test_a_new_column_is_trained_as_before_and_logged(tmp_path, caplog):
     plain, wider = tmp_path / "plain", tmp_path / "wider"
     for lake in (plain, wider):
         _add(lake, 1)
         run_once(_config(lake))
     second = synthetic_examples(["2026-01-02"], 200, seed=2)
     _add(plain, 2, table=second)
-    write_deltalake(table_uri(wider, "examples"), second.append_column("campaign_budget", pa.array([1.5] * 200)),
+    write_deltalake(table_uri(wider, "examples"), second.append_column("f_campaign_budget", pa.array([1.5] * 200)),
                     mode="append", schema_mode="merge", partition_by=["event_date"])
     mark_quality(wider, 1, passed=True)
-    a, b = run_once(_config(plain)), run_once(_config(wider))
+    a = run_once(_config(plain))
+    caplog.clear()
+    caplog.set_level("INFO", logger="trainer.continuous")
+    b = run_once(_config(wider))
     assert [r["rows_trained"] for r in b.versions] == [200]
+    noted = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert noted == ["examples@1 has dense columns the model does not read, trained as before: ['f_campaign_budget']"]
     want, got = _params(a.checkpoint_path), _params(b.checkpoint_path)
     assert all(torch.equal(want[n], got[n]) for n in want), "a column the model does not read changes nothing"
 
