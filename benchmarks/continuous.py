@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import torch
 from deltalake import WriterProperties, write_deltalake
 
-from gemline.lake import ROW_GROUP_ROWS
+from gemline.lake import ROW_GROUP_ROWS, Lake
 from sequences.schema import EXAMPLES_BASE_SCHEMA
 
 DENSE = ("f_user_ctr_7d", "f_item_ctr_7d", "f_seq_length")
@@ -144,7 +144,8 @@ def once_fixed_cost_s() -> float:
 
     lake = _lake(64, 8)
     start = time.perf_counter()
-    run_once(load_config(overrides={"lake": lake, "trainer.batch_size": "64"}))
+    config = load_config(overrides={"trainer.batch_size": "64"})
+    run_once(Lake(lake), config.trainer)
     return time.perf_counter() - start
 
 
@@ -167,7 +168,7 @@ def _child(lake: str) -> None:
             time.sleep(0.1)
 
     threading.Thread(target=sample, daemon=True).start()
-    result = run_once(load_config(overrides={"lake": lake, "trainer.model": "lr"}))
+    result = run_once(Lake(lake), load_config(overrides={"trainer.model": "lr"}).trainer)
     print(f"CHILD rows={result.rows_trained_total} peak_rss_mib={peak[0] / 2**20:.0f}", flush=True)
 
 

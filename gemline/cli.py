@@ -293,8 +293,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.nnodes > 1 or args.rdzv_endpoint is not None:
         from trainer.launch import train_with_torchrun
 
+        config = _config(args)
         result = train_with_torchrun(
-            _config(args), args.nproc, examples_version=args.version, nnodes=args.nnodes, node_rank=args.node_rank,
+            Lake.for_config(config), config.trainer, args.nproc, examples_version=args.version, nnodes=args.nnodes, node_rank=args.node_rank,
             rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         )
         # Only the node that hosted global rank 0 has a result; the others print nothing.
@@ -314,7 +315,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         opts = config.lake_storage_options or None
         version = latest_examples_version(config.lake, storage_options=opts) if args.version is None else args.version
         check_gate(config.lake, version, storage_options=opts)  # QuarantinedError: exit 3 (see main)
-        result = train_with_torchrun(config, args.nproc, examples_version=version)
+        result = train_with_torchrun(Lake.for_config(config), config.trainer, args.nproc, examples_version=version)
         print(_train_summary(result))
         return 0
     config = _config(args)
@@ -334,6 +335,7 @@ def _train_continuous(args: argparse.Namespace) -> int:
         raise BadConfigError("train --once/--follow run on one node (--nproc N); --nnodes and --rdzv-endpoint are "
                              "for one-shot runs")
     config = _config(args)
+    lake = Lake.for_config(config)
 
     def show(result: object) -> None:
         record = _as_dict(result)
@@ -342,10 +344,10 @@ def _train_continuous(args: argparse.Namespace) -> int:
               flush=True)
 
     if args.follow:
-        follow(config, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch, on_result=show,
+        follow(lake, config.trainer, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch, on_result=show,
                nproc=args.nproc)
         return 0
-    show(run_once(config, from_scratch=args.from_scratch, nproc=args.nproc))
+    show(run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc))
     return 0
 
 
@@ -360,7 +362,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
     from trainer.continuous import lineage
 
-    record = lineage(_config(args))
+    record = lineage(Lake.for_config(_config(args)))
     if args.json:
         print(json.dumps(record, indent=2))
         return 0
@@ -376,11 +378,12 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from trainer.compare import run_compare, run_holdout_compare
 
     models = tuple(args.models.split(","))
+    config = _config(args)
     result: Any
     if args.version is not None or args.holdout_last_day:
-        result = run_holdout_compare(_config(args), examples_version=args.version, models=models)
+        result = run_holdout_compare(Lake.for_config(config), config.trainer, examples_version=args.version, models=models)
     else:
-        result = run_compare(_config(args), models=models, resamples=args.resamples, seed=args.bootstrap_seed)
+        result = run_compare(Lake.for_config(config), config.trainer, models=models, resamples=args.resamples, seed=args.bootstrap_seed)
     print(open(result.paths["md"]).read())
     print(_as_json(result.paths))
     return 0

@@ -150,7 +150,7 @@ def run_demo(
             reports[LakeTable.EXAMPLES] = _quality_line(console, examples_quality)
             validated_examples = built.examples_version
             if len(parts) > 1:
-                consumed = run_once(config, from_scratch=k == 0)
+                consumed = run_once(lake, config.trainer, from_scratch=k == 0)
                 for row in consumed.progressive:
                     summary["progressive"].append({"increment": k + 1, **row})
                     console.print(f"progressive: examples@{row['examples_version']} ({row['rows']} rows) evaluated "
@@ -171,7 +171,7 @@ def run_demo(
         if nproc > 1:
             from trainer.launch import train_with_torchrun
 
-            trained = train_with_torchrun(config, nproc, examples_version=built.examples_version)
+            trained = train_with_torchrun(lake, config.trainer, nproc, examples_version=built.examples_version)
         else:
             trained = run_training(config.trainer, lake, examples_version=built.examples_version)
         if trained is None:  # only a launcher that did not host rank 0 gets None; the demo launches all ranks

@@ -67,18 +67,20 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def holding(name: str) -> Callable[[_F], _F]:
     """Decorator: run the function with :func:`exclusive` ``(root, name)`` held, where the function's
-    first argument is a :class:`gemline.lake.Lake` (the stages' entry points) or, until every stage
-    takes a Lake, a config with a ``lake`` root (``GemlineConfig``).
+    first argument is a :class:`gemline.lake.Lake` (the stages' entry points: ``run_ingest(lake, ...)``,
+    ``run_build(lake, ...)``, ``run_once(lake, ...)``).
 
     Raises:
         LakeBusyError: another process holds the lock (before the function runs).
+        TypeError: the first argument is not a Lake (before the function runs).
     """
 
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
         def locked(first: Any, *args: Any, **kwargs: Any) -> Any:
-            root = first.root if isinstance(first, Lake) else first.lake
-            with exclusive(root, name):
+            if not isinstance(first, Lake):
+                raise TypeError(f"{fn.__qualname__}: expected a gemline.lake.Lake first, got {type(first).__name__}")
+            with exclusive(first.root, name):
                 return fn(first, *args, **kwargs)
 
         return locked  # type: ignore[return-value]

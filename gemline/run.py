@@ -28,7 +28,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table as RichTable
 
-from gemline.config import GemlineConfig
+from gemline.config import GemlineConfig, config_overrides
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.supervisor import StageCommand, Supervisor
@@ -81,8 +81,6 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
 def config_flags(config: GemlineConfig, private_config: Path | None) -> list[str]:
     """The flags that rebuild ``config`` in a child gemline command: ``--config`` of the private options file
     (when there is one) and ``--set KEY=VALUE`` per non-default setting (the storage options excluded)."""
-    from trainer.launch import config_overrides  # the same spelling torchrun's ranks get
-
     flags = [] if private_config is None else ["--config", str(private_config)]
     for pair in config_overrides(config):
         flags += ["--set", pair]
@@ -138,13 +136,13 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
         gemline.errors.BrokerUnreachableError: the embedded broker did not listen within 60 s.
     """
     from gemline.errors import BrokerUnreachableError
-    from trainer.launch import write_private_config
+    from trainer.launch import write_private_config  # the spelling of a config file's lake and its options
 
     lake = Lake.for_config(config)
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     live = sys.stdout.isatty() if live is None else live
     with tempfile.TemporaryDirectory(prefix="gemline-run-") as private:  # 0700: only this user reads it
-        options_file = (write_private_config(config, Path(private) / "options.toml")
+        options_file = (write_private_config(lake, Path(private) / "options.toml")
                         if config.lake_storage_options else None)
         flags = config_flags(config, options_file)
         logs = log_dir or (Path(private) / "logs" if is_remote(config.lake) else Path(config.lake) / "_run" / "logs")

@@ -25,6 +25,14 @@ def build_args(config):
     return Lake.for_config(config), config.build
 
 
+def trainer_args(config):
+    """``(lake, trainer)`` of a root ``GemlineConfig``: the leading arguments of ``trainer.continuous.run_once``,
+    ``follow``, ``trainer.compare.run_compare`` and ``trainer.launch.train_with_torchrun``."""
+    from gemline.lake import Lake
+
+    return Lake.for_config(config), config.trainer
+
+
 def quality_sections(config):
     """The config sections ``validate_table`` takes by keyword, from a root ``GemlineConfig``."""
     return {"validation": config.validation, "ingest": config.ingest, "build": config.build}

@@ -28,11 +28,7 @@ CORE = {"gemline", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.h
 LIBRARIES = ("kernels", "features")
 RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "features.definitions"}
 
-KNOWN = {
-    # Stages still take the root config instead of their own section and a Lake.
-    ("trainer.compare", "gemline.config"), ("trainer.continuous", "gemline.config"),
-    ("trainer.launch", "gemline.config"), ("trainer.run_report", "gemline.config"),
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -45,7 +45,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError
 from gemline.lake import Lake
 from trainer.config import ModelName, TrainerConfig
@@ -148,29 +147,30 @@ def write_report(run_dir: Path, summary: dict, rows: list[dict]) -> dict[str, st
     return {k: str(v) for k, v in paths.items()}
 
 
-def _trainer_configs(config: GemlineConfig, models: tuple[str, ...]) -> dict[str, TrainerConfig]:
-    """``{model: config.trainer with trainer.model = model}`` (from scratch), checked before any training."""
+def _trainer_configs(tc: TrainerConfig, models: tuple[str, ...]) -> dict[str, TrainerConfig]:
+    """``{model: tc with trainer.model = model}`` (from scratch), checked before any training."""
     if not models:
         raise BadConfigError("models must name at least one of gem, dlrm, lr, ranker")
     if len(set(models)) != len(models):
         raise BadConfigError(f"models must not repeat a name, got {','.join(models)}")
-    if config.trainer.init_from != "scratch":
+    if tc.init_from != "scratch":
         log.warning("trainer.init_from=%r is overridden at run time: using 'scratch' (compare trains every model "
-                    "from fresh parameters, so none starts from another's checkpoint)", config.trainer.init_from)
+                    "from fresh parameters, so none starts from another's checkpoint)", tc.init_from)
     # A name is any str here: TrainerConfig.__post_init__ (run by replace) rejects an unknown one.
-    return {m: replace(config.trainer, model=cast(ModelName, m), init_from="scratch") for m in models}
+    return {m: replace(tc, model=cast(ModelName, m), init_from="scratch") for m in models}
 
 
 def run_holdout_compare(
-    config: GemlineConfig, *, examples_version: int | None = None, models: tuple[str, ...] = MODELS,
+    lake: Lake, tc: TrainerConfig, *, examples_version: int | None = None, models: tuple[str, ...] = MODELS,
     run_id: str | None = None, progress: bool = True,
 ) -> CompareResult:
     """Train every model of ``models`` on ``examples@examples_version`` (latest when None), evaluate each on
-    its last day and write the report (module docstring, "Held-out last day").
+    its last day and write the report (module docstring, "Held-out last day") under ``LAKE/_runs`` (a local lake).
 
     Args:
-        config: the whole config; only ``trainer.model`` is changed per run (``trainer.init_from``
-            is forced to "scratch" so no model starts from another's checkpoint).
+        lake: the lake whose examples are trained on.
+        tc: the trainer section; only ``model`` is changed per run (``init_from`` is forced to "scratch" so no
+            model starts from another's checkpoint).
         examples_version: Delta version of ``examples``.
         models: names accepted by ``trainer.model``.
         run_id: report directory under ``LAKE/_runs``; None: ``compare-<UTC time>``.
@@ -182,15 +182,15 @@ def run_holdout_compare(
     """
     from trainer.train import run_training
 
-    trainer_configs = _trainer_configs(config, models)
-    version = latest_examples_version(config.lake) if examples_version is None else examples_version
+    trainer_configs = _trainer_configs(tc, models)
+    version = latest_examples_version(lake) if examples_version is None else examples_version
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())
     metrics: dict[str, dict] = {}
     summary: dict[str, Any] = {"run_id": run_id, "examples_version": version, "models": {}}
-    for model, tc in trainer_configs.items():
+    for model, model_tc in trainer_configs.items():
         log.info("compare: training %s on examples@%d", model, version)
         started = time.perf_counter()
-        result = run_training(tc, Lake.for_config(config), examples_version=version, progress=progress)
+        result = run_training(model_tc, lake, examples_version=version, progress=progress)
         metrics[model] = result.metrics
         summary["eval_date"] = result.eval_date
         summary["models"][model] = {
@@ -198,7 +198,7 @@ def run_holdout_compare(
             "train_seconds": round(time.perf_counter() - started, 1), "checkpoint_path": result.checkpoint_path,
         }
     rows = comparison_rows(metrics)
-    paths = write_report(Path(config.lake) / "_runs" / run_id, summary, rows)
+    paths = write_report(Path(lake.root) / "_runs" / run_id, summary, rows)
     return CompareResult(run_id=run_id, examples_version=version, eval_date=summary["eval_date"], rows=rows, paths=paths)
 
 
@@ -347,15 +347,16 @@ def progressive_plot_png(per_version: dict[str, dict[str, list[dict]]]) -> bytes
 
 
 def run_compare(
-    config: GemlineConfig, *, models: tuple[str, ...] = MODELS, run_id: str | None = None, resamples: int = 1000,
+    lake: Lake, tc: TrainerConfig, *, models: tuple[str, ...] = MODELS, run_id: str | None = None, resamples: int = 1000,
     seed: int = 0, confidence: float = 0.95,
 ) -> ProgressiveCompareResult:
     """Run every model of ``models`` through the continuous trainer over every gate-allowed examples version and
     write the progressive comparison (module docstring, "Progressive").
 
     Args:
-        config: the whole config; only ``trainer.model`` changes per run. The lake's gate decides which
-            versions are consumed, as for ``gemline train --once``.
+        lake: the lake whose examples are consumed; its gate decides which versions, as for ``gemline train
+            --once``. The report goes to ``LAKE/_runs/<run_id>`` (a local lake).
+        tc: the trainer section; only ``model`` changes per run (``init_from`` is forced to "scratch").
         models: names accepted by ``trainer.model``; the first is the one the others are subtracted from.
         run_id: report directory under ``LAKE/_runs``; None: ``compare-<UTC time>``.
         resamples, seed, confidence: of the paired bootstrap.
@@ -368,14 +369,14 @@ def run_compare(
     """
     from trainer.continuous import ProgressivePredictions, run_once
 
-    trainer_configs = _trainer_configs(config, models)
+    trainer_configs = _trainer_configs(tc, models)
     if resamples < 1 or not 0 < confidence < 1:
         raise ValueError(f"compare: expected resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())
-    run_dir = Path(config.lake) / "_runs" / run_id
+    run_dir = Path(lake.root) / "_runs" / run_id
     predictions: dict[str, dict[int, ProgressivePredictions]] = {}
     runs: dict[str, dict[str, Any]] = {}
-    for model, tc in trainer_configs.items():
+    for model, model_tc in trainer_configs.items():
         log.info("compare: %s through the continuous trainer", model)
         store: dict[int, ProgressivePredictions] = {}
         predictions[model] = store
@@ -384,7 +385,7 @@ def run_compare(
             store[p.version] = p
 
         started = time.perf_counter()
-        result = run_once(replace(config, trainer=tc), from_scratch=True, keep_checkpoints=1,
+        result = run_once(lake, model_tc, from_scratch=True, keep_checkpoints=1,
                           root=str(run_dir / model), on_predictions=keep)
         runs[model] = {"continuous_run_id": result.run_id, "steps": result.step,
                        "rows_trained": result.rows_trained_total, "seconds": round(time.perf_counter() - started, 1),

@@ -49,14 +49,14 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from gemline.config import GemlineConfig
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
-from gemline.lake import StorageOptions, is_remote, lake_fs, open_table
+from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
+from trainer.config import TrainerConfig
 from trainer.data import DenseNormalizer, dense_names, encode_examples, fit_normalizer
 from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
@@ -165,31 +165,30 @@ def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: in
     return rows
 
 
-def _append_metrics(config: GemlineConfig, run_id: str, sequence: int, rows: list[dict[str, Any]]) -> None:
+def _append_metrics(lake: Lake, run_id: str, sequence: int, rows: list[dict[str, Any]]) -> None:
     """Append one evaluation's rows to ``training_metrics`` once: app transaction (train:<run_id>, sequence)."""
     # A sequence already there was written before a crash that came before the checkpoint: skipped.
-    commit(config.lake, METRICS_TABLE, pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA), app_id=f"train:{run_id}",
-           version=sequence, version_rule="increasing", storage_options=config.lake_storage_options)
+    commit(lake.root, METRICS_TABLE, pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA), app_id=f"train:{run_id}",
+           version=sequence, version_rule="increasing", storage_options=lake.storage_options)
 
 
 BOOTSTRAP_ROWS = 100_000
 """Rows of a new run's first version that fit the input normalizer, the domains and the output bias."""
 
 
-def _version_batches(config: GemlineConfig, start: Cursor, version: int) -> Iterator[pa.RecordBatch]:
+def _version_batches(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> Iterator[pa.RecordBatch]:
     """The read batches (``trainer.batch_size * 64`` rows at most) ``version`` added from ``start`` on."""
-    for _, batch, _ in read_from(config.lake, EXAMPLES, start, until_version=version,
-                                 batch_rows=config.trainer.batch_size * 64,
-                                 storage_options=config.lake_storage_options):
+    for _, batch, _ in read_from(lake.root, EXAMPLES, start, until_version=version, batch_rows=tc.batch_size * 64,
+                                 storage_options=lake.storage_options):
         if batch is not None:
             yield batch
 
 
-def _bootstrap_sample(config: GemlineConfig, start: Cursor, version: int) -> pa.Table:
+def _bootstrap_sample(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> pa.Table:
     """The first :data:`BOOTSTRAP_ROWS` (or fewer) rows ``version`` added: what a new run is sized and
     normalized by, read in bounded memory whatever the version holds."""
     batches, rows = [], 0
-    for batch in _version_batches(config, start, version):
+    for batch in _version_batches(lake, tc, start, version):
         batches.append(batch)
         rows += batch.num_rows
         if rows >= BOOTSTRAP_ROWS:
@@ -215,7 +214,7 @@ PredictionsHook = Callable[[ProgressivePredictions], None]
 """Called with each progressive evaluation's predictions (:func:`run_once`'s ``on_predictions``)."""
 
 
-def _progressive(engine: Engine, config: GemlineConfig, normalizer: DenseNormalizer, start: Cursor,
+def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: DenseNormalizer, start: Cursor,
                  version: int, on_predictions: PredictionsHook | None = None) -> dict | None:
     """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
     batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows.
@@ -223,9 +222,8 @@ def _progressive(engine: Engine, config: GemlineConfig, normalizer: DenseNormali
 
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
     ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
-    tc = config.trainer
     labels, probs, domains = [], [], []
-    for batch in _version_batches(config, start, version):
+    for batch in _version_batches(lake, tc, start, version):
         data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
         labels.append(data.labels)
         part = engine.predict(data, tc.batch_size)
@@ -254,10 +252,11 @@ def _prune(root: str, keep: int) -> None:
 
 
 @holding("train")
-def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
+def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
              max_versions: int | None = None, progress: bool = False, nproc: int = 1, root: str | None = None,
              on_predictions: PredictionsHook | None = None) -> ContinuousResult:
-    """Consume every new, gate-allowed ``examples`` version once (module docstring), checkpoint, return.
+    """Consume every new, gate-allowed ``examples`` version of ``lake`` once (module docstring) with the model
+    and optimisation of ``tc``, checkpoint, return.
 
     Holds ``LAKE/_locks/train.lock`` for the run (the ranks of a sharded run under it take no lock).
 
@@ -294,9 +293,9 @@ def run_once(config: GemlineConfig, *, from_scratch: bool = False, keep_checkpoi
         # trainer.launch imports this module on the ranks' side (consume); the launcher is imported here only.
         from trainer.launch import run_once_with_torchrun
 
-        return run_once_with_torchrun(config, nproc, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
+        return run_once_with_torchrun(lake, tc, nproc, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
                                       max_versions=max_versions)
-    result = consume(config, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
+    result = consume(lake, tc, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
                      max_versions=max_versions, root=root, on_predictions=on_predictions)
     assert result is not None, "one process is rank 0"
     return result
@@ -309,26 +308,26 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int, root: str) -> dict[str, Any]:
+def _plan(lake: Lake, from_scratch: bool, rank: int, world: int, root: str) -> dict[str, Any]:
     """What this run consumes, decided once on rank 0 and broadcast, so every rank walks the same versions
     even when a build or a validation commits meanwhile: ``{"table_id", "resume" (checkpoint path or None),
     "run_id" (a new run's), "newest", "decisions"}``; or ``{"error": exception}`` raised on every rank."""
     plan: dict[str, Any] = {}
     if rank == 0:
         try:
-            lake, opts = config.lake, config.lake_storage_options
-            tid = table_id(lake, EXAMPLES, storage_options=opts)
+            opts = lake.storage_options
+            tid = table_id(lake.root, EXAMPLES, storage_options=opts)
             if tid is None:
-                raise MissingInputError(f"no examples table in {lake}: run `gemline build` first")
+                raise MissingInputError(f"no examples table in {lake.root}: run `gemline build` first")
             resume = None if from_scratch else latest_checkpoint(root, storage_options=opts)
             cursor_version = 0
             skipped: list[int] = []
             if resume is not None:
                 cont = read_state(resume).extra["continuous"]
                 cursor_version, skipped = int(cont["cursor"]["version"]), list(cont["skipped"])
-            newest = latest_version(lake, EXAMPLES, storage_options=opts)
+            newest = latest_version(lake.root, EXAMPLES, storage_options=opts)
             assert newest is not None
-            decisions = gate_decisions(lake, EXAMPLES, sorted(set(range(cursor_version, newest + 1)) | set(skipped)),
+            decisions = gate_decisions(lake.root, EXAMPLES, sorted(set(range(cursor_version, newest + 1)) | set(skipped)),
                                        storage_options=opts)
             plan = {"table_id": tid, "resume": None if resume is None else str(resume), "run_id": uuid.uuid4().hex[:12],
                     "newest": newest, "decisions": decisions}
@@ -343,7 +342,7 @@ def _plan(config: GemlineConfig, from_scratch: bool, rank: int, world: int, root
     return plan
 
 
-def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
+def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
             max_versions: int | None = None, root: str | None = None,
             on_predictions: PredictionsHook | None = None) -> ContinuousResult | None:
     """:func:`run_once` without the lock, on one process (:func:`trainer.loop.local_engine`) or on every rank
@@ -362,20 +361,20 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
     Raises:
         As :func:`run_once`.
     """
-    tc, lake, opts = config.trainer, config.lake, config.lake_storage_options
+    opts = lake.storage_options
     rank, world = _rank_and_world()
     if world > 1 and is_remote(lake):
         raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
                          "sharded checkpoints (DCP) are written to a file system every rank sees; use --nproc 1 here")
     own_root = root is None
-    root = current_root(lake, opts) if root is None else root
-    plan = _plan(config, from_scratch, rank, world, root)
+    root = current_root(lake.root, opts) if root is None else root
+    plan = _plan(lake, from_scratch, rank, world, root)
     tid = plan["table_id"]
     resume = plan["resume"]
     if resume is None and own_root:  # a new run: its own folder, and the lake's current run from now on
-        root = run_root(lake, plan["run_id"])
+        root = run_root(lake.root, plan["run_id"])
         if rank == 0:
-            _set_current(lake, plan["run_id"], opts)
+            _set_current(lake.root, plan["run_id"], opts)
     engine: Engine | None = None
     normalizer: DenseNormalizer | None = None
     domains: tuple[str, ...] = ()
@@ -425,7 +424,7 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
             _prune(root, keep_checkpoints)
         return path
 
-    sources = _Sources(config) if rank == 0 else None
+    sources = _Sources(lake) if rank == 0 else None
     consumed = 0
     for version in todo:
         if max_versions is not None and consumed >= max_versions:
@@ -445,7 +444,7 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
             continue
         start = cursor if version == cursor.version else Cursor(tid, version)
         if engine is None:  # a new run: the first version's rows fit the input statistics and the output bias
-            first = _bootstrap_sample(config, start, version)
+            first = _bootstrap_sample(lake, tc, start, version)
             if first.num_rows == 0:
                 cursor = Cursor(tid, version + 1) if version == cursor.version else cursor
                 continue
@@ -461,12 +460,12 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
         assert engine is not None and normalizer is not None
         evaluated = False
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
-            metrics = _progressive(engine, config, normalizer, start, version, on_predictions)
+            metrics = _progressive(engine, lake, tc, normalizer, start, version, on_predictions)
             if metrics is not None:
                 evaluations += 1
                 evaluated = True
                 if rank == 0:
-                    _append_metrics(config, run_id, evaluations, _metric_rows(run_id, counters.step, version, metrics,
+                    _append_metrics(lake, run_id, evaluations, _metric_rows(run_id, counters.step, version, metrics,
                                                                              int(time.time() * 1000)))
                     click = metrics["click"]["overall"]
                     result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
@@ -476,7 +475,7 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
             nonlocal rows, cursor, start
             noted = False
-            for _, batch, after in read_from(lake, EXAMPLES, start, until_version=version,
+            for _, batch, after in read_from(lake.root, EXAMPLES, start, until_version=version,
                                              batch_rows=tc.batch_size * 64, storage_options=opts):
                 if batch is not None:
                     table = pa.Table.from_batches([batch])
@@ -517,7 +516,7 @@ def consume(config: GemlineConfig, make_engine: EngineFactory, *, from_scratch: 
     if rank != 0:
         return None
     if lineage:
-        result.report_path = write_run_report(config, run_id, lineage=lineage, step=counters.step,
+        result.report_path = write_run_report(lake, run_id, lineage=lineage, step=counters.step,
                                               rows_trained_total=counters.examples_seen, checkpoint=result.checkpoint_path)
     return result
 
@@ -527,13 +526,13 @@ class _Sources:
     commit metadata, ``events_version``) and the Kafka offset ranges those ingest batches read (their
     ``offset_ranges``). Both tables' histories are read once per run."""
 
-    def __init__(self, config: GemlineConfig) -> None:
-        self._config = config
+    def __init__(self, lake: Lake) -> None:
+        self._lake = lake
         self._examples: dict[int, dict[str, Any]] | None = None
         self._events: dict[int, dict[str, Any]] = {}
 
     def _history(self, table: str) -> dict[int, dict[str, Any]]:
-        dt = open_table(self._config.lake, table, storage_options=self._config.lake_storage_options)
+        dt = open_table(self._lake, table)
         out = {}
         for entry in [] if dt is None else dt.history():
             if entry.get("gemline") and "version" in entry:
@@ -557,7 +556,7 @@ class _Sources:
         return {"events_versions": versions, "kafka_offsets": offsets}
 
 
-def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
+def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
            on_result: Any = None, max_polls: int | None = None, nproc: int = 1) -> int:
     """Run :func:`run_once` again every ``poll_interval_s`` seconds until Ctrl-C or SIGTERM (``gemline train
     --follow``); each call resumes from the checkpoint the previous one wrote. Returns the calls made.
@@ -579,7 +578,7 @@ def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch
     calls, started, waiting = 0, False, False
     while max_polls is None or calls < max_polls:
         try:
-            result = run_once(config, from_scratch=from_scratch and not started, nproc=nproc)
+            result = run_once(lake, tc, from_scratch=from_scratch and not started, nproc=nproc)
         except MissingInputError as exc:  # no examples table yet
             if not waiting:
                 log.warning("train waits: %s", exc)
@@ -598,16 +597,16 @@ def follow(config: GemlineConfig, *, poll_interval_s: float = 30.0, from_scratch
     return calls
 
 
-def lineage(config: GemlineConfig, *, checkpoint: str | None = None) -> dict[str, Any]:
-    """The lineage of the newest continuous checkpoint (or ``checkpoint``): ``{"step", "run_id",
+def lineage(lake: Lake, *, checkpoint: str | None = None) -> dict[str, Any]:
+    """The lineage of ``lake``'s newest continuous checkpoint (or ``checkpoint``): ``{"step", "run_id",
     "rows_trained_total", "examples_versions": [{"version", "rows_trained", "quality", "evaluated",
     "mean_loss", "step", "events_versions", "kafka_offsets"}]}``.
 
     Raises:
         gemline.errors.MissingInputError: no continuous checkpoint.
     """
-    root = current_root(config.lake, config.lake_storage_options)
-    path = checkpoint or latest_checkpoint(root, storage_options=config.lake_storage_options)
+    root = current_root(lake.root, lake.storage_options)
+    path = checkpoint or latest_checkpoint(root, storage_options=lake.storage_options)
     if path is None:
         raise MissingInputError(f"no continuous checkpoint under {root}: run `gemline train --once`")
     state = read_state(path)

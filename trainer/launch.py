@@ -1,7 +1,7 @@
 """torchrun entry point: one rank of a sharded training run (see trainer.distributed for the wrapping).
 
     python -m torch.distributed.run --standalone --nproc_per_node N -m trainer.launch \\
-        [--config FILE] [--lake DIR] [--set KEY=VALUE ...] [--version V] [--result-json PATH]
+        [--config FILE] [--lake DIR] [--set trainer.KEY=VALUE ...] [--version V] [--result-json PATH]
         [--once [--from-scratch] [--keep-checkpoints K] [--max-versions M]]
 
 or, on each of M nodes (torchrun_command builds this argv):
@@ -15,10 +15,13 @@ of every global batch. Rank 0 evaluates the gathered predictions, writes the che
 (full parameters gathered from the shards beside every rank's DCP shards) and the result as JSON. torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; this entry point is the only place that reads them (through ``env://``).
 
-The config reaches the ranks as ``--set`` flags, except the lake's storage options: they can hold
-secrets (``AWS_SECRET_ACCESS_KEY``) and every user of the machine reads argv (``ps``), so the
-launcher writes them to a private TOML file (mode 0600, in a 0700 temporary directory) passed as
-``--config FILE`` (:func:`write_private_config`).
+A rank needs the trainer section and the lake, nothing else of the application's config: the lake's root
+reaches it as ``--lake``, the trainer section as ``--set trainer.KEY=VALUE`` flags (its non-defaults,
+:func:`gemline.configtree.config_overrides`), rebuilt by :func:`gemline.configtree.build`. The lake's
+storage options can hold secrets (``AWS_SECRET_ACCESS_KEY``) and every user of the machine reads argv
+(``ps``), so the launcher writes them to a private TOML file (mode 0600, in a 0700 temporary directory)
+passed as ``--config FILE`` (:func:`write_private_config`). The file and the flags are a subset of the
+``gemline`` config file's spelling, so ``gemline.config.load_config`` reads them too.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from gemline.config import GemlineConfig, load_config, parse_set_flags
-from gemline.errors import GemlineError
+from gemline.configtree import build, load_tree, parse_set_flags
+from gemline.configtree import config_overrides as config_overrides  # re-exported: the ranks' flag spelling
+from gemline.errors import BadConfigError, GemlineError
 from gemline.lake import Lake
 from gemline.process import run_and_exit
 from trainer.config import TrainerConfig
@@ -47,8 +51,6 @@ from trainer.sharded_engine import sharded_engine
 from trainer.train import TrainResult, check_gate, train_holdout
 
 if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
     from trainer.continuous import ContinuousResult
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,9 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
         raise ValueError(f"trainer.batch_size {tc.batch_size} must be >= the number of processes {nproc}")
 
 
-def run_distributed_training(config: GemlineConfig, *, examples_version: int | None = None, progress: bool = True) -> TrainResult | None:
-    """Train on ``examples@examples_version`` with every rank of the initialised process group:
+def run_distributed_training(lake: Lake, tc: TrainerConfig, *, examples_version: int | None = None,
+                             progress: bool = True) -> TrainResult | None:
+    """Train ``tc``'s model on ``lake``'s ``examples@examples_version`` with every rank of the initialised process group:
     :func:`trainer.train.train_holdout` through :func:`trainer.sharded_engine.sharded_engine`.
 
     Returns the TrainResult on rank 0 and None on the other ranks.
@@ -79,7 +82,6 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
             the world size, or ``trainer.init_from = "latest"`` with a latest checkpoint this run cannot
             resume from (:func:`trainer.sharded_engine.check_resumable`).
     """
-    tc, lake = config.trainer, Lake.for_config(config)
     check_distributable(tc, dist.get_world_size())
     version = latest_examples_version(lake) if examples_version is None else examples_version
     check_gate(lake, version)
@@ -88,54 +90,22 @@ def run_distributed_training(config: GemlineConfig, *, examples_version: int | N
     return train_holdout(tc, lake, version, sharded_engine, progress=progress)
 
 
-def config_overrides(config: DataclassInstance, prefix: str = "") -> list[str]:
-    """The leaves of a config dataclass that differ from their defaults, as ``KEY=VALUE`` strings.
+def write_private_config(lake: Lake, path: Path) -> Path:
+    """Write ``lake``'s root and storage options as TOML (``lake = ROOT`` and a ``[lake_storage_options]``
+    table) to a new file ``path`` readable by this user only (mode 0600), for ``trainer.launch --config``
+    (and any ``gemline --config``: it is that file's spelling); return ``path``.
 
-    load_config of these strings rebuilds ``config`` (only non-defaults travel, so a default such
-    as an empty tuple never needs a spelling), except ``GemlineConfig.lake_storage_options``,
-    which is left out: it can hold secrets and these strings end up on a command line;
-    :func:`write_private_config` carries it.
-
-    Raises:
-        TypeError: another table-valued (dict) field, which has no ``KEY=VALUE`` spelling here.
-    """
-    out: list[str] = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if isinstance(config, GemlineConfig) and f.name == "lake_storage_options":
-            continue
-        if isinstance(value, dict):
-            raise TypeError(f"config_overrides: {prefix}{f.name} is a table; it cannot travel as --set flags")
-        key = f"{prefix}{f.name}"
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if value == default:
-            continue
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out += config_overrides(value, f"{key}.")
-        elif value is None:
-            out.append(f"{key}=none")
-        elif isinstance(value, tuple):
-            out.append(f"{key}={','.join(str(v) for v in value)}")
-        else:
-            out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
-    return out
-
-
-def write_private_config(config: GemlineConfig, path: Path) -> Path:
-    """Write ``config.lake_storage_options`` as a TOML ``[lake_storage_options]`` table to a new
-    file ``path`` readable by this user only (mode 0600), for ``trainer.launch --config``; return ``path``.
-
-    Only the options are written: the rest of the config travels as ``--set`` flags
-    (:func:`config_overrides`). Put the file in a private directory (``tempfile.TemporaryDirectory``
-    is 0700) and delete it when the run ends.
+    Only the lake is written: the trainer section travels as ``--set`` flags
+    (:func:`gemline.configtree.config_overrides`). Put the file in a private directory
+    (``tempfile.TemporaryDirectory`` is 0700) and delete it when the run ends.
 
     Raises:
         FileExistsError: ``path`` exists (the file is created, never reused, so no other user can
             have opened it first).
     """
-    lines = ["[lake_storage_options]"]
-    # A JSON string is a TOML basic string (the same escapes), so any key or value round-trips.
-    lines += [f"{json.dumps(key)} = {json.dumps(value)}" for key, value in config.lake_storage_options.items()]
+    # A JSON string is a TOML basic string (the same escapes), so any root, key or value round-trips.
+    lines = [f"lake = {json.dumps(lake.root)}", "[lake_storage_options]"]
+    lines += [f"{json.dumps(key)} = {json.dumps(value)}" for key, value in (lake.storage_options or {}).items()]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask
@@ -144,7 +114,8 @@ def write_private_config(config: GemlineConfig, path: Path) -> Path:
 
 
 def torchrun_command(
-    config: GemlineConfig,
+    lake: Lake,
+    tc: TrainerConfig,
     nproc: int,
     *,
     result_json: Path,
@@ -168,10 +139,12 @@ def torchrun_command(
     rank 0 and write ``result_json``.
 
     Args:
+        lake: the lake every rank trains from (its root goes on the command line as ``--lake``).
+        tc: the trainer section; its non-defaults go on the command line as ``--set trainer.KEY=VALUE``.
         nproc: processes on this node.
         result_json: file the process holding global rank 0 writes the TrainResult to (on its node).
-        private_config: the file :func:`write_private_config` wrote for ``config``, passed to the
-            ranks as ``--config``; required when ``config.lake_storage_options`` is not empty (they
+        private_config: the file :func:`write_private_config` wrote for ``lake``, passed to the
+            ranks as ``--config``; required when ``lake.storage_options`` is not empty (they
             never go on the command line).
         nnodes: launchers (machines) in the job; each must be started with the same nnodes,
             nproc, rdzv_endpoint and rdzv_id.
@@ -198,10 +171,10 @@ def torchrun_command(
         host, _, port = rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
-    check_distributable(config.trainer, nproc * nnodes)
-    if config.lake_storage_options and private_config is None:
+    check_distributable(tc, nproc * nnodes)
+    if lake.storage_options and private_config is None:
         raise ValueError("the lake's storage options never go on a command line: write them with "
-                         "write_private_config(config, PATH) and pass private_config=PATH")
+                         "write_private_config(lake, PATH) and pass private_config=PATH")
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if rdzv_endpoint is None:
         cmd += ["--standalone"]
@@ -213,7 +186,8 @@ def torchrun_command(
     cmd += ["--nproc_per_node", str(nproc), "-m", "trainer.launch"]
     if private_config is not None:
         cmd += ["--config", str(private_config)]
-    for pair in config_overrides(config):
+    cmd += ["--lake", lake.root]
+    for pair in config_overrides(tc, "trainer."):
         cmd += ["--set", pair]
     if examples_version is not None:
         cmd += ["--version", str(examples_version)]
@@ -221,7 +195,8 @@ def torchrun_command(
 
 
 def train_with_torchrun(
-    config: GemlineConfig,
+    lake: Lake,
+    tc: TrainerConfig,
     nproc: int,
     *,
     examples_version: int | None = None,
@@ -236,23 +211,23 @@ def train_with_torchrun(
     One node (the default): a standalone job; returns rank 0's TrainResult. ``nnodes > 1``: this
     is one of ``nnodes`` launchers of a c10d job (see :func:`torchrun_command`); every node runs
     this call with the same arguments but its ``node_rank`` and blocks until the job ends; the node
-    that hosted global rank 0 returns the TrainResult, the others None. The config travels as
-    ``--set`` flags and the lake's storage options in a private file (:func:`write_private_config`,
-    removed when the run ends), so the child processes see exactly this config and no secret is on
-    a command line; ``config.lake`` must name the same lake on every node (a shared file system or
-    object store) since rank 0 writes the checkpoint there.
+    that hosted global rank 0 returns the TrainResult, the others None. ``tc`` travels as ``--set``
+    flags and the lake's storage options in a private file (:func:`write_private_config`, removed
+    when the run ends), so the child processes see exactly this config and no secret is on a command
+    line; ``lake`` must name the same lake on every node (a shared file system or object store) since
+    rank 0 writes the checkpoint there.
 
     Raises:
         ValueError: see :func:`torchrun_command` and :func:`check_distributable`.
         RuntimeError: torchrun exited non-zero (the message ends with its output), or a one-node
             run wrote no result.
     """
-    record = _torchrun(config, nproc, examples_version=examples_version, nnodes=nnodes, node_rank=node_rank,
+    record = _torchrun(lake, tc, nproc, examples_version=examples_version, nnodes=nnodes, node_rank=node_rank,
                        rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, local_addr=local_addr)
     return None if record is None else TrainResult(**record)
 
 
-def run_once_with_torchrun(config: GemlineConfig, nproc: int, *, from_scratch: bool = False, keep_checkpoints: int = 3,
+def run_once_with_torchrun(lake: Lake, tc: TrainerConfig, nproc: int, *, from_scratch: bool = False, keep_checkpoints: int = 3,
                            max_versions: int | None = None) -> ContinuousResult:
     """:func:`trainer.continuous.consume` on ``nproc`` ranks of a standalone torchrun job (``gemline train --once
     --nproc N``); returns rank 0's result. The caller holds the lake's train lock (trainer.continuous.run_once).
@@ -269,7 +244,7 @@ def run_once_with_torchrun(config: GemlineConfig, nproc: int, *, from_scratch: b
     rank_args = ["--once", "--keep-checkpoints", str(keep_checkpoints)]
     rank_args += ["--from-scratch"] if from_scratch else []
     rank_args += [] if max_versions is None else ["--max-versions", str(max_versions)]
-    record = _torchrun(config, nproc, rank_args=rank_args)
+    record = _torchrun(lake, tc, nproc, rank_args=rank_args)
     assert record is not None, "a one-node job hosts rank 0"
     cursor = record.pop("cursor")
     return ContinuousResult(**record, cursor=None if cursor is None else Cursor.from_dict(cursor))
@@ -286,7 +261,7 @@ def _error_file(result_json: Path, rank: int) -> Path:
     return result_json.with_name(f"{result_json.name}.error-rank{rank}")
 
 
-def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (), **launch: object) -> dict | None:
+def _torchrun(lake: Lake, tc: TrainerConfig, nproc: int, *, rank_args: Sequence[str] = (), **launch: object) -> dict | None:
     """Run :func:`main` on ``nproc`` local ranks (``launch``: :func:`torchrun_command`'s node arguments); the JSON
     record rank 0 wrote, or None on a node that did not host rank 0."""
     import subprocess
@@ -294,8 +269,8 @@ def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (
 
     with tempfile.TemporaryDirectory() as tmp:
         result_json = Path(tmp) / "result.json"
-        private = write_private_config(config, Path(tmp) / "config.toml") if config.lake_storage_options else None
-        cmd = torchrun_command(config, nproc, result_json=result_json, private_config=private, rank_args=rank_args,
+        private = write_private_config(lake, Path(tmp) / "config.toml") if lake.storage_options else None
+        cmd = torchrun_command(lake, tc, nproc, result_json=result_json, private_config=private, rank_args=rank_args,
                                **launch)  # type: ignore[arg-type]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -320,6 +295,31 @@ def _torchrun(config: GemlineConfig, nproc: int, *, rank_args: Sequence[str] = (
         return record
 
 
+RANK_KEYS = ("lake", "lake_storage_options", "trainer")
+"""The keys of the config tree a rank reads (:func:`rank_config`)."""
+
+
+def rank_config(tree: dict[str, Any]) -> tuple[Lake, TrainerConfig]:
+    """The lake and the trainer section of a rank's config tree (``--config`` then ``--set`` and ``--lake``,
+    :func:`gemline.configtree.load_tree`): ``lake`` (default ``./lake``, as ``gemline``'s),
+    ``[lake_storage_options]`` and ``[trainer]``.
+
+    Raises:
+        BadConfigError: another key (a rank reads no other section), or a bad trainer key or value.
+        TypeError: a storage option that is not a string.
+    """
+    unknown = sorted(set(tree) - set(RANK_KEYS))
+    if unknown:
+        raise BadConfigError(f"trainer.launch reads only {list(RANK_KEYS)} of a config, got {unknown}")
+    options = tree.get("lake_storage_options") or {}
+    if not isinstance(options, dict):
+        raise BadConfigError(f"lake_storage_options: expected a table of strings, got {options!r}")
+    trainer = tree.get("trainer", {})
+    if not isinstance(trainer, dict):
+        raise BadConfigError(f"trainer: expected a table, got {trainer!r}")
+    return Lake(str(tree.get("lake", "./lake")), options or None), build(TrainerConfig, trainer, "trainer.")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, join the process group (``env://`` from torchrun), train, write the result on rank 0.
 
@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     non-zero.
     """
     parser = argparse.ArgumentParser(prog="trainer.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="TOML config file (the launcher's private file of storage options)")
+    parser.add_argument("--config", help="TOML file of the lake (the launcher's private file of storage options)")
     parser.add_argument("--lake")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="trainer.KEY=VALUE")
     parser.add_argument("--version", type=int, default=None)
     parser.add_argument("--once", action="store_true", help="continuous: consume the new examples versions once")
     parser.add_argument("--from-scratch", action="store_true", help="--once: start a new continuous run")
@@ -342,21 +342,21 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_set_flags(args.overrides)
     if args.lake:
         overrides["lake"] = args.lake
-    config = load_config(args.config, overrides)
+    lake, tc = rank_config(load_tree(args.config, overrides))
     logging.basicConfig(level=logging.INFO)
-    dist.init_process_group(backend=config.trainer.distributed.backend)
+    dist.init_process_group(backend=tc.distributed.backend)
     try:
         result: TrainResult | ContinuousResult | None
         if args.once:
             from trainer.continuous import consume
 
-            check_distributable(config.trainer, dist.get_world_size())
-            if config.trainer.torch_threads is not None:
-                torch.set_num_threads(config.trainer.torch_threads)
-            result = consume(config, sharded_engine, from_scratch=args.from_scratch,
+            check_distributable(tc, dist.get_world_size())
+            if tc.torch_threads is not None:
+                torch.set_num_threads(tc.torch_threads)
+            result = consume(lake, tc, sharded_engine, from_scratch=args.from_scratch,
                              keep_checkpoints=args.keep_checkpoints, max_versions=args.max_versions)
         else:
-            result = run_distributed_training(config, examples_version=args.version)
+            result = run_distributed_training(lake, tc, examples_version=args.version)
         if result is not None:
             text = json.dumps(dataclasses.asdict(result), indent=2, default=str)
             if args.result_json is not None:

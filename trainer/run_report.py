@@ -27,8 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from gemline.config import GemlineConfig  # noqa: E402
-from gemline.lake import lake_fs, read_table  # noqa: E402
+from gemline.lake import Lake, lake_fs, read_table  # noqa: E402
 from gemline.tables import Table  # noqa: E402
 
 _COLOURS = {"passed": "#2b8a3e", "released": "#e67700", "quarantined": "#c92a2a"}
@@ -157,15 +156,19 @@ def write_tensorboard(scalars: Sequence[tuple[str, float, int]]) -> bytes:
         return written.read_bytes()
 
 
-def write_run_report(config: GemlineConfig, run_id: str, *, lineage: Sequence[dict[str, Any]], step: int,
+def write_run_report(lake: Lake, run_id: str, *, lineage: Sequence[dict[str, Any]], step: int,
                      rows_trained_total: int, checkpoint: str | None) -> str:
-    """Write ``LAKE/_runs/<run_id>/report.html`` and ``LAKE/_runs/<run_id>/tensorboard/`` (local or
-    object-store lake) and return the page's path."""
-    table = read_table(config.lake, Table.TRAINING_METRICS, storage_options=config.lake_storage_options)
+    """Write ``LAKE/_runs/<run_id>/report.html`` and ``LAKE/_runs/<run_id>/tensorboard/`` of ``lake`` (local or
+    object-store) and return the page's path.
+
+    Raises:
+        OSError: the lake's filesystem refuses a write.
+    """
+    table = read_table(lake, Table.TRAINING_METRICS)
     metrics = [] if table is None else table.to_pylist()
     page = render_run_report(run_id, lineage, metrics, step=step, rows_trained_total=rows_trained_total,
                              checkpoint=checkpoint)
-    fs, root = lake_fs(config.lake, config.lake_storage_options)
+    fs, root = lake_fs(lake)
     folder = f"{root}/_runs/{run_id}"
     fs.create_dir(folder, recursive=True)
     path = f"{folder}/report.html"

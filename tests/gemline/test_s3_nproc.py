@@ -20,6 +20,7 @@ import pytest
 
 from gemline.config import load_config, parse_set_flags
 from gemline.lake import Lake, commit_once, open_table
+from tests.conftest import trainer_args
 from tests.trainer.conftest import mark_quality, synthetic_examples
 
 from .conftest import s3_bucket
@@ -50,12 +51,12 @@ def test_torchrun_command_keeps_storage_options_off_argv(tmp_path):
     config = load_config(overrides={**TRAINER, "lake": "s3://bucket/lake",
                                     **{f"lake_storage_options.{k}": v for k, v in options.items()}})
     with pytest.raises(ValueError, match="never go on a command line"):
-        torchrun_command(config, 2, result_json=tmp_path / "r.json")
-    private = write_private_config(config, tmp_path / "private.toml")
+        torchrun_command(*trainer_args(config), 2, result_json=tmp_path / "r.json")
+    private = write_private_config(trainer_args(config)[0], tmp_path / "private.toml")
     assert stat.S_IMODE(private.stat().st_mode) == 0o600
     with pytest.raises(FileExistsError):  # created, never reused
-        write_private_config(config, private)
-    cmd = torchrun_command(config, 2, result_json=tmp_path / "r.json", private_config=private)
+        write_private_config(trainer_args(config)[0], private)
+    cmd = torchrun_command(*trainer_args(config), 2, result_json=tmp_path / "r.json", private_config=private)
     assert not any(SECRET in arg or "lake_storage_options" in arg for arg in cmd)
     assert cmd[cmd.index("--config") + 1] == str(private)
     # What a rank loads (trainer.launch.main: the private file, then the --set flags) is this config.

@@ -19,7 +19,7 @@ from gemline.gate import QUALITY_SCHEMA, append_quality_rows, gate_decision, rel
 from gemline.lake import Lake, commit_once, committed_version, open_table, read_table
 from gemline.tables import TABLES, Table
 from ingest.schema import EVENTS_TABLE_SCHEMA
-from tests.conftest import build_args, ingest_args, quality_sections
+from tests.conftest import build_args, ingest_args, quality_sections, trainer_args
 from validation.profiles import append_profile
 
 
@@ -209,6 +209,6 @@ def test_a_demo_like_run_writes_exactly_the_registered_tables(tmp_path):
             built = run_build(*build_args(config), final=True)
             validate_table(Lake.for_config(config), Table.EXAMPLES, built.examples_version,
                            now_ms=start_ms + 3 * day_ms, **quality_sections(config))
-        run_once(config)
+        run_once(*trainer_args(config))
     assert read_table(lake, Table.TRAINING_METRICS).num_rows > 0  # the trainer evaluated the second version
     assert _delta_tables(lake) == set(TABLES)

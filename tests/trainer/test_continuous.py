@@ -15,6 +15,7 @@ import trainer.loop as loop
 from gemline.config import load_config
 from gemline.increments import CursorError
 from gemline.lake import read_table
+from tests.conftest import trainer_args
 from trainer.continuous import lineage, run_once
 
 from .conftest import mark_quality, synthetic_examples, write_examples
@@ -43,7 +44,7 @@ def test_each_version_once_with_progressive_metrics(tmp_path):
     lake = tmp_path / "lake"
     for day in (1, 2, 3):
         _add(lake, day)
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["rows_trained"], r["quality"], r["evaluated"]) for r in first.versions] == [
         (0, 200, "passed", False), (1, 200, "passed", True), (2, 200, "passed", True)]
     assert first.rows_trained_total == 600 and first.step == 3 * 4  # 200 rows in batches of 64: 4 steps each
@@ -56,13 +57,13 @@ def test_each_version_once_with_progressive_metrics(tmp_path):
               if r["task"] == "click" and r["metric"] == "num_examples"}
     assert counts[(1, "all")] == 200.0 and sum(v for (ver, d), v in counts.items() if ver == 1 and d != "all") == 200.0
 
-    again = run_once(_config(lake))
+    again = run_once(*trainer_args(_config(lake)))
     assert again.versions == [] and again.rows_trained_total == 600, "nothing new: nothing trained twice"
     _add(lake, 4, rows=130)
-    third = run_once(_config(lake))
+    third = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["rows_trained"]) for r in third.versions] == [(3, 130)]
     assert third.rows_trained_total == 730
-    last = lineage(_config(lake))["examples_versions"][-1]
+    last = lineage(trainer_args(_config(lake))[0])["examples_versions"][-1]
     assert {k: last[k] for k in ("version", "rows_trained", "quality", "evaluated", "step")} == {
         "version": 3, "rows_trained": 130, "quality": "passed", "evaluated": True, "step": 12 + 3}
     assert last["mean_loss"] > 0
@@ -75,23 +76,23 @@ def test_quarantined_version_is_skipped_then_consumed_once_released(tmp_path):
     _add(lake, 1)
     _add(lake, 2, passed=False)
     _add(lake, 3)
-    res = run_once(_config(lake))
+    res = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["quality"], r["rows_trained"]) for r in res.versions] == [
         (0, "passed", 200), (1, "quarantined", 0), (2, "passed", 200)]
     release(str(lake), "examples", 1, "checked by hand")
-    res = run_once(_config(lake))
+    res = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["quality"], r["rows_trained"]) for r in res.versions] == [(1, "released", 200)]
-    assert run_once(_config(lake)).versions == []
+    assert run_once(*trainer_args(_config(lake))).versions == []
 
 
 def test_an_unvalidated_version_waits(tmp_path):
     lake = tmp_path / "lake"
     _add(lake, 1)
     _add(lake, 2, passed=None)
-    res = run_once(_config(lake))
+    res = run_once(*trainer_args(_config(lake)))
     assert [r["version"] for r in res.versions] == [0] and res.waiting_for == 1
     mark_quality(lake, 1, passed=True)
-    assert [r["version"] for r in run_once(_config(lake)).versions] == [1]
+    assert [r["version"] for r in run_once(*trainer_args(_config(lake))).versions] == [1]
 
 
 def _three_versions(lake):
@@ -104,10 +105,10 @@ def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, 
     _three_versions(straight)
     shutil.copytree(straight, resumed)
     shutil.copytree(straight, crashed)
-    reference = _params(run_once(_config(straight)).checkpoint_path)
+    reference = _params(run_once(*trainer_args(_config(straight))).checkpoint_path)
 
-    run_once(_config(resumed), max_versions=1)
-    out = run_once(_config(resumed))
+    run_once(*trainer_args(_config(resumed)), max_versions=1)
+    out = run_once(*trainer_args(_config(resumed)))
     assert [r["version"] for r in out.versions] == [1, 2] and out.rows_trained_total == 600
     assert all(torch.equal(reference[k], v) for k, v in _params(out.checkpoint_path).items())
 
@@ -121,9 +122,9 @@ def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, 
 
     monkeypatch.setattr(loop, "train_step", dies_mid_version)
     with pytest.raises(KeyboardInterrupt):
-        run_once(_config(crashed))
+        run_once(*trainer_args(_config(crashed)))
     monkeypatch.setattr(loop, "train_step", real_step)
-    out = run_once(_config(crashed))
+    out = run_once(*trainer_args(_config(crashed)))
     assert [r["version"] for r in out.versions] == [1, 2], "version 1 is retrained from the checkpoint of version 0"
     assert out.rows_trained_total == 600
     params = _params(out.checkpoint_path)
@@ -137,32 +138,32 @@ def test_same_lake_and_seed_give_the_same_checkpoint_bit_for_bit(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     _three_versions(a)
     shutil.copytree(a, b)
-    pa_, pb = _params(run_once(_config(a)).checkpoint_path), _params(run_once(_config(b)).checkpoint_path)
+    pa_, pb = _params(run_once(*trainer_args(_config(a))).checkpoint_path), _params(run_once(*trainer_args(_config(b))).checkpoint_path)
     assert pa_.keys() == pb.keys() and all(torch.equal(pa_[k], pb[k]) for k in pa_)
 
 
 def test_a_recreated_examples_table_is_refused(tmp_path):
     lake = tmp_path / "lake"
     _add(lake, 1)
-    run_once(_config(lake))
+    run_once(*trainer_args(_config(lake)))
     shutil.rmtree(lake / "examples")
     _add(lake, 2)
     with pytest.raises(CursorError, match="recreated.*--from-scratch"):
-        run_once(_config(lake))
-    fresh = run_once(_config(lake), from_scratch=True)
+        run_once(*trainer_args(_config(lake)))
+    fresh = run_once(*trainer_args(_config(lake)), from_scratch=True)
     assert [r["version"] for r in fresh.versions] == [0] and fresh.rows_trained_total == 200
 
 
 def test_after_from_scratch_the_new_run_is_the_one_that_goes_on(tmp_path):
     lake = tmp_path / "lake"
     _three_versions(lake)
-    old = run_once(_config(lake))
-    fresh = run_once(_config(lake), from_scratch=True, max_versions=1)
+    old = run_once(*trainer_args(_config(lake)))
+    fresh = run_once(*trainer_args(_config(lake)), from_scratch=True, max_versions=1)
     assert (old.step, fresh.step) == (12, 4) and fresh.run_id != old.run_id
     # The old run's checkpoint has the higher step; the lake's CURRENT run is the new one all the same.
-    after = run_once(_config(lake))
+    after = run_once(*trainer_args(_config(lake)))
     assert after.run_id == fresh.run_id and [r["version"] for r in after.versions] == [1, 2]
-    assert after.rows_trained_total == 600 and lineage(_config(lake))["run_id"] == fresh.run_id
+    assert after.rows_trained_total == 600 and lineage(trainer_args(_config(lake))[0])["run_id"] == fresh.run_id
     assert Path(old.checkpoint_path).is_dir(), "the old run's checkpoints stay in its own folder"
 
 
@@ -174,7 +175,7 @@ def test_the_run_report_shows_curves_verdicts_and_lineage(tmp_path):
     _add(lake, 2, passed=False)
     _add(lake, 3)
     _add(lake, 4)
-    res = run_once(_config(lake))
+    res = run_once(*trainer_args(_config(lake)))
     page = Path(res.report_path).read_text()
     assert res.report_path == f"{lake}/_runs/{res.run_id}/report.html"
     assert page.count("data:image/png;base64,") == 5
@@ -193,9 +194,9 @@ def test_tensorboard_scalars_equal_the_metrics_table_and_a_resumed_run_rewrites_
     lake = tmp_path / "lake"
     for day in (1, 2, 3):
         _add(lake, day)
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     _add(lake, 4)
-    second = run_once(_config(lake))  # resumes the same run: the event file is rewritten, not appended to
+    second = run_once(*trainer_args(_config(lake)))  # resumes the same run: the event file is rewritten, not appended to
     folder = lake / "_runs" / second.run_id / "tensorboard"
     assert second.run_id == first.run_id and [p.name for p in folder.iterdir()] == [TENSORBOARD_FILE]
     events = EventAccumulator(str(folder))
@@ -225,8 +226,8 @@ def test_lineage_names_the_events_versions_and_kafka_offsets_behind_each_version
         commit_once(str(lake), "examples", synthetic_examples([f"2026-01-0{i + 1}"], 50, seed=i), app_id="build",
                     version=i, partition_by=["event_date"], metadata={"events_version": built})
         mark_quality(lake, i, passed=True)
-    run_once(_config(lake))
-    records = lineage(_config(lake))["examples_versions"]
+    run_once(*trainer_args(_config(lake)))
+    records = lineage(trainer_args(_config(lake))[0])["examples_versions"]
     assert [(r["version"], r["events_versions"]) for r in records] == [(0, [0, 1]), (1, [2])]
     assert records[0]["kafka_offsets"] == [{"events_version": 0, **ranges[0][0]},
                                            *[{"events_version": 1, **r} for r in ranges[1]]]
@@ -268,7 +269,7 @@ def test_follow_consumes_what_arrives_between_polls(tmp_path, monkeypatch):
         if len(seen) == 1:
             _add(lake, 2)  # a build publishes a version while the trainer waits
 
-    calls = continuous.follow(_config(lake), poll_interval_s=0, on_result=on_result, max_polls=3)
+    calls = continuous.follow(*trainer_args(_config(lake)), poll_interval_s=0, on_result=on_result, max_polls=3)
     assert calls == 3 and seen == [[0], [1], []]
 
 
@@ -285,7 +286,7 @@ def test_follow_waits_for_the_first_examples_version(tmp_path, monkeypatch, capl
             _add(lake, 1)
 
     monkeypatch.setattr(continuous, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=nap))
-    calls = continuous.follow(_config(lake), poll_interval_s=5, on_result=lambda r: seen.append(r.versions),
+    calls = continuous.follow(*trainer_args(_config(lake)), poll_interval_s=5, on_result=lambda r: seen.append(r.versions),
                               max_polls=4)
     assert calls == 4 and naps == [5, 5, 5]
     assert [[v["version"] for v in versions] for versions in seen] == [[0], []], "two polls waited, then trained"

@@ -22,6 +22,7 @@ from deltalake import write_deltalake
 from gemline.config import load_config
 from gemline.increments import CursorError
 from gemline.lake import read_table, table_uri
+from tests.conftest import trainer_args
 from trainer.continuous import current_root, run_once
 
 from .conftest import mark_quality, synthetic_examples, write_examples
@@ -56,6 +57,7 @@ import torch
 import trainer.continuous as continuous
 import trainer.loop as loop
 from gemline.config import load_config
+from tests.conftest import trainer_args
 
 lake, point, k, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 calls = {"n": 0}
@@ -79,7 +81,7 @@ elif point == "mid_checkpoint":         # state.pt written, meta.json (the compl
     torch.save = die_at_k(torch.save, before=False)
 elif point == "after_checkpoint":       # a complete checkpoint, not yet pruned, no run report
     continuous._prune = die_at_k(continuous._prune, before=True)
-continuous.run_once(load_config(overrides={"lake": lake, **overrides}))
+continuous.run_once(*trainer_args(load_config(overrides={"lake": lake, **overrides})))
 print("finished without being killed")
 """
 
@@ -94,13 +96,13 @@ def test_a_sigkill_at_a_seeded_point_then_a_restart_trains_each_example_once(tmp
     for day in (1, 2, 3):
         _add(straight, day)
     shutil.copytree(straight, killed)
-    reference = run_once(_config(straight))
+    reference = run_once(*trainer_args(_config(straight)))
     k = random.Random(f"{point}-13").randint(1, _CALLS[point])
     proc = subprocess.run([sys.executable, "-c", _KILLER, str(killed), point, str(k), json.dumps(SMALL)], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, f"k={k}: {proc.stdout[-500:]}{proc.stderr[-2000:]}"
 
-    out = run_once(_config(killed))
+    out = run_once(*trainer_args(_config(killed)))
     lineage = json.loads(json.dumps(out.versions))
     before_kill = 3 - len(lineage)
     assert [r["version"] for r in lineage] == list(range(before_kill, 3)), "the restart goes on where the kill left"
@@ -120,13 +122,13 @@ def test_versions_after_a_bootstrap_and_a_range_past_the_newest_version(tmp_path
     lake = tmp_path / "lake"
     for day in range(1, 7):  # versions 0-5
         _add(lake, day, rows=70)
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     assert [r["version"] for r in first.versions] == [0, 1, 2, 3, 4, 5] and first.cursor.version == 6
-    nothing = run_once(_config(lake))  # the cursor is past the newest version: an empty range, not an error
+    nothing = run_once(*trainer_args(_config(lake)))  # the cursor is past the newest version: an empty range, not an error
     assert nothing.versions == [] and nothing.cursor == first.cursor and nothing.step == first.step
     _add(lake, 7, rows=70)
     _add(lake, 8, rows=70)
-    later = run_once(_config(lake))
+    later = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["rows_trained"], r["evaluated"]) for r in later.versions] == [(6, 70, True), (7, 70, True)]
     assert later.rows_trained_total == 8 * 70
 
@@ -134,10 +136,10 @@ def test_versions_after_a_bootstrap_and_a_range_past_the_newest_version(tmp_path
 def test_an_empty_version_moves_the_cursor_without_a_step(tmp_path):
     lake = tmp_path / "lake"
     _add(lake, 1)
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     empty = synthetic_examples(["2026-01-02"], 10, seed=2).slice(0, 0)
     _add(lake, 2, table=empty)
-    res = run_once(_config(lake))
+    res = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["rows_trained"], r["evaluated"]) for r in res.versions] == [(1, 0, False)]
     assert res.step == first.step and res.cursor.version == 2
 
@@ -148,12 +150,12 @@ def test_a_compaction_commit_is_not_trained_again(tmp_path):
     lake = tmp_path / "lake"
     _add(lake, 1, rows=100)
     _add(lake, 1, rows=100, table=synthetic_examples(["2026-01-01"], 100, seed=9))  # a second file in that partition
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     metrics = DeltaTable(str(lake / "examples")).optimize.compact()  # dataChange=false: the same rows, new files
     assert metrics["numFilesRemoved"] == 2 and metrics["numFilesAdded"] == 1
     compacted = DeltaTable(str(lake / "examples")).version()
     _add(lake, 3, rows=90)
-    res = run_once(_config(lake))
+    res = run_once(*trainer_args(_config(lake)))
     assert [(r["version"], r["rows_trained"]) for r in res.versions] == [(compacted, 0), (compacted + 1, 90)]
     assert res.rows_trained_total == first.rows_trained_total + 90 == 290
 
@@ -161,13 +163,13 @@ def test_a_compaction_commit_is_not_trained_again(tmp_path):
 def test_a_vacuumed_file_under_the_cursor_is_refused_and_nothing_is_trained(tmp_path):
     lake = tmp_path / "lake"
     _add(lake, 1)
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     _add(lake, 2)
     (added,) = [p for p in (lake / "examples").rglob("*.parquet")
                 if p.stat().st_mtime >= max(q.stat().st_mtime for q in (lake / "examples").rglob("*.parquet"))]
     added.unlink()  # as a vacuum with too short a retention would
     with pytest.raises(CursorError, match="--from-scratch|vacuum"):
-        run_once(_config(lake))
+        run_once(*trainer_args(_config(lake)))
     again_lineage = json.loads(Path(first.checkpoint_path, "meta.json").read_text())
     assert again_lineage["step"] == first.step, "the newest checkpoint is still the one before"
 
@@ -176,16 +178,16 @@ def test_a_new_column_is_trained_as_before_and_logged(tmp_path, caplog):
     plain, wider = tmp_path / "plain", tmp_path / "wider"
     for lake in (plain, wider):
         _add(lake, 1)
-        run_once(_config(lake))
+        run_once(*trainer_args(_config(lake)))
     second = synthetic_examples(["2026-01-02"], 200, seed=2)
     _add(plain, 2, table=second)
     write_deltalake(table_uri(wider, "examples"), second.append_column("f_campaign_budget", pa.array([1.5] * 200)),
                     mode="append", schema_mode="merge", partition_by=["event_date"])
     mark_quality(wider, 1, passed=True)
-    a = run_once(_config(plain))
+    a = run_once(*trainer_args(_config(plain)))
     caplog.clear()
     caplog.set_level("INFO", logger="trainer.continuous")
-    b = run_once(_config(wider))
+    b = run_once(*trainer_args(_config(wider)))
     assert [r["rows_trained"] for r in b.versions] == [200]
     noted = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
     assert noted == ["examples@1 has dense columns the model does not read, trained as before: ['f_campaign_budget']"]
@@ -199,7 +201,7 @@ def test_a_removed_or_retyped_dense_column_is_one_line_and_nothing_is_trained(tm
 
     lake = tmp_path / "lake"
     _add(lake, 1)
-    first = run_once(_config(lake))
+    first = run_once(*trainer_args(_config(lake)))
     table = synthetic_examples(["2026-01-02"], 200, seed=2)
     column = next(n for n in table.column_names if n.startswith("f_user_"))
     if change == "removed":

@@ -17,6 +17,7 @@ import pytest
 
 from gemline.config import load_config
 from gemline.lake import read_table
+from tests.conftest import trainer_args
 from trainer.continuous import run_once
 
 from .conftest import mark_quality, synthetic_examples, write_examples
@@ -49,7 +50,7 @@ def test_once_twice_on_two_ranks_trains_each_row_once_and_resumes(tmp_path, monk
     assert (first["rows_trained_total"], first["step"]) == (193, 4) and first["progressive"] == []
 
     _add(sharded, 1)
-    second = run_once(load_config(overrides={"lake": str(sharded), **SMALL}), nproc=2)
+    second = run_once(*trainer_args(load_config(overrides={"lake": str(sharded), **SMALL})), nproc=2)
     assert second.run_id == first["run_id"], "the second run resumes the first"
     assert [(v["version"], v["rows_trained"], v["evaluated"]) for v in second.versions] == [(1, 200, True)]
     assert (second.rows_trained_total, second.step) == (393, 8)
@@ -65,9 +66,9 @@ def test_once_twice_on_two_ranks_trains_each_row_once_and_resumes(tmp_path, monk
     assert [v["rows_trained"] for v in meta["extra"]["continuous"]["lineage"]] == list(ROWS)
 
     one = load_config(overrides={"lake": str(single), **SMALL})
-    reference = run_once(one).versions
+    reference = run_once(*trainer_args(one)).versions
     _add(single, 1)
-    reference += run_once(one).versions
+    reference += run_once(*trainer_args(one)).versions
     ours = [*first["versions"], *second.versions]
     assert [v["mean_loss"] for v in ours] == pytest.approx([v["mean_loss"] for v in reference], rel=1e-5)
     single_ne = [r["value"] for r in read_table(str(single), "training_metrics").to_pylist()

@@ -21,6 +21,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.conftest import trainer_args
+
 REPO = Path(__file__).resolve().parents[2]
 SEED = 3
 STEPS = 3
@@ -421,7 +423,7 @@ def test_train_with_torchrun_rejects_before_launching(overrides, nproc, message)
     from trainer.launch import train_with_torchrun
 
     with pytest.raises(ValueError, match=message):
-        train_with_torchrun(load_config(overrides=overrides), nproc)
+        train_with_torchrun(*trainer_args(load_config(overrides=overrides)), nproc)
 
 
 def test_cli_accepts_nproc():

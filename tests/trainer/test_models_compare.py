@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.conftest import trainer_args
 from trainer.compare import comparison_rows, markdown_table, run_compare, run_holdout_compare, write_report
 from trainer.metrics import evaluate
 
@@ -49,9 +50,9 @@ def test_rejects_bad_model_lists_before_training(tmp_path, models, message):
 
     config = load_config(overrides={"lake": str(tmp_path)})  # no examples table: reaching training would fail otherwise
     with pytest.raises(ValueError, match=message):
-        run_compare(config, models=models)
+        run_compare(*trainer_args(config), models=models)
     with pytest.raises(ValueError, match=message):
-        run_holdout_compare(config, models=models, progress=False)
+        run_holdout_compare(*trainer_args(config), models=models, progress=False)
 
 
 def test_compare_warns_that_it_trains_from_scratch_whatever_init_from_says(tmp_path, caplog):
@@ -60,7 +61,7 @@ def test_compare_warns_that_it_trains_from_scratch_whatever_init_from_says(tmp_p
     config = load_config(overrides={"lake": str(tmp_path), "trainer.init_from": "latest"})
     # An unknown model stops the comparison before any training, after it read the config.
     with pytest.raises(ValueError, match="trainer.model must be one of"):
-        run_compare(config, models=("gem", "xgboost"))
+        run_compare(*trainer_args(config), models=("gem", "xgboost"))
     assert [r.getMessage() for r in caplog.records if r.name == "trainer.compare" and r.levelname == "WARNING"] == [
         "trainer.init_from='latest' is overridden at run time: using 'scratch' (compare trains every model from fresh "
         "parameters, so none starts from another's checkpoint)"]
@@ -70,7 +71,7 @@ def test_rejects_a_bad_bootstrap_before_training(tmp_path):
     from gemline.config import load_config
 
     with pytest.raises(ValueError, match="resamples >= 1"):
-        run_compare(load_config(overrides={"lake": str(tmp_path)}), resamples=0)
+        run_compare(*trainer_args(load_config(overrides={"lake": str(tmp_path)})), resamples=0)
 
 
 SMALL = {"trainer.num_embeddings": "1000", "trainer.batch_size": "64", "trainer.learning_rate": "0.01",
@@ -95,7 +96,7 @@ def test_progressive_compare_reports_what_each_continuous_run_recorded(tmp_path)
         mark_quality(lake, write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day)), passed=True)
     config = load_config(overrides={"lake": str(lake), **SMALL})
 
-    result = run_compare(config, run_id="cmp", resamples=200, seed=3)
+    result = run_compare(*trainer_args(config), run_id="cmp", resamples=200, seed=3)
 
     assert result.versions == [1, 2, 3]
     assert [(r["model"], r["task"]) for r in result.rows] == [
@@ -146,4 +147,4 @@ def test_the_compare_hooks_of_run_once_need_one_process(tmp_path):
     config = load_config(overrides={"lake": str(tmp_path)})
     for hooks in ({"root": str(tmp_path / "gem")}, {"on_predictions": print}):
         with pytest.raises(ValueError, match="need nproc=1"):
-            run_once(config, nproc=2, **hooks)
+            run_once(*trainer_args(config), nproc=2, **hooks)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import trainer_args
 from tests.trainer.test_distributed import KNOWN_LOOSE, LOSS_RTOL, PARAM_ATOL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +55,7 @@ def test_torchrun_command_rejects(kwargs, message, tmp_path):
     from trainer.launch import torchrun_command
 
     with pytest.raises(ValueError, match=message):
-        torchrun_command(_config(str(tmp_path)), 1, result_json=tmp_path / "r.json", **kwargs)
+        torchrun_command(*trainer_args(_config(str(tmp_path))), 1, result_json=tmp_path / "r.json", **kwargs)
 
 
 def test_world_size_counts_every_node(tmp_path):
@@ -63,19 +64,19 @@ def test_world_size_counts_every_node(tmp_path):
 
     config = _config(str(tmp_path))
     kwargs = {"result_json": tmp_path / "r.json", "rdzv_endpoint": "h:1"}
-    torchrun_command(config, 16, nnodes=2, **kwargs)
+    torchrun_command(*trainer_args(config), 16, nnodes=2, **kwargs)
     with pytest.raises(ValueError, match="batch_size 32 must be >= the number of processes 34"):
-        torchrun_command(config, 17, nnodes=2, **kwargs)
+        torchrun_command(*trainer_args(config), 17, nnodes=2, **kwargs)
 
 
 def test_torchrun_command_flags(tmp_path):
     from trainer.launch import torchrun_command
 
     config = _config(str(tmp_path))
-    one = torchrun_command(config, 2, result_json=tmp_path / "r.json")
+    one = torchrun_command(*trainer_args(config), 2, result_json=tmp_path / "r.json")
     assert one[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"] and "--rdzv_backend" not in one
     multi = torchrun_command(
-        config, 1, result_json=tmp_path / "r.json", examples_version=4, nnodes=2, node_rank=1,
+        *trainer_args(config), 1, result_json=tmp_path / "r.json", examples_version=4, nnodes=2, node_rank=1,
         rdzv_endpoint="10.0.0.1:29400", rdzv_id="job7",
     )
     head = multi[3 : multi.index("-m", 3)]
@@ -110,7 +111,7 @@ def _two_launchers(config, version: int, out: Path) -> dict:
     procs = []
     for node in (0, 1):
         cmd = torchrun_command(
-            config, 1, result_json=out / f"node{node}.json", examples_version=version, nnodes=2, node_rank=node,
+            *trainer_args(config), 1, result_json=out / f"node{node}.json", examples_version=version, nnodes=2, node_rank=node,
             rdzv_endpoint=endpoint, rdzv_id="multinode-test", local_addr="127.0.0.1",
         )
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -135,7 +136,7 @@ def test_two_nodes_match_one_node(make_lake, tmp_path):
     lake, version = make_lake(dates=("2026-01-01", "2026-01-02"), rows_per_date=96, seed=5)
     config = _config(lake)
 
-    one = train_with_torchrun(config, 2, examples_version=version)
+    one = train_with_torchrun(*trainer_args(config), 2, examples_version=version)
     one_state = _state(one.checkpoint_path)  # read now: the second run rewrites the same step-N
     two = _two_launchers(config, version, tmp_path)
     two_state = _state(two["checkpoint_path"])
