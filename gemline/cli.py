@@ -344,8 +344,8 @@ def _train_continuous(args: argparse.Namespace) -> int:
               flush=True)
 
     if args.follow:
-        follow(lake, config.trainer, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch, on_result=show,
-               nproc=args.nproc)
+        follow(lake, config.trainer, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch,
+               on_result=show, nproc=args.nproc)
         return 0
     show(run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc))
     return 0
@@ -381,9 +381,11 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     config = _config(args)
     result: Any
     if args.version is not None or args.holdout_last_day:
-        result = run_holdout_compare(Lake.for_config(config), config.trainer, examples_version=args.version, models=models)
+        result = run_holdout_compare(Lake.for_config(config), config.trainer, examples_version=args.version,
+                                     models=models)
     else:
-        result = run_compare(Lake.for_config(config), config.trainer, models=models, resamples=args.resamples, seed=args.bootstrap_seed)
+        result = run_compare(Lake.for_config(config), config.trainer, models=models, resamples=args.resamples,
+                             seed=args.bootstrap_seed)
     print(open(result.paths["md"]).read())
     print(_as_json(result.paths))
     return 0

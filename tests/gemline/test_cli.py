@@ -462,7 +462,7 @@ def test_compare_is_progressive_unless_a_held_out_day_is_asked_for(monkeypatch, 
     calls = []
 
     def fake(kind):
-        def run(config, **kwargs):
+        def run(lake, tc, **kwargs):
             calls.append((kind, kwargs))
             return types.SimpleNamespace(paths={"md": str(report)})
         return run
