@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -54,3 +55,32 @@ def run_and_exit(main: Callable[[], object]) -> NoReturn:
         traceback.print_exc()
         code = 1
     exit_process(code)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere
+    nothing); exit at once if the parent is already gone. Also usable as ``Popen(preexec_fn=...)``: the setting
+    survives ``exec``.
+
+    Why: torchrun starts each rank in a session of its own, so a SIGKILLed ``gemline train --nproc N`` (the OOM
+    killer, ``kill -9``, a scheduler) would leave torchrun and its ranks training on without the lake's lock,
+    beside the next trainer. With this on torchrun (parent: the launcher) and on every rank (parent: torchrun),
+    the whole job dies with the launcher, and the next run resumes from the last complete checkpoint.
+
+    Raises:
+        OSError: prctl failed.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the setting took: it will never fire
+        os._exit(1)
+

@@ -43,7 +43,7 @@ from gemline.configtree import build, load_tree, parse_set_flags
 from gemline.configtree import config_overrides as config_overrides  # re-exported: the ranks' flag spelling
 from gemline.errors import BadConfigError, GemlineError
 from gemline.lake import Lake
-from gemline.process import run_and_exit
+from gemline.process import die_with_parent, run_and_exit
 from trainer.config import TrainerConfig
 from trainer.data import latest_examples_version
 from trainer.distributed import SHARDABLE_MODELS
@@ -272,7 +272,9 @@ def _torchrun(lake: Lake, tc: TrainerConfig, nproc: int, *, rank_args: Sequence[
         private = write_private_config(lake, Path(tmp) / "config.toml") if lake.storage_options else None
         cmd = torchrun_command(lake, tc, nproc, result_json=result_json, private_config=private, rank_args=rank_args,
                                **launch)  # type: ignore[arg-type]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # die_with_parent: torchrun (and, from main, every rank) dies with this launcher, which holds the lock.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=die_with_parent)
         try:
             _, stderr = proc.communicate()
         except BaseException:
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     (:func:`_error_file`; the launcher re-raises it as one line, :class:`RankError`) before the rank exits
     non-zero.
     """
+    die_with_parent()  # torchrun starts ranks in sessions of their own: never outlive it (gemline.process)
     parser = argparse.ArgumentParser(prog="trainer.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML file of the lake (the launcher's private file of storage options)")
     parser.add_argument("--lake")

@@ -47,3 +47,32 @@ def test_the_console_script_goes_through_it(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     # No examples table yet: a one-line error (MissingInputError), exit 2.
     assert proc.returncode == 2 and proc.stderr.startswith("error: no examples table") and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_child_set_to_die_with_its_parent_does(tmp_path):
+    import os
+    import time
+
+    # parent: starts a long-sleeping child with die_with_parent, prints its pid, then waits.
+    parent_code = ("import subprocess, sys, time\n"
+                   "from gemline.process import die_with_parent\n"
+                   "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+                   "preexec_fn=die_with_parent)\n"
+                   "print(child.pid, flush=True)\n"
+                   "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    os.kill(child_pid, 0)  # alive
+    parent.kill()  # SIGKILL: no handler of the parent runs
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.kill(child_pid, 0)
+            state = open(f"/proc/{child_pid}/stat").read().split()[2]
+            if state == "Z":  # a zombie waiting for init to reap it is dead
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        assert time.monotonic() < deadline, "the child outlived its SIGKILLed parent"
+        time.sleep(0.05)
