@@ -60,15 +60,16 @@ def run_and_exit(main: Callable[[], object]) -> NoReturn:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere
-    nothing); exit at once if the parent is already gone. Also usable as ``Popen(preexec_fn=...)``: the setting
-    survives ``exec``.
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``;
+    elsewhere nothing); exit at once if the parent is already gone. Also usable as ``Popen(preexec_fn=...)``
+    (``functools.partial`` for another signal): the setting survives ``exec``.
 
     Why: torchrun starts each rank in a session of its own, so a SIGKILLed ``gemline train --nproc N`` (the OOM
     killer, ``kill -9``, a scheduler) would leave torchrun and its ranks training on without the lake's lock,
     beside the next trainer. With this on torchrun (parent: the launcher) and on every rank (parent: torchrun),
-    the whole job dies with the launcher, and the next run resumes from the last complete checkpoint.
+    the whole job dies with the launcher, and the next run resumes from the last complete checkpoint. The
+    embedded broker uses it with SIGTERM, so a killed test or job leaves no broker behind.
 
     Raises:
         OSError: prctl failed.
@@ -79,8 +80,7 @@ def die_with_parent() -> None:
 
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the parent died before the setting took: it will never fire
         os._exit(1)
-

@@ -16,7 +16,6 @@ newest version of the lake's main tables; without one, one line per start, exit 
 
 from __future__ import annotations
 
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
+from ingest.broker import accepts, free_port
 
 GEMLINE = (sys.executable, "-m", "gemline.cli")
 """How a child runs a gemline command: the same interpreter and code as the supervisor."""
@@ -59,22 +59,13 @@ class RunPlan:
     train: bool = True
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
     """True once something accepts TCP connections on (host, port), False after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return True
-        except OSError:
-            time.sleep(0.2)
+        if accepts(host, port):
+            return True
+        time.sleep(0.2)
     return False
 
 

