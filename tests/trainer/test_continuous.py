@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -29,8 +30,12 @@ def _config(lake):
     return load_config(overrides={"lake": str(lake), **SMALL})
 
 
-def _add(lake, day: int, rows: int = 200, passed: bool | None = True) -> int:
-    version = write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day))
+def _add(lake, day: int, rows: int = 200, passed: bool | None = True, table: pa.Table | None = None) -> int:
+    """Append ``table`` (default: ``rows`` synthetic examples of 2026-01-DAY) to LAKE/examples and, unless
+    ``passed`` is None, mark that version's quality; return the version."""
+    if table is None:
+        table = synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day)
+    version = write_examples(lake, table)
     if passed is not None:
         mark_quality(lake, version, passed=passed)
     return version

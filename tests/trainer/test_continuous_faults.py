@@ -19,35 +19,15 @@ import pytest
 import torch
 from deltalake import write_deltalake
 
-from gemline.config import load_config
 from gemline.increments import CursorError
 from gemline.lake import read_table, table_uri
 from tests.conftest import trainer_args
 from trainer.continuous import current_root, run_once
 
-from .conftest import mark_quality, synthetic_examples, write_examples
+from .conftest import mark_quality, synthetic_examples
+from .test_continuous import SMALL, _add, _config, _params
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = {"trainer.num_embeddings": "1000", "trainer.batch_size": "64", "trainer.learning_rate": "0.01",
-         "trainer.embedding_learning_rate": "0.01", "trainer.seed": "0", "trainer.model": "dlrm",
-         "ingest.domains": '["feed", "reels", "marketplace"]'}
-
-
-def _config(lake):
-    return load_config(overrides={"lake": str(lake), **SMALL})
-
-
-def _add(lake, day: int, rows: int = 200, passed: bool | None = True, table: pa.Table | None = None) -> int:
-    version = write_examples(lake, table if table is not None else synthetic_examples([f"2026-01-{day:02d}"], rows,
-                                                                                      seed=day))
-    if passed is not None:
-        mark_quality(lake, version, passed=passed)
-    return version
-
-
-def _params(path) -> dict[str, torch.Tensor]:
-    return torch.load(f"{path}/state.pt", weights_only=False)["model"]
-
 
 # A process that trains with one function wrapped to SIGKILL itself at its k-th call: the wrapped function
 # marks where in the run the kill lands. Nothing is caught: the process dies as under `kill -9`.
