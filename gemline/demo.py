@@ -46,6 +46,7 @@ def run_demo(
     console: Console | None = None,
     nproc: int = 1,
     increments: int = 6,
+    on_predictions: Any = None,
 ) -> dict[str, Any]:
     """Run every stage once and return the summary dict (also written as summary.json).
 
@@ -57,6 +58,8 @@ def run_demo(
     (``trainer.continuous.run_once``: evaluated on each new examples version before training on it), and
     ``summary["progressive"]`` lists ``{"increment", "examples_version", "rows", "auc", "ne"}`` per
     evaluated version. The one-shot run on all days but the last follows on the final version either way.
+
+    ``on_predictions`` (a ``trainer.continuous.PredictionsHook``) sees each progressive evaluation's predictions.
 
     ``nproc`` > 1 trains through torchrun with that many local processes
     (trainer.launch.train_with_torchrun; ``trainer.model`` gem, dlrm or ranker).
@@ -150,7 +153,7 @@ def run_demo(
             reports[LakeTable.EXAMPLES] = _quality_line(console, examples_quality)
             validated_examples = built.examples_version
             if len(parts) > 1:
-                consumed = run_once(lake, config.trainer, from_scratch=k == 0)
+                consumed = run_once(lake, config.trainer, from_scratch=k == 0, on_predictions=on_predictions)
                 for row in consumed.progressive:
                     summary["progressive"].append({"increment": k + 1, **row})
                     console.print(f"progressive: examples@{row['examples_version']} ({row['rows']} rows) evaluated "

@@ -67,6 +67,7 @@ class Table(StrEnum):
     BUILD_EVICTED = "_build_state/evicted"
     BUILD_PENDING = "_build_state/pending"
     EXAMPLES = "examples"
+    ORPHAN_LABELS = "orphan_labels"
     QUALITY = "quality"
     QUALITY_PROFILES = "quality_profiles"
     TRAINING_METRICS = "training_metrics"
@@ -149,6 +150,9 @@ TABLES: Mapping[Table, TableSpec] = _specs(
               about="an impression whose attribution windows are still open"),
     TableSpec(name=Table.EXAMPLES, owner="sequences", mode="append", partition_by=("event_date",),
               schema="sequences.examples:EXAMPLES_SCHEMA", about="one labelled impression, point-in-time correct"),
+    TableSpec(name=Table.ORPHAN_LABELS, owner="sequences", mode="append",
+              schema="sequences.publish:ORPHAN_LABELS_SCHEMA",
+              about="a click or conversion no example carries: no impression, or it arrived after its impression was decided"),
     TableSpec(name=Table.QUALITY, owner="validation", mode="append", schema="gemline.gate:QUALITY_SCHEMA",
               about="one (table, version, expectation) of a validation run, or a release"),
     TableSpec(name=Table.QUALITY_PROFILES, owner="validation", mode="append",

@@ -12,6 +12,10 @@ from gemline.hygiene import HygieneConfig
 
 MS_PER_DAY = 24 * 3600 * 1000
 
+LabelMode = Literal["wait", "fnw", "defer"]
+"""``build.label_mode``: when an impression is published and how late labels reach the trainer
+(:mod:`sequences.publish`)."""
+
 ShardStep = Literal["vectorized", "reference"]
 """``build.shard_step``: the vectorised shard build or the per-user reference (same tables)."""
 
@@ -26,6 +30,18 @@ class BuildConfig:
     """Attribution window of a click after its impression (ms)."""
     conversion_window_ms: int = 7 * MS_PER_DAY
     """Attribution window of a conversion after its impression (ms)."""
+    label_mode: LabelMode = "wait"
+    """"wait": an impression is published once, when its longest attribution window has closed (labels
+    final, up to a week old). "fnw": published after ``publish_delay_ms`` with the labels seen by then;
+    a label that arrives later is published again as a positive correction row (Ktena et al., RecSys
+    2019). "defer": as fnw, and a still-negative label is published again as a real negative once its
+    window closes (Gu et al., KDD 2021). The trainer weights fnw/defer rows so that what it sees matches
+    the true label distribution (:mod:`trainer.delayed`)."""
+    publish_delay_ms: int = 60_000
+    """fnw/defer: the waiting window, ms after the impression (event time) before it is published
+    (capped at its longest attribution window; at or beyond it fnw/defer publish what wait publishes)."""
+    publish_delay_overrides: tuple[str, ...] = ()
+    """Per-domain waiting windows, ``"DOMAIN:MS"`` entries (others: ``publish_delay_ms``)."""
     ctr_prior_clicks: float = 1.0
     """Smoothed CTR pseudo-clicks a in (clicks + a) / (impressions + a + b)."""
     ctr_prior_non_clicks: float = 1.0
@@ -72,6 +88,12 @@ class BuildConfig:
                 f"build.state_lookback_ms must be >= the longest attribution or feature window ({longest} ms), "
                 f"got {self.state_lookback_ms}; raise it so pending impressions and 7 d counters stay in the state"
             )
+        if self.label_mode not in get_args(LabelMode):
+            raise BadConfigError(f"build.label_mode must be one of {get_args(LabelMode)}, got {self.label_mode!r}")
+        if self.publish_delay_ms < 0:
+            raise BadConfigError(f"build.publish_delay_ms must be >= 0 ms, got {self.publish_delay_ms}")
+        for entry in self.publish_delay_overrides:
+            _parse_delay_override(entry)
         if self.shard_step not in get_args(ShardStep):
             raise BadConfigError(f"build.shard_step must be one of {get_args(ShardStep)}, got {self.shard_step!r}")
         if self.events_gate not in ("required", "off"):
@@ -106,9 +128,34 @@ class BuildConfig:
                 return ms
         return self.click_window_ms if label == "click" else self.conversion_window_ms
 
+    def publish_delay(self, domain: str) -> int:
+        """ms after an impression in ``domain`` until its first publication: the waiting window of
+        fnw/defer (capped at the longest attribution window), the longest window for wait."""
+        if self.label_mode == "wait":
+            return self.close_delay_ms(domain)
+        delay = self.publish_delay_ms
+        for entry in self.publish_delay_overrides:
+            o_domain, ms = _parse_delay_override(entry)
+            if o_domain == domain:
+                delay = ms
+        return min(delay, self.close_delay_ms(domain))
+
     def close_delay_ms(self, domain: str) -> int:
         """How long after an impression in ``domain`` its labels are final: the longest of its windows."""
         return max(self.window_ms(domain, "click"), self.window_ms(domain, "conversion"))
+
+
+def _parse_delay_override(entry: str) -> tuple[str, int]:
+    domain, sep, ms = entry.partition(":")
+    if not sep or not domain:
+        raise BadConfigError(f"build.publish_delay_overrides entries must look like 'DOMAIN:MS', got {entry!r}")
+    try:
+        value = int(ms)
+    except ValueError:
+        raise BadConfigError(f"build.publish_delay_overrides {entry!r}: delay must be an integer of ms, got {ms!r}") from None
+    if value < 0:
+        raise BadConfigError(f"build.publish_delay_overrides {entry!r}: delay must be >= 0 ms, got {value}")
+    return domain, value
 
 
 def _parse_override(entry: str) -> tuple[str, str, int]:

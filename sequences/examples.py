@@ -28,6 +28,7 @@ build joins them to the user's impressions by example_id.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,7 @@ from ingest.schema import IMPRESSION_TYPES, EventRow, sorted_unique_events
 from sequences.config import BuildConfig
 from sequences.history import point_in_time_gather
 from sequences.labels import CLICK, CONVERSION, _first_in_window
+from sequences.publish import NO_LABEL, PublicationPlan, published_rows
 from sequences.schema import BUILD_EXTRA_SCHEMA, EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
 
 USER_DENSE: dict[str, str] = {
@@ -87,7 +89,7 @@ def _as_str(value: Any) -> str | None:
 
 LABEL_COLUMNS: tuple[str, ...] = (
     "label_click", "label_conversion", "click_latency_ms", "conversion_latency_ms", "label_window_closed",
-    "published_watermark_ms",
+    "published_watermark_ms", "label_mode", "click_open", "conversion_open", "corrects_example_id", "correction_task",
 )
 """Columns filled at publication (the rest are fixed when the impression is first seen)."""
 
@@ -275,11 +277,45 @@ def pending_examples(
     return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
 
 
+def label_latencies(pending: pa.Table, events: list[EventRow], config: BuildConfig,
+                    rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """ms from each pending impression to its first click / conversion on the same (item, domain) within the
+    window (:mod:`sequences.labels`, windows per domain from ``config.window_ms``), -1 when none.
+
+    Args:
+        pending: rows of :data:`PENDING_SCHEMA` of one user.
+        events: that user's sorted, unique events covering every label window of the rows asked for.
+        rows: (n,) bool, the rows to join; the others get -1 (None: all).
+
+    Returns:
+        ``{"click": (n,) int64, "conversion": (n,) int64}``.
+    """
+    label_times: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for event in events:
+        if event["event_type"] in (CLICK, CONVERSION):
+            label_times[(event["event_type"], event["item_id"], event["domain"])].append(event["event_time_ms"])
+    for times in label_times.values():
+        times.sort()
+    n = pending.num_rows
+    out = {CLICK: np.full(n, NO_LABEL, dtype=np.int64), CONVERSION: np.full(n, NO_LABEL, dtype=np.int64)}
+    wanted = np.ones(n, dtype=bool) if rows is None else rows
+    for i, (t, item, domain) in enumerate(zip(pending.column("event_time_ms").to_pylist(),
+                                              pending.column("item_id").to_pylist(),
+                                              pending.column("domain").to_pylist(), strict=True)):
+        if not wanted[i]:
+            continue
+        for task in (CLICK, CONVERSION):
+            latency = _first_in_window(label_times.get((task, item, domain), []), t, config.window_ms(domain, task))
+            if latency is not None:
+                out[task][i] = latency
+    return out
+
+
 def attach_labels(
     pending: pa.Table, events: list[EventRow], config: BuildConfig, watermark_ms: int, close_ms: int
 ) -> pa.Table:
-    """Publish pending examples: join click and conversion labels by event time (:mod:`sequences.labels`,
-    windows per domain from ``config.window_ms``) and return a table of :data:`EXAMPLES_SCHEMA`.
+    """Publish every pending example once with its final labels (wait mode, whatever ``config.label_mode``)
+    and return a table of :data:`EXAMPLES_SCHEMA`.
 
     Args:
         pending: rows of :data:`PENDING_SCHEMA` of one user.
@@ -288,27 +324,14 @@ def attach_labels(
             ``t + longest window <= watermark_ms`` (False only for windows closed by ``final``).
         close_ms: windows are treated as closed up to here (``published_watermark_ms``).
     """
-    label_times: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-    for event in events:
-        if event["event_type"] in (CLICK, CONVERSION):
-            label_times[(event["event_type"], event["item_id"], event["domain"])].append(event["event_time_ms"])
-    for times in label_times.values():
-        times.sort()
-    cols: dict[str, list[Any]] = {name: [] for name in LABEL_COLUMNS}
-    for t, item, domain in zip(pending.column("event_time_ms").to_pylist(), pending.column("item_id").to_pylist(),
-                               pending.column("domain").to_pylist(), strict=True):
-        click = _first_in_window(label_times.get((CLICK, item, domain), []), t, config.window_ms(domain, CLICK))
-        conversion = _first_in_window(label_times.get((CONVERSION, item, domain), []), t,
-                                      config.window_ms(domain, CONVERSION))
-        cols["label_click"].append(int(click is not None))
-        cols["label_conversion"].append(int(conversion is not None))
-        cols["click_latency_ms"].append(click)
-        cols["conversion_latency_ms"].append(conversion)
-        cols["label_window_closed"].append(t + config.close_delay_ms(domain) <= watermark_ms)
-        cols["published_watermark_ms"].append(close_ms)
-    arrays = [pending.column(f.name) if f.name in PENDING_SCHEMA.names else pa.array(cols[f.name], f.type)
-              for f in EXAMPLES_SCHEMA]
-    return pa.Table.from_arrays(arrays, schema=EXAMPLES_SCHEMA)
+    wait = dataclasses.replace(config, label_mode="wait")
+    latency = label_latencies(pending, events, wait)
+    n = pending.num_rows
+    plan = PublicationPlan(first=np.ones(n, dtype=bool), keep=np.zeros(n, dtype=bool),
+                           correction_rows=np.zeros(0, dtype=np.int64), correction_task=[],
+                           correction_label=np.zeros(0, dtype=np.int32))
+    return published_rows(pending, latency, plan, wait, watermark_ms=watermark_ms, close_ms=close_ms,
+                          schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
 
 
 def assemble_examples(

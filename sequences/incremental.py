@@ -43,7 +43,16 @@ from features.definitions import COUNTED_TYPES
 from features.reference import item_feature_rows, user_category_feature_rows, user_feature_rows
 from ingest.schema import IMPRESSION_TYPES, EventRow, sorted_unique_events
 from sequences.config import BuildConfig
-from sequences.examples import PENDING_SCHEMA, attach_labels, item_features, pending_examples
+from sequences.examples import (
+    EXAMPLES_SCHEMA,
+    LABEL_COLUMNS,
+    PENDING_SCHEMA,
+    item_features,
+    label_latencies,
+    pending_examples,
+    rows_to_table,
+)
+from sequences.publish import ORPHAN_LABELS_SCHEMA, TASKS, needs_labels, orphan_labels, plan_publication, published_rows
 
 EVICTED_SCHEMA = pa.schema(
     [
@@ -55,6 +64,10 @@ EVICTED_SCHEMA = pa.schema(
     ]
 )
 """Counts of events that left the buffer, per (entity, key, domain, category)."""
+
+_ORPHAN_INPUT = pa.schema([f for f in ORPHAN_LABELS_SCHEMA if f.name not in ("reason", "close_ms")])
+_IMPRESSION_KEYS = pa.schema([pa.field(n, pa.string()) for n in ("event_id", "user_id", "item_id", "domain")]
+                             + [pa.field("event_time_ms", pa.int64())])
 
 
 def split_buffer(events: list[EventRow], watermark_ms: int, lookback_ms: int) -> tuple[list[EventRow], list[EventRow]]:
@@ -143,16 +156,6 @@ def sequence_state_row(
     return row
 
 
-def _publish_mask(table: pa.Table, is_new: np.ndarray, config: BuildConfig, old_close_ms: int | None,
-                  close_ms: int) -> np.ndarray:
-    """Rows whose windows are closed at ``close_ms`` and that were not already published."""
-    t = table.column("event_time_ms").to_numpy()
-    delay = np.array([config.close_delay_ms(d) for d in table.column("domain").to_pylist()], dtype=np.int64)
-    closed = t + delay <= close_ms
-    was_closed = np.zeros_like(closed) if old_close_ms is None else (t + delay <= old_close_ms) & ~is_new
-    return closed & ~was_closed
-
-
 def build_user(
     user_id: str,
     *,
@@ -215,9 +218,24 @@ def build_user(
     )
     all_pending = pa.concat_tables([pending.select(PENDING_SCHEMA.names).cast(PENDING_SCHEMA), new_pending])
     is_new = np.concatenate([np.zeros(pending.num_rows, dtype=bool), np.ones(new_pending.num_rows, dtype=bool)])
-    publish = _publish_mask(all_pending, is_new, config, old_close_ms, close_ms)
-    examples = attach_labels(all_pending.filter(pa.array(publish)), recent, config, watermark_ms, close_ms)
-    still_pending = all_pending.filter(pa.array(~publish))
+    t = all_pending.column("event_time_ms").to_numpy()
+    domains = all_pending.column("domain").to_pylist()
+    need = needs_labels(t, domains, is_new, config, old_close_ms, close_ms)
+    fresh_labels = [e for e in fresh if e["event_type"] in TASKS]
+    if config.label_mode != "wait":
+        # A late positive is due where a label event is new in this build.
+        keys = {(e["item_id"], e["domain"]) for e in fresh_labels}
+        need |= np.array([k in keys for k in zip(all_pending.column("item_id").to_pylist(), domains, strict=True)],
+                         dtype=bool)
+    latency = label_latencies(all_pending, recent, config, need)
+    plan = plan_publication(t, domains, latency, is_new, config, old_close_ms, close_ms)
+    examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
+                              schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
+    still_pending = all_pending.filter(pa.array(plan.keep))
+    orphans = orphan_labels(
+        rows_to_table([{**e, "user_id": user_id} for e in fresh_labels], _ORPHAN_INPUT),
+        rows_to_table([dict(e) for e in recent if e["event_type"] in IMPRESSION_TYPES], _IMPRESSION_KEYS),
+        {e["event_id"] for e in fresh if e["event_type"] in IMPRESSION_TYPES}, config, old_close_ms, close_ms)
 
     cross = sorted_unique_events([*seq_cross, *fresh])
     sequence = sequence_state_row(
@@ -244,6 +262,7 @@ def build_user(
         + merge_evicted(evicted_rows, gone, "user_category", "user_id"),
         "pending": still_pending,
         "examples": examples,
+        "orphan_labels": orphans,
         "user_features": user_features,
         "user_category_features": category_features,
     }

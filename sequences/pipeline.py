@@ -69,6 +69,7 @@ from gemline.tables import Table, commit_files, write_files
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
+from sequences.publish import ORPHAN_LABELS_SCHEMA
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 from sequences.shards import (
     EVENT_SCHEMA,
@@ -101,6 +102,7 @@ _OUTPUTS: dict[str, pa.Schema] = {
     Table.BUILD_BUFFER: EVENT_SCHEMA,
     Table.BUILD_EVICTED: EVICTED_SCHEMA,
     Table.BUILD_PENDING: PENDING_SCHEMA,
+    Table.ORPHAN_LABELS: ORPHAN_LABELS_SCHEMA,
     Table.EXAMPLES: EXAMPLES_SCHEMA,  # last: its commit marks the build complete
 }
 """Every table the build writes and its schema, in commit order (partition columns and write mode:
@@ -145,7 +147,8 @@ def _is_not_item(table: pa.Table):
     return pc.invert(_is_item(table))
 
 
-_USER_OUTPUT_TABLES = {"buffer": Table.BUILD_BUFFER, "evicted": Table.BUILD_EVICTED, "pending": Table.BUILD_PENDING}
+_USER_OUTPUT_TABLES = {"buffer": Table.BUILD_BUFFER, "evicted": Table.BUILD_EVICTED, "pending": Table.BUILD_PENDING,
+                       "orphan_labels": Table.ORPHAN_LABELS}
 # The other shard outputs are named after their tables ("sequences", "features/user", "examples", ...).
 _USER_OUTPUT_TABLES.update({name: Table(name) for name in USER_OUTPUTS if name not in _USER_OUTPUT_TABLES})
 _ITEM_OUTPUT_TABLES = {"evicted": Table.BUILD_EVICTED, ITEM_FEATURES.name: ITEM_FEATURES.name}

@@ -20,7 +20,14 @@ The ``examples`` table is the contract with validation and the trainer:
   ``seq_time_delta_ms`` / ``seq_same_domain_time_delta_ms`` (example time - element time, ms, > 0),
   ``created_ts_ms`` (Kafka append time of the impression; every sequence element and feature
   input was appended at or before it) and ``published_watermark_ms`` (labels were published once
-  windows closed up to this time; minus ``event_time_ms`` it is the label latency of the row).
+  windows closed up to this time; minus ``event_time_ms`` it is the label latency of the row);
+- early publication (``build.label_mode``, :mod:`sequences.publish`): ``label_mode`` (the build's mode for a
+  row with an open label or a correction, which the trainer weights; "wait" for a row whose labels were
+  final when published), ``click_open`` /
+  ``conversion_open`` (the label was published before its window closed, so a correction may follow),
+  and for a correction row ``corrects_example_id`` (the example_id of the impression's first row;
+  a correction's own example_id is ``<that id>#<task>``) and ``correction_task`` (the one label the
+  row carries: a late positive, or in defer mode a real negative).
 """
 
 from __future__ import annotations
@@ -81,6 +88,12 @@ BUILD_EXTRA_SCHEMA = pa.schema(
         pa.field("seq_same_domain_time_delta_ms", pa.list_(pa.int64()), nullable=False),
         pa.field("created_ts_ms", pa.int64(), nullable=False),  # Kafka append time of the impression
         pa.field("published_watermark_ms", pa.int64(), nullable=False),  # windows closed up to here at publication
+        # Early publication (sequences.publish): how the row was published and what may follow it.
+        pa.field("label_mode", pa.string(), nullable=False),  # "fnw"/"defer": part of that stream; "wait": final labels
+        pa.field("click_open", pa.bool_(), nullable=False),  # published before the click window closed
+        pa.field("conversion_open", pa.bool_(), nullable=False),
+        pa.field("corrects_example_id", pa.string()),  # a correction row: the example it corrects
+        pa.field("correction_task", pa.string()),  # its one label ("click" or "conversion"); the other is unused
     ]
 )
 """Columns the incremental build adds after the base ones (per-domain sequence, time deltas,

@@ -36,6 +36,7 @@ from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA, build_item, build_user
+from sequences.publish import ORPHAN_LABELS_SCHEMA
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 
 EVENT_SCHEMA = pa.schema([*EVENT_ARROW_SCHEMA, pa.field("created_ts_ms", pa.int64(), nullable=False)])
@@ -59,7 +60,7 @@ ITEM_INPUTS: dict[str, pa.Schema] = {"new": EVENT_SCHEMA, "buffer": EVENT_SCHEMA
 USER_OUTPUTS: dict[str, pa.Schema] = {
     "sequences": SEQUENCES_SCHEMA, "sequences_by_domain": SEQUENCES_BY_DOMAIN_SCHEMA,
     "buffer": EVENT_SCHEMA, "evicted": EVICTED_SCHEMA, "pending": PENDING_SCHEMA, "examples": EXAMPLES_SCHEMA,
-    USER_FEATURES.name: USER_FEATURES.schema, USER_CATEGORY_FEATURES.name: USER_CATEGORY_FEATURES.schema,
+    "orphan_labels": ORPHAN_LABELS_SCHEMA, USER_FEATURES.name: USER_FEATURES.schema, USER_CATEGORY_FEATURES.name: USER_CATEGORY_FEATURES.schema,
 }
 """Output tables of a user shard."""
 
@@ -228,7 +229,7 @@ def user_shard_reference(
                           (USER_FEATURES.name, "user_features"),
                           (USER_CATEGORY_FEATURES.name, "user_category_features")):
             rows[name] += out[key]
-        for name in ("examples", "pending"):
+        for name in ("examples", "pending", "orphan_labels"):
             if out[name].num_rows:
                 rows[name].append(out[name])
     return _tables(rows, USER_OUTPUTS)

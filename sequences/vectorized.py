@@ -47,6 +47,7 @@ from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, LABEL_COLUMNS, PENDING_SCHEMA, USER_DENSE
 from sequences.incremental import EVICTED_SCHEMA
+from sequences.publish import NO_LABEL, ORPHAN_LABELS_SCHEMA, TASKS, needs_labels, plan_publication, published_rows
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, SPARSE_FEATURES
 from sequences.shards import (
     DENSE_SCHEMA,
@@ -300,8 +301,21 @@ def user_shard_vectorized(
                                evicted, config)
     all_pending = pa.concat_tables([pending_old, new_pending])
     is_new = np.concatenate([np.zeros(pending_old.num_rows, bool), np.ones(new_pending.num_rows, bool)])
-    publish = _publish_mask(all_pending, is_new, config, old_close_ms, close_ms)
-    examples = _attach_labels(all_pending.filter(pa.array(publish)), recent, config, watermark_ms, close_ms)
+    t = all_pending.column("event_time_ms").to_numpy()
+    domains = all_pending.column("domain").to_pylist()
+    need = needs_labels(t, domains, is_new, config, old_close_ms, close_ms)
+    fresh_labels = fresh.filter(pl.col("event_type").is_in(list(TASKS)))
+    if config.label_mode != "wait" and fresh_labels.height:
+        # A late positive is due where a label event is new in this build.
+        label_keys = fresh_labels.select("user_id", "item_id", "domain").unique().with_columns(pl.lit(True).alias("_hit"))
+        need |= (pl.DataFrame(all_pending.select(["user_id", "item_id", "domain"])).with_row_index("_row")
+                 .join(label_keys, on=["user_id", "item_id", "domain"], how="left").sort("_row")
+                 .get_column("_hit").fill_null(False).to_numpy())
+    latency = _latencies(all_pending, need, recent, config)
+    plan = plan_publication(t, domains, latency, is_new, config, old_close_ms, close_ms)
+    examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
+                              schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
+    orphans = _orphan_labels(fresh_labels, recent, fresh, config, old_close_ms, close_ms)
 
     owners = pl.concat([
         pl.DataFrame(tables[name].select([key])).rename({key: "user_id"})
@@ -341,8 +355,9 @@ def user_shard_vectorized(
         "sequences_by_domain": _to_arrow(domain_sequences, SEQUENCES_BY_DOMAIN_SCHEMA),
         "buffer": _to_arrow(kept, EVENT_SCHEMA),
         "evicted": _to_arrow(evicted_out, EVICTED_SCHEMA),
-        "pending": all_pending.filter(pa.array(~publish)),
+        "pending": all_pending.filter(pa.array(plan.keep)),
         "examples": examples,
+        "orphan_labels": orphans,
         USER_FEATURES.name: _to_arrow(user_features, USER_FEATURES.schema),
         USER_CATEGORY_FEATURES.name: _to_arrow(category_features, USER_CATEGORY_FEATURES.schema),
     }
@@ -392,56 +407,60 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
     return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
 
 
-def _close_delays(config: BuildConfig, domains: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """(n,) int64 :meth:`BuildConfig.close_delay_ms` of each row's domain (looked up once per domain)."""
-    names = domains.to_pylist()
-    delays = {d: config.close_delay_ms(d) for d in set(names)}
-    return np.array([delays[d] for d in names], dtype=np.int64)
-
-
-def _publish_mask(table: pa.Table, is_new: np.ndarray, config: BuildConfig, old_close_ms: int | None,
-                  close_ms: int) -> np.ndarray:
-    t = table.column("event_time_ms").to_numpy()
-    delay = _close_delays(config, table.column("domain"))
-    closed = t + delay <= close_ms
-    was_closed = np.zeros_like(closed) if old_close_ms is None else (t + delay <= old_close_ms) & ~is_new
-    return closed & ~was_closed
-
-
-def _attach_labels(pending: pa.Table, recent: pl.DataFrame, config: BuildConfig, watermark_ms: int,
-                   close_ms: int) -> pa.Table:
-    """:func:`sequences.examples.attach_labels` for many users: first label in [t, t + window]."""
-    rows = pl.DataFrame(pending.select(["user_id", "item_id", "domain", "event_time_ms"])).with_row_index("_row")
-    domains = rows.get_column("domain").unique().to_list()
-    out = {}
-    for label in ("click", "conversion"):
-        windows = pl.DataFrame({"domain": domains, "_w": [config.window_ms(d, label) for d in domains]},
+def _latencies(pending: pa.Table, rows: np.ndarray, recent: pl.DataFrame, config: BuildConfig) -> dict[str, np.ndarray]:
+    """:func:`sequences.examples.label_latencies` for many users: ms to the first label in [t, t + window]
+    of each row where ``rows`` is set, :data:`sequences.publish.NO_LABEL` elsewhere."""
+    n = pending.num_rows
+    out = {task: np.full(n, NO_LABEL, dtype=np.int64) for task in TASKS}
+    index = np.flatnonzero(rows)
+    if not len(index):
+        return out
+    frame = (pl.DataFrame(pending.select(["user_id", "item_id", "domain", "event_time_ms"]).take(pa.array(index)))
+             .with_row_index("_row"))
+    domains = frame.get_column("domain").unique().to_list()
+    for task in TASKS:
+        windows = pl.DataFrame({"domain": domains, "_w": [config.window_ms(d, task) for d in domains]},
                                schema={"domain": pl.String, "_w": pl.Int64})
-        hits = (recent.filter(pl.col("event_type") == label)
+        hits = (recent.filter(pl.col("event_type") == task)
                 .select("user_id", "item_id", "domain", pl.col("event_time_ms").alias("_label_ms"))
                 .sort("_label_ms"))
-        matched = (rows.sort("event_time_ms")
+        matched = (frame.sort("event_time_ms")
                    .join_asof(hits, left_on="event_time_ms", right_on="_label_ms", by=["user_id", "item_id", "domain"],
                               strategy="forward", check_sortedness=False)  # both sorted by time just above
                    .join(windows, on="domain", how="left").sort("_row"))
         latency = matched.select(
             pl.when(pl.col("_label_ms") <= pl.col("event_time_ms") + pl.col("_w"))
             .then(pl.col("_label_ms") - pl.col("event_time_ms")).otherwise(None)).to_series()
-        out[label] = latency
-    t = pending.column("event_time_ms").to_numpy()
-    delay = _close_delays(config, pending.column("domain"))
-    cols = {
-        "label_click": out["click"].is_not_null().cast(pl.Int32).to_arrow(),
-        "label_conversion": out["conversion"].is_not_null().cast(pl.Int32).to_arrow(),
-        "click_latency_ms": out["click"].cast(pl.Int64).to_arrow(),
-        "conversion_latency_ms": out["conversion"].cast(pl.Int64).to_arrow(),
-        "label_window_closed": pa.array(t + delay <= watermark_ms, pa.bool_()),
-        "published_watermark_ms": pa.array(np.full(len(t), close_ms, dtype=np.int64)),
-    }
-    assert set(cols) == set(LABEL_COLUMNS)
-    arrays = [pending.column(f.name) if f.name in PENDING_SCHEMA.names else cols[f.name].cast(f.type)
-              for f in EXAMPLES_SCHEMA]
-    return pa.Table.from_arrays(arrays, schema=EXAMPLES_SCHEMA)
+        out[task][index] = latency.fill_null(NO_LABEL).cast(pl.Int64).to_numpy()
+    return out
+
+
+def _orphan_labels(labels: pl.DataFrame, recent: pl.DataFrame, fresh: pl.DataFrame, config: BuildConfig,
+                   old_close_ms: int | None, close_ms: int) -> pa.Table:
+    """:func:`sequences.publish.orphan_labels` for many users (rows in any order)."""
+    if not labels.height:
+        return ORPHAN_LABELS_SCHEMA.empty_table()
+    new_ids = fresh.filter(pl.col("event_type").is_in(_IMPRESSIONS)).get_column("event_id")
+    impressions = (recent.filter(pl.col("event_type").is_in(_IMPRESSIONS))
+                   .select("user_id", "item_id", "domain", pl.col("event_time_ms").alias("_t"),
+                           pl.col("event_id").is_in(new_ids.implode()).alias("_new")))
+    pairs = [(d, task) for d in labels.get_column("domain").unique().to_list() for task in TASKS]
+    windows = pl.DataFrame({"domain": [d for d, _ in pairs], "event_type": [k for _, k in pairs],
+                            "_w": [config.window_ms(d, k) for d, k in pairs],
+                            "_d": [config.publish_delay(d) for d, _ in pairs]},
+                           schema={"domain": pl.String, "event_type": pl.String, "_w": pl.Int64, "_d": pl.Int64})
+    s = pl.col("event_time_ms")
+    in_window = (pl.col("_t") >= s - pl.col("_w")) & (pl.col("_t") <= s)
+    decided = pl.when(s - pl.col("_t") <= pl.col("_d")).then(pl.col("_t") + pl.col("_d")).otherwise(s)
+    alive = in_window & (pl.col("_new") | (decided > old_close_ms)) if old_close_ms is not None else in_window
+    judged = (labels.join(windows, on=["domain", "event_type"], how="left")
+              .join(impressions, on=["user_id", "item_id", "domain"], how="left")
+              .group_by("event_id")
+              .agg(in_window.fill_null(False).any().alias("_matched"), alive.fill_null(False).any().alias("_alive")))
+    reasons = judged.filter(~pl.col("_alive")).select(
+        "event_id", pl.when(pl.col("_matched")).then(pl.lit("expired")).otherwise(pl.lit("no_impression")).alias("reason"))
+    out = labels.join(reasons, on="event_id", how="inner").with_columns(pl.lit(close_ms, pl.Int64).alias("close_ms"))
+    return _to_arrow(out.select(ORPHAN_LABELS_SCHEMA.names), ORPHAN_LABELS_SCHEMA)
 
 
 __all__ = ["item_shard_vectorized", "user_shard_vectorized"]

@@ -58,6 +58,7 @@ from gemline.tables import Table, commit
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
 from trainer.data import DenseNormalizer, dense_names, encode_examples, fit_normalizer
+from trainer.delayed import first_publications
 from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.run_report import write_run_report
@@ -201,13 +202,16 @@ class ProgressivePredictions:
     """What the model predicted for one examples version before training on it, in the order of the log.
 
     ``labels`` (N, 2) 0/1 and ``probs`` (N, 2) float64 probabilities, columns ``trainer.metrics.TASKS``;
-    ``domains`` (N,) object. ``trainer.compare`` pairs these rows across models for its bootstrap.
+    ``domains`` (N,) object; ``example_ids`` (N,) object (empty when not collected). ``trainer.compare`` pairs
+    these rows across models for its bootstrap; ``benchmarks.label_modes`` joins them with the final labels.
+    Correction rows (:mod:`trainer.delayed`) are not evaluated: each impression once.
     """
 
     version: int
     labels: np.ndarray
     probs: np.ndarray
     domains: np.ndarray
+    example_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
 
 
 PredictionsHook = Callable[[ProgressivePredictions], None]
@@ -222,19 +226,24 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
 
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
     ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
-    labels, probs, domains = [], [], []
+    labels, probs, domains, ids = [], [], [], []
     for batch in _version_batches(lake, tc, start, version):
-        data = encode_examples(pa.Table.from_batches([batch]), tc.num_embeddings, normalizer)
+        table = first_publications(pa.Table.from_batches([batch]))
+        if table.num_rows == 0:
+            continue
+        data = encode_examples(table, tc.num_embeddings, normalizer)
         labels.append(data.labels)
         part = engine.predict(data, tc.batch_size)
         if part is not None:
             probs.append(part)
         domains.append(np.asarray(data.domains, dtype=object))
+        ids.append(np.asarray(table.column("example_id").to_pylist(), dtype=object))
     if not labels:
         return None
     if not probs:  # not rank 0
         return {}
-    predictions = ProgressivePredictions(version, np.concatenate(labels), np.concatenate(probs), np.concatenate(domains))
+    predictions = ProgressivePredictions(version, np.concatenate(labels), np.concatenate(probs), np.concatenate(domains),
+                                         np.concatenate(ids))
     if on_predictions is not None:
         on_predictions(predictions)
     return evaluate(predictions.labels, predictions.probs, predictions.domains)

@@ -31,6 +31,7 @@ from gemline.errors import InputSchemaError, MissingInputError
 from gemline.lake import Lake, StorageOptions, open_table, read_table
 from gemline.tables import Table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
+from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ class Batch:
         dense: (B, F) float32, normalized.
         labels: (B, 2) float32, columns (click, conversion).
         domains: (B,) domain strings, for per-domain metrics.
+        delayed: the rows' late-label weighting inputs as tensors (:mod:`trainer.delayed`); None: every
+            label final, plain BCE.
     """
 
     sparse: KeyedJaggedTensor
@@ -154,6 +157,7 @@ class Batch:
     dense: torch.Tensor
     labels: torch.Tensor
     domains: list[str]
+    delayed: DelayedBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -200,6 +204,7 @@ class EncodedExamples:
         dense: (N, F) float32.
         labels: (N, 2) float32.
         domains: (N,) object array of str.
+        delayed: late-label weighting inputs (:func:`trainer.delayed.delayed_labels`); None: all final.
     """
 
     sparse_ids: np.ndarray
@@ -208,6 +213,7 @@ class EncodedExamples:
     dense: np.ndarray
     labels: np.ndarray
     domains: np.ndarray
+    delayed: DelayedLabels | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -340,6 +346,7 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
         dense=normalizer.transform(_dense_raw(table, normalizer.names)),
         labels=labels,
         domains=np.asarray(table["domain"].to_pylist(), dtype=object),
+        delayed=delayed_labels(table),
     )
 
 
@@ -367,6 +374,7 @@ def make_batch(data: EncodedExamples, rows: np.ndarray) -> Batch:
         dense=torch.from_numpy(data.dense[rows]),
         labels=torch.from_numpy(data.labels[rows]),
         domains=[str(d) for d in data.domains[rows]],
+        delayed=None if data.delayed is None else to_torch(data.delayed.take(rows)),
     )
 
 

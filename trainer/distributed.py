@@ -51,7 +51,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
 from kernels.segments import token_rows
@@ -64,6 +63,7 @@ from trainer.config import (
     TrainerConfig,
 )
 from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
+from trainer.delayed import bce_terms
 from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
 
 if TYPE_CHECKING:
@@ -411,7 +411,7 @@ def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_si
     """
     validate_batch(local, sharded.num_dense)
     logits = sharded.forward(local)
-    loss = weight * F.binary_cross_entropy_with_logits(logits, local.labels, reduction="none").sum() / global_batch_size
+    loss = weight * bce_terms(logits, local.labels, local.delayed).sum() / global_batch_size
     total = loss.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     sharded.dense_optimizer.zero_grad()

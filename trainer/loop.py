@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from gemline.lake import StorageOptions
 from trainer.checkpoint import TrainState, load_checkpoint, load_weights, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import Batch, EncodedExamples, iter_batches, make_batch, validate_batch
+from trainer.delayed import bce_terms
 from trainer.models import build_model, encode_domains
 from trainer.models.towers import RankingModel
 
@@ -67,7 +67,8 @@ def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], b
     """
     validate_batch(batch, model.num_dense)
     logits = model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(dim=0).sum()
+    # Importance-weighted for rows published before their labels were final (trainer.delayed).
+    loss = bce_terms(logits, batch.labels, batch.delayed).mean(dim=0).sum()
     for opt in optimizers.values():
         opt.zero_grad()
     if not torch.isfinite(loss):

@@ -3,8 +3,9 @@
 A profile is a flat ``{metric: value}`` dict of one batch (float64 values):
 
 - ``num_rows`` (volume, rows);
-- ``null_rate:<column>`` for every scalar column (fraction of rows, 0..1);
-- ``label_rate:<label>`` and ``label_rate:<label>:<domain>`` for the examples labels;
+- ``null_rate:<column>`` for every scalar column (fraction of rows, 0..1) but the correction columns;
+- ``label_rate:<label>`` and ``label_rate:<label>:<domain>`` for the examples labels, over first rows (a
+  correction row of an early-published impression, :mod:`sequences.publish`, is left out);
 - ``mean:<c>``, ``p50:<c>``, ``p99:<c>`` for every numeric feature column ``c``;
 - ``seq_length_p50:<domain>`` / ``seq_length_p99:<domain>`` where the batch has sequences.
 
@@ -49,6 +50,9 @@ PROFILES_SCHEMA = pa.schema(
 
 _NOT_FEATURES = ("kafka_", "label_", "schema_version")
 
+_CORRECTION_COLUMNS = ("corrects_example_id", "correction_task")
+"""Null only on first rows: their null rate is the share of corrections in a batch, not a data defect."""
+
 
 def numeric_features(schema: pa.Schema) -> list[str]:
     """Integer and float columns worth a distribution: not times (``*_ms``), offsets, labels or versions."""
@@ -75,8 +79,11 @@ def profile_batch(data: pa.Table) -> dict[str, float]:
     if n == 0:
         return out
     for f in data.schema:
-        if not pa.types.is_list(f.type):
+        if not pa.types.is_list(f.type) and f.name not in _CORRECTION_COLUMNS:
             out[f"null_rate:{f.name}"] = data.column(f.name).null_count / n
+    if "corrects_example_id" in data.column_names:
+        # Label rates are those of impressions: a correction row repeats one with one label (sequences.publish).
+        data = data.filter(pc.is_null(data.column("corrects_example_id")))
     domains = data.column("domain") if "domain" in data.column_names else None
     for label in (x for x in LABELS if x in data.column_names):
         values = pc.cast(data.column(label), pa.float64())

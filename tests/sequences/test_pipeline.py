@@ -214,3 +214,37 @@ def test_taobao_conversion_labels_match_polars(tmp_path):
     assert expected > 0
     assert result.num_examples == pv.select("event_id").unique().height
     assert sum(examples.column("label_conversion").to_pylist()) == expected
+
+
+@pytest.mark.slow
+def test_defer_publishes_early_then_corrects_and_counts_orphans(tmp_path, make_event):
+    """defer, waiting window 30 ms (click window 100, conversion 1_000): a_imp1 is published at 1_030 without
+    its click (at 1_050), corrected by a late-positive row, and closed by a real-negative conversion row; a
+    click without impression goes to orphan_labels. A rerun changes nothing."""
+    import dataclasses
+
+    lake = str(tmp_path / "lake")
+    config = GemlineConfig(lake=lake, build=dataclasses.replace(CONFIG, label_mode="defer", publish_delay_ms=30))
+    write_events(lake, [make_event("a_imp1", 1_000, "impression", item="i1"),
+                        make_event("x_click", 1_010, "click", item="nowhere"),
+                        make_event("a_tick", 1_040, "engagement", item="i9")], version=0)
+    first = run_build(*build_args(config))
+    rows = {r["example_id"]: r for r in read_table(lake, "examples").to_pylist()}
+    assert list(rows) == ["a_imp1"] and first.num_pending == 1
+    assert (rows["a_imp1"]["label_click"], rows["a_imp1"]["click_open"], rows["a_imp1"]["label_mode"]) == (0, True,
+                                                                                                           "defer")
+    orphans = read_table(lake, "orphan_labels").to_pylist()
+    assert [(o["event_id"], o["reason"]) for o in orphans] == [("x_click", "no_impression")]
+
+    write_events(lake, [make_event("a_click1", 1_050, "click", item="i1"),
+                        make_event("a_view", 2_300, "engagement", item="i3")], version=1)
+    second = run_build(*build_args(config))
+    rows = {r["example_id"]: r for r in read_table(lake, "examples").to_pylist()}
+    assert sorted(rows) == ["a_imp1", "a_imp1#click", "a_imp1#conversion"] and second.num_pending == 0
+    late, negative = rows["a_imp1#click"], rows["a_imp1#conversion"]
+    assert (late["label_click"], late["click_latency_ms"], late["corrects_example_id"]) == (1, 50, "a_imp1")
+    assert (negative["label_conversion"], negative["correction_task"]) == (0, "conversion")
+    assert late["seq_item_ids"] == rows["a_imp1"]["seq_item_ids"]  # the impression's history, as of the impression
+    again = run_build(*build_args(config))
+    assert again.skipped and read_table(lake, "examples").num_rows == 3
+    assert read_table(lake, "orphan_labels").num_rows == 1
