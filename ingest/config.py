@@ -56,9 +56,17 @@ class StreamingConfig:
     max_batches: int | None = None
     """Stop after this many micro-batch cycles, skipped ones included (tests, backfills); None: until
     stopped; ``--max-batches`` sets it too."""
+    retry_backoff_s: float = 1.0
+    """Seconds before the first retry of a micro-batch the Kafka cluster did not answer (refused or timed
+    out); the wait doubles with each consecutive failure, up to ``max_retry_backoff_s``."""
+    max_retry_backoff_s: float = 30.0
+    """The longest wait (s) between two tries while the Kafka cluster stays unreachable."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError (a ValueError) naming the ``ingest.streaming.*`` key of a bad value."""
+        if not 0 < self.retry_backoff_s <= self.max_retry_backoff_s:
+            raise BadConfigError("ingest.streaming: expected 0 < retry_backoff_s <= max_retry_backoff_s seconds, got "
+                                 f"{self.retry_backoff_s} and {self.max_retry_backoff_s}")
         if not self.commit_interval_s > 0:
             raise BadConfigError(f"ingest.streaming.commit_interval_s: expected > 0 seconds, got {self.commit_interval_s}")
         if self.max_batches is not None and self.max_batches < 1:

@@ -11,6 +11,12 @@ batch (about a second on DirectRunner) and latency >= the interval.
 Stopping: :func:`install_stop_signals` turns SIGINT/SIGTERM into a :class:`threading.Event`; the
 loop finishes the batch in flight, then returns. A second signal interrupts at once, which is
 still safe: the next run completes or redoes the interrupted batch (see ``ingest.pipeline``).
+
+An unreachable Kafka cluster (connections refused, or no answer within ``ingest.read_timeout_s``) does not
+end the loop: the batch is tried again after an exponential backoff (``ingest.streaming.retry_backoff_s``,
+doubling up to ``max_retry_backoff_s``: the shape of ``gemline run``'s restarts), with one
+warning when the outage starts and one when the cluster answers again. A retried batch is the same
+restartable :func:`run_ingest` call a restarted process would make, so nothing is lost or written twice.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gemline.errors import BrokerUnreachableError
 from gemline.lake import Lake
 from ingest.config import IngestConfig, KafkaConfig, StreamingConfig
 from ingest.pipeline import IngestResult, run_ingest
@@ -46,6 +53,10 @@ class StreamingSummary:
     """Rows moved to ``late_events`` (behind the watermark by more than the allowed lateness)."""
     duplicates_dropped: int = 0
     """Second deliveries of an event_id dropped (counted, not written)."""
+    outages: int = 0
+    """Times the Kafka cluster became unreachable (the loop waited and retried each time)."""
+    failed_tries: int = 0
+    """Micro-batch tries that ended with :class:`~gemline.errors.BrokerUnreachableError` (then retried)."""
     stopped_by: Literal["max_batches", "stop"] = "max_batches"
     """What ended the loop: ``ingest.streaming.max_batches`` ran, or ``stop`` was set (signal or caller's event)."""
 
@@ -106,13 +117,30 @@ def run_streaming(
 
     Raises:
         Whatever :func:`run_ingest` raises (ValueError for a lake/topic disagreement, RuntimeError
-        for broken invariants): a streaming job must not skip a batch it cannot commit.
+        for broken invariants): a streaming job must not skip a batch it cannot commit. The exception is
+        :class:`~gemline.errors.BrokerUnreachableError` (a timeout included), after which the batch is
+        tried again (module docstring) until the cluster answers or ``stop`` is set.
     """
     stop = stop or threading.Event()
     summary = StreamingSummary()
+    failures = 0  # consecutive tries the cluster did not answer: the current outage
     while not stop.is_set():
         started = clock()
-        result = run_ingest(lake, kafka, ingest, bootstrap=bootstrap, beam_args=beam_args)
+        try:
+            result = run_ingest(lake, kafka, ingest, bootstrap=bootstrap, beam_args=beam_args)
+        except BrokerUnreachableError as exc:
+            failures += 1
+            summary.failed_tries += 1
+            delay = min(streaming.max_retry_backoff_s, streaming.retry_backoff_s * 2 ** min(failures - 1, 32))
+            if failures == 1:  # once per outage: a log line per retry would drown the log of a long one
+                summary.outages += 1
+                log.warning("ingest: Kafka at %s is unreachable (%s); waiting, retrying with backoff from %.1f s "
+                            "up to %.1f s", bootstrap, exc, delay, streaming.max_retry_backoff_s)
+            stop.wait(delay)
+            continue
+        if failures:
+            log.warning("ingest: Kafka at %s is reachable again after %d failed tries; resuming", bootstrap, failures)
+            failures = 0
         summary.batches += 1
         if not result.skipped:
             summary.committed.append(result.batch_version)
