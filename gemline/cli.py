@@ -99,6 +99,8 @@ def _config(args: argparse.Namespace) -> GemlineConfig:
         overrides["ingest.streaming.commit_interval_s"] = args.commit_interval_s
     if getattr(args, "max_batches", None) is not None:
         overrides["ingest.streaming.max_batches"] = args.max_batches
+    if getattr(args, "build_interval_s", None) is not None:  # `build --follow --interval-s`, likewise
+        overrides["build.interval_s"] = args.build_interval_s
     return load_config(args.config, overrides)
 
 
@@ -200,7 +202,7 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     if args.follow:
         from gemline.follow import follow_build
 
-        follow_build(_config(args), interval_s=args.interval_s, beam_args=_beam_args(args, extra),
+        follow_build(_config(args), beam_args=_beam_args(args, extra),
                      on_pass=_print_new_work())
         return 0
 
@@ -482,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--follow", action="store_true",
                    help="keep building each new gate-allowed events version until Ctrl-C/SIGTERM (gemline.follow)")
-    p.add_argument("--interval-s", type=float, default=30.0, help="--follow: seconds between passes (default 30)")
+    p.add_argument("--interval-s", type=float, default=None, dest="build_interval_s",
+                   help="--follow: seconds between passes (sets build.interval_s, default 30)")
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
 

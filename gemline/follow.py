@@ -79,13 +79,13 @@ def _newest_allowed(lake: Lake) -> tuple[int | None, str]:
     return (max(allowed) if allowed else None), ("" if decisions[newest].allowed else decisions[newest].reason)
 
 
-def follow_build(config: GemlineConfig, *, interval_s: float = 30.0, beam_args: Sequence[str] | None = None,
+def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam_args: Sequence[str] | None = None,
                  on_pass: Callable[[FollowState], None] | None = None,
                  max_passes: int | None = None) -> FollowState:
     """Build each new gate-allowed ``events`` version until interrupted (module docstring).
 
     Args:
-        interval_s: seconds between passes.
+        interval_s: seconds between passes; None: ``config.build.interval_s``.
         beam_args: Beam pipeline flags of every build.
         on_pass: called after each pass with the loop's state.
         max_passes: stop after this many passes (tests); None: until interrupted.
@@ -115,7 +115,7 @@ def follow_build(config: GemlineConfig, *, interval_s: float = 30.0, beam_args: 
         if on_pass is not None:
             on_pass(state)
 
-    return _loop(one_pass, FollowState(), interval_s, max_passes)
+    return _loop(one_pass, FollowState(), config.build.interval_s if interval_s is None else interval_s, max_passes)
 
 
 def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s: float = 30.0,

@@ -67,6 +67,8 @@ class BuildConfig:
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
     see gemline.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
+    interval_s: float = 30.0
+    """Seconds between the passes of ``gemline build --follow`` (its ``--interval-s`` flag sets it too)."""
 
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "checkpoint_every": "hygiene.checkpoint_every", "vacuum_retention_hours": "hygiene.retention_hours",
@@ -98,6 +100,8 @@ class BuildConfig:
             raise BadConfigError(f"build.shard_step must be one of {get_args(ShardStep)}, got {self.shard_step!r}")
         if self.events_gate not in ("required", "off"):
             raise BadConfigError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
+        if not self.interval_s >= 0:
+            raise BadConfigError(f"build.interval_s must be >= 0 seconds, got {self.interval_s}")
         if self.shards < 1:
             raise BadConfigError(f"build.shards must be >= 1, got {self.shards}")
         if self.max_seq_len < 1:

@@ -99,3 +99,23 @@ def test_the_cli_follow_loops_print_each_version_and_stop_cleanly_while_waiting(
     assert main(["build", "--follow", "--interval-s", "0", *sets]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["table"], r["version"]) for r in lines] == [("events", 0)]
+
+
+def test_build_follow_interval_is_the_config_key_and_the_flag_overrides_it(tmp_path, capsys, monkeypatch):
+    import gemline.follow as follow
+    from gemline.cli import main
+
+    slept: list[float] = []
+    monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, ""))  # an empty lake: nothing to build
+    monkeypatch.setattr(follow, "_sleep_or_stop", lambda seconds: slept.append(seconds) or True)
+    config = tmp_path / "gemline.toml"
+    config.write_text("[build]\ninterval_s = 4.5\n")
+    lake = ["--lake", str(tmp_path / "lake")]
+    assert main(["build", "--follow", *lake]) == 0
+    assert main(["build", "--follow", "--config", str(config), *lake]) == 0
+    assert main(["build", "--follow", "--config", str(config), "--set", "build.interval_s=7", *lake]) == 0
+    assert main(["build", "--follow", "--config", str(config), "--set", "build.interval_s=7", "--interval-s", "2",
+                 *lake]) == 0
+    assert slept == [30.0, 4.5, 7.0, 2.0]
+    assert main(["build", "--follow", "--set", "build.interval_s=-1", *lake]) == 2
+    assert "build.interval_s must be >= 0 seconds, got -1.0" in capsys.readouterr().err
