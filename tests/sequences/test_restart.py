@@ -4,13 +4,16 @@ written twice, in the first build and in an incremental one (state read back by 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
 import gemline.lake as lake_mod
+from gemline.cli import main
 from gemline.config import GemlineConfig
 from gemline.lake import open_table, read_table
-from sequences.pipeline import _OUTPUTS, run_build
+from sequences.pipeline import _OUTPUTS, APP_ID, run_build
 from tests.conftest import build_args
 
 from .conftest import event
@@ -75,3 +78,54 @@ def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, 
     assert _snapshot(lake) == clean
     ids = read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist()
     assert len(ids) == len(set(ids)) == 5  # every impression once; final closes the last windows
+
+
+CLI_CONFIG = ["--set", "build.max_seq_len=3", "--set", "build.click_window_ms=100", "--set",
+              "build.conversion_window_ms=1000", "--set", "build.events_gate=off"]
+"""``CONFIG`` as ``gemline build`` flags."""
+
+
+def _commits_of_build(lake: str, table: str, build: int) -> int:
+    """How many commits of ``table`` carry the build's app transaction for build number ``build``."""
+    dt = open_table(lake, table)
+    metas = [] if dt is None else [json.loads(e["gemline"]) for e in dt.history() if "gemline" in e]
+    return sum(m.get("app_id") == APP_ID and m.get("build") == build for m in metas)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [0, 1])
+def test_ctrl_c_between_two_table_commits_then_the_next_build_finishes_it(tmp_path, make_event, monkeypatch, capsys,
+                                                                          clean, build):
+    """A real SIGINT after the build's 3rd table commit: ``gemline build`` stops with 130 and says to rerun; the
+    rerun commits the other tables, each table holds one commit of that build, and the lake equals a clean run's."""
+    lake = str(tmp_path / "lake")
+    real, commits = lake_mod.commit_files_once, []
+
+    def commit_then_ctrl_c(*args, **kwargs):
+        committed = real(*args, **kwargs)
+        commits.append(args[1])
+        if len(commits) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # handled between two bytecodes, right here
+        return committed
+
+    # A runner started in the background ignores SIGINT; `gemline` run from a terminal has Python's handler.
+    handlers = signal.signal(signal.SIGINT, signal.default_int_handler), signal.getsignal(signal.SIGTERM)
+    try:
+        for n, batch in enumerate([_events(make_event), _second_batch(make_event)]):
+            write_events(lake, batch, version=n)
+            argv = ["build", "--lake", lake, *CLI_CONFIG, *(["--final"] if n == 1 else [])]
+            if n == build:
+                monkeypatch.setattr(lake_mod, "commit_files_once", commit_then_ctrl_c)
+                assert main(argv) == 130
+                monkeypatch.undo()
+                assert "interrupted: build stopped; run the same command again to finish" in capsys.readouterr().err
+                assert commits == list(_OUTPUTS)[:3]
+                assert [_commits_of_build(lake, t, build) for t in list(_OUTPUTS)[3:]] == [0] * (len(_OUTPUTS) - 3)
+            assert main(argv) == 0
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert {t: _commits_of_build(lake, t, build) for t in _OUTPUTS} == dict.fromkeys(_OUTPUTS, 1)
+    assert _snapshot(lake) == clean
+    ids = read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist()
+    assert len(ids) == len(set(ids)) == 5
