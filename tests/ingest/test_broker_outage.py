@@ -92,6 +92,7 @@ def topic(broker) -> str:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_streaming_ingest_waits_out_a_stopped_broker_and_loses_nothing(broker, topic, tmp_path):
     lake = tmp_path / "lake"
     stderr_path = tmp_path / "ingest.stderr"
