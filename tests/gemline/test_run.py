@@ -1,5 +1,5 @@
 """gemline run: every stage under one supervisor; a stage SIGKILLed mid-stream is restarted and every Kafka
-record ends up exactly once in events or dead_letter."""
+record ends up exactly once in events, dead_letter or late_events, and every example once."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import os
 import signal
 import time
 
-import pyarrow as pa
 import pytest
 
 from gemline.config import load_config
-from gemline.lake import read_table
+from gemline.increments import latest_version
+from gemline.lake import commit_metadata, read_table
 from gemline.run import RunPlan, config_flags, run_pipeline, stage_commands
+from sequences.pipeline import APP_ID
+
+INGESTED = ("events", "dead_letter", "late_events")
 
 
 def test_stage_commands_carry_the_config_but_never_a_secret(tmp_path):
@@ -32,39 +35,69 @@ def test_stage_commands_carry_the_config_but_never_a_secret(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sigkilled_ingest_under_gemline_run_loses_and_doubles_nothing(tmp_path):
+@pytest.mark.integration
+def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(tmp_path):
+    """SIGKILL the streaming ingest after its first commit, then the build in the middle of a pass (its staging
+    folder exists), one at a time, while the generator produces: each is restarted (the supervisor says so), and
+    once everything is ingested and built, every Kafka record is in events, dead_letter or late_events once and
+    every example once."""
     lake = tmp_path / "lake"
     config = load_config(overrides={"lake": str(lake), "generate.num_users": "40", "generate.days": "0.3",
-                                    "ingest.streaming.commit_interval_s": "1"})
-    state = {"killed": None, "deadline": time.monotonic() + 300, "checked": 0.0}
+                                    "ingest.streaming.commit_interval_s": "1", "build.shards": "2",
+                                    # 1 min and 10 min windows: most of the 0.3 day closes, so examples exist
+                                    "build.click_window_ms": "60000", "build.conversion_window_ms": "600000"})
+    state = {"phase": "ingest", "deadline": time.monotonic() + 300, "checked": 0.0, "built_up_to": None}
+    said: list[str] = []
+
+    def stage(sup, name):
+        return sup.stages[[s.command.name for s in sup.stages].index(name)]
 
     def produced(sup) -> int | None:
-        log = sup.stages[[s.command.name for s in sup.stages].index("generate")].log_path
+        log = stage(sup, "generate").log_path
         lines = [line for line in log.read_text().splitlines() if line.startswith("{")] if log.exists() else []
         return json.loads(lines[-1])["produced"] if lines else None
 
     def rows() -> int:
-        tables = [read_table(str(lake), t) for t in ("events", "dead_letter")]
+        tables = [read_table(str(lake), t) for t in INGESTED]
         return sum(t.num_rows for t in tables if t is not None)
 
+    def building() -> bool:
+        staging = lake / "_staging" / APP_ID
+        return staging.is_dir() and any(staging.iterdir())
+
     def until(sup) -> bool:
-        assert time.monotonic() < state["deadline"], "gemline run did not ingest everything within 300 s"
-        ingest = sup.stages[[s.command.name for s in sup.stages].index("ingest")]
-        if state["killed"] is None and (lake / "events" / "_delta_log").is_dir() and ingest.pid is not None:
-            state["killed"] = ingest.pid  # after its first commit, maybe while a batch is in flight
-            os.kill(ingest.pid, signal.SIGKILL)
-        if state["killed"] is None or ingest.restarts < 1 or time.monotonic() - state["checked"] < 2:
+        assert time.monotonic() < state["deadline"], f"gemline run did not finish within 300 s (at {state})"
+        ingest, build = stage(sup, "ingest"), stage(sup, "build")
+        if state["phase"] == "ingest" and (lake / "events" / "_delta_log").is_dir() and ingest.pid is not None:
+            os.kill(ingest.pid, signal.SIGKILL)  # after its first commit, maybe while a batch is in flight
+            state["phase"] = "build"
+        elif state["phase"] == "build" and ingest.restarts >= 1 and build.pid is not None and building():
+            os.kill(build.pid, signal.SIGKILL)  # in the middle of a pass: staged files, maybe some commits
+            state["phase"] = "finish"
+        if state["phase"] != "finish" or build.restarts < 1 or time.monotonic() - state["checked"] < 2:
             return False
         state["checked"] = time.monotonic()
         total = produced(sup)
-        return total is not None and rows() >= total
+        if total is None or stage(sup, "generate").process is not None or rows() < total:
+            return False
+        newest = latest_version(str(lake), "events")
+        built = (commit_metadata(str(lake), "examples", APP_ID) or {}).get("events_version")
+        state["built_up_to"] = (newest, built)
+        return built is not None and built == newest
 
-    assert run_pipeline(config, RunPlan(generate_rate=400.0, interval_s=2.0, train=False), live=False,
-                        until=until, say=lambda line: None) == 0
-    events, dead = read_table(str(lake), "events"), read_table(str(lake), "dead_letter")
-    offsets = pa.concat_tables([t.select(["kafka_partition", "kafka_offset"]) for t in (events, dead) if t is not None])
-    keys = list(zip(offsets["kafka_partition"].to_pylist(), offsets["kafka_offset"].to_pylist()))
+    assert run_pipeline(config, RunPlan(generate_rate=400.0, interval_s=1.0, train=False), live=False,
+                        until=until, say=said.append) == 0
+    for name in ("ingest", "build"):
+        assert any(line.startswith(f"{name}: exited with signal SIGKILL") and "restarting in" in line
+                   for line in said), said
+        assert sum(line.startswith(f"{name}: started (pid") for line in said) >= 2, said
+    tables = {t: read_table(str(lake), t) for t in INGESTED}
+    keys = [k for t in tables.values() if t is not None
+            for k in zip(t["kafka_partition"].to_pylist(), t["kafka_offset"].to_pylist())]
     log = lake / "_run" / "logs" / "generate.log"
     total = json.loads([line for line in log.read_text().splitlines() if line.startswith("{")][-1])["produced"]
     assert len(keys) == len(set(keys)) == total, "every record once: none lost, none doubled"
+    events = tables["events"]
     assert len(set(events["event_id"].to_pylist())) == events.num_rows
+    examples = read_table(str(lake), "examples", columns=["example_id"])["example_id"].to_pylist()
+    assert examples and len(set(examples)) == len(examples), "every example once"
