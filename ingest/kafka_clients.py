@@ -106,6 +106,22 @@ def unreachable(bootstrap: str, timeout_s: float, exc: BaseException | None = No
                            "is the broker up and --bootstrap right?")
 
 
+CONNECTION_ERRORS = frozenset({-195, -187, -137, -185, -193})
+"""librdkafka's codes for a cluster that went away or never answered (``KafkaError._TRANSPORT``,
+``_ALL_BROKERS_DOWN``, ``_DESTROY_BROKER``, ``_TIMED_OUT``, ``_RESOLVE``): a broker stopped or unreachable
+while a read was in flight, as opposed to a bad record or request."""
+
+
+def message_error(where: str, error: Any) -> Exception:
+    """The exception for a Kafka error ``error`` (a confluent-kafka ``KafkaError``) met at ``where``:
+    :class:`BrokerUnreachableError` for a connection error (:data:`CONNECTION_ERRORS`), which a streaming
+    job waits out, else a RuntimeError (a broken invariant)."""
+    code = getattr(error, "code", None)
+    if callable(code) and code() in CONNECTION_ERRORS:
+        return BrokerUnreachableError(f"{where}: the Kafka cluster went away ({error}); is the broker up?")
+    return RuntimeError(f"{where}: Kafka error {error}")
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector for the block (restored after, exceptions included).
@@ -377,6 +393,7 @@ class KafkaClient(Protocol):
 
         Raises:
             RuntimeError: a Kafka error (e.g. ``offset`` out of range).
+            BrokerUnreachableError: the cluster went away during the poll (:func:`message_error`).
             ValueError: the records use a compression codec the client cannot decode.
         """
         ...
@@ -405,11 +422,11 @@ def _take_columns(msgs: list[Any], rng: OffsetRange, next_offset: int, offsets: 
     any other chunk takes that loop, which skips what is outside the range.
 
     Raises:
-        RuntimeError: a message carries a Kafka error.
+        BrokerUnreachableError, RuntimeError: a message carries a Kafka error (:func:`message_error`).
     """
     errors = [m for m in msgs if m.error() is not None]
     if errors:
-        raise RuntimeError(f"{rng.topic}[{rng.partition}]: Kafka error {errors[0].error()}")
+        raise message_error(f"{rng.topic}[{rng.partition}]", errors[0].error())
     got = [m.offset() for m in msgs]
     n = len(msgs)
     if (n and next_offset <= got[0] and got[-1] < rng.end
@@ -471,7 +488,8 @@ class ConfluentClient:
         """See :meth:`KafkaClient.end_offsets`.
 
         Raises:
-            BrokerUnreachableError: no metadata from the cluster within the timeout.
+            BrokerUnreachableError: no metadata or offsets from the cluster within the timeout, or the
+                cluster went away meanwhile.
             MissingInputError: the topic does not exist (a ValueError).
         """
         from confluent_kafka import KafkaException, TopicPartition
@@ -485,10 +503,13 @@ class ConfluentClient:
             raise unreachable(self._bootstrap, self._timeout_s, exc) from exc
         if meta is None or meta.error is not None or not meta.partitions:
             raise MissingInputError(f"topic {topic!r} not found on the cluster ({meta and meta.error}); create it first")
-        return {
-            p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=self._timeout_s, cached=False)
-            for p in sorted(meta.partitions)
-        }
+        try:
+            return {
+                p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=self._timeout_s, cached=False)
+                for p in sorted(meta.partitions)
+            }
+        except KafkaException as exc:  # the broker went away between the metadata and the offsets
+            raise unreachable(self._bootstrap, self._timeout_s, exc) from exc
 
     def topic_id(self, topic: str) -> str | None:
         """See :meth:`KafkaClient.topic_id` (AdminClient ``describe_topics``; None when it fails)."""
@@ -522,7 +543,7 @@ class ConfluentClient:
                 deadline = time.monotonic() + self._timeout_s
                 for msg in msgs:
                     if msg.error() is not None:
-                        raise RuntimeError(f"{rng.topic}[{rng.partition}]: Kafka error {msg.error()}")
+                        raise message_error(f"{rng.topic}[{rng.partition}]", msg.error())
                     offset = cast(int, msg.offset())  # None only on an error message, raised above
                     # Guards against a message still queued from an earlier assignment or a re-fetch.
                     if msg.topic() != rng.topic or msg.partition() != rng.partition or offset < next_offset:
@@ -590,7 +611,7 @@ class ConfluentClient:
         for msg in msgs:
             if msg.error() is not None:
                 self._position = None
-                raise RuntimeError(f"{topic}[{partition}]: Kafka error {msg.error()} at offset >= {offset}")
+                raise message_error(f"{topic}[{partition}] at offset >= {offset}", msg.error())
             msg_offset = cast(int, msg.offset())  # None only on an error message, raised above
             if msg.topic() != topic or msg.partition() != partition or msg_offset < offset:
                 continue
