@@ -46,7 +46,8 @@ def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(t
                                     "ingest.streaming.commit_interval_s": "1", "build.shards": "2",
                                     # 1 min and 10 min windows: most of the 0.3 day closes, so examples exist
                                     "build.click_window_ms": "60000", "build.conversion_window_ms": "600000"})
-    state = {"phase": "ingest", "deadline": time.monotonic() + 300, "checked": 0.0, "built_up_to": None}
+    state = {"phase": "ingest", "deadline": time.monotonic() + 300, "checked": 0.0, "built_up_to": None,
+             "flowing_at_kill": {}}
     said: list[str] = []
 
     def stage(sup, name):
@@ -70,9 +71,11 @@ def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(t
         ingest, build = stage(sup, "ingest"), stage(sup, "build")
         if state["phase"] == "ingest" and (lake / "events" / "_delta_log").is_dir() and ingest.pid is not None:
             os.kill(ingest.pid, signal.SIGKILL)  # after its first commit, maybe while a batch is in flight
+            state["flowing_at_kill"]["ingest"] = stage(sup, "generate").process is not None
             state["phase"] = "build"
         elif state["phase"] == "build" and ingest.restarts >= 1 and build.pid is not None and building():
             os.kill(build.pid, signal.SIGKILL)  # in the middle of a pass: staged files, maybe some commits
+            state["flowing_at_kill"]["build"] = stage(sup, "generate").process is not None
             state["phase"] = "finish"
         if state["phase"] != "finish" or build.restarts < 1 or time.monotonic() - state["checked"] < 2:
             return False
@@ -85,8 +88,11 @@ def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(t
         state["built_up_to"] = (newest, built)
         return built is not None and built == newest
 
-    assert run_pipeline(config, RunPlan(generate_rate=400.0, interval_s=1.0, train=False), live=False,
+    # ~200 events at 8 events/s: the generator still produces when ingest is killed (the build, which waits for
+    # validated events, is killed while it produces or soon after).
+    assert run_pipeline(config, RunPlan(generate_rate=8.0, interval_s=1.0, train=False), live=False,
                         until=until, say=said.append) == 0
+    assert state["flowing_at_kill"]["ingest"], "ingest was killed after the generator finished: raise the rate's run"
     for name in ("ingest", "build"):
         assert any(line.startswith(f"{name}: exited with signal SIGKILL") and "restarting in" in line
                    for line in said), said
