@@ -14,7 +14,7 @@ still safe: the next run completes or redoes the interrupted batch (see ``ingest
 
 An unreachable Kafka cluster (connections refused, or no answer within ``ingest.read_timeout_s``) does not
 end the loop: the batch is tried again after an exponential backoff (``ingest.streaming.retry_backoff_s``,
-doubling up to ``max_retry_backoff_s``: the shape of ``gemline run``'s restarts), with one
+doubling up to ``max_retry_backoff_s``, as ``gemline run`` restarts a stage), with one
 warning when the outage starts and one when the cluster answers again. A retried batch is the same
 restartable :func:`run_ingest` call a restarted process would make, so nothing is lost or written twice.
 """
@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from gemline.errors import BrokerUnreachableError
 from gemline.lake import Lake
+from gemline.supervisor import restart_delay_s
 from ingest.config import IngestConfig, KafkaConfig, StreamingConfig
 from ingest.pipeline import IngestResult, run_ingest
 
@@ -131,7 +132,7 @@ def run_streaming(
         except BrokerUnreachableError as exc:
             failures += 1
             summary.failed_tries += 1
-            delay = min(streaming.max_retry_backoff_s, streaming.retry_backoff_s * 2 ** min(failures - 1, 32))
+            delay = restart_delay_s(failures, base_s=streaming.retry_backoff_s, cap_s=streaming.max_retry_backoff_s)
             if failures == 1:  # once per outage: a log line per retry would drown the log of a long one
                 summary.outages += 1
                 log.warning("ingest: Kafka at %s is unreachable (%s); waiting, retrying with backoff from %.1f s "
