@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true",
                    help="keep building each new gate-allowed events version until Ctrl-C/SIGTERM (gemline.follow)")
     p.add_argument("--interval-s", type=float, default=None, dest="build_interval_s",
-                   help="--follow: seconds between passes (sets build.interval_s, default 30)")
+                   help="--follow: seconds between passes (sets build.interval_s, default 10)")
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
 
@@ -553,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --bootstrap: the embedded broker's port (default: a free one)")
     p.add_argument("--generate-rate", type=float, default=None,
                    help="also produce synthetic traffic at this many events/s ([generate] settings)")
-    p.add_argument("--interval-s", type=float, default=10.0, help="seconds between build/validate passes")
+    p.add_argument("--interval-s", type=float, default=None,
+                   help="seconds between build/validate passes (default: build.interval_s, validation every 10 s)")
     p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training runs")
     p.add_argument("--no-train", action="store_true", help="run every stage but the trainer")
     p.set_defaults(func=cmd_run, passthrough=False)

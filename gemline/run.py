@@ -46,7 +46,8 @@ class RunPlan:
         bootstrap: the Kafka cluster ("HOST:PORT"); None starts the embedded broker on ``broker_port``.
         broker_port: the embedded broker's port (0: a free one, chosen at start).
         generate_rate: events/s of a synthetic ``gemline generate`` stage; None: no generator.
-        interval_s: seconds between the passes of ``build --follow`` and ``validate --follow``.
+        interval_s: seconds between the passes of ``build --follow`` and ``validate --follow``; None: the
+            build's ``build.interval_s`` from the configuration, validation every 10 s.
         poll_interval_s: seconds between the runs of ``train --follow``.
         train: run the continuous trainer.
     """
@@ -54,7 +55,7 @@ class RunPlan:
     bootstrap: str | None = None
     broker_port: int = 0
     generate_rate: float | None = None
-    interval_s: float = 10.0
+    interval_s: float | None = None
     poll_interval_s: float = 10.0
     train: bool = True
 
@@ -86,11 +87,13 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[Stag
         # A finite synthetic log: done when it exits 0; restarted only after a failure.
         stages.append(StageCommand("generate", (*GEMLINE, "generate", "--rate", str(plan.generate_rate), *kafka,
                                                 *flags), restart="on-failure"))
+    # The build's cadence is build.interval_s (in ``flags``) unless the plan sets one for both stages.
+    build_interval = [] if plan.interval_s is None else ["--interval-s", str(plan.interval_s)]
     stages += [
         StageCommand("ingest", (*GEMLINE, "ingest", "--streaming", *kafka, *flags)),
         StageCommand("validate", (*GEMLINE, "validate", "--follow", "--table", "events,examples", "--interval-s",
-                                  str(plan.interval_s), *flags)),
-        StageCommand("build", (*GEMLINE, "build", "--follow", "--interval-s", str(plan.interval_s), *flags)),
+                                  str(10.0 if plan.interval_s is None else plan.interval_s), *flags)),
+        StageCommand("build", (*GEMLINE, "build", "--follow", *build_interval, *flags)),
     ]
     if plan.train:
         stages.append(StageCommand("train", (*GEMLINE, "train", "--follow", "--poll-interval-s",

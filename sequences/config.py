@@ -67,7 +67,7 @@ class BuildConfig:
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
     see gemline.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
-    interval_s: float = 30.0
+    interval_s: float = 10.0
     """Seconds between the passes of ``gemline build --follow`` (its ``--interval-s`` flag sets it too)."""
 
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({

@@ -116,6 +116,6 @@ def test_build_follow_interval_is_the_config_key_and_the_flag_overrides_it(tmp_p
     assert main(["build", "--follow", "--config", str(config), "--set", "build.interval_s=7", *lake]) == 0
     assert main(["build", "--follow", "--config", str(config), "--set", "build.interval_s=7", "--interval-s", "2",
                  *lake]) == 0
-    assert slept == [30.0, 4.5, 7.0, 2.0]
+    assert slept == [10.0, 4.5, 7.0, 2.0]
     assert main(["build", "--follow", "--set", "build.interval_s=-1", *lake]) == 2
     assert "build.interval_s must be >= 0 seconds, got -1.0" in capsys.readouterr().err

@@ -31,7 +31,11 @@ def test_stage_commands_carry_the_config_but_never_a_secret(tmp_path):
         assert "s3cr3t" not in argv and "--config " + str(tmp_path / "options.toml") in argv
         assert "--set build.max_seq_len=64" in argv and "--set lake=s3://bucket/lake" in argv
     assert "--follow --table events,examples --interval-s 3.0" in " ".join(stages[2].argv)
-    assert [s.name for s in stage_commands(RunPlan(train=False), "h:1", [])] == ["ingest", "validate", "build"]
+    assert "--interval-s 3.0" in " ".join(stages[3].argv)
+    plain = stage_commands(RunPlan(train=False), "h:1", ["--set", "build.interval_s=4"])
+    assert [s.name for s in plain] == ["ingest", "validate", "build"]
+    # Without a plan interval the build keeps build.interval_s (carried in the flags), validation runs every 10 s.
+    assert "--interval-s" not in plain[2].argv and "--interval-s 10.0" in " ".join(plain[1].argv)
 
 
 @pytest.mark.slow
