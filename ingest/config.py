@@ -115,6 +115,10 @@ class IngestConfig:
     max_offsets_per_partition: int | None = None
     """Offsets one ingest batch reads per partition at most, bounding a batch's memory (the driver holds
     its rows to dedup and commit); the rest is left to the next batch. None: up to the high watermark."""
+    group_id: str = "gemline-ingest"
+    """Kafka consumer group the ingested offsets are committed to after each Delta commit of ``events``, so a
+    standard lag monitor (kafka-consumer-groups, Burrow, an exporter) sees the pipeline. The lake stays the
+    source of truth and the group may lag it (a failed group commit only logs a warning); "" commits nothing."""
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     """The micro-batch loop of ``gemline ingest --streaming``."""
 

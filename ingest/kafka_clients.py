@@ -6,7 +6,8 @@ offsets of a topic, a bounded read of an offset range (as records, or as Arrow r
 ``KafkaConfig.client``: confluent-kafka (librdkafka; the default, much faster, every codec built
 in) or kafka-python (pure Python; snappy, lz4 and zstd need extra Python modules, probed before a
 read starts: :func:`missing_codecs`). Consumers are ``assign``-ed and never commit to a consumer
-group: the lake, not Kafka, is the source of truth for what has been consumed.
+group: the lake, not Kafka, is the source of truth for what has been consumed. After the lake committed,
+:func:`commit_group_offsets` copies its offsets to a consumer group only so that lag monitors see them.
 
 Source: the Kafka fetch semantics of librdkafka (``Consumer.consume``) and kafka-python
 (``KafkaConsumer.poll``).
@@ -19,7 +20,7 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, cast
 
@@ -724,3 +725,65 @@ def make_client(client: ClientName, bootstrap: str, *, timeout_s: float = 30.0,
     if client == "kafka-python":
         return KafkaPythonClient(bootstrap, timeout_s=timeout_s, max_message_bytes=max_message_bytes)
     raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
+
+
+def commit_group_offsets(client: ClientName, bootstrap: str, group_id: str, topic: str, offsets: Mapping[int, int],
+                         *, timeout_s: float = 30.0) -> None:
+    """Commit ``offsets`` (partition -> next offset to read) of ``topic`` to the consumer group ``group_id``,
+    synchronously, through a short-lived consumer of the ``client`` library that never subscribes.
+
+    A group commit with explicit offsets needs no group membership (an ``assign``-ed or idle consumer may
+    commit; Kafka's "simple consumer" use of the group coordinator), so the group only mirrors the lake.
+
+    Raises:
+        ValueError: an unknown client name or an empty ``group_id``.
+        confluent_kafka.KafkaException / kafka.errors.KafkaError: the broker refused or did not answer in time.
+    """
+    if not group_id:
+        raise ValueError("commit_group_offsets: expected a consumer group id, got ''")
+    if client == "confluent":
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id, "enable.auto.commit": False,
+                             "socket.timeout.ms": int(timeout_s * 1000), "logger": rdkafka_logger()})
+        try:
+            results = consumer.commit(offsets=[TopicPartition(topic, p, o) for p, o in sorted(offsets.items())],
+                                      asynchronous=False)
+            failed = [tp for tp in results or [] if tp.error is not None]
+            if failed:
+                raise RuntimeError(f"group {group_id!r}: commit refused for {failed}")
+        finally:
+            consumer.close()
+    elif client == "kafka-python":
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KafkaTopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        kconsumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False,
+                                  request_timeout_ms=int(timeout_s * 1000) + 1000)
+        try:
+            kconsumer.commit({KafkaTopicPartition(topic, p): OffsetAndMetadata(o, "", -1)
+                              for p, o in sorted(offsets.items())})
+        finally:
+            kconsumer.close()
+    else:
+        raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
+
+
+def group_offsets(bootstrap: str, group_id: str, topic: str, partitions: Sequence[int], *,
+                  timeout_s: float = 30.0) -> dict[int, int]:
+    """The offsets (partition -> next offset to read) the consumer group ``group_id`` committed for
+    ``topic``'s ``partitions``; a partition without a committed offset is left out.
+
+    Raises:
+        confluent_kafka.KafkaException: the broker did not answer within ``timeout_s``.
+    """
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id, "enable.auto.commit": False,
+                         "logger": rdkafka_logger()})
+    try:
+        committed = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=timeout_s)
+    finally:
+        consumer.close()
+    return {tp.partition: tp.offset for tp in committed if tp.offset >= 0}

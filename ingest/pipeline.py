@@ -31,6 +31,10 @@ Each commit is atomic and idempotent, and ``events`` moves the offsets only afte
 writes none twice. Dedup and lateness depend only on the ranges, the clock, and lake state that
 only the ``events`` commit changes, so a recovery run decides as the crashed run did.
 Run one ingest job per topic at a time: two concurrent runs would plan the same batch.
+
+5. After the ``events`` commit, the same ``end_offsets`` are committed to the Kafka consumer group
+   ``IngestConfig.group_id`` (:func:`mirror_to_group`) for lag monitors only: a crash before it, or a
+   failed group commit, leaves the group behind the lake until the next batch, and nothing reads it back.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from ingest.dedup import (
     split_conflicts,
     split_late,
 )
+from ingest.kafka_clients import commit_group_offsets
 from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, TopicChangedError, TopicIdentity, plan_topic
 from ingest.parse import DEAD_LETTER, GOOD
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA
@@ -414,6 +419,27 @@ def _run_beam(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, plan: _P
         _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
 
 
+def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, end_offsets: dict[int, int]) -> bool:
+    """Commit ``end_offsets`` (partition -> next offset to read, as in the ``events`` commit) to the consumer
+    group ``ingest.group_id`` through the ``kafka.client`` library; nothing when the group id is "".
+
+    Returns:
+        True when the group commit succeeded; False when it was off or failed (logged as a warning: the
+        Delta commit is the source of truth, so a lagging group never fails the ingest).
+    """
+    if not ingest.group_id or not end_offsets:
+        return False
+    try:
+        commit_group_offsets(kafka.client, bootstrap, ingest.group_id, kafka.topic, end_offsets,
+                             timeout_s=ingest.read_timeout_s)
+    except Exception as exc:  # any client error: the lake already holds the batch, the group is only a mirror
+        log.warning("ingest %s: committing the offsets to consumer group %r failed (%s: %s); the lake has them, "
+                    "the group catches up after the next batch", app_id_for(kafka.topic), ingest.group_id,
+                    type(exc).__name__, exc)
+        return False
+    return True
+
+
 @holding("ingest")
 def run_ingest(
     lake: Lake,
@@ -509,6 +535,7 @@ def run_ingest(
     wrote_events = commit(root, Table.EVENTS, events, app_id=app_id, version=plan.batch_version,
                           metadata=metadata, storage_options=opts)
     shutil.rmtree(stage, ignore_errors=True)
+    mirror_to_group(kafka, ingest, bootstrap, plan.end_offsets)
     log.info("ingest %s: batch %d committed: %d events, %d dead-letter, %d late, %d duplicates dropped", app_id,
              plan.batch_version, events.num_rows, dead.num_rows, late.num_rows, duplicates)
     return IngestResult(

@@ -1,0 +1,110 @@
+"""The ingested offsets are mirrored to the Kafka consumer group ``ingest.group_id`` after each events commit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from gemline.lake import Lake, commit_metadata
+from ingest.broker import EmbeddedBroker
+from ingest.config import IngestConfig, KafkaConfig
+from ingest.kafka_clients import commit_group_offsets, group_offsets, make_client
+from ingest.pipeline import app_id_for, run_ingest
+from ingest.schema import Event
+from ingest.streaming import StreamingConfig, run_streaming
+from tests.ingest.test_streaming import BASE_MS
+
+PARTITIONS = 2
+_ids = itertools.count()
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def broker():
+    with EmbeddedBroker() as b:
+        yield b
+
+
+@pytest.fixture
+def topic(broker) -> str:
+    name = f"group-{next(_ids)}"
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    for fut in admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)]).values():
+        fut.result(timeout=30)
+    return name
+
+
+def _produce(bootstrap: str, topic: str, start: int, n: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "batch.num.messages": 1, "linger.ms": 0})
+    for i in range(start, start + n):
+        event = Event(event_id=f"e{i}", event_time_ms=BASE_MS + i * 60_000, user_id=f"u{i % 3}", item_id=f"i{i}",
+                      domain="facebook", event_type="impression", position=1)
+        producer.produce(topic, key=f"u{i % 3}".encode(), value=event.to_json(), partition=i % PARTITIONS)
+    assert producer.flush(30) == 0
+
+
+def _lake_offsets(lake, topic: str) -> dict[int, int]:
+    meta = commit_metadata(lake.root, "events", app_id_for(topic)) or {}
+    return {int(p): int(o) for p, o in meta.get("end_offsets", {}).items()}
+
+
+def _high_watermarks(bootstrap: str, topic: str) -> dict[int, int]:
+    client = make_client("confluent", bootstrap)
+    try:
+        return {p: high for p, (_, high) in client.end_offsets(topic).items()}
+    finally:
+        client.close()
+
+
+def test_streaming_batches_commit_the_lake_offsets_to_the_group(broker, topic, tmp_path):
+    lake, group = Lake(str(tmp_path / "lake")), f"{topic}-monitor"
+    _produce(broker.bootstrap, topic, 0, 6)
+    seen: list[dict[int, int]] = []
+
+    def on_batch(result):
+        seen.append(group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)))
+        if len(seen) == 1:
+            assert seen[0] == _lake_offsets(lake, topic) == {0: 3, 1: 3}  # after batch 0, before more arrive
+            _produce(broker.bootstrap, topic, 6, 5)
+
+    summary = run_streaming(lake, KafkaConfig(topic=topic, partitions=PARTITIONS), IngestConfig(group_id=group),
+                            StreamingConfig(commit_interval_s=0.01, max_batches=2), bootstrap=broker.bootstrap,
+                            on_batch=on_batch)
+    assert summary.committed == [0, 1]
+    assert seen[1] == _lake_offsets(lake, topic) == _high_watermarks(broker.bootstrap, topic) == {0: 6, 1: 5}
+
+
+def test_an_empty_group_id_commits_nothing(broker, topic, tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    _produce(broker.bootstrap, topic, 0, 4)
+    result = run_ingest(lake, KafkaConfig(topic=topic), IngestConfig(group_id=""), bootstrap=broker.bootstrap)
+    assert not result.skipped and _lake_offsets(lake, topic) == {0: 2, 1: 2}
+    assert group_offsets(broker.bootstrap, IngestConfig().group_id, topic, range(PARTITIONS)) == {}
+
+
+def test_a_failed_group_commit_warns_and_the_batch_stays_committed(broker, topic, tmp_path, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("coordinator not available")
+
+    monkeypatch.setattr("ingest.pipeline.commit_group_offsets", refuse)
+    lake, group = Lake(str(tmp_path / "lake")), f"{topic}-monitor"
+    _produce(broker.bootstrap, topic, 0, 4)
+    with caplog.at_level(logging.WARNING, logger="ingest.pipeline"):
+        result = run_ingest(lake, KafkaConfig(topic=topic), IngestConfig(group_id=group), bootstrap=broker.bootstrap)
+    assert (result.skipped, result.events_written) == (False, 4)
+    assert _lake_offsets(lake, topic) == {0: 2, 1: 2}
+    assert group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)) == {}
+    assert f"consumer group {group!r} failed (RuntimeError: coordinator not available)" in caplog.text
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_each_client_library_commits_explicit_offsets(broker, topic, client):
+    group = f"{topic}-{client}"
+    commit_group_offsets(client, broker.bootstrap, group, topic, {0: 7, 1: 3}, timeout_s=10)
+    assert group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)) == {0: 7, 1: 3}
+    commit_group_offsets(client, broker.bootstrap, group, topic, {1: 4}, timeout_s=10)
+    assert group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)) == {0: 7, 1: 4}
