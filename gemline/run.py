@@ -30,6 +30,7 @@ from rich.table import Table as RichTable
 from gemline.config import GemlineConfig, config_overrides
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
+from gemline.metrics import StageSample
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
 from ingest.broker import accepts, free_port
@@ -99,6 +100,11 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[Stag
         stages.append(StageCommand("train", (*GEMLINE, "train", "--follow", "--poll-interval-s",
                                              str(plan.poll_interval_s), *flags)))
     return stages
+
+
+def stage_samples(sup: Supervisor) -> list[StageSample]:
+    """Each supervised stage's name, restarts and whether its process runs, for the metrics."""
+    return [StageSample(s.command.name, s.restarts, s.process is not None) for s in sup.stages]
 
 
 def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EVENTS, Table.EXAMPLES)) -> Group:

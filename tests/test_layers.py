@@ -1,6 +1,6 @@
 """Imports flow one way: application -> stages -> core (issue 17), checked on the import graph.
 
-- core (``gemline.lake``, ``locks``, ``errors``, ``hygiene``, ``beam_runner``, ``configtree``, ``gate``, ``increments``, ``process``, ``supervisor``, ``tables``): imports no stage and no application
+- core (``gemline.lake``, ``locks``, ``errors``, ``hygiene``, ``beam_runner``, ``configtree``, ``gate``, ``increments``, ``metrics``, ``process``, ``supervisor``, ``tables``): imports no stage and no application
   module;
 - stages (``ingest``, ``sequences``, ``features``, ``validation``, ``trainer``, ``kernels``): import the core, their
   own package, and of another stage only its typed records (``ingest.schema``, ``ingest.config``,
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "sequences", "features", "validation", "trainer", "kernels")
 CORE = {"gemline", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.hygiene", "gemline.beam_runner", "gemline.configtree",
-        "gemline.gate", "gemline.increments", "gemline.process", "gemline.supervisor", "gemline.tables"}
+        "gemline.gate", "gemline.increments", "gemline.metrics", "gemline.process", "gemline.supervisor", "gemline.tables"}
 LIBRARIES = ("kernels", "features")
 RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "features.definitions"}
 

@@ -1,0 +1,256 @@
+"""Prometheus metrics of a running pipeline, read from the lake, Kafka and the supervisor when scraped.
+
+``gemline run --metrics-port PORT`` (and ``ingest --streaming`` / ``build --follow``) serve these on
+``http://HOST:PORT/metrics`` in the Prometheus text format:
+
+=========================================== ======================================================================
+``gemline_consumer_lag{topic,partition}``   Kafka high watermark minus the lake's committed offset (messages)
+``gemline_table_version{table}``            newest Delta version of each table that exists
+``gemline_rows{table}``                     rows in each table's newest version (Delta ``numRecords`` stats)
+``gemline_quarantined_versions{table}``     versions the quality gate holds quarantined now (:mod:`gemline.gate`)
+``gemline_stage_restarts_total{stage}``     restarts of each supervised stage
+``gemline_stage_up{stage}``                 1 while the stage's process runs, else 0
+``gemline_freshness_seconds{hop,quantile}`` newest p50/p95/p99 of each hop of the ``freshness`` table, if any
+``gemline_collect_errors_total{part}``      reads that failed (the other parts are still served)
+=========================================== ======================================================================
+
+Values are read at scrape time by a custom collector (prometheus_client's ``Collector`` protocol, the
+"custom collectors" pattern of its documentation), and kept ``cache_s`` seconds, so any number of scrapers
+costs one read of the Delta logs per interval. The lake's committed offsets are the ``end_offsets`` the
+ingest job records in its ``events`` commits (the source of truth; the consumer group only mirrors them).
+This module knows neither Kafka clients nor the supervisor: the application passes callables for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gemline.gate import gate_decisions
+from gemline.lake import Lake, open_table, read_table
+from gemline.tables import Table
+
+log = logging.getLogger(__name__)
+
+FRESHNESS_TABLE = "freshness"
+"""Per-hop freshness quantiles (columns ``hop``, ``p50_s``, ``p95_s``, ``p99_s``, ``examples_version``), when a
+stage writes them; absent tables are skipped."""
+
+QUANTILES = (("0.5", "p50_s"), ("0.95", "p95_s"), ("0.99", "p99_s"))
+
+
+@dataclass(frozen=True)
+class LagSource:
+    """Where consumer lag comes from.
+
+    Attributes:
+        topic: the Kafka topic.
+        app_id: the ingest job's writer id, whose ``events`` commits record ``end_offsets`` (``ingest:<topic>``).
+        watermarks: returns, per partition, (low, high) watermark offsets now; may raise (counted, lag skipped).
+    """
+
+    topic: str
+    app_id: str
+    watermarks: Callable[[], Mapping[int, tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class StageSample:
+    """One supervised stage as the metrics see it: its name, restarts so far, and whether it runs now."""
+
+    name: str
+    restarts: int
+    running: bool
+
+
+def consumer_lag(watermarks: Mapping[int, tuple[int, int]], committed: Mapping[int, int]) -> dict[int, int]:
+    """Messages behind per partition: high watermark minus the committed offset (the low watermark for a
+    partition never committed, as ingest then starts there), never below 0."""
+    return {p: max(0, high - committed.get(p, low)) for p, (low, high) in sorted(watermarks.items())}
+
+
+def lake_offsets(lake: Lake, app_id: str, *, recent: int = 20) -> dict[int, int]:
+    """The ``end_offsets`` (partition -> next offset to read) of ``app_id``'s newest ``events`` commit; {} when
+    it never committed. Looks at the newest ``recent`` commits first: a full history read costs one file per
+    commit, and ingest is normally the newest writer of ``events``."""
+    dt = open_table(lake, Table.EVENTS)
+    if dt is None or dt.transaction_version(app_id) is None:
+        return {}
+    for limit in (recent, None):
+        for entry in dt.history(limit=limit):
+            raw = entry.get("gemline")
+            meta = json.loads(raw) if raw else {}
+            if meta.get("app_id") == app_id and "end_offsets" in meta:
+                return {int(p): int(o) for p, o in meta["end_offsets"].items()}
+    return {}
+
+
+def table_rows(dt: Any) -> int:
+    """Rows in a Delta table's current version: the sum of its files' ``numRecords`` statistics (no data read).
+
+    Raises:
+        ValueError: a file has no ``numRecords`` statistic (written without stats).
+    """
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return 0
+    counts = actions["num_records"]
+    if counts.null_count:
+        raise ValueError(f"{dt.table_uri}: {counts.null_count} files have no numRecords statistic")
+    return int(pc.sum(counts).as_py())
+
+
+def quarantined(lake: Lake) -> dict[str, int]:
+    """Per table named in the ``quality`` table, how many validated versions the gate refuses now (critical
+    expectations failed in the newest run, no release since); {} without a ``quality`` table."""
+    quality = read_table(lake, Table.QUALITY, columns=["table", "table_version"])
+    if quality is None:
+        return {}
+    out: dict[str, int] = {}
+    for table in sorted(set(quality["table"].to_pylist())):
+        versions = pc.unique(quality.filter(pc.equal(quality["table"], table))["table_version"]).to_pylist()
+        decisions = gate_decisions(lake, table, versions).values()
+        out[table] = sum(1 for d in decisions if d.validated and not d.allowed)
+    return out
+
+
+def freshness(lake: Lake) -> dict[str, dict[str, float]]:
+    """Per hop, the quantile columns of its row with the highest ``examples_version`` in the ``freshness``
+    table; {} when the table does not exist."""
+    rows = read_table(lake, FRESHNESS_TABLE, columns=["hop", "examples_version", *(c for _, c in QUANTILES)])
+    if rows is None:
+        return {}
+    newest: dict[str, dict[str, Any]] = {}
+    for row in rows.to_pylist():
+        hop = row["hop"]
+        if hop not in newest or row["examples_version"] >= newest[hop]["examples_version"]:
+            newest[hop] = row
+    return {hop: {c: float(r[c]) for _, c in QUANTILES if r[c] is not None} for hop, r in sorted(newest.items())}
+
+
+class PipelineCollector(Collector):
+    """Collects the metrics of the module docstring, at most once per ``cache_s`` seconds.
+
+    Args:
+        lake: the lake the stages write.
+        tables: the tables whose version and rows are reported (default: every registered table that exists,
+            and ``freshness``).
+        lag: where consumer lag comes from; None: no lag metric.
+        stages: returns the supervised stages; None: no stage metrics.
+        cache_s: seconds a collected set of values is served again before the next read.
+        clock: monotonic seconds (tests).
+    """
+
+    def __init__(self, lake: Lake, *, tables: Sequence[str] | None = None, lag: LagSource | None = None,
+                 stages: Callable[[], Iterable[StageSample]] | None = None, cache_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lake, self.lag, self.stages, self.cache_s, self.clock = lake, lag, stages, cache_s, clock
+        self.tables = tuple(tables) if tables is not None else (*(str(t) for t in Table), FRESHNESS_TABLE)
+        self.errors: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._cached: tuple[float, list[Metric]] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing: registering must not read the lake (prometheus_client calls ``collect`` when there is no
+        ``describe``), and the metric names are not checked against other collectors."""
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, read anew when the cached ones are older than ``cache_s``."""
+        with self._lock:  # concurrent scrapes wait for one read instead of each reading the lake
+            now = self.clock()
+            if self._cached is None or now - self._cached[0] >= self.cache_s:
+                self._cached = (now, self._read())
+            return iter(self._cached[1])
+
+    def _guarded(self, part: str, read: Callable[[], Any], default: Any) -> Any:
+        try:
+            return read()
+        except Exception as exc:  # one unreadable part (broker down, a table mid-rewrite) must not hide the rest
+            self.errors[part] = self.errors.get(part, 0) + 1
+            log.warning("metrics: reading %s failed: %s: %s", part, type(exc).__name__, exc)
+            return default
+
+    def _read(self) -> list[Metric]:
+        families: list[Metric] = []
+        if self.lag is not None:
+            families.append(self._lag(self.lag))
+        families += self._tables()
+        quarantine = GaugeMetricFamily("gemline_quarantined_versions",
+                                       "Table versions the quality gate holds quarantined now", labels=["table"])
+        for table, count in self._guarded("quality", lambda: quarantined(self.lake), {}).items():
+            quarantine.add_metric([table], count)
+        families.append(quarantine)
+        fresh = GaugeMetricFamily("gemline_freshness_seconds", "Newest freshness quantiles per hop (seconds)",
+                                  labels=["hop", "quantile"])
+        for hop, values in self._guarded("freshness", lambda: freshness(self.lake), {}).items():
+            for quantile, column in QUANTILES:
+                if column in values:
+                    fresh.add_metric([hop, quantile], values[column])
+        families.append(fresh)
+        if self.stages is not None:
+            families += self._stages(self.stages)
+        errors = CounterMetricFamily("gemline_collect_errors", "Metric reads that failed, by part", labels=["part"])
+        for part, count in sorted(self.errors.items()):
+            errors.add_metric([part], count)
+        families.append(errors)
+        return families
+
+    def _lag(self, lag: LagSource) -> Metric:
+        family = GaugeMetricFamily("gemline_consumer_lag", "Kafka messages not yet committed to the lake",
+                                   labels=["topic", "partition"])
+        marks = self._guarded("kafka", lag.watermarks, None)
+        committed = self._guarded("offsets", lambda: lake_offsets(self.lake, lag.app_id), None)
+        if marks is not None and committed is not None:
+            for partition, behind in consumer_lag(marks, committed).items():
+                family.add_metric([lag.topic, str(partition)], behind)
+        return family
+
+    def _tables(self) -> list[Metric]:
+        version = GaugeMetricFamily("gemline_table_version", "Newest committed Delta version", labels=["table"])
+        rows = GaugeMetricFamily("gemline_rows", "Rows in the newest version of the table", labels=["table"])
+        for table in self.tables:
+            dt = self._guarded(f"table:{table}", functools.partial(open_table, self.lake, table), None)
+            if dt is None:
+                continue
+            version.add_metric([table], dt.version())
+            count = self._guarded(f"rows:{table}", functools.partial(table_rows, dt), None)
+            if count is not None:
+                rows.add_metric([table], count)
+        return [version, rows]
+
+    def _stages(self, stages: Callable[[], Iterable[StageSample]]) -> list[Metric]:
+        restarts = CounterMetricFamily("gemline_stage_restarts", "Restarts of a supervised stage", labels=["stage"])
+        up = GaugeMetricFamily("gemline_stage_up", "1 while the stage's process runs", labels=["stage"])
+        for s in stages():
+            restarts.add_metric([s.name], s.restarts)
+            up.add_metric([s.name], 1 if s.running else 0)
+        return [restarts, up]
+
+
+def serve(collector: Collector, port: int, *, addr: str = "0.0.0.0") -> tuple[Any, int]:
+    """Serve ``collector``'s metrics over HTTP on ``addr:port`` (0: a free port) from a daemon thread
+    (``prometheus_client.start_http_server``), in a registry of its own.
+
+    Returns:
+        (the WSGI server, to ``shutdown()``; the port it listens on).
+
+    Raises:
+        OSError: the port is taken or not ours to bind.
+    """
+    registry = CollectorRegistry()
+    registry.register(collector)
+    server, _ = start_http_server(port, addr=addr, registry=registry)
+    return server, int(server.server_port)
