@@ -3,9 +3,9 @@
     gemline broker [--port P]
     gemline replay --dataset NAME [--path FILE] [--limit N] [--bootstrap HOST:PORT]
     gemline generate [--rate EVENTS_PER_S] [--set generate.num_users=N ...] [--bootstrap HOST:PORT]
-    gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N]]
+    gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N] [--metrics-port P]]
                    [--runner dask --dask-address HOST:PORT] [beam flags ...]
-    gemline build [--follow [--interval-s S]] [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
+    gemline build [--follow [--interval-s S] [--metrics-port P]] [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
     gemline backfill --late-events
     gemline cluster up [--workers N] [--port P]
     gemline validate --table T [--version V] | --follow [--table T1,T2] [--interval-s S]
@@ -14,6 +14,7 @@
     gemline train [--holdout-last-day] [--version V] [--nproc N] | --once | --follow [--poll-interval-s S]
                   [--from-scratch]
     gemline run [--bootstrap HOST:PORT] [--generate-rate R] [--interval-s S] [--poll-interval-s S] [--no-train]
+                [--metrics-port P]
     gemline lineage [--json]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
@@ -27,9 +28,11 @@ Stage modules are imported inside each command so that `gemline broker` starts w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,6 +50,28 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override one config key, e.g. --set build.max_seq_len=512 (repeatable)",
     )
+
+
+def _metrics_flag(parser: argparse.ArgumentParser, when: str) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help=f"{when}serve Prometheus metrics (gemline.metrics) on this port, 0: a free one (printed); "
+                             "default: none")
+
+
+@contextlib.contextmanager
+def _serving_metrics(config: GemlineConfig, port: int | None, *, bootstrap: str | None) -> Iterator[None]:
+    """Serve the metrics on ``port`` (None: not at all) while the block runs."""
+    if port is None:
+        yield
+        return
+    from gemline.run import start_metrics
+
+    server = start_metrics(config, port, bootstrap=bootstrap)
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +184,8 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
     extra = _beam_args(args, extra)
     if args.streaming:
         return _ingest_streaming(args, config, extra)
+    if args.metrics_port is not None:
+        raise BadConfigError("--metrics-port is for the long-running `ingest --streaming`")
     if config.ingest.max_offsets_per_partition is not None:
         # Capped batches: read the whole backlog, one bounded batch (one JSON line) at a time, each
         # printed as it commits: a run killed later still shows what it committed.
@@ -185,11 +212,13 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
 
     from ingest.streaming import install_stop_signals, run_streaming
 
+    bootstrap = _require_bootstrap(config)
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:
-        summary = run_streaming(Lake.for_config(config), config.kafka, config.ingest, config.ingest.streaming,
-                                bootstrap=_require_bootstrap(config), stop=stop, beam_args=extra)
+        with _serving_metrics(config, args.metrics_port, bootstrap=bootstrap):
+            summary = run_streaming(Lake.for_config(config), config.kafka, config.ingest, config.ingest.streaming,
+                                    bootstrap=bootstrap, stop=stop, beam_args=extra)
     finally:
         restore()
     print(_as_json(summary))
@@ -202,9 +231,12 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     if args.follow:
         from gemline.follow import follow_build
 
-        follow_build(_config(args), beam_args=_beam_args(args, extra),
-                     on_pass=_print_new_work())
+        config = _config(args)
+        with _serving_metrics(config, args.metrics_port, bootstrap=config.kafka.bootstrap):
+            follow_build(config, beam_args=_beam_args(args, extra), on_pass=_print_new_work())
         return 0
+    if args.metrics_port is not None:
+        raise BadConfigError("--metrics-port is for the long-running `build --follow`")
 
     # Quarantined or never-validated events: gemline.gate.GateClosedError, exit 3 (see main).
     config = _config(args)
@@ -357,7 +389,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from gemline.run import RunPlan, run_pipeline
 
     plan = RunPlan(bootstrap=args.bootstrap, broker_port=args.broker_port, generate_rate=args.generate_rate,
-                   interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, train=not args.no_train)
+                   interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, train=not args.no_train,
+                   metrics_port=args.metrics_port)
     return run_pipeline(_config(args), plan)
 
 
@@ -468,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streaming: seconds between micro-batches (sets ingest.streaming.commit_interval_s, default 5)")
     p.add_argument("--max-batches", type=int, default=None,
                    help="streaming: stop after N micro-batches (sets ingest.streaming.max_batches; tests)")
+    _metrics_flag(p, "streaming: ")
     p.add_argument("--reset-topic", action="store_true",
                    help="the topic was recreated on purpose: forget the committed offsets and start over from its "
                         "beginning (recorded in the events commit)")
@@ -486,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep building each new gate-allowed events version until Ctrl-C/SIGTERM (gemline.follow)")
     p.add_argument("--interval-s", type=float, default=None, dest="build_interval_s",
                    help="--follow: seconds between passes (sets build.interval_s, default 10)")
+    _metrics_flag(p, "--follow: ")
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
 
@@ -557,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between build/validate passes (default: build.interval_s, validation every 10 s)")
     p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training runs")
     p.add_argument("--no-train", action="store_true", help="run every stage but the trainer")
+    _metrics_flag(p, "")
     p.set_defaults(func=cmd_run, passthrough=False)
 
     p = sub.add_parser("lineage", help="what the newest continuous checkpoint was trained on")

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -30,7 +31,7 @@ from rich.table import Table as RichTable
 from gemline.config import GemlineConfig, config_overrides
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
-from gemline.metrics import StageSample
+from gemline.metrics import LagSource, PipelineCollector, StageSample, serve
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
 from ingest.broker import accepts, free_port
@@ -51,6 +52,8 @@ class RunPlan:
             build's ``build.interval_s`` from the configuration, validation every 10 s.
         poll_interval_s: seconds between the runs of ``train --follow``.
         train: run the continuous trainer.
+        metrics_port: serve Prometheus metrics (:mod:`gemline.metrics`) on this port from the supervisor
+            process (0: a free one, printed); None: no metrics endpoint.
     """
 
     bootstrap: str | None = None
@@ -59,6 +62,7 @@ class RunPlan:
     interval_s: float | None = None
     poll_interval_s: float = 10.0
     train: bool = True
+    metrics_port: int | None = None
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
@@ -100,6 +104,41 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[Stag
         stages.append(StageCommand("train", (*GEMLINE, "train", "--follow", "--poll-interval-s",
                                              str(plan.poll_interval_s), *flags)))
     return stages
+
+
+def kafka_lag_source(config: GemlineConfig, bootstrap: str, *, timeout_s: float = 5.0) -> LagSource:
+    """The consumer lag of ``config.kafka.topic`` against the ingest job's committed offsets, its watermarks
+    read through one ``config.kafka.client`` client kept for all scrapes (made at the first)."""
+    from ingest.kafka_clients import make_client
+    from ingest.pipeline import app_id_for
+
+    clients: list[Any] = []
+
+    def watermarks() -> dict[int, tuple[int, int]]:
+        if not clients:
+            clients.append(make_client(config.kafka.client, bootstrap, timeout_s=timeout_s))
+        return clients[0].end_offsets(config.kafka.topic)
+
+    return LagSource(config.kafka.topic, app_id_for(config.kafka.topic), watermarks)
+
+
+def start_metrics(config: GemlineConfig, port: int, *, bootstrap: str | None,
+                  stages: Callable[[], list[StageSample]] | None = None,
+                  say: Callable[[str], None] | None = None) -> Any:
+    """Serve :mod:`gemline.metrics` for ``config``'s lake on ``port`` (0: a free one) and say where; the lag
+    metric only with a ``bootstrap``, the stage metrics only with ``stages``.
+
+    Returns:
+        The HTTP server (``shutdown()`` stops it; it runs in a daemon thread meanwhile).
+
+    Raises:
+        OSError: the port is taken.
+    """
+    lag = None if bootstrap is None else kafka_lag_source(config, bootstrap)
+    server, bound = serve(PipelineCollector(Lake.for_config(config), lag=lag, stages=stages), port)
+    (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
+        f"metrics: port {bound}, all interfaces (http://127.0.0.1:{bound}/metrics)")
+    return server
 
 
 def stage_samples(sup: Supervisor) -> list[StageSample]:
@@ -161,16 +200,25 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
                 raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within 60 s; "
                                              f"its log: {sup.stages[0].log_path}")
         say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
-        stop = None if until is None else (lambda: until(sup))
-        if not live:
-            return sup.run(until=stop)
-        console = Console()
-        with Live(status_view(sup, lake), console=console, refresh_per_second=2, transient=False) as view:
-            last = {"t": 0.0}
+        metrics = None if plan.metrics_port is None else start_metrics(
+            config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup), say=say)
+        try:
+            return _supervise(sup, lake, live, None if until is None else (lambda: until(sup)))
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
+                metrics.server_close()
 
-            def render(s: Supervisor) -> None:
-                if time.monotonic() - last["t"] >= 1.0:  # reading the Delta logs once a second is plenty
-                    view.update(status_view(s, lake))
-                    last["t"] = time.monotonic()
 
-            return sup.run(until=stop, render=render)
+def _supervise(sup: Supervisor, lake: Lake, live: bool, stop: Callable[[], bool] | None) -> int:
+    if not live:
+        return sup.run(until=stop)
+    with Live(status_view(sup, lake), console=Console(), refresh_per_second=2, transient=False) as view:
+        last = {"t": 0.0}
+
+        def render(s: Supervisor) -> None:
+            if time.monotonic() - last["t"] >= 1.0:  # reading the Delta logs once a second is plenty
+                view.update(status_view(s, lake))
+                last["t"] = time.monotonic()
+
+        return sup.run(until=stop, render=render)

@@ -56,7 +56,7 @@ def _freshness(lake: Lake) -> None:
         app_id="freshness", version=0)
 
 
-def _scrape(port: int) -> dict[str, dict[tuple, float]]:
+def scrape(port: int) -> dict[str, dict[tuple, float]]:
     """{metric family name: {labels as sorted (name, value) pairs: value}} of one scrape of /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
         text = response.read().decode()
@@ -70,7 +70,7 @@ def _scrape(port: int) -> dict[str, dict[tuple, float]]:
 def _served(collector) -> dict[str, dict[tuple, float]]:
     server, port = serve(collector, 0, addr="127.0.0.1")
     try:
-        return _scrape(port)
+        return scrape(port)
     finally:
         server.shutdown()
         server.server_close()
@@ -159,3 +159,10 @@ def test_a_killed_stage_is_counted_as_a_restart(tmp_path):
     assert before["gemline_stage_restarts_total"] == {(("stage", "sleeper"),): 0}
     assert after["gemline_stage_restarts_total"] == {(("stage", "sleeper"),): 1}
     assert after["gemline_stage_up"] == {(("stage", "sleeper"),): 1}
+
+
+def test_cli_refuses_metrics_for_a_one_shot_build(capsys, tmp_path):
+    from gemline.cli import main
+
+    assert main(["build", "--metrics-port", "0", "--lake", str(tmp_path)]) == 2
+    assert "--metrics-port is for the long-running `build --follow`" in capsys.readouterr().err

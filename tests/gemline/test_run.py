@@ -51,7 +51,7 @@ def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(t
                                     # 1 min and 10 min windows: most of the 0.3 day closes, so examples exist
                                     "build.click_window_ms": "60000", "build.conversion_window_ms": "600000"})
     state = {"phase": "ingest", "deadline": time.monotonic() + 300, "checked": 0.0, "built_up_to": None,
-             "flowing_at_kill": {}}
+             "flowing_at_kill": {}, "metrics": None}
     said: list[str] = []
 
     def stage(sup, name):
@@ -90,11 +90,14 @@ def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(t
         newest = latest_version(str(lake), "events")
         built = (commit_metadata(str(lake), "examples", APP_ID) or {}).get("events_version")
         state["built_up_to"] = (newest, built)
-        return built is not None and built == newest
+        if built is None or built != newest:
+            return False
+        state["metrics"] = _settled_metrics(said, sup, lake)
+        return True
 
     # ~200 events at 8 events/s: the generator still produces when ingest is killed (the build, which waits for
     # validated events, is killed while it produces or soon after).
-    assert run_pipeline(config, RunPlan(generate_rate=8.0, interval_s=1.0, train=False), live=False,
+    assert run_pipeline(config, RunPlan(generate_rate=8.0, interval_s=1.0, train=False, metrics_port=0), live=False,
                         until=until, say=said.append) == 0
     assert state["flowing_at_kill"]["ingest"], "ingest was killed after the generator finished: raise the rate's run"
     for name in ("ingest", "build"):
@@ -111,3 +114,26 @@ def test_sigkilled_ingest_then_build_under_gemline_run_lose_and_double_nothing(t
     assert len(set(events["event_id"].to_pylist())) == events.num_rows
     examples = read_table(str(lake), "examples", columns=["example_id"])["example_id"].to_pylist()
     assert examples and len(set(examples)) == len(examples), "every example once"
+    # What the /metrics endpoint served once everything was ingested and built: no lag on any partition, the
+    # restarts after the SIGKILLs, the lake's events version.
+    got, restarts, version = state["metrics"]
+    assert got["gemline_consumer_lag"] == {(("partition", str(p)), ("topic", config.kafka.topic)): 0
+                                           for p in range(config.kafka.partitions)}
+    for name in ("ingest", "build"):
+        assert got["gemline_stage_restarts_total"][(("stage", name),)] == restarts[name] >= 1
+        assert got["gemline_stage_up"][(("stage", name),)] == 1
+    assert got["gemline_table_version"][(("table", "events"),)] == version
+
+
+def _settled_metrics(said: list[str], sup, lake) -> tuple[dict, dict[str, int], int | None]:
+    """A scrape of gemline run's endpoint once its cached values caught up with the lake (no lag left), with
+    the supervisor's restarts per stage and the events version at that scrape."""
+    from tests.gemline.test_metrics import scrape
+
+    port = int(next(line for line in said if line.startswith("metrics: port ")).split()[2].rstrip(","))
+    for _ in range(60):  # the collector caches 5 s: bounded by a count of scrapes
+        got = scrape(port)
+        if not any(got.get("gemline_consumer_lag", {"-": 1}).values()):
+            break
+        time.sleep(0.5)
+    return got, {s.command.name: s.restarts for s in sup.stages}, latest_version(str(lake), "events")

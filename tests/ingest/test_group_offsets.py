@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from gemline.cli import main
+from gemline.config import GemlineConfig
+from gemline.increments import latest_version
 from gemline.lake import Lake, commit_metadata
+from gemline.metrics import PipelineCollector
+from gemline.run import kafka_lag_source
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_clients import commit_group_offsets, group_offsets, make_client
 from ingest.pipeline import app_id_for, run_ingest
 from ingest.schema import Event
 from ingest.streaming import StreamingConfig, run_streaming
-from tests.ingest.test_streaming import BASE_MS
+from tests.ingest.test_streaming import BASE_MS, REPO
 
 PARTITIONS = 2
 _ids = itertools.count()
@@ -108,3 +118,55 @@ def test_each_client_library_commits_explicit_offsets(broker, topic, client):
     assert group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)) == {0: 7, 1: 3}
     commit_group_offsets(client, broker.bootstrap, group, topic, {1: 4}, timeout_s=10)
     assert group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)) == {0: 7, 1: 4}
+
+
+def test_the_lag_metric_is_produced_minus_ingested_as_a_group_lag_monitor_sees_it(broker, topic, tmp_path):
+    group = f"{topic}-monitor"
+    config = GemlineConfig(lake=str(tmp_path / "lake"), kafka=KafkaConfig(topic=topic, partitions=PARTITIONS),
+                           ingest=IngestConfig(group_id=group))
+    lake = Lake.for_config(config)
+    _produce(broker.bootstrap, topic, 0, 6)
+    run_ingest(lake, config.kafka, config.ingest, bootstrap=broker.bootstrap)
+    _produce(broker.bootstrap, topic, 6, 5)  # not ingested: offsets 6, 8, 10 on partition 0; 7, 9 on 1
+    collector = PipelineCollector(lake, tables=[], lag=kafka_lag_source(config, broker.bootstrap))
+    family = next(f for f in collector.collect() if f.name == "gemline_consumer_lag")
+    lag = {int(s.labels["partition"]): s.value for s in family.samples}
+    assert lag == {0: 3, 1: 2}
+    high, committed = _high_watermarks(broker.bootstrap, topic), group_offsets(broker.bootstrap, group, topic, [0, 1])
+    assert {p: high[p] - committed[p] for p in high} == lag
+
+
+def test_cli_streaming_ingest_serves_metrics(broker, topic, tmp_path):
+    from tests.gemline.test_metrics import scrape
+
+    lake = tmp_path / "lake"
+    _produce(broker.bootstrap, topic, 0, 6)
+    cmd = [sys.executable, "-m", "gemline.cli", "ingest", "--streaming", "--commit-interval-s", "0.2", "--metrics-port",
+           "0", "--lake", str(lake), "--bootstrap", broker.bootstrap, "--topic", topic]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = next((line for line in proc.stderr if line.startswith("metrics: port ")), "")
+        port = int(line.split()[2].rstrip(","))
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # a full pipe would block the child
+        for _ in range(600):  # until the first batch is in the lake (bounded by polls)
+            if latest_version(str(lake), "events") is not None:
+                break
+            time.sleep(0.1)
+        got = scrape(port)  # the first scrape reads anew
+        assert got["gemline_consumer_lag"] == {(("partition", "0"), ("topic", topic)): 0,
+                                               (("partition", "1"), ("topic", topic)): 0}
+        assert got["gemline_rows"][(("table", "events"),)] == 6
+        assert "gemline_stage_restarts_total" not in got  # no supervisor in a single-stage command
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+
+
+def test_cli_refuses_metrics_for_a_one_shot_ingest(capsys, tmp_path):
+    assert main(["ingest", "--metrics-port", "0", "--lake", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
+    assert "--metrics-port is for the long-running `ingest --streaming`" in capsys.readouterr().err
