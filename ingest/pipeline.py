@@ -419,9 +419,11 @@ def _run_beam(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, plan: _P
         _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
 
 
-def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, end_offsets: dict[int, int]) -> bool:
+def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, end_offsets: dict[int, int], *,
+                    timeout_s: float = 5.0) -> bool:
     """Commit ``end_offsets`` (partition -> next offset to read, as in the ``events`` commit) to the consumer
-    group ``ingest.group_id`` through the ``kafka.client`` library; nothing when the group id is "".
+    group ``ingest.group_id`` through the ``kafka.client`` library, waiting ``timeout_s`` seconds at most (a
+    mirror must not hold up the next batch for long); nothing when the group id is "".
 
     Returns:
         True when the group commit succeeded; False when it was off or failed (logged as a warning: the
@@ -431,7 +433,7 @@ def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, en
         return False
     try:
         commit_group_offsets(kafka.client, bootstrap, ingest.group_id, kafka.topic, end_offsets,
-                             timeout_s=ingest.read_timeout_s)
+                             timeout_s=min(timeout_s, ingest.read_timeout_s))
     except Exception as exc:  # any client error: the lake already holds the batch, the group is only a mirror
         log.warning("ingest %s: committing the offsets to consumer group %r failed (%s: %s); the lake has them, "
                     "the group catches up after the next batch", app_id_for(kafka.topic), ingest.group_id,

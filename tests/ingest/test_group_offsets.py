@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from gemline.run import kafka_lag_source
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_clients import commit_group_offsets, group_offsets, make_client
-from ingest.pipeline import app_id_for, run_ingest
+from ingest.pipeline import app_id_for, mirror_to_group, run_ingest
 from ingest.schema import Event
 from ingest.streaming import StreamingConfig, run_streaming
 from tests.ingest.test_streaming import BASE_MS, REPO
@@ -109,6 +110,20 @@ def test_a_failed_group_commit_warns_and_the_batch_stays_committed(broker, topic
     assert _lake_offsets(lake, topic) == {0: 2, 1: 2}
     assert group_offsets(broker.bootstrap, group, topic, range(PARTITIONS)) == {}
     assert f"consumer group {group!r} failed (RuntimeError: coordinator not available)" in caplog.text
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_a_broker_that_does_not_answer_costs_the_timeout_and_a_warning(client, caplog):
+    silent = socket.socket()  # accepts connections (the listen backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="ingest.pipeline"):
+            assert not mirror_to_group(KafkaConfig(client=client), IngestConfig(), bootstrap, {0: 3}, timeout_s=1.0)
+    finally:
+        silent.close()
+    assert "failed (BrokerTimeoutError: group 'gemline-ingest': no commit within 1 s" in caplog.text
 
 
 @pytest.mark.parametrize("client", ["confluent", "kafka-python"])
