@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import time
@@ -12,9 +13,17 @@ import pyarrow as pa
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gemline.gate import append_quality_rows, release
+from gemline.gate import RELEASE, append_quality_rows, gate_decisions, release
 from gemline.lake import Lake, commit_once, open_table, read_table
-from gemline.metrics import LagSource, PipelineCollector, StageSample, consumer_lag, lake_offsets, serve
+from gemline.metrics import (
+    LagSource,
+    PipelineCollector,
+    StageSample,
+    consumer_lag,
+    lake_offsets,
+    quarantined_versions,
+    serve,
+)
 from gemline.run import stage_samples
 from gemline.supervisor import StageCommand, Supervisor
 
@@ -166,3 +175,40 @@ def test_cli_refuses_metrics_for_a_one_shot_build(capsys, tmp_path):
 
     assert main(["build", "--metrics-port", "0", "--lake", str(tmp_path)]) == 2
     assert "--metrics-port is for the long-running `build --follow`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_quarantined_versions_match_the_gates_decisions(tmp_path, seed):
+    """Random validation histories (ties in run time, warnings, releases before, at and after the newest run, a
+    release without any run): the column-wise rule refuses exactly the versions gate_decisions refuses."""
+    rng = random.Random(seed)
+    rows = []
+    for table in ("events", "examples"):
+        for version in range(8):
+            for run in range(rng.randint(0, 3)):
+                ts, run_id = rng.choice([1_000, 2_000, 3_000]), f"r{rng.randint(0, 9)}-{run}"
+                for expectation in ("not_null", "range", "drift"):
+                    rows.append({**_check(table, version, run_id, ts, rng.random() < 0.6),
+                                 "expectation": expectation, "severity": rng.choice(["critical", "warning"])})
+            if rng.random() < 0.4:
+                rows.append({**_check(table, version, f"release-{version}", rng.choice([500, 2_000, 3_000, 4_000]),
+                                      True), "expectation": RELEASE, "severity": "release"})
+    lake = Lake(str(tmp_path / "lake"))
+    append_quality_rows(lake, rows)
+    expected = sorted((table, v) for table in ("events", "examples")
+                      for v, d in gate_decisions(lake, table, range(8)).items() if d.validated and not d.allowed)
+    got = quarantined_versions(read_table(lake, "quality"))
+    assert list(zip(got["table"].to_pylist(), got["table_version"].to_pylist())) == expected
+    assert 0 < len(expected) < 16  # the histories hold both verdicts
+
+
+def test_a_release_is_seen_at_the_next_read(lake):
+    collector = PipelineCollector(lake, tables=[], cache_s=0.0)
+
+    def examples_quarantined() -> float:
+        family = next(f for f in collector.collect() if f.name == "gemline_quarantined_versions")
+        return next(s.value for s in family.samples if s.labels["table"] == "examples")
+
+    assert examples_quarantined() == 1
+    release(lake, "examples", 0, "a known gap", now_ms=5_000)
+    assert examples_quarantined() == 0
