@@ -184,7 +184,8 @@ class PipelineCollector(Collector):
                  stages: Callable[[], Iterable[StageSample]] | None = None, cache_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lake, self.lag, self.stages, self.cache_s, self.clock = lake, lag, stages, cache_s, clock
-        self.tables = tuple(tables) if tables is not None else (*(str(t) for t in Table), FRESHNESS_TABLE)
+        # dict.fromkeys: once the registry names the freshness table too, it is still one sample per table.
+        self.tables = tuple(dict.fromkeys(tables if tables is not None else (*map(str, Table), FRESHNESS_TABLE)))
         self.errors: dict[str, int] = {}
         self._lock = threading.Lock()
         self._cached: tuple[float, list[Metric]] | None = None

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -27,6 +30,7 @@ from gemline.metrics import (
 from gemline.run import stage_samples
 from gemline.supervisor import StageCommand, Supervisor
 
+REPO = Path(__file__).resolve().parents[2]
 TOPIC = "gemline.events"
 APP = f"ingest:{TOPIC}"
 
@@ -212,3 +216,27 @@ def test_a_release_is_seen_at_the_next_read(lake):
     assert examples_quarantined() == 1
     release(lake, "examples", 0, "a known gap", now_ms=5_000)
     assert examples_quarantined() == 0
+
+
+def test_cli_build_follow_serves_metrics(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    for v in range(2):
+        commit_once(lake, "examples", _rows(3, 3 * v), app_id="build", version=v)
+    cmd = [sys.executable, "-m", "gemline.cli", "build", "--follow", "--interval-s", "60", "--metrics-port", "0",
+           "--lake", lake.root]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = next((line for line in proc.stderr if line.startswith("metrics: port ")), "")
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # a full pipe would block the child
+        got = scrape(int(line.split()[2].rstrip(",")))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert got["gemline_table_version"] == {(("table", "examples"),): 1}
+    assert got["gemline_rows"] == {(("table", "examples"),): 6}
+    assert "gemline_consumer_lag" not in got  # no Kafka cluster configured: no lag metric
+    assert proc.returncode == 0
