@@ -24,7 +24,6 @@ This module knows neither Kafka clients nor the supervisor: the application pass
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
@@ -39,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gemline.gate import RELEASE
-from gemline.lake import Lake, open_table, read_table
+from gemline.lake import Lake, commit_metadata, open_table, read_table
 from gemline.tables import Table
 
 log = logging.getLogger(__name__)
@@ -81,20 +80,11 @@ def consumer_lag(watermarks: Mapping[int, tuple[int, int]], committed: Mapping[i
     return {p: max(0, high - committed.get(p, low)) for p, (low, high) in sorted(watermarks.items())}
 
 
-def lake_offsets(lake: Lake, app_id: str, *, recent: int = 20) -> dict[int, int]:
+def lake_offsets(lake: Lake, app_id: str) -> dict[int, int]:
     """The ``end_offsets`` (partition -> next offset to read) of ``app_id``'s newest ``events`` commit; {} when
-    it never committed. Looks at the newest ``recent`` commits first: a full history read costs one file per
-    commit, and ingest is normally the newest writer of ``events``."""
-    dt = open_table(lake, Table.EVENTS)
-    if dt is None or dt.transaction_version(app_id) is None:
-        return {}
-    for limit in (recent, None):
-        for entry in dt.history(limit=limit):
-            raw = entry.get("gemline")
-            meta = json.loads(raw) if raw else {}
-            if meta.get("app_id") == app_id and "end_offsets" in meta:
-                return {int(p): int(o) for p, o in meta["end_offsets"].items()}
-    return {}
+    it never committed."""
+    meta = commit_metadata(lake, Table.EVENTS, app_id) or {}
+    return {int(p): int(o) for p, o in meta.get("end_offsets", {}).items()}
 
 
 def table_rows(dt: Any) -> int:
