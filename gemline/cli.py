@@ -28,11 +28,9 @@ Stage modules are imported inside each command so that `gemline broker` starts w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -56,22 +54,6 @@ def _metrics_flag(parser: argparse.ArgumentParser, when: str) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help=f"{when}serve Prometheus metrics (gemline.metrics) on this port, 0: a free one (printed); "
                              "default: none")
-
-
-@contextlib.contextmanager
-def _serving_metrics(config: GemlineConfig, port: int | None, *, bootstrap: str | None) -> Iterator[None]:
-    """Serve the metrics on ``port`` (None: not at all) while the block runs."""
-    if port is None:
-        yield
-        return
-    from gemline.run import start_metrics
-
-    server = start_metrics(config, port, bootstrap=bootstrap)
-    try:
-        yield
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
@@ -210,13 +192,14 @@ def cmd_ingest(args: argparse.Namespace, extra: list[str]) -> int:
 def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: list[str]) -> int:
     import threading
 
+    from gemline.run import serving_metrics
     from ingest.streaming import install_stop_signals, run_streaming
 
     bootstrap = _require_bootstrap(config)
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:
-        with _serving_metrics(config, args.metrics_port, bootstrap=bootstrap):
+        with serving_metrics(config, args.metrics_port, bootstrap=bootstrap):
             summary = run_streaming(Lake.for_config(config), config.kafka, config.ingest, config.ingest.streaming,
                                     bootstrap=bootstrap, stop=stop, beam_args=extra)
     finally:
@@ -230,9 +213,10 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.follow:
         from gemline.follow import follow_build
+        from gemline.run import serving_metrics
 
         config = _config(args)
-        with _serving_metrics(config, args.metrics_port, bootstrap=config.kafka.bootstrap):
+        with serving_metrics(config, args.metrics_port, bootstrap=config.kafka.bootstrap):
             follow_build(config, beam_args=_beam_args(args, extra), on_pass=_print_new_work())
         return 0
     if args.metrics_port is not None:

@@ -16,10 +16,11 @@ newest version of the lake's main tables; without one, one line per start, exit 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,23 +123,29 @@ def kafka_lag_source(config: GemlineConfig, bootstrap: str, *, timeout_s: float 
     return LagSource(config.kafka.topic, app_id_for(config.kafka.topic), watermarks)
 
 
-def start_metrics(config: GemlineConfig, port: int, *, bootstrap: str | None,
-                  stages: Callable[[], list[StageSample]] | None = None,
-                  say: Callable[[str], None] | None = None) -> Any:
-    """Serve :mod:`gemline.metrics` for ``config``'s lake on ``port`` (0: a free one) and say where; the lag
-    metric only with a ``bootstrap``, the stage metrics only with ``stages``.
-
-    Returns:
-        The HTTP server (``shutdown()`` stops it; it runs in a daemon thread meanwhile).
+@contextlib.contextmanager
+def serving_metrics(config: GemlineConfig, port: int | None, *, bootstrap: str | None,
+                    stages: Callable[[], list[StageSample]] | None = None,
+                    say: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Serve :mod:`gemline.metrics` for ``config``'s lake on ``port`` (0: a free one; None: nothing is served)
+    from a daemon thread while the block runs, and say where first; the lag metric only with a ``bootstrap``,
+    the stage metrics only with ``stages``.
 
     Raises:
         OSError: the port is taken.
     """
+    if port is None:
+        yield
+        return
     lag = None if bootstrap is None else kafka_lag_source(config, bootstrap)
     server, bound = serve(PipelineCollector(Lake.for_config(config), lag=lag, stages=stages), port)
-    (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
-        f"metrics: port {bound}, all interfaces (http://127.0.0.1:{bound}/metrics)")
-    return server
+    try:
+        (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
+            f"metrics: port {bound}, all interfaces (http://127.0.0.1:{bound}/metrics)")
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def stage_samples(sup: Supervisor) -> list[StageSample]:
@@ -200,14 +207,9 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
                 raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within 60 s; "
                                              f"its log: {sup.stages[0].log_path}")
         say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
-        metrics = None if plan.metrics_port is None else start_metrics(
-            config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup), say=say)
-        try:
+        with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
+                             say=say):
             return _supervise(sup, lake, live, None if until is None else (lambda: until(sup)))
-        finally:
-            if metrics is not None:
-                metrics.shutdown()
-                metrics.server_close()
 
 
 def _supervise(sup: Supervisor, lake: Lake, live: bool, stop: Callable[[], bool] | None) -> int:
