@@ -727,66 +727,44 @@ def make_client(client: ClientName, bootstrap: str, *, timeout_s: float = 30.0,
     raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
 
 
-def commit_group_offsets(client: ClientName, bootstrap: str, group_id: str, topic: str, offsets: Mapping[int, int],
-                         *, timeout_s: float = 10.0) -> None:
+def commit_group_offsets(bootstrap: str, group_id: str, topic: str, offsets: Mapping[int, int], *,
+                         timeout_s: float = 10.0) -> None:
     """Commit ``offsets`` (partition -> next offset to read) of ``topic`` to the consumer group ``group_id``
-    through a short-lived consumer of the ``client`` library that never subscribes, waiting ``timeout_s``
-    seconds at most.
+    through a short-lived kafka-python consumer that never joins the group, waiting about ``timeout_s``
+    seconds at most (bootstrap, commit and close each bounded by it).
 
-    A group commit with explicit offsets needs no group membership (confluent-kafka: the AdminClient's
-    ``alter_consumer_group_offsets``; kafka-python: ``KafkaConsumer.commit`` of a consumer that never joins),
-    so the group only mirrors the lake. The broker refuses it while consumers are members of the group.
+    A group commit with explicit offsets needs no group membership (generation -1, Kafka's "simple consumer"
+    use of the group coordinator), so the group only mirrors the lake; the broker refuses it while consumers
+    are members of the group. kafka-python whatever ``kafka.client`` reads the topic: librdkafka's consumer
+    commit has no timeout (its close waited 45 s for the coordinator of a broker that did not answer), and its
+    AdminClient ``alter_consumer_group_offsets`` with a request timeout aborted the process
+    (``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0'``, SIGABRT) in the broker outage test.
 
     Raises:
-        ValueError: an unknown client name or an empty ``group_id``.
+        ValueError: an empty ``group_id``.
         BrokerUnreachableError: every bootstrap server refused the connection.
         BrokerTimeoutError: the commit did not complete within ``timeout_s``.
-        confluent_kafka.KafkaException / kafka.errors.KafkaError: the broker refused the commit.
+        kafka.errors.KafkaError: the broker refused the commit.
     """
+    from kafka import KafkaConsumer
+    from kafka import TopicPartition as KafkaTopicPartition
+    from kafka.errors import KafkaTimeoutError
+    from kafka.structs import OffsetAndMetadata
+
     if not group_id:
         raise ValueError("commit_group_offsets: expected a consumer group id, got ''")
     check_not_refused(bootstrap)
-    if client == "confluent":
-        _confluent_commit(bootstrap, group_id, topic, offsets, timeout_s)
-    elif client == "kafka-python":
-        from kafka import KafkaConsumer
-        from kafka import TopicPartition as KafkaTopicPartition
-        from kafka.errors import KafkaTimeoutError
-        from kafka.structs import OffsetAndMetadata
-
-        timeout_ms = int(timeout_s * 1000)
-        try:
-            kconsumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False,
-                                      request_timeout_ms=timeout_ms + 1000, bootstrap_timeout_ms=timeout_ms)
-            try:
-                kconsumer.commit({KafkaTopicPartition(topic, p): OffsetAndMetadata(o, "", -1)
-                                  for p, o in sorted(offsets.items())}, timeout_ms=timeout_ms)
-            finally:
-                kconsumer.close(autocommit=False, timeout_ms=timeout_ms)
-        except KafkaTimeoutError as exc:
-            raise BrokerTimeoutError(f"group {group_id!r}: no commit within {timeout_s:g} s ({exc})") from exc
-    else:
-        raise ValueError(f"kafka client: expected 'confluent' or 'kafka-python', got {client!r}")
-
-
-def _confluent_commit(bootstrap: str, group_id: str, topic: str, offsets: Mapping[int, int], timeout_s: float) -> None:
-    from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
-    from confluent_kafka.admin import AdminClient
-
-    # The admin call (KIP-396), not Consumer.commit: librdkafka's consumer commit has no timeout, and the close
-    # of a consumer with a commit in flight waited 45 s for the coordinator of a broker that did not answer.
-    admin = AdminClient({"bootstrap.servers": bootstrap}, logger=rdkafka_logger())
-    request = ConsumerGroupTopicPartitions(group_id, [TopicPartition(topic, p, o) for p, o in sorted(offsets.items())])
+    timeout_ms = int(timeout_s * 1000)
     try:
-        future = admin.alter_consumer_group_offsets([request], request_timeout=timeout_s)[group_id]
-        result = future.result(timeout=timeout_s + 1)
-    except (KafkaException, TimeoutError) as exc:
-        if "Timed out" in str(exc) or isinstance(exc, TimeoutError):
-            raise BrokerTimeoutError(f"group {group_id!r}: no commit within {timeout_s:g} s ({exc})") from exc
-        raise
-    failed = [tp for tp in result.topic_partitions or [] if tp.error is not None]
-    if failed:
-        raise KafkaException(failed[0].error)
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False,
+                                 request_timeout_ms=timeout_ms + 1000, bootstrap_timeout_ms=timeout_ms)
+        try:
+            consumer.commit({KafkaTopicPartition(topic, p): OffsetAndMetadata(o, "", -1)
+                             for p, o in sorted(offsets.items())}, timeout_ms=timeout_ms)
+        finally:
+            consumer.close(autocommit=False, timeout_ms=timeout_ms)
+    except KafkaTimeoutError as exc:
+        raise BrokerTimeoutError(f"group {group_id!r}: no commit within {timeout_s:g} s ({exc})") from exc
 
 
 def group_offsets(bootstrap: str, group_id: str, topic: str, partitions: Sequence[int], *,

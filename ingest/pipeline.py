@@ -422,8 +422,8 @@ def _run_beam(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, plan: _P
 def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, end_offsets: dict[int, int], *,
                     timeout_s: float = 5.0) -> bool:
     """Commit ``end_offsets`` (partition -> next offset to read, as in the ``events`` commit) to the consumer
-    group ``ingest.group_id`` through the ``kafka.client`` library, waiting ``timeout_s`` seconds at most (a
-    mirror must not hold up the next batch for long); nothing when the group id is "".
+    group ``ingest.group_id`` (:func:`ingest.kafka_clients.commit_group_offsets`), waiting ``timeout_s`` seconds
+    at most (a mirror must not hold up the next batch for long); nothing when the group id is "".
 
     Returns:
         True when the group commit succeeded; False when it was off or failed (logged as a warning: the
@@ -432,7 +432,7 @@ def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, en
     if not ingest.group_id or not end_offsets:
         return False
     try:
-        commit_group_offsets(kafka.client, bootstrap, ingest.group_id, kafka.topic, end_offsets,
+        commit_group_offsets(bootstrap, ingest.group_id, kafka.topic, end_offsets,
                              timeout_s=min(timeout_s, ingest.read_timeout_s))
     except Exception as exc:  # any client error: the lake already holds the batch, the group is only a mirror
         log.warning("ingest %s: committing the offsets to consumer group %r failed (%s: %s); the lake has them, "
