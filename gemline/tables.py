@@ -16,6 +16,7 @@
     quality                    validation  append                          gemline.gate:QUALITY_SCHEMA
     quality_profiles           validation  append                          validation.profiles:PROFILES_SCHEMA
     training_metrics           trainer     append                          trainer.continuous:TRAINING_METRICS_SCHEMA
+    freshness                  trainer     append                          trainer.freshness:FRESHNESS_SCHEMA
 
 A table is named by a :class:`Table` member (a ``str``, so ``read_table(lake, Table.EVENTS)`` and
 ``Table.EVENTS == "events"`` work), never by a string literal. The owner is the stage that computes
@@ -71,6 +72,7 @@ class Table(StrEnum):
     QUALITY = "quality"
     QUALITY_PROFILES = "quality_profiles"
     TRAINING_METRICS = "training_metrics"
+    FRESHNESS = "freshness"
 
     def __repr__(self) -> str:
         # A name reads as its string in messages and reprs ('events', not <Table.EVENTS: 'events'>):
@@ -159,6 +161,8 @@ TABLES: Mapping[Table, TableSpec] = _specs(
               schema="validation.profiles:PROFILES_SCHEMA", about="one metric of one validated batch"),
     TableSpec(name=Table.TRAINING_METRICS, owner="trainer", mode="append",
               schema="trainer.continuous:TRAINING_METRICS_SCHEMA", about="one metric of one continuous evaluation"),
+    TableSpec(name=Table.FRESHNESS, owner="trainer", mode="append", schema="trainer.freshness:FRESHNESS_SCHEMA",
+              about="p50/p95/p99 of one freshness hop over one trained examples version"),
 )
 """Every Delta table gemline writes, by name."""
 

@@ -10,7 +10,9 @@ batches, compactions never re-read), and for each version the quality gate allow
    the Delta table ``training_metrics``, once per (run, version) (an app transaction per evaluation);
 2. **training** on the rows, in the order of the log, shuffled within each read batch by a seed derived
    from (trainer.seed, version, file index, row offset), so a resumed run replays the same order;
-3. a **checkpoint** ``LAKE/_continuous/_checkpoints/step-N`` holding model, optimisers, RNG states, the
+3. its **freshness** -- p50/p95/p99 of impression -> published -> trained over the rows trained, to the Delta
+   table ``freshness`` once per (run, version), just before the checkpoint (:mod:`trainer.freshness`);
+4. a **checkpoint** ``LAKE/_continuous/_checkpoints/step-N`` holding model, optimisers, RNG states, the
    input normalizer, the cursor and the lineage of every version consumed or skipped.
 
 Versions are consumed up to the newest one the gate allows. Versions in between that were never
@@ -55,6 +57,7 @@ from gemline.increments import Cursor, CursorError, latest_version, read_from, t
 from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
+from trainer import freshness
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
 from trainer.data import DenseNormalizer, dense_names, encode_examples, fit_normalizer
@@ -149,6 +152,9 @@ class ContinuousResult:
     checkpoint_path: str | None = None
     waiting_for: int | None = None
     """The first version this call stopped at because it is not validated yet (None: caught up)."""
+    freshness: list[dict[str, Any]] = field(default_factory=list)
+    """The ``freshness`` rows this call measured (:mod:`trainer.freshness`), whether or not an earlier, crashed
+    call had already committed that version's."""
     report_path: str | None = None
     """``LAKE/_runs/<run_id>/report.html``: the run's curves and lineage (:mod:`trainer.run_report`)."""
 
@@ -247,6 +253,18 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
     if on_predictions is not None:
         on_predictions(predictions)
     return evaluate(predictions.labels, predictions.probs, predictions.domains)
+
+
+def _measure(lake: Lake, run_id: str, sequence: int, version: int, clock: freshness.VersionClock,
+             published_ms: int | None) -> list[dict[str, Any]]:
+    """Write examples@version's ``freshness`` rows once (app transaction ``sequence``) and return them; [] when
+    the version's commit is no longer in the Delta log (log retention), so it has no publish time."""
+    if published_ms is None:
+        log.warning("examples@%d: its commit is no longer in the Delta log, so its freshness is not measured", version)
+        return []
+    rows = clock.rows(run_id, version, published_ms, freshness.wall_ms())
+    freshness.append_freshness(lake, run_id, sequence, rows)
+    return rows
 
 
 def _prune(root: str, keep: int) -> None:
@@ -393,6 +411,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         cont = state.extra["continuous"]
         run_id, cursor = cont["run_id"], Cursor.from_dict(cont["cursor"])
         skipped, lineage, evaluations = list(cont["skipped"]), list(cont["lineage"]), int(cont["evaluations"])
+        measured = int(cont.get("measured", 0))  # checkpoints from before trainer.freshness have no count
         if cursor.table_id != tid:
             raise CursorError(f"examples was recreated: its table id is {tid}, the run {run_id} read {cursor.table_id}; "
                               "start a new run with `gemline train --once --from-scratch`")
@@ -409,7 +428,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, counters.step, cursor)
     else:
         run_id, cursor = plan["run_id"], Cursor(tid, 0)
-        skipped, lineage, evaluations = [], [], 0
+        skipped, lineage, evaluations, measured = [], [], 0, 0
 
     result = ContinuousResult(run_id, counters.step, counters.examples_seen, cursor)
     newest, decisions = plan["newest"], plan["decisions"]
@@ -425,7 +444,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         assert engine is not None and normalizer is not None
         extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model,
                  "continuous": {"run_id": run_id, "cursor": cursor.to_dict(), "skipped": skipped,
-                                "lineage": lineage, "evaluations": evaluations}}
+                                "lineage": lineage, "evaluations": evaluations, "measured": measured}}
         state = TrainState(step=counters.step, examples_seen=counters.examples_seen,
                            examples_version=max(cursor.version - 1, 0), extra=extra)
         path = engine.save(root, state, storage_options=opts)
@@ -434,6 +453,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         return path
 
     sources = _Sources(lake) if rank == 0 else None
+    published: dict[int, int] | None = None  # examples commit times, read once when the first version is measured
     consumed = 0
     for version in todo:
         if max_versions is not None and consumed >= max_versions:
@@ -480,6 +500,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
                                                "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
         rows, losses_before = 0, len(counters.losses)
+        clock = freshness.VersionClock()
+        reading: dict[str, Any] = {}  # the read batch the loop is training on: its rows' times for on_step
 
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
             nonlocal rows, cursor, start
@@ -494,6 +516,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                  version, unread)
                     noted = noted or bool(unread)
                     data = encode_examples(table, tc.num_embeddings, normalizer)
+                    reading.update(data=data, event_ms=table["event_time_ms"].to_numpy(),
+                                   corrected=freshness.corrections(table))
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))
@@ -505,7 +529,18 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                 else:
                     start = after
 
-        train_loop(engine, counters, global_batches())
+        def on_step(batch: GlobalBatch, step: int) -> None:
+            # train_loop calls this before it draws the next batch, so `reading` still holds this batch's rows.
+            assert batch.data is reading["data"], "on_step runs before the next read batch is drawn"
+            clock.add_step(reading["event_ms"][batch.rows], reading["corrected"][batch.rows], step,
+                           freshness.wall_ms())
+
+        train_loop(engine, counters, global_batches(), on_step=on_step)
+        if clock.event_ms:
+            measured += 1  # on every rank, so the checkpoint's count is the same whoever writes meta.json
+            if rank == 0:
+                published = freshness.commit_times(lake) if published is None or version not in published else published
+                result.freshness += _measure(lake, run_id, measured, version, clock, published.get(version))
         losses = counters.losses[losses_before:]
         quality = "released" if version in skipped else "passed"
         if version in skipped:

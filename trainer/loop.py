@@ -193,10 +193,12 @@ class GlobalBatch(NamedTuple):
 
 def train_loop(engine: Engine, progress: Progress, batches: Iterable[GlobalBatch], *,
                checkpoint_every_steps: int | None = None, checkpoint: Callable[[Any], object] | None = None,
-               bar: tqdm | None = None) -> None:
+               bar: tqdm | None = None, on_step: Callable[[GlobalBatch, int], object] | None = None) -> None:
     """Train ``engine`` on each global batch in turn, counting into ``progress``.
 
-    A skipped step (:meth:`Engine.train_step` returned None) moves no counter. Every
+    A skipped step (:meth:`Engine.train_step` returned None) moves no counter and calls nothing.
+    ``on_step(batch, step)`` is called after each step taken, before the next batch is drawn from
+    ``batches`` (the continuous trainer times each row's step from it: trainer.freshness). Every
     ``checkpoint_every_steps`` steps ``checkpoint(batch.after)`` is called (collective on a sharded engine:
     every rank reaches the same steps, since the loss that decides a skip is reduced over ranks).
     """
@@ -211,6 +213,8 @@ def train_loop(engine: Engine, progress: Progress, batches: Iterable[GlobalBatch
         progress.step += 1
         progress.examples_seen += len(batch.rows)
         progress.losses.append(loss)
+        if on_step is not None:
+            on_step(batch, progress.step)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}")
         if checkpoint is not None and checkpoint_every_steps is not None and progress.step % checkpoint_every_steps == 0:

@@ -96,6 +96,8 @@ def test_a_sigkill_at_a_seeded_point_then_a_restart_trains_each_example_once(tmp
     metrics = read_table(str(killed), "training_metrics").to_pylist()
     keys = [(r["examples_version"], r["task"], r["domain"], r["metric"]) for r in metrics]
     assert len(keys) == len(set(keys)) == 2 * 2 * 4 * 5, "each evaluation written once"
+    hops = [(r["examples_version"], r["hop"]) for r in read_table(str(killed), "freshness").to_pylist()]
+    assert len(hops) == len(set(hops)) == 3 * 3, "each version's freshness written once"
 
 
 def test_versions_after_a_bootstrap_and_a_range_past_the_newest_version(tmp_path):
