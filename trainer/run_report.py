@@ -3,7 +3,8 @@
 It shows what a person checks after a daily run: the progressive AUC and NE per domain over examples
 versions (each measured before the model trained on that version, from the ``training_metrics`` table),
 the rows trained per version with its quality verdict (passed, released, quarantined and skipped), the mean
-training loss per version, and the lineage table. Plots are matplotlib (Agg) PNGs inlined as base64, as
+training loss per version, the freshness of the trained rows per version (p50/p95/p99 of impression ->
+published -> trained, from the ``freshness`` table: trainer.freshness) and the lineage table. Plots are matplotlib (Agg) PNGs inlined as base64, as
 in the data-quality reports (``validation.report``), so the page opens anywhere without a server.
 
 Beside it, ``LAKE/_runs/<run_id>/tensorboard/`` holds the same numbers as TensorBoard scalars
@@ -29,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from gemline.lake import Lake, lake_fs, read_table  # noqa: E402
 from gemline.tables import Table  # noqa: E402
+from trainer.freshness import HOPS  # noqa: E402
 
 _COLOURS = {"passed": "#2b8a3e", "released": "#e67700", "quarantined": "#c92a2a"}
 
@@ -86,13 +88,41 @@ def _loss_plot(lineage: Sequence[dict[str, Any]]) -> str:
     return _png(fig)
 
 
+_QUANTILES = (("p50_s", "p50", "-"), ("p95_s", "p95", "--"), ("p99_s", "p99", ":"))
+
+
+def freshness_series(rows: list[dict[str, Any]], run_id: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{hop: {"p50_s" | "p95_s" | "p99_s": [(examples_version, seconds), ...]}}`` of a run's ``freshness`` rows,
+    versions ascending."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for row in rows:
+        if row["run_id"] == run_id:
+            for column, _, _ in _QUANTILES:
+                out.setdefault(row["hop"], {}).setdefault(column, []).append((int(row["examples_version"]), float(row[column])))
+    return {hop: {c: sorted(points) for c, points in by_q.items()} for hop, by_q in out.items()}
+
+
+def _freshness_plot(series: dict[str, dict[str, list[tuple[int, float]]]], hops: Sequence[str]) -> str:
+    fig, axes = plt.subplots(1, len(hops), figsize=(12, 3), sharex=True)
+    for ax, hop in zip(axes, hops):
+        for column, label, style in _QUANTILES:
+            points = series.get(hop, {}).get(column, [])
+            ax.plot([v for v, _ in points], [y for _, y in points], style, marker="o", markersize=3, label=label)
+        ax.set(title=hop, xlabel="examples version", ylabel="seconds")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
 def _loss_text(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
 
 
 def render_run_report(run_id: str, lineage: Sequence[dict[str, Any]], metrics: list[dict[str, Any]], *,
-                      step: int, rows_trained_total: int, checkpoint: str | None) -> str:
-    """The report page as an HTML string (see the module docstring)."""
+                      step: int, rows_trained_total: int, checkpoint: str | None,
+                      freshness: list[dict[str, Any]] | None = None) -> str:
+    """The report page as an HTML string (see the module docstring); ``freshness``: rows of the ``freshness``
+    table (none: an empty freshness plot)."""
     images = {
         "progressive click AUC per domain": _line_plot(progressive_series(metrics, run_id, "click", "auc"),
                                                        "click AUC", "AUC"),
@@ -102,6 +132,8 @@ def render_run_report(run_id: str, lineage: Sequence[dict[str, Any]], metrics: l
                                                             "conversion AUC", "AUC"),
         "rows and verdicts": _rows_plot(lineage),
         "training loss": _loss_plot(lineage),
+        "freshness of the trained rows (p50/p95/p99 per hop)": _freshness_plot(
+            freshness_series(freshness or [], run_id), HOPS),
     }
     rows = "".join(
         f"<tr><td>{r['version']}</td><td>{r['quality']}</td><td>{r['rows_trained']}</td><td>{r['evaluated']}</td>"
@@ -166,8 +198,9 @@ def write_run_report(lake: Lake, run_id: str, *, lineage: Sequence[dict[str, Any
     """
     table = read_table(lake, Table.TRAINING_METRICS)
     metrics = [] if table is None else table.to_pylist()
+    fresh = read_table(lake, Table.FRESHNESS)
     page = render_run_report(run_id, lineage, metrics, step=step, rows_trained_total=rows_trained_total,
-                             checkpoint=checkpoint)
+                             checkpoint=checkpoint, freshness=[] if fresh is None else fresh.to_pylist())
     fs, root = lake_fs(lake)
     folder = f"{root}/_runs/{run_id}"
     fs.create_dir(folder, recursive=True)

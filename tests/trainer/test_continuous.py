@@ -183,7 +183,7 @@ def test_the_run_report_shows_curves_verdicts_and_lineage(tmp_path):
     res = run_once(*trainer_args(_config(lake)))
     page = Path(res.report_path).read_text()
     assert res.report_path == f"{lake}/_runs/{res.run_id}/report.html"
-    assert page.count("data:image/png;base64,") == 5
+    assert page.count("data:image/png;base64,") == 6
     assert "<td>1</td><td>quarantined</td><td>0</td>" in page and "<td>3</td><td>passed</td><td>200</td>" in page
     from trainer.run_report import progressive_series
 

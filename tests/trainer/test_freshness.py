@@ -5,6 +5,7 @@ across a crash between the freshness commit and the checkpoint."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +17,7 @@ from gemline.lake import read_table, table_uri
 from tests.conftest import trainer_args
 from trainer import freshness
 from trainer.continuous import run_once
+from trainer.run_report import freshness_series
 
 from .conftest import synthetic_examples
 from .test_continuous import _add, _config
@@ -112,6 +114,10 @@ def test_the_trainer_writes_each_versions_quantiles_over_its_rows_steps(tmp_path
     assert got[(1, "impression->trained")][0] == 200 - 40, "every 5th row of version 1 is a correction"
     assert {(r["examples_version"], r["step_first"], r["step_last"]) for r in written} == {(0, 1, 4), (1, 5, 8)}
     assert {r["run_id"] for r in written} == {result.run_id}
+    series = freshness_series(written, result.run_id)
+    assert series["impression->trained"]["p99_s"] == [(v, got[(v, "impression->trained")][3]) for v in (0, 1)]
+    page = Path(result.report_path).read_text()
+    assert "freshness of the trained rows" in page and page.count("data:image/png;base64,") == 6
 
 
 def test_a_crash_after_the_freshness_commit_and_before_the_checkpoint_writes_the_version_once(
