@@ -154,6 +154,7 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     produced = stream_records(
         records, bootstrap=_require_bootstrap(config), topic=config.kafka.topic, partitions=config.kafka.partitions,
         rate_per_s=args.rate, batch_messages=config.kafka.producer_batch_messages,
+        wall_clock=config.generate.wall_clock,
     )
     print(json.dumps({"produced": produced, "topic": config.kafka.topic, "seed": config.generate.seed}))
     return 0

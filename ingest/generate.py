@@ -23,6 +23,7 @@ same records, byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -74,6 +75,12 @@ class GenerateConfig:
     """Fraction of extra records that are malformed, relative to the good ones."""
     seed: int = 0
     """Seed of every draw."""
+    wall_clock: bool = False
+    """A live stream: ``gemline generate --rate R`` stamps each event with the wall-clock time (ms since epoch UTC)
+    of the one-second slice that produces it, instead of its time in the generated period (which starts at
+    ``start_ms``, in the past). The order is kept; a click or conversion then follows its impression by the
+    stream's gap between them (period time compressed to the rate), not by the drawn delay. Freshness is
+    measured against these times (benchmarks.freshness)."""
 
     def __post_init__(self) -> None:
         for name in ("num_users", "num_ads"):
@@ -237,12 +244,25 @@ def in_time_order(records: list[Record]) -> list[Record]:
     return [records[i] for i in sorted(range(len(records)), key=keys.__getitem__)]
 
 
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def stamped(records: list[Record], now_ms: int) -> list[Record]:
+    """``records`` with every Event's ``event_time_ms`` set to ``now_ms`` (ms since epoch UTC); malformed
+    records (RawRecord) unchanged."""
+    return [dataclasses.replace(r, event_time_ms=now_ms) if isinstance(r, Event) else r for r in records]
+
+
 def stream_records(records: list[Record], *, bootstrap: str, topic: str, partitions: int,
-                   rate_per_s: float | None = None, batch_messages: int = 1, progress: bool = True) -> int:
+                   rate_per_s: float | None = None, batch_messages: int = 1, progress: bool = True,
+                   wall_clock: bool = False) -> int:
     """Produce ``records`` to Kafka, at most ``rate_per_s`` events/s (as fast as possible if None).
 
     Paces in one-second slices: each slice of ``rate_per_s`` records is produced and acknowledged
     (``ingest.replay.replay``), then the rest of the second is slept. Returns the records produced.
+    ``wall_clock``: each slice's events are stamped with the slice's start (:func:`stamped`;
+    ``GenerateConfig.wall_clock``).
 
     Raises:
         ValueError: ``rate_per_s`` <= 0.
@@ -258,6 +278,8 @@ def stream_records(records: list[Record], *, bootstrap: str, topic: str, partiti
     for start in range(0, len(ordered), step):
         began = time.monotonic()
         chunk = ordered[start:start + step]
+        if wall_clock:
+            chunk = stamped(chunk, _now_ms())
         replay(chunk, bootstrap=bootstrap, topic=topic, partitions=partitions,
                batch_messages=batch_messages, progress=progress and rate_per_s is None)
         produced += len(chunk)

@@ -114,3 +114,22 @@ def test_time_order_for_producing_keeps_bad_records_among_the_events(records):
     assert times == sorted(times)
     where = [i for i, r in enumerate(ordered) if isinstance(r, RawRecord)]
     assert where and where[0] < len(ordered) // 2, "bad records are spread through the stream, not all at its end"
+
+
+def test_a_wall_clock_stream_stamps_each_slice_with_its_start_and_keeps_the_order(records, monkeypatch):
+    import ingest.generate as generate
+    import ingest.replay
+
+    slices, clock = [], iter([1_000, 2_000, 3_000])
+    monkeypatch.setattr(ingest.replay, "replay", lambda chunk, **kw: slices.append(chunk))
+    monkeypatch.setattr(generate, "_now_ms", lambda: next(clock))
+    monkeypatch.setattr(generate.time, "sleep", lambda s: None)
+    head = generate.in_time_order(records)[:250]
+    produced = generate.stream_records(head, bootstrap="unused:1", topic="t", partitions=1, rate_per_s=100,
+                                       wall_clock=True)
+    assert produced == 250 and [len(c) for c in slices] == [100, 100, 50]
+    for stamp, chunk, original in zip((1_000, 2_000, 3_000), slices, (head[:100], head[100:200], head[200:])):
+        assert [getattr(r, "event_time_ms", None) for r in chunk] == [
+            stamp if isinstance(r, Event) else None for r in original]
+        assert [r.event_id if isinstance(r, Event) else r for r in chunk] == [
+            r.event_id if isinstance(r, Event) else r for r in original], "same records, same order"
