@@ -1,0 +1,252 @@
+"""Freshness of the whole pipeline on this machine: ``gemline run`` fed by ``gemline generate --rate R``.
+
+``python -m benchmarks.freshness [--minutes M] [--rate R] [--label-mode defer|window] [--publish-delay-ms D]``
+
+``gemline run`` (gemline.run: embedded broker, generator, streaming ingest, validation, build, continuous
+trainer, every stage its own process) runs for M minutes (default 10) on a temporary lake. The generator
+stamps events with the wall clock (``generate.wall_clock``) and is sized to last the run at R events/s
+(default 2000). Labels: ``--label-mode defer`` passes ``build.label_mode=defer`` and
+``build.publish_delay_ms=D`` (default 60 s) to every stage, and stops with a clear message when this
+checkout's config has no such keys; ``--label-mode window`` instead sets both attribution windows
+(``build.click_window_ms``, ``build.conversion_window_ms``) to D, so an impression is published about D after
+it happened, its labels final.
+
+Every ~30 s it samples each stage's backlog:
+
+* ingest: Kafka high watermarks minus the end offsets of the newest ``events`` commit (messages);
+* build: newest ``events`` version minus the events version the newest ``examples`` commit built (versions);
+* trainer: newest ``examples`` version minus the newest version the continuous run consumed (versions).
+
+A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
+shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope).
+
+After the run it prints the ``freshness`` table (trainer.freshness) per examples version and, last, one line:
+
+    freshness impression->trained p50=X p95=Y p99=Z s; backlog growing: yes|no
+
+where X, Y, Z are the row-weighted means of the versions' p50, p95 and p99 (the table keeps quantiles per
+version, not rows, so this approximates the quantiles of all rows pooled). Goal on the 2-core dev machine:
+p50 <= 90 s, p99 <= 240 s, no backlog growing over the last 5 minutes of a 10-minute run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from scipy import stats  # type: ignore[import-untyped]  # pinned in requirements.lock
+
+from gemline.config import GemlineConfig, load_config
+from gemline.increments import latest_version
+from gemline.lake import Lake, commit_metadata, read_table
+from gemline.tables import Table
+from ingest.broker import free_port
+from ingest.generate import GenerateConfig
+from ingest.kafka_clients import make_client
+from ingest.pipeline import app_id_for
+from sequences.config import BuildConfig
+from sequences.pipeline import APP_ID as BUILD_APP
+from trainer.freshness import HOPS
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_EVERY_S = 30.0
+EVENTS_PER_SESSION = 8.1
+"""Mean events of a generated session: 5 ads + 3 organic events + the clicks and conversions (ingest.generate)."""
+USERS = 10_000
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Each stage's backlog at ``t_s`` seconds into the run (None: the stage has no output to compare yet)."""
+
+    t_s: float
+    ingest: int | None
+    build: int | None
+    trainer: int | None
+
+
+STAGES = ("ingest", "build", "trainer")
+
+
+def backlog_growing(t_s: Sequence[float], backlog: Sequence[float], *, alpha: float = 0.05) -> bool:
+    """True when the least-squares slope of ``backlog`` over ``t_s`` is > 0 with one-sided p < ``alpha``
+    (t-test of the slope, ``scipy.stats.linregress``). False with fewer than 3 points or a flat backlog.
+
+    Raises:
+        ValueError: ``t_s`` and ``backlog`` differ in length.
+    """
+    if len(t_s) != len(backlog):
+        raise ValueError(f"backlog_growing: {len(t_s)} times but {len(backlog)} backlog values")
+    if len(t_s) < 3 or len(set(backlog)) == 1 or len(set(t_s)) == 1:
+        return False
+    fit = stats.linregress(t_s, backlog)
+    if math.isnan(fit.pvalue):  # a perfect line: stderr 0
+        return bool(fit.slope > 0)
+    return bool(fit.slope > 0 and fit.pvalue / 2 < alpha)
+
+
+def last_window(samples: Sequence[Sample], run_s: float, window_s: float = 300.0) -> list[Sample]:
+    """The samples of the last ``window_s`` seconds of a ``run_s``-second run, or of its last half when the run
+    is shorter than two windows."""
+    start = run_s - window_s if run_s >= 2 * window_s else run_s / 2
+    return [s for s in samples if s.t_s >= start]
+
+
+def growing_stages(samples: Sequence[Sample]) -> list[str]:
+    """The stages whose backlog grows over ``samples`` (:func:`backlog_growing`; samples without a value left out)."""
+    out = []
+    for stage in STAGES:
+        points = [(s.t_s, getattr(s, stage)) for s in samples if getattr(s, stage) is not None]
+        if backlog_growing([t for t, _ in points], [b for _, b in points]):
+            out.append(stage)
+    return out
+
+
+def pooled(rows: list[dict[str, Any]], hop: str) -> tuple[float, float, float, int] | None:
+    """(p50, p95, p99, rows) of ``hop``: the row-weighted means of the versions' quantiles (None: no rows)."""
+    mine = [r for r in rows if r["hop"] == hop and r["rows"] > 0]
+    total = sum(r["rows"] for r in mine)
+    if not total:
+        return None
+    p50, p95, p99 = (sum(r[q] * r["rows"] for r in mine) / total for q in ("p50_s", "p95_s", "p99_s"))
+    return p50, p95, p99, total
+
+
+def label_settings(label_mode: str, publish_delay_ms: int) -> dict[str, str]:
+    """The settings (``--set`` keys and values) of the label mode (module docstring).
+
+    Raises:
+        SystemExit: ``defer`` on a checkout whose BuildConfig has no ``label_mode``/``publish_delay_ms``.
+    """
+    if label_mode == "window":
+        return {"build.click_window_ms": str(publish_delay_ms), "build.conversion_window_ms": str(publish_delay_ms)}
+    have = {f.name for f in fields(BuildConfig)}
+    missing = [k for k in ("label_mode", "publish_delay_ms") if k not in have]
+    if missing:
+        raise SystemExit(f"benchmarks.freshness: this checkout's config has no build.{' nor build.'.join(missing)} "
+                         "(issue 20's deferred labels); run with --label-mode window to publish each impression "
+                         "--publish-delay-ms after it happened through shortened attribution windows instead")
+    return {"build.label_mode": label_mode, "build.publish_delay_ms": str(publish_delay_ms)}
+
+
+def generator_settings(rate: float, minutes: float) -> dict[str, str]:
+    """Settings that size ``gemline generate`` to last the run at ``rate`` events/s (10 % spare), with the wall
+    clock as event time."""
+    sessions = USERS * GenerateConfig().sessions_per_user_per_day
+    days = 1.1 * rate * minutes * 60 / (sessions * EVENTS_PER_SESSION)
+    return {"generate.wall_clock": "true", "generate.num_users": str(USERS), "generate.days": f"{days:.4f}"}
+
+
+def sample(config: GemlineConfig, bootstrap: str, t_s: float) -> Sample:
+    """Each stage's backlog now (module docstring)."""
+    lake = Lake.for_config(config)
+    ingest = None
+    meta = commit_metadata(lake, Table.EVENTS, app_id_for(config.kafka.topic))
+    try:
+        high = make_client(config.kafka.client, bootstrap, timeout_s=10).end_offsets(config.kafka.topic)
+    except (ValueError, TimeoutError, OSError):  # no topic yet
+        high = {}
+    if high:
+        ends = {int(p): int(e) for p, e in (meta or {}).get("end_offsets", {}).items()}
+        ingest = sum(hw - ends.get(p, lw) for p, (lw, hw) in high.items())
+    events = latest_version(lake.root, Table.EVENTS)
+    built = (commit_metadata(lake, Table.EXAMPLES, BUILD_APP) or {}).get("events_version")
+    build = None if events is None or built is None else events - int(built)
+    examples = latest_version(lake.root, Table.EXAMPLES)
+    trained = _trained_version(lake)
+    trainer = None if examples is None or trained is None else examples - trained
+    return Sample(t_s, ingest, build, trainer)
+
+
+def _trained_version(lake: Lake) -> int | None:
+    from gemline.errors import MissingInputError
+    from trainer.continuous import lineage
+
+    try:
+        versions = lineage(lake)["examples_versions"]
+    except (MissingInputError, FileNotFoundError, OSError, KeyError, ValueError):
+        return None  # no checkpoint yet, or one being written
+    return max((int(v["version"]) for v in versions), default=None)
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """SIGTERM ``gemline run`` (it stops its stages), then SIGKILL its process group after ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="length of the run (default 10)")
+    parser.add_argument("--rate", type=float, default=2000.0, help="events/s the generator produces (default 2000)")
+    parser.add_argument("--label-mode", choices=("defer", "window"), default="defer")
+    parser.add_argument("--publish-delay-ms", type=int, default=60_000)
+    parser.add_argument("--interval-s", type=float, default=10.0, help="gemline run --interval-s (build, validate)")
+    parser.add_argument("--poll-interval-s", type=float, default=10.0, help="gemline run --poll-interval-s (train)")
+    parser.add_argument("--lake", help="lake folder (default: a new temporary one)")
+    args = parser.parse_args(argv)
+    lake = args.lake or tempfile.mkdtemp(prefix="gemline-bench-freshness-")
+    settings = {**label_settings(args.label_mode, args.publish_delay_ms), **generator_settings(args.rate, args.minutes)}
+    config = load_config(overrides={"lake": lake, **settings})
+    flags = ["--lake", lake, *(f for key, value in settings.items() for f in ("--set", f"{key}={value}"))]
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    log_path = Path(lake) / "_run" / "benchmark.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "gemline.cli", "run", "--broker-port", str(port), "--generate-rate", str(args.rate),
+               "--interval-s", str(args.interval_s), "--poll-interval-s", str(args.poll_interval_s), *flags]
+    print(f"lake {lake}; {' '.join(command[2:])}; stage logs in {lake}/_run/logs", flush=True)
+    run_s = args.minutes * 60
+    samples: list[Sample] = []
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        began = time.monotonic()
+        try:
+            while (elapsed := time.monotonic() - began) < run_s and proc.poll() is None:
+                time.sleep(min(SAMPLE_EVERY_S, max(0.0, run_s - elapsed)))
+                s = sample(config, bootstrap, time.monotonic() - began)
+                samples.append(s)
+                trained = read_table(lake, Table.FRESHNESS)
+                print(f"t={s.t_s:5.0f} s backlog: ingest {s.ingest} messages, build {s.build} events versions, "
+                      f"trainer {s.trainer} examples versions; versions measured: "
+                      f"{0 if trained is None else len(set(trained['examples_version'].to_pylist()))}", flush=True)
+        finally:
+            _stop(proc)
+    if proc.returncode not in (0, 130, -signal.SIGTERM) and time.monotonic() - began < run_s:
+        raise SystemExit(f"gemline run exited early ({proc.returncode}); its log: {log_path}")
+    table = read_table(lake, Table.FRESHNESS)
+    rows = [] if table is None else sorted(table.to_pylist(), key=lambda r: (r["examples_version"], HOPS.index(r["hop"])))
+    for r in rows:
+        print(f"examples@{r['examples_version']} {r['hop']:>22}: {r['rows']:7d} rows p50 {r['p50_s']:7.1f} "
+              f"p95 {r['p95_s']:7.1f} p99 {r['p99_s']:7.1f} s (steps {r['step_first']}-{r['step_last']})")
+    window = last_window(samples, run_s)
+    growing = growing_stages(window)
+    print(f"backlog over the last {len(window)} samples: growing in {', '.join(growing) or 'no stage'}")
+    total = pooled(rows, "impression->trained")
+    if total is None:
+        print(f"no trained rows measured: see the stage logs in {lake}/_run/logs")
+        print(f"freshness impression->trained p50=nan p95=nan p99=nan s; backlog growing: {'yes' if growing else 'no'}")
+        return
+    p50, p95, p99, _ = total
+    print(f"freshness impression->trained p50={p50:.1f} p95={p95:.1f} p99={p99:.1f} s; "
+          f"backlog growing: {'yes' if growing else 'no'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""benchmarks.freshness's helpers: the backlog slope test, the sampling window, the pooled quantiles, the label
+settings and the generator's sizing (the run itself is the benchmark, not a test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+import benchmarks.freshness as bench
+from benchmarks.freshness import Sample, backlog_growing, growing_stages, last_window, pooled
+from ingest.generate import GenerateConfig, generate_records
+
+T = [30.0 * i for i in range(11)]  # 5 minutes sampled every 30 s
+WOBBLE = [3, -3, 2, -2, 4, -4, 1, -1, 3, -3, 0]
+
+
+def test_a_backlog_rising_through_noise_grows_and_a_flat_or_falling_one_does_not():
+    assert backlog_growing(T, [100 + 2 * i + w for i, w in enumerate(WOBBLE)])
+    assert not backlog_growing(T, [100 + w for w in WOBBLE]), "noise around a level"
+    assert not backlog_growing(T, [100 - 5 * i + w for i, w in enumerate(WOBBLE)])
+    assert not backlog_growing(T, [7] * 11), "flat"
+    assert backlog_growing(T[:3], [0, 1, 2]), "an exact rise"
+    assert not backlog_growing(T[:2], [0, 50]), "two points tell nothing"
+    with pytest.raises(ValueError, match="11 times but 2"):
+        backlog_growing(T, [1, 2])
+
+
+def test_the_window_is_the_last_5_minutes_or_the_last_half_and_stages_without_values_are_left_out():
+    ten = [Sample(30.0 * i, 0, None, 0) for i in range(1, 21)]
+    assert [s.t_s for s in last_window(ten, 600.0)] == [30.0 * i for i in range(10, 21)]
+    three = ten[:6]
+    assert [s.t_s for s in last_window(three, 180.0)] == [90.0, 120.0, 150.0, 180.0]
+    samples = [Sample(t, 10 * i, None, 5) for i, t in enumerate(T)]
+    assert growing_stages(samples) == ["ingest"]
+
+
+def test_pooled_quantiles_are_the_row_weighted_means_of_the_versions():
+    rows = [{"hop": "impression->trained", "rows": 100, "p50_s": 10.0, "p95_s": 20.0, "p99_s": 30.0},
+            {"hop": "impression->trained", "rows": 300, "p50_s": 30.0, "p95_s": 40.0, "p99_s": 90.0},
+            {"hop": "published->trained", "rows": 400, "p50_s": 1.0, "p95_s": 1.0, "p99_s": 1.0}]
+    assert pooled(rows, "impression->trained") == pytest.approx((25.0, 35.0, 75.0, 400))
+    assert pooled(rows, "impression->published") is None
+
+
+def test_defer_needs_the_config_keys_and_window_shortens_the_attribution_windows(monkeypatch):
+    assert bench.label_settings("window", 60_000) == {"build.click_window_ms": "60000",
+                                                      "build.conversion_window_ms": "60000"}
+
+    @dataclass
+    class Old:
+        max_seq_len: int = 1
+
+    @dataclass
+    class New:
+        label_mode: str = "window"
+        publish_delay_ms: int = 0
+
+    monkeypatch.setattr(bench, "BuildConfig", Old)
+    with pytest.raises(SystemExit, match="no build.label_mode nor build.publish_delay_ms.*--label-mode window"):
+        bench.label_settings("defer", 60_000)
+    monkeypatch.setattr(bench, "BuildConfig", New)
+    assert bench.label_settings("defer", 60_000) == {"build.label_mode": "defer", "build.publish_delay_ms": "60000"}
+
+
+def test_the_generator_is_sized_by_its_measured_events_per_session():
+    cfg = GenerateConfig(num_users=1_000, days=2.0, seed=3)
+    events = len(generate_records(cfg))
+    per_session = events / (cfg.num_users * cfg.sessions_per_user_per_day * cfg.days)
+    assert per_session == pytest.approx(bench.EVENTS_PER_SESSION, rel=0.05)
+    settings = bench.generator_settings(2000.0, 10.0)
+    days = float(settings["generate.days"])
+    assert settings["generate.wall_clock"] == "true"
+    assert days * int(settings["generate.num_users"]) * 2.0 * bench.EVENTS_PER_SESSION == pytest.approx(
+        1.1 * 2000 * 600, rel=1e-4)
