@@ -15,7 +15,8 @@ Every ~30 s it samples each stage's backlog:
 
 * ingest: Kafka high watermarks minus the end offsets of the newest ``events`` commit (messages);
 * build: newest ``events`` version minus the events version the newest ``examples`` commit built (versions);
-* trainer: newest ``examples`` version minus the newest version the continuous run consumed (versions).
+* trainer: newest ``examples`` version minus the newest version the continuous run consumed (versions; every
+  version counts before the run's first checkpoint).
 
 A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
 shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope).
@@ -164,7 +165,8 @@ def sample(config: GemlineConfig, bootstrap: str, t_s: float) -> Sample:
     build = None if events is None or built is None else events - int(built)
     examples = latest_version(lake.root, Table.EXAMPLES)
     trained = _trained_version(lake)
-    trainer = None if examples is None or trained is None else examples - trained
+    # Before the trainer's first checkpoint every examples version waits for it.
+    trainer = None if examples is None else examples - (-1 if trained is None else trained)
     return Sample(t_s, ingest, build, trainer)
 
 
