@@ -50,6 +50,7 @@ from scipy import stats  # type: ignore[import-untyped]  # pinned in requirement
 from gemline.config import GemlineConfig, load_config
 from gemline.increments import latest_version
 from gemline.lake import Lake, commit_metadata, read_table
+from gemline.metrics import consumer_lag, lake_offsets
 from gemline.tables import Table
 from ingest.broker import free_port
 from ingest.generate import GenerateConfig
@@ -151,15 +152,11 @@ def generator_settings(rate: float, minutes: float) -> dict[str, str]:
 def sample(config: GemlineConfig, bootstrap: str, t_s: float) -> Sample:
     """Each stage's backlog now (module docstring)."""
     lake = Lake.for_config(config)
-    ingest = None
-    meta = commit_metadata(lake, Table.EVENTS, app_id_for(config.kafka.topic))
     try:
         high = make_client(config.kafka.client, bootstrap, timeout_s=10).end_offsets(config.kafka.topic)
     except (ValueError, TimeoutError, OSError):  # no topic yet
         high = {}
-    if high:
-        ends = {int(p): int(e) for p, e in (meta or {}).get("end_offsets", {}).items()}
-        ingest = sum(hw - ends.get(p, lw) for p, (lw, hw) in high.items())
+    ingest = sum(consumer_lag(high, lake_offsets(lake, app_id_for(config.kafka.topic))).values()) if high else None
     events = latest_version(lake.root, Table.EVENTS)
     built = (commit_metadata(lake, Table.EXAMPLES, BUILD_APP) or {}).get("events_version")
     build = None if events is None or built is None else events - int(built)
