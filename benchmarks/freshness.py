@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,6 @@ from ingest.broker import free_port
 from ingest.generate import GenerateConfig
 from ingest.kafka_clients import make_client
 from ingest.pipeline import app_id_for
-from sequences.config import BuildConfig
 from sequences.pipeline import APP_ID as BUILD_APP
 from trainer.freshness import HOPS
 
@@ -125,19 +124,9 @@ def pooled(rows: list[dict[str, Any]], hop: str) -> tuple[float, float, float, i
 
 
 def label_settings(label_mode: str, publish_delay_ms: int) -> dict[str, str]:
-    """The settings (``--set`` keys and values) of the label mode (module docstring).
-
-    Raises:
-        SystemExit: ``defer`` on a checkout whose BuildConfig has no ``label_mode``/``publish_delay_ms``.
-    """
+    """The settings (``--set`` keys and values) of the label mode (module docstring)."""
     if label_mode == "window":
         return {"build.click_window_ms": str(publish_delay_ms), "build.conversion_window_ms": str(publish_delay_ms)}
-    have = {f.name for f in fields(BuildConfig)}
-    missing = [k for k in ("label_mode", "publish_delay_ms") if k not in have]
-    if missing:
-        raise SystemExit(f"benchmarks.freshness: this checkout's config has no build.{' nor build.'.join(missing)} "
-                         "(issue 20's deferred labels); run with --label-mode window to publish each impression "
-                         "--publish-delay-ms after it happened through shortened attribution windows instead")
     return {"build.label_mode": label_mode, "build.publish_delay_ms": str(publish_delay_ms)}
 
 
@@ -198,9 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-s", type=float, default=10.0, help="gemline run --interval-s (build, validate)")
     parser.add_argument("--poll-interval-s", type=float, default=10.0, help="gemline run --poll-interval-s (train)")
     parser.add_argument("--lake", help="lake folder (default: a new temporary one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more settings for every stage, e.g. --set trainer.model=dlrm (repeatable)")
     args = parser.parse_args(argv)
     lake = args.lake or tempfile.mkdtemp(prefix="gemline-bench-freshness-")
-    settings = {**label_settings(args.label_mode, args.publish_delay_ms), **generator_settings(args.rate, args.minutes)}
+    extra = dict(pair.split("=", 1) for pair in args.set)
+    settings = {**label_settings(args.label_mode, args.publish_delay_ms), **generator_settings(args.rate, args.minutes),
+                **extra}
     config = load_config(overrides={"lake": lake, **settings})
     flags = ["--lake", lake, *(f for key, value in settings.items() for f in ("--set", f"{key}={value}"))]
     port = free_port()
