@@ -111,7 +111,7 @@ def test_demo_increments_split_the_records_in_order_and_train_continuously(tmp_p
         return types.SimpleNamespace(num_examples=10, seq_length_p50=1, seq_length_p99=2,
                                      examples_version=len(builds))
 
-    def once(lake, tc, from_scratch=False):
+    def once(lake, tc, from_scratch=False, on_predictions=None):
         consumed.append(from_scratch)
         version = len(builds)
         rows = [] if version == 1 else [{"examples_version": version, "rows": 7, "auc": 0.6, "ne": 0.9}]
