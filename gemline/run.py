@@ -198,7 +198,7 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
         if not bootstrap:
             port = plan.broker_port or free_port()
             bootstrap = f"127.0.0.1:{port}"
-            broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)))]
+            broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)), stop_last=True)]
         sup = Supervisor([*broker, *stage_commands(plan, bootstrap, flags)], log_dir=logs, on_event=say)
         if broker:
             sup.start(["broker"])

@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 class StageCommand:
     """One supervised stage: a name, the command line of its process (``argv[0]`` an executable), and when it
     is started again after it exits: ``always`` (a stage that runs until stopped), ``on-failure`` (a job that
-    may finish: exit 0 is done) or ``never``."""
+    may finish: exit 0 is done) or ``never``. A ``stop_last`` stage (a service the others use, the embedded
+    broker) is stopped only once the others have exited, so they finish their step in flight against it."""
 
     name: str
     argv: tuple[str, ...]
     restart: Literal["always", "on-failure", "never"] = "always"
+    stop_last: bool = False
 
 
 def restart_delay_s(failures: int, *, base_s: float, cap_s: float) -> float:
@@ -178,14 +180,24 @@ class Supervisor:
 
     def stop(self, grace_s: float = 30.0) -> dict[str, int | None]:
         """SIGTERM every running stage (last started first), wait up to ``grace_s`` for all, SIGKILL the rest;
-        return each stage's exit code (None: was not running)."""
+        then the same for the ``stop_last`` stages. Return each stage's exit code (None: was not running)."""
         self.stopping = True
-        for stage in reversed(self.stages):
+        for stage in self.stages:
             stage.restart_at = None
+        self._stop_group([s for s in reversed(self.stages) if not s.command.stop_last], grace_s)
+        self._stop_group([s for s in reversed(self.stages) if s.command.stop_last], grace_s)
+        for stage in self.stages:
+            if stage._log is not None:
+                stage._log.close()
+                stage._log = None
+        return {s.command.name: s.last_exit_code for s in self.stages}
+
+    def _stop_group(self, stages: list[StageState], grace_s: float) -> None:
+        for stage in stages:
             if stage.process is not None and stage.process.poll() is None:
                 stage.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for stage in reversed(self.stages):
+        for stage in stages:
             if stage.process is None:
                 continue
             try:
@@ -196,11 +208,6 @@ class Supervisor:
                 stage.process.wait()
             stage.last_exit_code = stage.process.returncode
             stage.process, stage.stopped = None, True
-        for stage in self.stages:
-            if stage._log is not None:
-                stage._log.close()
-                stage._log = None
-        return {s.command.name: s.last_exit_code for s in self.stages}
 
     def run(self, *, poll_interval_s: float = 0.5, until: Callable[[], bool] | None = None,
             render: Callable[[Supervisor], None] | None = None, grace_s: float = 30.0) -> int:

@@ -91,6 +91,29 @@ def test_a_stage_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path)
     assert any("killed" in e for e in events)
 
 
+def test_a_stop_last_service_outlives_the_stages_that_use_it(tmp_path):
+    """The broker is stopped only after the stages: a stage that finishes its step on SIGTERM still finds it up."""
+    service = ("import signal, sys, time, pathlib\n"
+               f"up = pathlib.Path({str(tmp_path)!r}, 'service.up'); up.write_text('1')\n"
+               "signal.signal(signal.SIGTERM, lambda *_: (up.unlink(), sys.exit(0)))\n"
+               "print('up', flush=True)\n"
+               "while True: time.sleep(0.05)")
+    stage = ("import signal, sys, time, pathlib\n"
+             f"root = pathlib.Path({str(tmp_path)!r})\n"
+             "def done(*_):\n"
+             "    time.sleep(0.5)  # the step in flight\n"
+             "    (root / 'saw').write_text(str((root / 'service.up').exists())); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, done)\n"
+             "print('up', flush=True)\n"
+             "while True: time.sleep(0.05)")
+    sup = Supervisor([StageCommand("service", _python(service), stop_last=True), StageCommand("stage", _python(stage))],
+                     log_dir=tmp_path / "logs")
+    sup.start()
+    _wait(lambda: all(s.last_log_line() == "up" for s in sup.stages))
+    assert sup.stop(grace_s=10) == {"service": 0, "stage": 0}
+    assert (tmp_path / "saw").read_text() == "True" and not (tmp_path / "service.up").exists()
+
+
 def test_duplicate_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unique"):
         Supervisor([StageCommand("x", ("true",)), StageCommand("x", ("true",))], log_dir=tmp_path)
