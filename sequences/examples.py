@@ -42,7 +42,7 @@ from ingest.schema import IMPRESSION_TYPES, EventRow, sorted_unique_events
 from sequences.config import BuildConfig
 from sequences.history import point_in_time_gather
 from sequences.labels import CLICK, CONVERSION, _first_in_window
-from sequences.publish import NO_LABEL, PublicationPlan, published_rows
+from sequences.publish import NO_LABEL, PublicationPlan, deadlines, published_rows
 from sequences.schema import BUILD_EXTRA_SCHEMA, EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
 
 USER_DENSE: dict[str, str] = {
@@ -327,7 +327,8 @@ def attach_labels(
     wait = dataclasses.replace(config, label_mode="wait")
     latency = label_latencies(pending, events, wait)
     n = pending.num_rows
-    plan = PublicationPlan(first=np.ones(n, dtype=bool), keep=np.zeros(n, dtype=bool),
+    plan = PublicationPlan(deadlines=deadlines(pending.column("domain").to_pylist(), wait),
+                           first=np.ones(n, dtype=bool), keep=np.zeros(n, dtype=bool),
                            correction_rows=np.zeros(0, dtype=np.int64), correction_task=[],
                            correction_label=np.zeros(0, dtype=np.int32))
     return published_rows(pending, latency, plan, wait, watermark_ms=watermark_ms, close_ms=close_ms,

@@ -52,7 +52,15 @@ from sequences.examples import (
     pending_examples,
     rows_to_table,
 )
-from sequences.publish import ORPHAN_LABELS_SCHEMA, TASKS, needs_labels, orphan_labels, plan_publication, published_rows
+from sequences.publish import (
+    ORPHAN_LABELS_SCHEMA,
+    TASKS,
+    deadlines,
+    needs_labels,
+    orphan_labels,
+    plan_publication,
+    published_rows,
+)
 
 EVICTED_SCHEMA = pa.schema(
     [
@@ -220,7 +228,8 @@ def build_user(
     is_new = np.concatenate([np.zeros(pending.num_rows, dtype=bool), np.ones(new_pending.num_rows, dtype=bool)])
     t = all_pending.column("event_time_ms").to_numpy()
     domains = all_pending.column("domain").to_pylist()
-    need = needs_labels(t, domains, is_new, config, old_close_ms, close_ms)
+    due_in = deadlines(domains, config)
+    need = needs_labels(t, due_in, is_new, config, old_close_ms, close_ms)
     fresh_labels = [e for e in fresh if e["event_type"] in TASKS]
     if config.label_mode != "wait":
         # A late positive is due where a label event is new in this build.
@@ -228,7 +237,7 @@ def build_user(
         need |= np.array([k in keys for k in zip(all_pending.column("item_id").to_pylist(), domains, strict=True)],
                          dtype=bool)
     latency = label_latencies(all_pending, recent, config, need)
-    plan = plan_publication(t, domains, latency, is_new, config, old_close_ms, close_ms)
+    plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
     examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
                               schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
     still_pending = all_pending.filter(pa.array(plan.keep))

@@ -63,10 +63,30 @@ ORPHAN_LABELS_SCHEMA = pa.schema(
 """A click or conversion no published example will carry (:func:`orphan_labels`)."""
 
 
-def _per_domain(domains: Iterable[str], value) -> np.ndarray:
+def _per_domain(domains: list[str], value) -> np.ndarray:
+    cache = {d: value(d) for d in set(domains)}
+    return np.array([cache[d] for d in domains], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Per-row ms after the impression, from its domain: ``delay`` (the first publication,
+    ``BuildConfig.publish_delay``), ``window[task]`` (attribution windows) and ``longest`` (the longest window:
+    the row leaves the pending state). Each (n,) int64."""
+
+    delay: np.ndarray
+    window: dict[str, np.ndarray]
+    longest: np.ndarray
+
+
+def deadlines(domains: Iterable[str], config: BuildConfig) -> Deadlines:
+    """The :class:`Deadlines` of n rows in ``domains`` (each domain looked up once)."""
     names = list(domains)
-    cache = {d: value(d) for d in set(names)}
-    return np.array([cache[d] for d in names], dtype=np.int64)
+    return Deadlines(
+        delay=_per_domain(names, config.publish_delay),
+        window={task: _per_domain(names, lambda d, task=task: config.window_ms(d, task)) for task in TASKS},
+        longest=_per_domain(names, config.close_delay_ms),
+    )
 
 
 def _due(points: np.ndarray, is_new: np.ndarray, old_close_ms: int | None, close_ms: int) -> np.ndarray:
@@ -82,6 +102,7 @@ class PublicationPlan:
     """What one build publishes from the pending impressions (n rows).
 
     Attributes:
+        deadlines: the rows' :class:`Deadlines`.
         first: (n,) bool, rows whose first publication is due now.
         keep: (n,) bool, rows still pending after this build (t + W beyond the close point).
         correction_rows: (c,) int64 indices of the rows corrected now.
@@ -89,6 +110,7 @@ class PublicationPlan:
         correction_label: (c,) int32 its label (1: a late positive, 0: a real negative).
     """
 
+    deadlines: Deadlines
     first: np.ndarray
     keep: np.ndarray
     correction_rows: np.ndarray
@@ -96,24 +118,22 @@ class PublicationPlan:
     correction_label: np.ndarray
 
 
-def needs_labels(t_ms: np.ndarray, domains: Iterable[str], is_new: np.ndarray, config: BuildConfig,
+def needs_labels(t_ms: np.ndarray, due_in: Deadlines, is_new: np.ndarray, config: BuildConfig,
                  old_close_ms: int | None, close_ms: int) -> np.ndarray:
     """(n,) bool: rows with a first publication or a window closing due now (their labels must be joined).
 
     A late positive is due only where a label event arrived in this build, which the caller adds (rows
     sharing (user, item, domain) with a new click or conversion)."""
-    names = list(domains)
-    need = _due(t_ms + _per_domain(names, config.publish_delay), is_new, old_close_ms, close_ms)
+    need = _due(t_ms + due_in.delay, is_new, old_close_ms, close_ms)
     if config.label_mode == "defer":
         for task in TASKS:
-            need |= _due(t_ms + _per_domain(names, lambda d, task=task: config.window_ms(d, task)), is_new,
-                         old_close_ms, close_ms)
+            need |= _due(t_ms + due_in.window[task], is_new, old_close_ms, close_ms)
     return need
 
 
 def plan_publication(
     t_ms: np.ndarray,
-    domains: Iterable[str],
+    due_in: Deadlines,
     latency: Mapping[str, np.ndarray],
     is_new: np.ndarray,
     config: BuildConfig,
@@ -124,7 +144,7 @@ def plan_publication(
 
     Args:
         t_ms: (n,) int64 impression event times (ms since epoch UTC).
-        domains: n domain names.
+        due_in: the rows' :class:`Deadlines` (:func:`deadlines`).
         latency: ``{"click": (n,), "conversion": (n,)}`` int64 ms from the impression to its first label
             event within the window, :data:`NO_LABEL` when none; read only for rows that have a point due
             (:func:`needs_labels`, plus rows with a new label event).
@@ -134,36 +154,33 @@ def plan_publication(
     Raises:
         ValueError: arrays of different lengths.
     """
-    names = list(domains)
     n = len(t_ms)
-    if len(names) != n or len(is_new) != n or any(len(v) != n for v in latency.values()):
-        raise ValueError(f"plan_publication: {n} times, {len(names)} domains, {len(is_new)} is_new and latencies "
-                         f"{ {k: len(v) for k, v in latency.items()} } must have one length")
-    delay = _per_domain(names, config.publish_delay)
-    first = _due(t_ms + delay, is_new, old_close_ms, close_ms)
-    keep = t_ms + _per_domain(names, config.close_delay_ms) > close_ms
+    if len(due_in.delay) != n or len(is_new) != n or any(len(v) != n for v in latency.values()):
+        raise ValueError(f"plan_publication: {n} times, {len(due_in.delay)} deadlines, {len(is_new)} is_new and "
+                         f"latencies { {k: len(v) for k, v in latency.items()} } must have one length")
+    delay = due_in.delay
     rows: list[np.ndarray] = []
     tasks: list[str] = []
     labels: list[np.ndarray] = []
+
+    def correct(task: str, mask: np.ndarray, label: int) -> None:
+        found = np.flatnonzero(mask)
+        rows.append(found)
+        tasks.extend([task] * len(found))
+        labels.append(np.full(len(found), label, dtype=np.int32))
+
     if config.label_mode != "wait":
         for task in TASKS:
-            window = _per_domain(names, lambda d, task=task: config.window_ms(d, task))
             lat = latency[task]
-            is_open = delay < window
-            late = is_open & (lat > delay) & _due(t_ms + np.maximum(lat, 0), is_new, old_close_ms, close_ms)
-            late_rows = np.flatnonzero(late)
-            rows.append(late_rows)
-            labels.append(np.ones(len(late_rows), dtype=np.int32))
+            is_open = delay < due_in.window[task]
+            correct(task, is_open & (lat > delay) & _due(t_ms + np.maximum(lat, 0), is_new, old_close_ms, close_ms), 1)
             if config.label_mode == "defer":
-                negative = is_open & (lat == NO_LABEL) & _due(t_ms + window, is_new, old_close_ms, close_ms)
-                neg_rows = np.flatnonzero(negative)
-                rows.append(neg_rows)
-                labels.append(np.zeros(len(neg_rows), dtype=np.int32))
-                tasks += [task] * (len(late_rows) + len(neg_rows))
-            else:
-                tasks += [task] * len(late_rows)
+                correct(task, is_open & (lat == NO_LABEL)
+                        & _due(t_ms + due_in.window[task], is_new, old_close_ms, close_ms), 0)
     return PublicationPlan(
-        first=first, keep=keep,
+        deadlines=due_in,
+        first=_due(t_ms + delay, is_new, old_close_ms, close_ms),
+        keep=t_ms + due_in.longest > close_ms,
         correction_rows=np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64),
         correction_task=tasks,
         correction_label=np.concatenate(labels) if labels else np.zeros(0, dtype=np.int32),
@@ -185,20 +202,19 @@ def published_rows(pending: pa.Table, latency: Mapping[str, np.ndarray], plan: P
     Returns:
         A table of ``schema``: ``plan.first`` rows in pending order, then the corrections in plan order.
     """
-    names = pending.column("domain").to_pylist()
     t = pending.column("event_time_ms").to_numpy()
-    delay = _per_domain(names, config.publish_delay)
-    longest = _per_domain(names, config.close_delay_ms)
+    due_in = plan.deadlines
     first = np.flatnonzero(plan.first)
     corr = plan.correction_rows.astype(np.int64)
     take = np.concatenate([first, corr]).astype(np.int64)
     task = np.asarray(plan.correction_task, dtype=object)
     n_first, n_corr = len(first), len(corr)
+    delay = due_in.delay[first]
     cols: dict[str, pa.Array] = {}
+    any_open = np.zeros(n_first, dtype=bool)
     for k in TASKS:
-        window = _per_domain(names, lambda d, k=k: config.window_ms(d, k))
         lat_first = latency[k][first]
-        hit = (lat_first != NO_LABEL) & (lat_first <= delay[first])  # seen within the waiting window
+        hit = (lat_first != NO_LABEL) & (lat_first <= delay)  # seen within the waiting window
         is_k = task == k
         carried = is_k & (plan.correction_label == 1)  # a late positive of this task carries its latency
         label = np.concatenate([hit, np.where(is_k, plan.correction_label, 0)]).astype(np.int32)
@@ -206,13 +222,11 @@ def published_rows(pending: pa.Table, latency: Mapping[str, np.ndarray], plan: P
         valid = np.concatenate([hit, carried])
         cols[f"label_{k}"] = pa.array(label, pa.int32())
         cols[f"{k}_latency_ms"] = pa.array(lat, pa.int64(), mask=~valid)
-        opened = (config.label_mode != "wait") & (delay[first] < window[first])
+        opened = (config.label_mode != "wait") & (delay < due_in.window[k][first])
+        any_open |= opened
         cols[f"{k}_open"] = pa.array(np.concatenate([opened, np.zeros(n_corr, dtype=bool)]), pa.bool_())
     # A first row with an open label is not final, whatever the watermark; a correction's one label is.
-    any_open = np.zeros(n_first, dtype=bool)
-    for k in TASKS:
-        any_open |= cols[f"{k}_open"].to_numpy(zero_copy_only=False)[:n_first]
-    closed_first = ~any_open & (t[first] + longest[first] <= watermark_ms)
+    closed_first = ~any_open & (t[first] + due_in.longest[first] <= watermark_ms)
     cols["label_window_closed"] = pa.array(np.concatenate([closed_first, np.ones(n_corr, dtype=bool)]), pa.bool_())
     cols["published_watermark_ms"] = pa.array(np.full(len(take), close_ms, dtype=np.int64))
     # A row with nothing open and no correction is what wait publishes, and says so.
@@ -285,5 +299,5 @@ def orphan_labels(labels: pa.Table, impressions: pa.Table, new_impression_ids: s
     return pa.Table.from_pylist(out, schema=ORPHAN_LABELS_SCHEMA)
 
 
-__all__ = ["NO_LABEL", "ORPHAN_LABELS_SCHEMA", "TASKS", "PublicationPlan", "needs_labels", "orphan_labels",
+__all__ = ["NO_LABEL", "ORPHAN_LABELS_SCHEMA", "TASKS", "Deadlines", "PublicationPlan", "deadlines", "needs_labels", "orphan_labels",
            "plan_publication", "published_rows"]

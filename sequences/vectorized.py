@@ -47,7 +47,15 @@ from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, LABEL_COLUMNS, PENDING_SCHEMA, USER_DENSE
 from sequences.incremental import EVICTED_SCHEMA
-from sequences.publish import NO_LABEL, ORPHAN_LABELS_SCHEMA, TASKS, needs_labels, plan_publication, published_rows
+from sequences.publish import (
+    NO_LABEL,
+    ORPHAN_LABELS_SCHEMA,
+    TASKS,
+    deadlines,
+    needs_labels,
+    plan_publication,
+    published_rows,
+)
 from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, SPARSE_FEATURES
 from sequences.shards import (
     DENSE_SCHEMA,
@@ -303,7 +311,8 @@ def user_shard_vectorized(
     is_new = np.concatenate([np.zeros(pending_old.num_rows, bool), np.ones(new_pending.num_rows, bool)])
     t = all_pending.column("event_time_ms").to_numpy()
     domains = all_pending.column("domain").to_pylist()
-    need = needs_labels(t, domains, is_new, config, old_close_ms, close_ms)
+    due_in = deadlines(domains, config)
+    need = needs_labels(t, due_in, is_new, config, old_close_ms, close_ms)
     fresh_labels = fresh.filter(pl.col("event_type").is_in(list(TASKS)))
     if config.label_mode != "wait" and fresh_labels.height:
         # A late positive is due where a label event is new in this build.
@@ -312,7 +321,7 @@ def user_shard_vectorized(
                  .join(label_keys, on=["user_id", "item_id", "domain"], how="left").sort("_row")
                  .get_column("_hit").fill_null(False).to_numpy())
     latency = _latencies(all_pending, need, recent, config)
-    plan = plan_publication(t, domains, latency, is_new, config, old_close_ms, close_ms)
+    plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
     examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
                               schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
     orphans = _orphan_labels(fresh_labels, recent, fresh, config, old_close_ms, close_ms)

@@ -76,17 +76,27 @@ EVENTS = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
-@given(EVENTS, st.integers(1, 4))
-def test_day_by_day_equals_all_at_once(raw, days_per_batch):
-    events = [event(f"e{n}", hour * 3_600_000, kind, user=user, item=item, domain=domain, category=category)
-              for n, (hour, user, item, domain, kind, category) in enumerate(raw)]
-    events.sort(key=lambda e: e["event_time_ms"])
+def by_days(events, days_per_batch: int) -> list[list[dict]]:
+    """Time-sorted events cut into batches of ``days_per_batch`` days of event time ([[]] when none)."""
     batches = defaultdict(list)
     for e in events:
         batches[e["event_time_ms"] // (days_per_batch * DAY)].append(e)
+    return [batches[k] for k in sorted(batches)] or [[]]
+
+
+def events_of(raw) -> list[dict]:
+    """:data:`EVENTS` tuples as event rows, sorted by event time."""
+    events = [event(f"e{n}", hour * 3_600_000, kind, user=user, item=item, domain=domain, category=category)
+              for n, (hour, user, item, domain, kind, category) in enumerate(raw)]
+    return sorted(events, key=lambda e: e["event_time_ms"])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(EVENTS, st.integers(1, 4))
+def test_day_by_day_equals_all_at_once(raw, days_per_batch):
+    events = events_of(raw)
     whole = run_batches([events] if events else [[]])
-    daily = run_batches([batches[k] for k in sorted(batches)] or [[]])
+    daily = run_batches(by_days(events, days_per_batch))
     assert whole[0] == daily[0]  # examples, labels and features
     assert whole[1] == daily[1] and whole[2] == daily[2]  # cross-domain and per-domain sequences
     assert _canon(whole[3]) == _canon(daily[3])  # feature tables

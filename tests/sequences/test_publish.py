@@ -14,11 +14,11 @@ import pytest
 from hypothesis import Phase, given, settings
 
 from sequences.config import BuildConfig
-from sequences.publish import NO_LABEL, ORPHAN_LABELS_SCHEMA, orphan_labels, plan_publication
+from sequences.publish import NO_LABEL, ORPHAN_LABELS_SCHEMA, deadlines, orphan_labels, plan_publication
 
 from .conftest import event
 from .test_incremental import CONFIG as INCREMENTAL_CONFIG
-from .test_incremental import DAY, EVENTS, run_batches
+from .test_incremental import DAY, EVENTS, by_days, events_of, run_batches
 from .test_vectorized import CONFIG as VECTOR_CONFIG
 from .test_vectorized import compare_batches
 
@@ -31,7 +31,7 @@ def _emissions(mode: str, click_latency: int, conversion_latency: int, closes: l
     latency = {"click": np.array([click_latency]), "conversion": np.array([conversion_latency])}
     out, old = [], None
     for close in closes:
-        plan = plan_publication(np.array([0]), ["d"], latency, np.array([old is None]), config, old, close)
+        plan = plan_publication(np.array([0]), deadlines(["d"], config), latency, np.array([old is None]), config, old, close)
         if plan.first[0]:
             out.append((close, "first"))
         out += [(close, task, int(label)) for task, label in zip(plan.correction_task, plan.correction_label,
@@ -67,20 +67,11 @@ def _modes(config: BuildConfig, delay_ms: int):
     return [dataclasses.replace(config, label_mode=m, publish_delay_ms=delay_ms) for m in ("fnw", "defer")]
 
 
-def _batches(raw, days_per_batch):
-    events = [event(f"e{n}", hour * 3_600_000, kind, user=user, item=item, domain=domain, category=category)
-              for n, (hour, user, item, domain, kind, category) in enumerate(raw)]
-    events.sort(key=lambda e: e["event_time_ms"])
-    batches = defaultdict(list)
-    for e in events:
-        batches[e["event_time_ms"] // (days_per_batch * DAY)].append(e)
-    return events, [batches[k] for k in sorted(batches)] or [[]]
-
-
 @settings(max_examples=15, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(EVENTS)
 def test_fnw_and_defer_do_not_depend_on_batching(raw):
-    events, daily = _batches(raw, 1)
+    events = events_of(raw)
+    daily = by_days(events, 1)
     for config in _modes(INCREMENTAL_CONFIG, 3 * 3_600_000):
         whole = run_batches([events] if events else [[]], config)[0]
         by_day = run_batches(daily, config)[0]
@@ -117,10 +108,7 @@ def test_waiting_window_at_least_the_longest_window_publishes_what_wait_publishe
                             user=rng.choice(["u1", "u2"]), item=rng.choice(["i1", "i2"]),
                             domain=rng.choice(["d1", "d2"])))
     events.sort(key=lambda e: e["event_time_ms"])
-    batches = defaultdict(list)
-    for e in events:
-        batches[e["event_time_ms"] // DAY].append(e)
-    daily = [batches[k] for k in sorted(batches)]
+    daily = by_days(events, 1)
     wait = run_batches(daily, INCREMENTAL_CONFIG)
     early = run_batches(daily, dataclasses.replace(INCREMENTAL_CONFIG, label_mode=mode, publish_delay_ms=DAY))
     assert early[0] == wait[0] and len(wait[0]) > 20
