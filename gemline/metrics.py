@@ -43,10 +43,6 @@ from gemline.tables import Table
 
 log = logging.getLogger(__name__)
 
-FRESHNESS_TABLE = "freshness"
-"""Per-hop freshness quantiles (columns ``hop``, ``p50_s``, ``p95_s``, ``p99_s``, ``examples_version``), when a
-stage writes them; absent tables are skipped."""
-
 QUANTILES = (("0.5", "p50_s"), ("0.95", "p95_s"), ("0.99", "p99_s"))
 
 
@@ -146,7 +142,7 @@ def quarantined_versions(quality: pa.Table) -> pa.Table:
 def freshness(lake: Lake) -> dict[str, dict[str, float]]:
     """Per hop, the quantile columns of its row with the highest ``examples_version`` in the ``freshness``
     table; {} when the table does not exist."""
-    rows = read_table(lake, FRESHNESS_TABLE, columns=["hop", "examples_version", *(c for _, c in QUANTILES)])
+    rows = read_table(lake, Table.FRESHNESS, columns=["hop", "examples_version", *(c for _, c in QUANTILES)])
     if rows is None:
         return {}
     newest: dict[str, dict[str, Any]] = {}
@@ -174,8 +170,7 @@ class PipelineCollector(Collector):
                  stages: Callable[[], Iterable[StageSample]] | None = None, cache_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lake, self.lag, self.stages, self.cache_s, self.clock = lake, lag, stages, cache_s, clock
-        # dict.fromkeys: once the registry names the freshness table too, it is still one sample per table.
-        self.tables = tuple(dict.fromkeys(tables if tables is not None else (*map(str, Table), FRESHNESS_TABLE)))
+        self.tables = tuple(tables if tables is not None else map(str, Table))
         self.errors: dict[str, int] = {}
         self._lock = threading.Lock()
         self._cached: tuple[float, list[Metric]] | None = None
