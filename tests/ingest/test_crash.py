@@ -35,11 +35,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from gemline.lake import committed_version, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.pipeline import app_id_for
+from ingest.replay import ensure_topic
 from ingest.schema import Event
 
 pytestmark = pytest.mark.integration
@@ -197,9 +197,7 @@ def zygote(tmp_path_factory):
 
 def _topic(broker) -> str:
     name = f"crash-{next(_topic_ids)}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, name, PARTITIONS)
     return name
 
 

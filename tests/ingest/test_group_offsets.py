@@ -13,7 +13,6 @@ import time
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from gemline.cli import main
 from gemline.config import GemlineConfig
@@ -25,6 +24,7 @@ from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_clients import commit_group_offsets, group_offsets, make_client
 from ingest.pipeline import app_id_for, mirror_to_group, run_ingest
+from ingest.replay import ensure_topic
 from ingest.schema import Event
 from ingest.streaming import StreamingConfig, run_streaming
 from tests.ingest.test_streaming import BASE_MS, REPO
@@ -43,9 +43,7 @@ def broker():
 @pytest.fixture
 def topic(broker) -> str:
     name = f"group-{next(_ids)}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, name, PARTITIONS)
     return name
 
 

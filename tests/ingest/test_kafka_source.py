@@ -13,7 +13,6 @@ from apache_beam.io.restriction_trackers import OffsetRestrictionTracker
 from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +31,7 @@ from ingest.kafka_source import (
     records_to_batch,
 )
 from ingest.pipeline import ReadRecordBatches
+from ingest.replay import ensure_topic
 
 _topic_ids = itertools.count()
 
@@ -180,9 +180,7 @@ def broker():
 
 def _topic(broker, partitions: int) -> str:
     name = f"src-{next(_topic_ids)}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, name, partitions)
     return name
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from gemline.config import GemlineConfig
 from gemline.lake import read_table
 from ingest.backfill import backfill_late_events
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
+from ingest.replay import ensure_topic
 from ingest.schema import Event
 from ingest.streaming import StreamingConfig, run_streaming
 from sequences.config import BuildConfig
@@ -54,9 +54,7 @@ def broker():
 @pytest.mark.slow
 def test_a_late_event_stays_in_late_events_until_backfilled(broker, tmp_path):
     topic = "late-stream"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, topic, 1)
     config = GemlineConfig(lake=str(tmp_path / "lake"), kafka=KafkaConfig(topic=topic, partitions=1),
                            ingest=IngestConfig(allowed_lateness_ms=LATENESS_MS),
                            build=BuildConfig(events_gate="off", click_window_ms=MINUTE, conversion_window_ms=MINUTE))

@@ -12,7 +12,6 @@ import pytest
 from apache_beam.testing import test_pipeline  # module import: pytest would try to collect class TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 import gemline.lake as lake_mod
 from gemline.config import GemlineConfig
@@ -32,6 +31,7 @@ from ingest.pipeline import (
     run_ingest,
     staging_dir,
 )
+from ingest.replay import ensure_topic
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
 from tests.conftest import ingest_args
 
@@ -52,9 +52,7 @@ def broker():
 @pytest.fixture
 def topic(broker) -> str:
     name = f"events-{next(_topic_ids)}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, name, PARTITIONS)
     return name
 
 

@@ -26,6 +26,7 @@ from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_clients import KafkaRecord
 from ingest.kafka_source import Fingerprint, TopicChangedError, TopicIdentity, plan_topic
 from ingest.pipeline import app_id_for, run_ingest
+from ingest.replay import ensure_topic
 from ingest.schema import Event
 from tests.conftest import ingest_args
 
@@ -42,9 +43,7 @@ def broker():
 
 def _topic(broker, partitions: int = 2) -> str:
     name = f"safety-{next(_ids)}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, name, partitions)
     return name
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from gemline.cli import main
 from gemline.config import GemlineConfig
@@ -23,6 +22,7 @@ from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.kafka_source import plan_topic
 from ingest.pipeline import app_id_for
+from ingest.replay import ensure_topic
 from ingest.schema import Event
 from ingest.streaming import StreamingConfig, install_stop_signals, run_streaming
 from tests.conftest import ingest_args
@@ -90,9 +90,7 @@ def broker():
 @pytest.fixture
 def topic(broker) -> str:
     name = f"stream-{next(_topic_ids)}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for fut in admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)]).values():
-        fut.result(timeout=30)
+    ensure_topic(broker.bootstrap, name, PARTITIONS)
     return name
 
 
