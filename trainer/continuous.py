@@ -61,7 +61,7 @@ from trainer import freshness
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
 from trainer.data import DenseNormalizer, dense_names, encode_examples, fit_normalizer
-from trainer.delayed import first_publications
+from trainer.delayed import first_publications, is_correction
 from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.run_report import write_run_report
@@ -517,7 +517,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     noted = noted or bool(unread)
                     data = encode_examples(table, tc.num_embeddings, normalizer)
                     reading.update(data=data, event_ms=table["event_time_ms"].to_numpy(),
-                                   corrected=freshness.corrections(table))
+                                   corrected=is_correction(table))
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))

@@ -123,13 +123,21 @@ class DelayedBatch:
     share: torch.Tensor
 
 
+def is_correction(table: pa.Table) -> np.ndarray:
+    """(N,) bool: rows that correct an earlier example (``corrects_example_id`` set; all False for a table
+    without the early-publication columns)."""
+    if "corrects_example_id" not in table.schema.names:
+        return np.zeros(table.num_rows, dtype=bool)
+    return table.column("corrects_example_id").is_valid().to_numpy(zero_copy_only=False)
+
+
 def first_publications(table: pa.Table) -> pa.Table:
     """The rows of ``table`` that are not corrections: each impression once, as evaluation counts it (a
     correction repeats its impression with one label; its labels are judged when the model meets the next
     impression, not twice)."""
     if "corrects_example_id" not in table.schema.names:
         return table
-    return table.filter(pc.is_null(table.column("corrects_example_id")))
+    return table.filter(pa.array(~is_correction(table)))
 
 
 def importance_weights(probs: torch.Tensor, labels: torch.Tensor, scheme: torch.Tensor, biased: torch.Tensor,
@@ -175,4 +183,5 @@ def to_torch(delayed: DelayedLabels) -> DelayedBatch:
                          torch.from_numpy(delayed.biased), torch.from_numpy(delayed.share))
 
 
-__all__ = ["SCHEMES", "DelayedBatch", "DelayedLabels", "bce_terms", "delayed_labels", "first_publications", "importance_weights", "to_torch"]
+__all__ = ["SCHEMES", "DelayedBatch", "DelayedLabels", "bce_terms", "delayed_labels", "first_publications",
+           "importance_weights", "is_correction", "to_torch"]

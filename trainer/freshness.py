@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 FRESHNESS_TABLE = Table.FRESHNESS
 HOPS: tuple[str, ...] = ("impression->published", "published->trained", "impression->trained")
 """The hops, in the order of the pipeline (the last one spans the other two)."""
-CORRECTS_COLUMN = "corrects_example_id"
-"""Examples column naming the earlier example a row corrects (a late label); null on ordinary rows."""
 QUANTILES = (0.5, 0.95, 0.99)
 
 FRESHNESS_SCHEMA = pa.schema([
@@ -62,13 +60,6 @@ FRESHNESS_SCHEMA = pa.schema([
 def wall_ms() -> int:
     """Now, ms since epoch UTC (the trainer's clock for step ends; tests replace it)."""
     return time.time_ns() // 1_000_000
-
-
-def corrections(table: pa.Table) -> np.ndarray:
-    """(N,) bool: which rows of an examples read batch correct an earlier example (all False without the column)."""
-    if CORRECTS_COLUMN not in table.column_names:
-        return np.zeros(table.num_rows, dtype=bool)
-    return table[CORRECTS_COLUMN].is_valid().to_numpy(zero_copy_only=False)
 
 
 @dataclass
