@@ -118,6 +118,46 @@ class GemConfig:
                                  f"got {self.kernel_backend!r}")
 
 
+IdMappingName = Literal["hash", "managed"]
+"""``trainer.ids.mapping``: ids hashed into shared rows, or each frequent id its own row (trainer.id_mapping)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdsConfig:
+    """How string ids become embedding rows (trainer/id_mapping.py has the rules), ``[trainer.ids]``."""
+
+    mapping: IdMappingName = "hash"
+    """hash: blake2b modulo trainer.num_embeddings, collisions silent; managed: Monolith-style vocabulary with an occurrence filter."""
+    min_count: int = 2
+    """Managed: times an id must be seen in training before it gets its own row (Monolith's occurrence threshold)."""
+    headroom: float = 2.0
+    """Managed: rows per namespace = headroom x its ids seen min_count times in the first training data (+2 reserved rows)."""
+    min_rows: int = 64
+    """Managed: fewest rows of a namespace's tables."""
+    table_rows: tuple[str, ...] | None = None
+    """Managed: ``namespace=rows`` entries (``item=200000,category=8000``) pinning those namespaces' rows; None: the rule above."""
+
+    def __post_init__(self) -> None:
+        """Raises BadConfigError naming the ``trainer.ids.*`` key of a bad value."""
+        if self.mapping not in get_args(IdMappingName):
+            raise BadConfigError(f"trainer.ids.mapping must be one of {get_args(IdMappingName)}, got {self.mapping!r}")
+        if self.min_count < 1 or self.min_rows < 3:
+            raise BadConfigError(f"trainer.ids.min_count must be >= 1 and min_rows >= 3, got {self.min_count}, {self.min_rows}")
+        if not self.headroom >= 1:
+            raise BadConfigError(f"trainer.ids.headroom must be >= 1, got {self.headroom}")
+        self.pinned_rows()
+
+    def pinned_rows(self) -> dict[str, int]:
+        """``table_rows`` as namespace -> rows; raises BadConfigError on an entry that is not ``name=rows`` (rows >= 3)."""
+        out = {}
+        for entry in self.table_rows or ():
+            name, _, rows = entry.partition("=")
+            if not name or not rows.isdigit() or int(rows) < 3:
+                raise BadConfigError(f"trainer.ids.table_rows entries must be namespace=rows with rows >= 3, got {entry!r}")
+            out[name] = int(rows)
+        return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """Model size and optimisation of the CPU trainer."""
@@ -158,6 +198,8 @@ class TrainerConfig:
     """Width of each per-domain tower (gem, dlrm)."""
     gem: GemConfig = field(default_factory=GemConfig)
     """The GEM model's architecture (``[trainer.gem]``); used when ``model`` is "gem"."""
+    ids: IdsConfig = field(default_factory=IdsConfig)
+    """Id -> embedding row mapping (``[trainer.ids]``); in managed mode it also sizes each table."""
 
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "gem_layers": "gem.layers", "gem_heads": "gem.heads", "gem_pyramid_ratio": "gem.pyramid_ratio",

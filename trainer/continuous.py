@@ -62,6 +62,7 @@ from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, r
 from trainer.config import TrainerConfig
 from trainer.data import DenseNormalizer, dense_names, encode_examples, fit_normalizer
 from trainer.delayed import first_publications, is_correction
+from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
 from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.run_report import write_run_report
@@ -82,8 +83,8 @@ TRAINING_METRICS_SCHEMA = pa.schema([
     pa.field("step", pa.int64(), nullable=False),  # optimiser steps before the evaluated version was trained on
     pa.field("examples_version", pa.int64(), nullable=False),
     pa.field("domain", pa.string(), nullable=False),  # "all" for the overall row
-    pa.field("task", pa.string(), nullable=False),  # click | conversion
-    pa.field("metric", pa.string(), nullable=False),  # auc | ne | calibration | base_rate | num_examples
+    pa.field("task", pa.string(), nullable=False),  # click | conversion | ids (domain: the id namespace)
+    pa.field("metric", pa.string(), nullable=False),  # auc | ne | calibration | base_rate | num_examples | ID_METRICS
     pa.field("value", pa.float64()),  # null where the metric is undefined (e.g. AUC without positives)
     pa.field("wall_time_ms", pa.int64(), nullable=False),  # ms since epoch UTC
 ])
@@ -172,11 +173,23 @@ def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: in
     return rows
 
 
-def _append_metrics(lake: Lake, run_id: str, sequence: int, rows: list[dict[str, Any]]) -> None:
-    """Append one evaluation's rows to ``training_metrics`` once: app transaction (train:<run_id>, sequence)."""
+def _append_metrics(lake: Lake, run_id: str, sequence: int, rows: list[dict[str, Any]], *, stream: str = "train") -> None:
+    """Append one evaluation's rows to ``training_metrics`` once: app transaction (<stream>:<run_id>, sequence)."""
     # A sequence already there was written before a crash that came before the checkpoint: skipped.
-    commit(lake.root, METRICS_TABLE, pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA), app_id=f"train:{run_id}",
+    commit(lake.root, METRICS_TABLE, pa.Table.from_pylist(rows, schema=TRAINING_METRICS_SCHEMA), app_id=f"{stream}:{run_id}",
            version=sequence, version_rule="increasing", storage_options=lake.storage_options)
+
+
+ID_METRICS = ("collision_share", "oov_share", "distinct_ids", "rows")
+"""Metrics of the ``task = "ids"`` rows of ``training_metrics`` (trainer.id_mapping.Vocabulary.stats)."""
+
+
+def _id_metric_rows(run_id: str, step: int, version: int, ids: IdMapping, now_ms: int) -> list[dict[str, Any]]:
+    """The id mapping's collision counts after training on ``version``: one row per namespace (``domain``) and
+    metric of :data:`ID_METRICS`, task ``"ids"``."""
+    return [{"run_id": run_id, "step": step, "examples_version": version, "domain": ns, "task": "ids",
+             "metric": name, "value": float(values[name]), "wall_time_ms": now_ms}
+            for ns, values in ids.stats().items() for name in ID_METRICS]
 
 
 BOOTSTRAP_ROWS = 100_000
@@ -224,10 +237,11 @@ PredictionsHook = Callable[[ProgressivePredictions], None]
 """Called with each progressive evaluation's predictions (:func:`run_once`'s ``on_predictions``)."""
 
 
-def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: DenseNormalizer, start: Cursor,
-                 version: int, on_predictions: PredictionsHook | None = None) -> dict | None:
+def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: DenseNormalizer, mapping: IdMapping,
+                 start: Cursor, version: int, on_predictions: PredictionsHook | None = None) -> dict | None:
     """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
-    batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows.
+    batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows. Ids are
+    looked up in ``mapping`` as trained so far (not counted).
     ``on_predictions`` sees the predictions before they are evaluated (rank 0).
 
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
@@ -237,7 +251,7 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
         table = first_publications(pa.Table.from_batches([batch]))
         if table.num_rows == 0:
             continue
-        data = encode_examples(table, tc.num_embeddings, normalizer)
+        data = encode_examples(table, tc.num_embeddings, normalizer, ids=mapping)
         labels.append(data.labels)
         part = engine.predict(data, tc.batch_size)
         if part is not None:
@@ -404,6 +418,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             _set_current(lake.root, plan["run_id"], opts)
     engine: Engine | None = None
     normalizer: DenseNormalizer | None = None
+    ids: IdMapping | None = None
     domains: tuple[str, ...] = ()
     counters = Progress()
     if resume is not None:
@@ -421,8 +436,9 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                  "with --from-scratch")
         normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
         domains = tuple(state.extra["domains"])
+        ids = start_mapping(tc, pa.table({}), resume)
         torch.manual_seed(tc.seed)
-        engine = make_engine(tc, len(normalizer.names), domains, None)
+        engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains, None)
         engine.load(resume, state)
         counters.step, counters.examples_seen = state.step, state.examples_seen
         log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, counters.step, cursor)
@@ -441,13 +457,13 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         log.info("examples@%d and later wait for their validation (%s)", upto + 1, decisions[upto + 1].reason)
 
     def checkpoint() -> str | None:
-        assert engine is not None and normalizer is not None
+        assert engine is not None and normalizer is not None and ids is not None
         extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model,
                  "continuous": {"run_id": run_id, "cursor": cursor.to_dict(), "skipped": skipped,
                                 "lineage": lineage, "evaluations": evaluations, "measured": measured}}
         state = TrainState(step=counters.step, examples_seen=counters.examples_seen,
                            examples_version=max(cursor.version - 1, 0), extra=extra)
-        path = engine.save(root, state, storage_options=opts)
+        path = engine.save(root, state, files={MAPPING_FILE: ids.to_bytes()}, storage_options=opts)
         if rank == 0:
             _prune(root, keep_checkpoints)
         return path
@@ -483,13 +499,14 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             # Sizing them by every configured domain instead (8 by default) made GEM rank MovieLens' second
             # version at AUC 0.30 where DLRM and LR reached 0.70: not understood yet, so not done.
             domains = tuple(sorted(set(first["domain"].to_pylist()) - {None}))
+            ids = start_mapping(tc, first, None)
             torch.manual_seed(tc.seed)
-            engine = make_engine(tc, len(normalizer.names), domains,
-                                 prior_rates(encode_examples(first, tc.num_embeddings, normalizer).labels))
-        assert engine is not None and normalizer is not None
+            engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains,
+                                 prior_rates(encode_examples(first, tc.num_embeddings, normalizer, ids=ids).labels))
+        assert engine is not None and normalizer is not None and ids is not None
         evaluated = False
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
-            metrics = _progressive(engine, lake, tc, normalizer, start, version, on_predictions)
+            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, on_predictions)
             if metrics is not None:
                 evaluations += 1
                 evaluated = True
@@ -515,7 +532,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                         log.info("examples@%d has dense columns the model does not read, trained as before: %s",
                                  version, unread)
                     noted = noted or bool(unread)
-                    data = encode_examples(table, tc.num_embeddings, normalizer)
+                    ids.observe(first_publications(table))  # each impression counted once, as evaluation does
+                    data = encode_examples(table, tc.num_embeddings, normalizer, ids=ids)
                     reading.update(data=data, event_ms=table["event_time_ms"].to_numpy(),
                                    corrected=is_correction(table))
                     position = cursor if version == cursor.version else start
@@ -551,6 +569,9 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         lineage.append(record)
         result.versions.append(record)
         consumed += 1
+        if rank == 0:  # the lineage grows by one per version on every run, so its length numbers these appends
+            _append_metrics(lake, run_id, len(lineage), _id_metric_rows(run_id, counters.step, version, ids,
+                                                                        int(time.time() * 1000)), stream="train-ids")
         result.checkpoint_path = checkpoint()
         log.info("examples@%d: %d rows trained (step %d)", version, rows, counters.step)
 

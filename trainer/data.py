@@ -20,6 +20,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,9 @@ from gemline.lake import Lake, StorageOptions, open_table, read_table
 from gemline.tables import Table
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
+
+if TYPE_CHECKING:
+    from trainer.id_mapping import IdMapping
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +311,9 @@ def fit_normalizer(train: pa.Table) -> DenseNormalizer:
     return DenseNormalizer.fit(names, _dense_raw(train, names))
 
 
-def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer) -> EncodedExamples:
-    """Hash, flatten and normalize a split.
+def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer, *,
+                    ids: IdMapping | None = None) -> EncodedExamples:
+    """Hash (or map with ``ids``, trainer.id_mapping, which counts nothing here), flatten and normalize a split.
 
     Raises:
         ValueError: a sequence column's list lengths disagree with ``seq_length``.
@@ -319,8 +324,11 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
         raise InputSchemaError(f"dense features {missing} were in the train split (the model reads them) but are "
                                "missing here")
     n = table.num_rows
+    def rows(values: pa.Array | pa.ChunkedArray, column: str) -> np.ndarray:
+        return hash_ids(values, num_embeddings, HASH_NAMESPACE[column]) if ids is None else ids.lookup(values, column)
+
     sparse = np.stack(
-        [hash_ids(table[name], num_embeddings, HASH_NAMESPACE[name]) for name in SPARSE_FEATURES], axis=1
+        [rows(table[name], name) for name in SPARSE_FEATURES], axis=1
     ) if n else np.zeros((0, len(SPARSE_FEATURES)), dtype=np.int64)
     seq_length = table["seq_length"].to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -335,7 +343,7 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
                 f"{key} row {bad} has {lengths[bad]} elements but seq_length={seq_length[bad]}; "
                 "sequence columns must be aligned with seq_length (sequences/schema.py)"
             )
-        seq_values[key] = hash_ids(pc.list_flatten(column), num_embeddings, HASH_NAMESPACE[key])
+        seq_values[key] = rows(pc.list_flatten(column), key)
     labels = np.stack(
         [table[c].to_numpy(zero_copy_only=False).astype(np.float32) for c in ("label_click", "label_conversion")], axis=1
     ) if n else np.zeros((0, 2), dtype=np.float32)

@@ -64,6 +64,7 @@ from trainer.config import (
 )
 from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
 from trainer.delayed import bce_terms
+from trainer.id_mapping import table_rows
 from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
 
 if TYPE_CHECKING:
@@ -210,7 +211,7 @@ def build_shardable_model(tc: TrainerConfig, num_dense: int, domains: tuple[str,
         )
     if tc.model == "ranker":
         return ShardableRanker(
-            num_embeddings=tc.num_embeddings, embedding_dim=tc.embedding_dim, num_dense=num_dense,
+            num_embeddings=table_rows(tc), embedding_dim=tc.embedding_dim, num_dense=num_dense,
             hidden_dims=tc.hidden_dims, domains=domains,
         )
     return build_model(tc, num_dense, domains)

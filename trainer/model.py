@@ -31,6 +31,7 @@ from kernels.softmax import jagged_softmax
 from kernels.types import Jagged
 from sequences.schema import SPARSE_FEATURES
 from trainer.data import SEQUENCE_KEYS
+from trainer.models.towers import TableRows, rows_of
 
 _INIT_RANGE = 0.05
 """Uniform init bound of embedding rows; TorchRec's default (1/sqrt(rows)) is ~0.003 at 1e5 rows."""
@@ -63,7 +64,7 @@ class TwoTaskRanker(nn.Module):
     """Click and conversion logits for a batch (see the module docstring for the data flow).
 
     Args:
-        num_embeddings: rows of every hashed id table.
+        num_embeddings: rows of the id tables (one count, or per feature).
         embedding_dim: D.
         num_dense: F.
         hidden_dims: widths of the shared MLP.
@@ -72,7 +73,7 @@ class TwoTaskRanker(nn.Module):
     """
 
     def __init__(
-        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, hidden_dims: tuple[int, ...], domains: Sequence[str] = ()
+        self, *, num_embeddings: TableRows, embedding_dim: int, num_dense: int, hidden_dims: tuple[int, ...], domains: Sequence[str] = ()
     ) -> None:
         super().__init__()
         self.domains = tuple(domains)
@@ -80,7 +81,7 @@ class TwoTaskRanker(nn.Module):
         self.sparse_arch = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(
-                    name=f"t_{name}", embedding_dim=embedding_dim, num_embeddings=num_embeddings, feature_names=[name], **init
+                    name=f"t_{name}", embedding_dim=embedding_dim, num_embeddings=rows_of(num_embeddings, name), feature_names=[name], **init
                 )
                 for name in SPARSE_FEATURES
             ]
@@ -88,7 +89,7 @@ class TwoTaskRanker(nn.Module):
         self.sequence_arch = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
-                    name=table, embedding_dim=embedding_dim, num_embeddings=num_embeddings, feature_names=[key], **init
+                    name=table, embedding_dim=embedding_dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], **init
                 )
                 for key, table in _SEQ_TABLES.items()
             ]

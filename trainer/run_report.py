@@ -1,7 +1,8 @@
 """One self-contained HTML page per continuous training run: ``LAKE/_runs/<run_id>/report.html``.
 
 It shows what a person checks after a daily run: the progressive AUC and NE per domain over examples
-versions (each measured before the model trained on that version, from the ``training_metrics`` table),
+versions (each measured before the model trained on that version, from the ``training_metrics`` table), the
+id collisions per id namespace after the newest version (its ``task = "ids"`` rows: trainer.id_mapping),
 the rows trained per version with its quality verdict (passed, released, quarantined and skipped), the mean
 training loss per version, the freshness of the trained rows per version (p50/p95/p99 of impression ->
 published -> trained, from the ``freshness`` table: trainer.freshness) and the lineage table. Plots are matplotlib (Agg) PNGs inlined as base64, as
@@ -118,6 +119,37 @@ def _loss_text(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
 
 
+def id_collision_rows(metrics: list[dict[str, Any]], run_id: str) -> tuple[int | None, list[dict[str, Any]]]:
+    """The run's newest id-mapping counts (``task = "ids"`` rows of ``training_metrics``, trainer.id_mapping):
+    ``(examples_version, [{"namespace", <metric>: value, ...}])`` sorted by namespace; ``(None, [])`` without any."""
+    rows = [r for r in metrics if r["run_id"] == run_id and r["task"] == "ids"]
+    if not rows:
+        return None, []
+    newest = max(int(r["examples_version"]) for r in rows)
+    by_ns: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if int(r["examples_version"]) == newest:
+            by_ns.setdefault(r["domain"], {"namespace": r["domain"]})[r["metric"]] = r["value"]
+    return newest, [by_ns[ns] for ns in sorted(by_ns)]
+
+
+def _id_table(metrics: list[dict[str, Any]], run_id: str) -> str:
+    version, rows = id_collision_rows(metrics, run_id)
+    if version is None:
+        return "<p>no id-mapping counts recorded for this run</p>"
+
+    def cell(r: dict[str, Any], key: str, share: bool) -> str:
+        value = r.get(key)
+        return "" if value is None else (f"{100 * value:.2f}%" if share else f"{int(value)}")
+
+    body = "".join(f"<tr><td>{html.escape(r['namespace'])}</td><td>{cell(r, 'distinct_ids', False)}</td>"
+                   f"<td>{cell(r, 'rows', False)}</td><td>{cell(r, 'collision_share', True)}</td>"
+                   f"<td>{cell(r, 'oov_share', True)}</td></tr>" for r in rows)
+    return (f"<p>after training on examples version {version}; shares of the distinct ids seen in training</p>"
+            "<table><tr><th>id namespace</th><th>distinct ids</th><th>table rows</th><th>sharing a row</th>"
+            f"<th>on the OOV row</th></tr>{body}</table>")
+
+
 def render_run_report(run_id: str, lineage: Sequence[dict[str, Any]], metrics: list[dict[str, Any]], *,
                       step: int, rows_trained_total: int, checkpoint: str | None,
                       freshness: list[dict[str, Any]] | None = None) -> str:
@@ -146,7 +178,8 @@ def render_run_report(run_id: str, lineage: Sequence[dict[str, Any]], metrics: l
         f"{html.escape(run_id)}</title><style>body{{font-family:sans-serif;margin:2em}}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}</style></head><body>"
         f"<h1>continuous run {html.escape(run_id)}</h1><p>step {step}, {rows_trained_total} examples trained, "
-        f"checkpoint {html.escape(str(checkpoint))}</p>{figures}<h2>lineage</h2><table><tr><th>examples version</th>"
+        f"checkpoint {html.escape(str(checkpoint))}</p>{figures}<h2>id collisions</h2>{_id_table(metrics, run_id)}"
+        "<h2>lineage</h2><table><tr><th>examples version</th>"
         "<th>quality</th><th>rows trained</th><th>evaluated first</th><th>mean loss</th><th>step after</th></tr>"
         f"{rows}</table></body></html>"
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from trainer.data import (
     load_split,
     num_batches,
 )
+from trainer.id_mapping import MAPPING_FILE, start_mapping, stats_rows, with_rows
 from trainer.loop import EngineFactory, GlobalBatch, Progress, local_engine, predict, train_loop, train_step
 from trainer.metrics import evaluate, nan_to_none
 
@@ -66,6 +67,7 @@ class TrainResult:
         checkpoint_path: directory of the checkpoint saved at the end.
         steps: global optimiser step count at the end (includes resumed steps).
         loss_curve: loss of each step of this run (sum of the two BCE terms), skipped steps omitted.
+        id_stats: per id namespace, the collision counts of the mapping trained with (trainer.id_mapping.stats_rows).
     """
 
     examples_version: int
@@ -76,6 +78,7 @@ class TrainResult:
     checkpoint_path: str
     steps: int
     loss_curve: list[float]
+    id_stats: list[dict] = field(default_factory=list)
 
 
 def _loss_curve_png(loss_curve: list[float]) -> bytes:
@@ -183,8 +186,15 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
                 f"{normalizer.names}; use trainer.init_from=scratch"
             )
         normalizer = saved
-    train = encode_examples(split.train, tc.num_embeddings, normalizer)
-    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer)
+    ids = start_mapping(tc, split.train, resume_from)
+    if resumed is None or _resume_position(resumed, version, tc.epochs) == _Position(0, 0):
+        ids.observe(split.train)  # not when continuing an unfinished run: its mapping counted this split already
+    tc = with_rows(tc, ids)
+    for row in stats_rows(ids):
+        log.info("ids %(namespace)s (%(mode)s): %(distinct_ids)d distinct, %(rows)d rows, collision share "
+                 "%(collision_share).4f, OOV share %(oov_share).4f", row)
+    train = encode_examples(split.train, tc.num_embeddings, normalizer, ids=ids)
+    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer, ids=ids)
     domains = training_domains(split.train, resume_from)
     torch.manual_seed(tc.seed)
     engine = make_engine(tc, len(normalizer.names), domains, prior_rates(train.labels) if resumed is None else None)
@@ -205,7 +215,8 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
             step=counters.step, examples_seen=counters.examples_seen, examples_version=version,
             extra={"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model, "run": run, **(extra or {})},
         )
-        return engine.save(lake.root, state, files=files, storage_options=lake.storage_options)
+        return engine.save(lake.root, state, files={MAPPING_FILE: ids.to_bytes(), **(files or {})},
+                           storage_options=lake.storage_options)
 
     def batches() -> Iterator[GlobalBatch]:
         for epoch in range(start.epoch, tc.epochs):
@@ -232,6 +243,7 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
     return TrainResult(
         examples_version=version, train_examples=len(train), eval_examples=len(evaluation), eval_date=split.eval_date,
         metrics=metrics, checkpoint_path=str(path), steps=counters.step, loss_curve=counters.losses,
+        id_stats=stats_rows(ids),
     )
 
 

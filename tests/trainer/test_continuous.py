@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -56,8 +57,12 @@ def test_each_version_once_with_progressive_metrics(tmp_path):
     assert [p["examples_version"] for p in first.progressive] == [1, 2]
     assert all(0.0 <= p["auc"] <= 1.0 and p["rows"] == 200 for p in first.progressive)
     metrics = read_table(str(lake), "training_metrics")
-    # 2 evaluations x 2 tasks x (overall + 3 domains) x 5 metrics
-    assert metrics.num_rows == 2 * 2 * 4 * 5
+    # 2 evaluations x 2 tasks x (overall + 3 domains) x 5 metrics, and after each of the 3 versions trained the
+    # id mapping's counts: 10 namespaces (trainer.id_mapping) x 4 metrics
+    ids = metrics.filter(pc.equal(metrics["task"], "ids"))
+    assert metrics.num_rows - ids.num_rows == 2 * 2 * 4 * 5 and ids.num_rows == 3 * 10 * 4
+    items = {r["examples_version"]: r["value"] for r in ids.to_pylist() if r["domain"] == "item" and r["metric"] == "distinct_ids"}
+    assert sorted(items) == [0, 1, 2] and items[0] <= items[1] <= items[2] <= 40  # synthetic items i0..i39
     counts = {(r["examples_version"], r["domain"]): r["value"] for r in metrics.to_pylist()
               if r["task"] == "click" and r["metric"] == "num_examples"}
     assert counts[(1, "all")] == 200.0 and sum(v for (ver, d), v in counts.items() if ver == 1 and d != "all") == 200.0
@@ -135,8 +140,38 @@ def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, 
     params = _params(out.checkpoint_path)
     assert all(torch.allclose(reference[k], v, atol=1e-6, rtol=0) for k, v in params.items())
     metrics = read_table(str(crashed), "training_metrics")
-    assert sorted({r["examples_version"] for r in metrics.to_pylist()}) == [1, 2]
-    assert metrics.num_rows == 2 * 2 * 4 * 5, "the evaluation of version 1 is written once"
+    assert sorted({r["examples_version"] for r in metrics.to_pylist() if r["task"] != "ids"}) == [1, 2]
+    ids = metrics.filter(pc.equal(metrics["task"], "ids"))
+    assert metrics.num_rows - ids.num_rows == 2 * 2 * 4 * 5, "the evaluation of version 1 is written once"
+    assert ids.num_rows == 3 * 10 * 4, "the id counts of each version are written once"
+
+
+def test_a_managed_id_mapping_resumes_exactly(tmp_path):
+    """trainer.ids.mapping=managed: a run stopped after version 0 and resumed ends with the mapping (saved with
+    each checkpoint) and the parameters of an uninterrupted run; rows given by version 0 are kept."""
+    from trainer.id_mapping import MAPPING_FILE, IdMapping
+
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    _three_versions(straight)
+    shutil.copytree(straight, resumed)
+    managed = {"trainer.ids.mapping": "managed", "trainer.ids.min_count": 2}
+
+    def config(lake):
+        return load_config(overrides={"lake": str(lake), **SMALL, **managed})
+
+    reference = run_once(*trainer_args(config(straight))).checkpoint_path
+    first = run_once(*trainer_args(config(resumed)), max_versions=1).checkpoint_path
+    out = run_once(*trainer_args(config(resumed)))
+    assert [r["version"] for r in out.versions] == [1, 2]
+    mapping = (Path(out.checkpoint_path) / MAPPING_FILE).read_bytes()
+    assert mapping == (Path(reference) / MAPPING_FILE).read_bytes()
+    after_first = IdMapping.from_bytes((Path(first) / MAPPING_FILE).read_bytes()).vocabularies["item"].assigned
+    final = IdMapping.from_bytes(mapping).vocabularies["item"]
+    assert after_first and all(final.assigned[i] == row for i, row in after_first.items())
+    assert final.stats()["collision_share"] == 0.0, "40 synthetic items, each seen twice by version 2"
+    params = _params(out.checkpoint_path)
+    assert all(torch.equal(_params(reference)[k], v) for k, v in params.items())
+    assert next(v for k, v in params.items() if k.endswith("t_item_id.weight")).shape[0] == final.rows
 
 
 def test_same_lake_and_seed_give_the_same_checkpoint_bit_for_bit(tmp_path):

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +51,12 @@ CASES = {
     "mixed_2x2": (4, (2, 2), ("table_wise", "column_wise")),
     "gem_tw_1x2": (2, (1, 2), ("table_wise",)),
     "dlrm_cw_2x1": (2, (2, 1), ("column_wise",)),
+    "gem_managed_ids_tw_1x2": (2, (1, 2), ("table_wise",)),
 }
-CASE_MODEL = {"gem_tw_1x2": "gem", "dlrm_cw_2x1": "dlrm"}
+CASE_MODEL = {"gem_tw_1x2": "gem", "dlrm_cw_2x1": "dlrm", "gem_managed_ids_tw_1x2": "gem"}
 """trainer.model of a case; the others train the ranker."""
+MANAGED_IDS = {"gem_managed_ids_tw_1x2"}
+"""Cases whose ids go through a managed trainer.id_mapping: tables of different rows per feature."""
 # A tiny GEM: every block present (2 interleaved layers, pyramid, towers), small enough for seconds.
 GEM = {"layers": 2, "heads": 2, "max_sequence_len": 8, "dense_tokens": 1, "fm_outputs": 2, "lcb_outputs": 2, "fm_rank": 2}
 """trainer.gem of the GEM cases (trainer.tower_hidden is 4 for every model)."""
@@ -67,21 +71,38 @@ GEM = {"layers": 2, "heads": 2, "max_sequence_len": 8, "dense_tokens": 1, "fm_ou
 NOISE_FRACTION = 0.01
 
 
-def _data():
+def _mapping(table):
+    """A managed mapping sized tightly (headroom 1, min_rows 3) on ``table``: its 40 items, 45 users and 8 categories
+    get tables of 42, 47 and 10 rows (2 reserved rows each)."""
+    from trainer.config import IdsConfig
+    from trainer.data import HASH_NAMESPACE
+    from trainer.id_mapping import IdMapping
+
+    config = IdsConfig(mapping="managed", min_count=1, headroom=1.0, min_rows=3)
+    mapping = IdMapping.sized(config, MODEL["num_embeddings"], table, HASH_NAMESPACE)
+    mapping.observe(table)
+    return mapping
+
+
+def _data(managed=False):
     from tests.trainer.conftest import synthetic_examples
     from trainer.data import encode_examples, fit_normalizer
 
     table = synthetic_examples(["2026-01-01"], GLOBAL_BATCH * STEPS, SEED)
-    return encode_examples(table, MODEL["num_embeddings"], fit_normalizer(table))
+    ids = _mapping(table) if managed else None
+    return encode_examples(table, MODEL["num_embeddings"], fit_normalizer(table), ids=ids), ids
 
 
 def _global_rows(step: int) -> np.ndarray:
     return np.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
 
 
-def _trainer_config(mesh=None, types=None, compile_dense=False, model="ranker"):
-    from trainer.config import DistributedConfig, GemConfig, TrainerConfig
+def _trainer_config(mesh=None, types=None, compile_dense=False, model="ranker", ids=None):
+    from trainer.config import DistributedConfig, GemConfig, IdsConfig, TrainerConfig
+    from trainer.id_mapping import with_rows
 
+    if ids is not None:
+        return with_rows(replace(_trainer_config(mesh, types, compile_dense, model), ids=IdsConfig(mapping="managed")), ids)
     return TrainerConfig(
         embedding_dim=MODEL["embedding_dim"], num_embeddings=MODEL["num_embeddings"], hidden_dims=MODEL["hidden_dims"],
         learning_rate=LR, seed=SEED, compile=compile_dense, model=model, tower_hidden=4, gem=GemConfig(**GEM),
@@ -109,10 +130,10 @@ def _worker(out_dir: Path, cases: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = _data()
     for case in cases:
         _, mesh, types = CASES[case]
-        tc = _trainer_config(mesh, types, model=CASE_MODEL.get(case, "ranker"))
+        data, ids = _data(case in MANAGED_IDS)
+        tc = _trainer_config(mesh, types, model=CASE_MODEL.get(case, "ranker"), ids=ids)
         torch.manual_seed(SEED)
         sharded = shard_model(build_shardable_model(tc, data.dense.shape[1], _domains(data)), tc, world)
         losses = []
@@ -145,7 +166,7 @@ def _resume_worker(out_dir: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = _data()
+    data, _ = _data()
     tc = _trainer_config((1, 2), ("table_wise",), model="gem")
     batches = [0, 1, 2, 0]  # 4 steps over the 3 fixed global batches
 
@@ -197,15 +218,15 @@ def _launch(world: int, cases: list[str], out_dir: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def _reference(num_steps: int, model_name: str = "ranker"):
+def _reference(num_steps: int, model_name: str = "ranker", managed: bool = False):
     """Loss curve, final and initial state_dict of the one-process trainer on the same global batches."""
     from trainer.data import make_batch
     from trainer.models import build_model
     from trainer.train import train_step
 
-    data = _data()
+    data, ids = _data(managed)
     torch.manual_seed(SEED)
-    model = build_model(_trainer_config(model=model_name), data.dense.shape[1], _domains(data))
+    model = build_model(_trainer_config(model=model_name, ids=ids), data.dense.shape[1], _domains(data))
     optimizers = {
         "dense": torch.optim.Adam(model.dense_parameters(), lr=LR),
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=LR),
@@ -326,7 +347,7 @@ def test_split_rows_partitions_a_global_batch(rows, world):
 def _tiny_batch():
     from trainer.data import make_batch
 
-    data = _data()
+    data, _ = _data()
     return data, make_batch(data, _global_rows(0))
 
 
@@ -452,7 +473,11 @@ def test_world_size_2_gem_and_dlrm_match_one_process(tmp_path):
     """GEM (table-wise, mesh (1, 2)) and DLRM (column-wise, mesh (2, 1)) sharded over 2 ranks vs one process."""
     _launch(2, list(CASE_MODEL), tmp_path)
     for case, model_name in CASE_MODEL.items():
-        _check_case(tmp_path, case, _reference(STEPS, model_name))
+        _check_case(tmp_path, case, _reference(STEPS, model_name, case in MANAGED_IDS))
+    # The managed case's tables have the mapping's rows per feature, not trainer.num_embeddings.
+    state = torch.load(tmp_path / "gem_managed_ids_tw_1x2-rank0.pt", weights_only=False)["state"]
+    rows = {k.split(".")[-2]: v.shape[0] for k, v in state.items() if ".t_" in k}
+    assert rows["t_item_id"] == rows["t_item"] == 42 and rows["t_user_id"] == 47 and rows["t_category"] == 10, rows
 
 
 @pytest.mark.integration

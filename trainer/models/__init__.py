@@ -9,7 +9,7 @@ DistributedModelParallel) and ``dense_arch`` (the rest, for FSDP2), ``embedding_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import TrainerConfig
 from trainer.models.baselines import DLRM, LogisticRegression
@@ -38,7 +38,9 @@ def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -
     Raises:
         ValueError: an unknown ``config.model``.
     """
-    common = {"num_embeddings": config.num_embeddings, "num_dense": num_dense}
+    from trainer.id_mapping import table_rows
+
+    common: dict[str, Any] = {"num_embeddings": table_rows(config), "num_dense": num_dense}
     if config.model == "gem":
         return GemModel(config.gem, **common, embedding_dim=config.embedding_dim, domains=domains,
                         hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden)

@@ -26,19 +26,19 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from sequences.schema import SPARSE_FEATURES
 from trainer.data import SEQUENCE_KEYS
-from trainer.models.towers import DomainTowers, RankingModel, merge_sequence_kjt, mlp, sparse_bags
+from trainer.models.towers import DomainTowers, RankingModel, TableRows, merge_sequence_kjt, mlp, sparse_bags
 
 
 class LogisticRegression(RankingModel):
     """Two logistic regressions (click, conversion) on hashed ids, dense features and the domain.
 
     Args:
-        num_embeddings: rows of every hashed id table.
+        num_embeddings: rows of the id tables (one count, or per feature).
         num_dense: F.
         domains: K known domain names (unknown domains get no domain bias).
     """
 
-    def __init__(self, *, num_embeddings: int, num_dense: int, domains: Sequence[str]) -> None:
+    def __init__(self, *, num_embeddings: TableRows, num_dense: int, domains: Sequence[str]) -> None:
         super().__init__()
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = sparse_bags(num_embeddings, 2, sequence_pooling=PoolingType.MEAN)
@@ -111,7 +111,7 @@ class DLRM(RankingModel):
     """DLRM with dot interaction over the sparse ids and the mean-pooled history (Naumov et al. 2019).
 
     Args:
-        num_embeddings: rows of every hashed id table.
+        num_embeddings: rows of the id tables (one count, or per feature).
         embedding_dim: D.
         num_dense: F.
         domains: K known domain names.
@@ -120,7 +120,7 @@ class DLRM(RankingModel):
     """
 
     def __init__(
-        self, *, num_embeddings: int, embedding_dim: int, num_dense: int, domains: Sequence[str],
+        self, *, num_embeddings: TableRows, embedding_dim: int, num_dense: int, domains: Sequence[str],
         hidden_dims: Sequence[int] = (64, 32), tower_hidden: int = 16,
     ) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ from trainer.config import GemConfig
 from trainer.data import SEQUENCE_KEYS
 from trainer.models.interformer import InterFormer
 from trainer.models.sequence import SequenceSummary, keep_newest
-from trainer.models.towers import DomainTowers, RankingModel, mlp, sequence_tables, sparse_bags
+from trainer.models.towers import DomainTowers, RankingModel, TableRows, mlp, sequence_tables, sparse_bags
 
 CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
 """History key -> the sparse feature whose id is the candidate's entry in that key's table."""
@@ -52,7 +52,7 @@ class SparseArch(nn.Module):
     key, since a sharded EmbeddingBagCollection orders them by shard.
     """
 
-    def __init__(self, *, num_embeddings: int, dim: int) -> None:
+    def __init__(self, *, num_embeddings: TableRows, dim: int) -> None:
         super().__init__()
         self.bags = sparse_bags(num_embeddings, dim)
         self.sequence = sequence_tables(num_embeddings, dim)
@@ -148,7 +148,7 @@ class GemModel(RankingModel):
 
     Args:
         config: layers, heads, pyramid ratio, sequence length, dense tokens, Wukong widths, kernels.
-        num_embeddings: rows of every hashed id table.
+        num_embeddings: rows of the id tables (one count, or per feature).
         embedding_dim: D (also the width of every interaction and sequence embedding); a multiple of ``config.heads``.
         num_dense: F, dense features per example (from the data).
         domains: K known domain names (from the data); index i is domain id i, K means unknown.
@@ -160,7 +160,7 @@ class GemModel(RankingModel):
     """
 
     def __init__(
-        self, config: GemConfig, *, num_embeddings: int, embedding_dim: int, num_dense: int, domains: Sequence[str],
+        self, config: GemConfig, *, num_embeddings: TableRows, embedding_dim: int, num_dense: int, domains: Sequence[str],
         hidden_dims: Sequence[int], tower_hidden: int,
     ) -> None:
         super().__init__()

@@ -11,7 +11,8 @@ domain's own tower adds a residual for that domain only; a domain not seen in tr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -27,35 +28,44 @@ SEQUENCE_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "se
 """Sequence key -> table name; the candidate's item and category are looked up in the same tables."""
 
 
+TableRows: TypeAlias = int | Mapping[str, int]
+"""Rows of the id tables: one count for every table, or feature name -> rows (trainer.id_mapping.table_rows)."""
+
+
+def rows_of(num_embeddings: TableRows, feature: str) -> int:
+    """Rows of ``feature``'s table; raises KeyError for a feature a mapping does not size."""
+    return num_embeddings if isinstance(num_embeddings, int) else num_embeddings[feature]
+
+
 def _init() -> dict:
     return {"weight_init_min": -INIT_RANGE, "weight_init_max": INIT_RANGE}
 
 
-def sparse_bags(num_embeddings: int, dim: int, *, sequence_pooling: PoolingType | None = None) -> EmbeddingBagCollection:
-    """One pooled table per sparse feature (S tables of (num_embeddings, dim)).
+def sparse_bags(num_embeddings: TableRows, dim: int, *, sequence_pooling: PoolingType | None = None) -> EmbeddingBagCollection:
+    """One pooled table per sparse feature (S tables of (rows of the feature, dim)).
 
     With ``sequence_pooling`` set, also one pooled table per sequence key (DLRM's and LR's view of
     the history as a bag of ids).
     """
     tables = [
-        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[name], **_init())
+        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=rows_of(num_embeddings, name), feature_names=[name], **_init())
         for name in SPARSE_FEATURES
     ]
     if sequence_pooling is not None:
         tables += [
             EmbeddingBagConfig(
-                name=f"t_{key}", embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[key], pooling=sequence_pooling, **_init()
+                name=f"t_{key}", embedding_dim=dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], pooling=sequence_pooling, **_init()
             )
             for key in SEQUENCE_TABLES
         ]
     return EmbeddingBagCollection(tables=tables)
 
 
-def sequence_tables(num_embeddings: int, dim: int) -> EmbeddingCollection:
+def sequence_tables(num_embeddings: TableRows, dim: int) -> EmbeddingCollection:
     """Unpooled tables of the history keys: each gives jagged (T, dim) token embeddings."""
     return EmbeddingCollection(
         tables=[
-            EmbeddingConfig(name=table, embedding_dim=dim, num_embeddings=num_embeddings, feature_names=[key], **_init())
+            EmbeddingConfig(name=table, embedding_dim=dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], **_init())
             for key, table in SEQUENCE_TABLES.items()
         ]
     )
