@@ -398,14 +398,20 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from trainer.compare import run_compare, run_holdout_compare
 
     models = tuple(args.models.split(","))
+    ablations = tuple(a for a in (args.ablate or "").split(",") if a)
     config = _config(args)
     result: Any
     if args.version is not None or args.holdout_last_day:
+        if ablations or args.json:
+            raise BadConfigError("--ablate and --json go with the progressive protocol, not --holdout-last-day/--version")
         result = run_holdout_compare(Lake.for_config(config), config.trainer, examples_version=args.version,
                                      models=models)
     else:
         result = run_compare(Lake.for_config(config), config.trainer, models=models, resamples=args.resamples,
-                             seed=args.bootstrap_seed)
+                             seed=args.bootstrap_seed, ablations=ablations)
+    if args.json:
+        print(open(result.paths["summary"]).read())
+        return 0
     print(open(result.paths["md"]).read())
     print(_as_json(result.paths))
     return 0
@@ -592,6 +598,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated trainer.model names; the first is subtracted from (default gem,dlrm,lr)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="numpy seed of the bootstrap draws (default 0)")
+    p.add_argument("--ablate", default="",
+                   help="comma-separated ablations (trainer.compare.ABLATIONS: collisions, sequence_len): the first "
+                        "model again without each change, reported as its difference from the full model")
+    p.add_argument("--json", action="store_true",
+                   help='print only {"models": {m: {auc, ne, ...}}, "gem_minus_dlrm_auc": {mean, ci95}, ..., "ablations"}')
     p.add_argument("--holdout-last-day", action="store_true",
                    help="instead: train on one examples version's days but the last, evaluate on the last")
     p.add_argument("--version", type=int, default=None,

@@ -27,6 +27,13 @@ has AUC, NE and calibration per task overall and per domain. Each run leaves its
 ``LAKE/_checkpoints`` as usual. One day is a small test set (536 examples on MovieLens-100K, 76 clicks on the
 Taobao sample): too few to tell these models apart, hence the progressive default.
 
+**Ablations** (``gemline compare --ablate collisions,sequence_len``): besides the models, the first model (the
+full one: the config as given) is run again once per named ablation with that ablation's config overrides
+(:data:`ABLATIONS`: one change switched off, everything else, seeds included, the same), as
+``<model>-no-<ablation>``; the report gives the full model minus each ablated run with the same paired bootstrap
+interval. An ablation that would not change the config (its change is already off) is refused. ``--json``
+prints :func:`compare_json`.
+
 Metrics are those of trainer/metrics.py: AUC, NE (He et al. 2014, §2) and calibration
 (sum of predictions / sum of labels).
 """
@@ -38,13 +45,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
+from gemline.configtree import build, config_overrides, set_dotted
 from gemline.errors import BadConfigError
 from gemline.lake import Lake
 from trainer.config import ModelName, TrainerConfig
@@ -55,6 +63,39 @@ log = logging.getLogger(__name__)
 
 MODELS: tuple[str, ...] = ("gem", "dlrm", "lr")
 """Models compared by default."""
+
+ABLATIONS: dict[str, dict[str, str]] = {
+    "collisions": {"trainer.ids.mapping": "hash"},
+    "sequence_len": {"trainer.gem.max_sequence_len": "32"},
+}
+"""Ablation name -> ``--set`` overrides (full keys, string values as on the command line) that switch one change of
+the full model off. The ``gem`` issue's switches (interformer_cross, recency_branches, same_domain_stream,
+time_delta_buckets, final_labels) join this dict once their config keys exist."""
+
+
+def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:
+    """``tc`` with ablation ``name``'s overrides (:data:`ABLATIONS`) applied, rebuilt and checked as a config file is.
+
+    Raises:
+        gemline.errors.BadConfigError: an unknown name (the known ones listed), an override the config does not
+            know, or an ablation that leaves ``tc`` unchanged (its change is already off in this config).
+    """
+    if name not in ABLATIONS:
+        raise BadConfigError(f"unknown ablation {name!r}; known: {', '.join(sorted(ABLATIONS))}")
+    tree: dict[str, Any] = {}
+    for flag in config_overrides(tc):
+        key, _, value = flag.partition("=")
+        set_dotted(tree, key, value)
+    for key, value in ABLATIONS[name].items():
+        if not key.startswith("trainer."):
+            raise BadConfigError(f"ablation {name!r}: {key!r} is not a trainer.* key; compare varies the trainer only")
+        set_dotted(tree, key.removeprefix("trainer."), value)
+    ablated = build(TrainerConfig, tree, "trainer.")
+    if ablated == tc:
+        sets = ", ".join(f"{k}={v}" for k, v in ABLATIONS[name].items())
+        raise BadConfigError(f"ablation {name!r} ({sets}) changes nothing: this config has it already; switch the "
+                             "change on in the config (the full model) to measure what it brings")
+    return ablated
 
 
 @dataclass(frozen=True)
@@ -147,8 +188,11 @@ def write_report(run_dir: Path, summary: dict, rows: list[dict]) -> dict[str, st
     return {k: str(v) for k, v in paths.items()}
 
 
-def _trainer_configs(tc: TrainerConfig, models: tuple[str, ...]) -> dict[str, TrainerConfig]:
-    """``{model: tc with trainer.model = model}`` (from scratch), checked before any training."""
+def _trainer_configs(tc: TrainerConfig, models: tuple[str, ...], ablations: tuple[str, ...] = ()) -> dict[str, TrainerConfig]:
+    """``{model: tc with trainer.model = model}`` (from scratch), then ``{<first model>-no-<ablation>: its
+    ablated config}`` (:func:`ablated_config`), checked before any training."""
+    if len(set(ablations)) != len(ablations):
+        raise BadConfigError(f"ablations must not repeat a name, got {','.join(ablations)}")
     if not models:
         raise BadConfigError("models must name at least one of gem, dlrm, lr, ranker")
     if len(set(models)) != len(models):
@@ -157,7 +201,10 @@ def _trainer_configs(tc: TrainerConfig, models: tuple[str, ...]) -> dict[str, Tr
         log.warning("trainer.init_from=%r is overridden at run time: using 'scratch' (compare trains every model "
                     "from fresh parameters, so none starts from another's checkpoint)", tc.init_from)
     # A name is any str here: TrainerConfig.__post_init__ (run by replace) rejects an unknown one.
-    return {m: replace(tc, model=cast(ModelName, m), init_from="scratch") for m in models}
+    configs = {m: replace(tc, model=cast(ModelName, m), init_from="scratch") for m in models}
+    full = configs[models[0]]
+    configs.update({f"{models[0]}-no-{name}": ablated_config(full, name) for name in ablations})
+    return configs
 
 
 def run_holdout_compare(
@@ -214,7 +261,7 @@ class ProgressiveCompareResult:
             ``continuous_run_id`` (the model's run in ``training_metrics``).
         differences: one dict per (other model, task): ``a``, ``b`` (first model, other), ``task``, and per
             metric ``auc`` / ``ne`` a :class:`trainer.bootstrap.BootstrapInterval` as a dict.
-        paths: {"json", "md", "png"} -> file path.
+        paths: {"json", "md", "png", "summary"} -> file path (summary: :func:`compare_json`).
     """
 
     run_id: str
@@ -346,9 +393,48 @@ def progressive_plot_png(per_version: dict[str, dict[str, list[dict]]]) -> bytes
     return buf.getvalue()
 
 
+def _mean_and_interval(interval: dict | None, ci_key: str) -> dict[str, Any]:
+    interval = interval or {}
+    return {"mean": interval.get("estimate"), ci_key: [interval.get("low"), interval.get("high")]}
+
+
+def compare_json(rows: list[dict], differences: list[dict], *, ablated: Mapping[str, str] | None = None,
+                 confidence: float = 0.95) -> dict[str, Any]:
+    """What ``gemline compare --json`` prints: the click task at the top, the conversion task beside it.
+
+    ``{"models": {model: {"auc", "ne", "conversion_auc", "conversion_ne"}}, "<a>_minus_<b>_auc": {"mean",
+    "ci95": [low, high]}, "<a>_minus_<b>_ne": {...}`` for every other model b, and ``"ablations": {name: {"run",
+    "auc": {"mean", "ci95"}, "ne": {...}, "conversion_auc": ..., "conversion_ne": ...}}`` (the full model minus the
+    run without that change). Means are row-weighted over versions; intervals paired bootstrap
+    (:func:`progressive_summary`); ``ci95`` is named after ``confidence``; None where undefined.
+
+    Args:
+        rows, differences: of :func:`progressive_summary`.
+        ablated: run name -> ablation name of the ablated runs among the models.
+    """
+    ablated = dict(ablated or {})
+    ci_key = f"ci{round(100 * confidence)}"
+    models: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        prefix = "" if r["task"] == TASKS[0] else f"{r['task']}_"
+        models.setdefault(r["model"], {}).update({f"{prefix}auc": r["auc"], f"{prefix}ne": r["ne"]})
+    out: dict[str, Any] = {"models": models}
+    ablations: dict[str, dict[str, Any]] = {}
+    for d in differences:
+        prefix = "" if d["task"] == TASKS[0] else f"{d['task']}_"
+        for metric in ("auc", "ne"):
+            value = _mean_and_interval(d.get(metric), ci_key)
+            if d["b"] in ablated:
+                ablations.setdefault(ablated[d["b"]], {"run": d["b"]})[f"{prefix}{metric}"] = value
+            else:
+                out[f"{d['a']}_minus_{d['b']}_{prefix}{metric}"] = value
+    out["ablations"] = ablations
+    return nan_to_none(out)
+
+
 def run_compare(
     lake: Lake, tc: TrainerConfig, *, models: tuple[str, ...] = MODELS, run_id: str | None = None, resamples: int = 1000,
-    seed: int = 0, confidence: float = 0.95,
+    seed: int = 0, confidence: float = 0.95, ablations: tuple[str, ...] = (),
 ) -> ProgressiveCompareResult:
     """Run every model of ``models`` through the continuous trainer over every gate-allowed examples version and
     write the progressive comparison (module docstring, "Progressive").
@@ -360,16 +446,19 @@ def run_compare(
         models: names accepted by ``trainer.model``; the first is the one the others are subtracted from.
         run_id: report directory under ``LAKE/_runs``; None: ``compare-<UTC time>``.
         resamples, seed, confidence: of the paired bootstrap.
+        ablations: names of :data:`ABLATIONS`; each adds a run of the first model without that change
+            (module docstring, "Ablations").
 
     Raises:
-        gemline.errors.BadConfigError: an empty, repeated or unknown model name (before any training).
+        gemline.errors.BadConfigError: an empty, repeated or unknown model or ablation name, or an ablation that
+            changes nothing (before any training).
         ValueError: ``resamples < 1`` or ``confidence`` not in (0, 1) (before any training).
         gemline.errors.MissingInputError: no ``examples`` table (a FileNotFoundError).
         gemline.locks.LakeBusyError: a continuous trainer runs on this lake (each model's run takes its lock).
     """
     from trainer.continuous import ProgressivePredictions, run_once
 
-    trainer_configs = _trainer_configs(tc, models)
+    trainer_configs = _trainer_configs(tc, models, ablations)
     if resamples < 1 or not 0 < confidence < 1:
         raise ValueError(f"compare: expected resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())
@@ -395,14 +484,19 @@ def run_compare(
                                                                    confidence=confidence)
     for r in rows:
         r["continuous_run_id"] = runs[r["model"]]["continuous_run_id"]
+    ablated = {f"{models[0]}-no-{name}": name for name in ablations}
     summary = {"run_id": run_id, "protocol": "progressive", "versions": versions, "models": runs,
+               "ablations": {name: ABLATIONS[name] for name in ablations},
                "bootstrap": {"resamples": resamples, "seed": seed, "confidence": confidence,
                              "method": "paired percentile bootstrap of the row-weighted mean difference, rows "
                                        "resampled within each version (Efron & Tibshirani 1993)"}}
     run_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": run_dir / "compare.json", "md": run_dir / "compare.md", "png": run_dir / "compare.png"}
+    paths = {"json": run_dir / "compare.json", "md": run_dir / "compare.md", "png": run_dir / "compare.png",
+             "summary": run_dir / "summary.json"}
     paths["json"].write_text(json.dumps(nan_to_none({**summary, "rows": rows, "differences": differences,
                                                      "per_version": per_version}), indent=2))
+    paths["summary"].write_text(json.dumps(compare_json(rows, differences, ablated=ablated, confidence=confidence),
+                                           indent=2))
     paths["md"].write_text(progressive_markdown(summary, rows, differences))
     paths["png"].write_bytes(progressive_plot_png(per_version))
     return ProgressiveCompareResult(run_id=run_id, versions=versions, rows=rows, differences=differences,
