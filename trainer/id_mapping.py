@@ -27,8 +27,9 @@ Rows per namespace (managed), fixed when a run starts (TorchRec tables do not gr
 
     R = min(trainer.num_embeddings, max(min_rows, 2 + ceil(headroom * U_k)))
 
-with U_k the distinct ids of the namespace seen at least ``min_count`` times in the first training
-data (the train split of a one-shot run, a continuous run's first version), so a small namespace
+with U_k the distinct ids of the namespace seen at least ``min_count`` times in the data a run starts
+with (the train split of a one-shot run; every examples version a new continuous run can consume when it
+starts: its first version alone can be a handful of rows), so a small namespace
 (gender, event type) gets a small table and a large one room to grow by ``headroom``, never more
 than the hashed table it replaces. ``trainer.ids.table_rows`` pins R per namespace instead.
 
