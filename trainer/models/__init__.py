@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainer.config import TrainerConfig
+from trainer.id_mapping import table_rows
 from trainer.models.baselines import DLRM, LogisticRegression
 from trainer.models.gem import GemModel
 from trainer.models.towers import RankingModel, encode_domains
@@ -38,8 +39,6 @@ def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -
     Raises:
         ValueError: an unknown ``config.model``.
     """
-    from trainer.id_mapping import table_rows
-
     common: dict[str, Any] = {"num_embeddings": table_rows(config), "num_dense": num_dense}
     if config.model == "gem":
         return GemModel(config.gem, **common, embedding_dim=config.embedding_dim, domains=domains,
