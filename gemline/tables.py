@@ -13,6 +13,7 @@
     _build_state/evicted       sequences   overwrite                       sequences.incremental:EVICTED_SCHEMA
     _build_state/pending       sequences   overwrite                       sequences.examples:PENDING_SCHEMA
     examples                   sequences   append     event_date           sequences.examples:EXAMPLES_SCHEMA
+    history                    sequences   append     user_bucket          sequences.schema:HISTORY_SCHEMA
     quality                    validation  append                          gemline.gate:QUALITY_SCHEMA
     quality_profiles           validation  append                          validation.profiles:PROFILES_SCHEMA
     training_metrics           trainer     append                          trainer.continuous:TRAINING_METRICS_SCHEMA
@@ -68,6 +69,7 @@ class Table(StrEnum):
     BUILD_EVICTED = "_build_state/evicted"
     BUILD_PENDING = "_build_state/pending"
     EXAMPLES = "examples"
+    HISTORY = "history"
     ORPHAN_LABELS = "orphan_labels"
     QUALITY = "quality"
     QUALITY_PROFILES = "quality_profiles"
@@ -152,6 +154,9 @@ TABLES: Mapping[Table, TableSpec] = _specs(
               about="an impression whose attribution windows are still open"),
     TableSpec(name=Table.EXAMPLES, owner="sequences", mode="append", partition_by=("event_date",),
               schema="sequences.examples:EXAMPLES_SCHEMA", about="one labelled impression, point-in-time correct"),
+    TableSpec(name=Table.HISTORY, owner="sequences", mode="append", partition_by=("user_bucket",),
+              schema="sequences.schema:HISTORY_SCHEMA",
+              about="one event of one user, stored once; pointer-layout examples are rebuilt from it"),
     TableSpec(name=Table.ORPHAN_LABELS, owner="sequences", mode="append",
               schema="sequences.publish:ORPHAN_LABELS_SCHEMA",
               about="a click or conversion no example carries: no impression, or it arrived after its impression was decided"),

@@ -16,6 +16,10 @@ LabelMode = Literal["wait", "fnw", "defer"]
 """``build.label_mode``: when an impression is published and how late labels reach the trainer
 (:mod:`sequences.publish`)."""
 
+ExamplesLayout = Literal["fat", "pointer"]
+"""``build.examples_layout``: example rows carry their sequences as lists ("fat") or point into the
+``history`` table ("pointer", :mod:`sequences.materialize`)."""
+
 ShardStep = Literal["vectorized", "reference"]
 """``build.shard_step``: the vectorised shard build or the per-user reference (same tables)."""
 
@@ -67,6 +71,11 @@ class BuildConfig:
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
     see gemline.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
+    examples_layout: ExamplesLayout = "fat"
+    """"fat": every ``examples`` row stores its sequences (list columns, cost grows with
+    ``max_seq_len``). "pointer": the rows keep every other column (lengths and truncation counts
+    included) and readers rebuild the lists from the ``history`` table, where each event is stored
+    once (:func:`sequences.materialize.materialize_examples`). Fixed for the life of a lake."""
     interval_s: float = 10.0
     """Seconds between the passes of ``gemline build --follow`` (its ``--interval-s`` flag sets it too)."""
 
@@ -96,6 +105,9 @@ class BuildConfig:
             raise BadConfigError(f"build.publish_delay_ms must be >= 0 ms, got {self.publish_delay_ms}")
         for entry in self.publish_delay_overrides:
             _parse_delay_override(entry)
+        if self.examples_layout not in get_args(ExamplesLayout):
+            raise BadConfigError(f"build.examples_layout must be one of {get_args(ExamplesLayout)}, "
+                                 f"got {self.examples_layout!r}")
         if self.shard_step not in get_args(ShardStep):
             raise BadConfigError(f"build.shard_step must be one of {get_args(ShardStep)}, got {self.shard_step!r}")
         if self.events_gate not in ("required", "off"):

@@ -194,7 +194,9 @@ def build_user(
     Returns:
         ``{"sequence": row, "domain_sequences": [rows], "buffer": [events], "evicted": [rows],
         "pending": PENDING_SCHEMA table, "examples": EXAMPLES_SCHEMA table, "user_features":
-        [rows], "user_category_features": [rows]}``.
+        [rows], "user_category_features": [rows], "fresh": [events]}``; ``fresh`` are the events
+        first seen in this build (sorted, unique, none the state already held): the rows this build
+        appends to the ``history`` table.
 
     Raises:
         ValueError: malformed events, or a new impression without item features.
@@ -274,6 +276,7 @@ def build_user(
         "orphan_labels": orphans,
         "user_features": user_features,
         "user_category_features": category_features,
+        "fresh": fresh,
     }
 
 

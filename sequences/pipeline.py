@@ -69,8 +69,9 @@ from gemline.tables import Table, commit_files, write_files
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA
+from sequences.materialize import history_rows, to_pointers
 from sequences.publish import ORPHAN_LABELS_SCHEMA
-from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
+from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, pointer_schema
 from sequences.shards import (
     EVENT_SCHEMA,
     ITEM_INPUTS,
@@ -103,17 +104,30 @@ _OUTPUTS: dict[str, pa.Schema] = {
     Table.BUILD_EVICTED: EVICTED_SCHEMA,
     Table.BUILD_PENDING: PENDING_SCHEMA,
     Table.ORPHAN_LABELS: ORPHAN_LABELS_SCHEMA,
+    Table.HISTORY: HISTORY_SCHEMA,  # before examples: a committed example's history is there
     Table.EXAMPLES: EXAMPLES_SCHEMA,  # last: its commit marks the build complete
 }
 """Every table the build writes and its schema, in commit order (partition columns and write mode:
-the table's spec, :mod:`gemline.tables`)."""
+the table's spec, :mod:`gemline.tables`); :func:`output_schemas` gives the layout's examples schema."""
 
 
-def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int):
+def output_schemas(config: BuildConfig) -> dict[str, pa.Schema]:
+    """:data:`_OUTPUTS` with the ``examples`` schema of ``config.examples_layout`` (the pointer layout
+    drops the list columns, :func:`sequences.schema.pointer_schema`)."""
+    if config.examples_layout == "fat":
+        return dict(_OUTPUTS)
+    return {**_OUTPUTS, Table.EXAMPLES: pointer_schema(EXAMPLES_SCHEMA)}
+
+
+def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
+                     build: int):
     shard, pieces = keyed
     step = user_shard_vectorized if config.shard_step == "vectorized" else user_shard_reference
     out = step(gather_inputs([load_piece(p) for p in pieces], USER_INPUTS), config, watermark_ms=watermark_ms,
                old_close_ms=old_close_ms, close_ms=close_ms)
+    out["history"] = history_rows(out["history"], build)
+    if config.examples_layout == "pointer":
+        out["examples"] = to_pointers(out["examples"])
     for name, table in out.items():
         if table.num_rows:
             yield _USER_OUTPUT_TABLES[name], f"user-{shard:05d}", table
@@ -174,11 +188,13 @@ class BuildIncrement(beam.PTransform):
         old_close_ms / close_ms: windows closed up to these times before / after this build.
         spill_dir: when given, shard inputs travel through the shuffles as Arrow IPC files in this
             directory (paths in the records; see :func:`sequences.shards.spill_piece`), else inline.
+        build: the build's number, stored with the ``history`` rows it appends.
     """
 
     def __init__(self, config: BuildConfig, *, watermark_ms: int, old_close_ms: int | None, close_ms: int,
-                 spill_dir: str | None = None) -> None:
+                 spill_dir: str | None = None, build: int = 0) -> None:
         super().__init__()
+        self._build = build
         self._spill_dir = spill_dir
         self._config = config
         self._watermark_ms = watermark_ms
@@ -213,7 +229,7 @@ class BuildIncrement(beam.PTransform):
             | "UserPieces" >> beam.Flatten()
             | "GroupByUserShard" >> beam.GroupByKey()
             | "BuildUserShard" >> beam.FlatMap(
-                _user_shard_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms)
+                _user_shard_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms, self._build)
         )
         # Two outputs, not one Flatten: a Flatten of two stages' outputs would materialise (pickle)
         # every output table between stages, while a consumer of each is fused with its producer.
@@ -221,7 +237,7 @@ class BuildIncrement(beam.PTransform):
 
 
 def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions | None, manifests: str,
-                build: int, done: frozenset[str]) -> None:
+                build: int, done: frozenset[str], schemas: dict[str, pa.Schema]) -> None:
     """Write one part's rows as (uncommitted) data files of its table and list them in
     ``<manifests>/<table>/<part>.json``. File names are fixed by (build, part), so a retried bundle
     replaces its files rather than adding copies; tables this build already committed (before a
@@ -229,7 +245,7 @@ def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions
     name, part_name, table = part
     if name in done:
         return
-    files = write_files(lake, name, conform(table, _OUTPUTS[name]), name=f"build{build:06d}-{part_name}",
+    files = write_files(lake, name, conform(table, schemas[name]), name=f"build{build:06d}-{part_name}",
                         storage_options=opts)
     directory = Path(manifests) / name
     directory.mkdir(parents=True, exist_ok=True)
@@ -503,6 +519,7 @@ def run_build(
                else Path(root) / "_staging" / APP_ID / str(version))
     # A crashed earlier attempt may have left manifests: start afresh (its files get rewritten).
     shutil.rmtree(staging, ignore_errors=True)
+    schemas = output_schemas(config)
     done = frozenset(name for name in _OUTPUTS
                      if (commit_metadata(root, name, APP_ID, storage_options=opts) or {}).get("build") == build)
 
@@ -518,8 +535,8 @@ def run_build(
         }
         parts = inputs | "BuildIncrement" >> BuildIncrement(
             config, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms,
-            spill_dir=str(staging / "shuffle"))
-        write = (str(root), opts, str(staging), build, done)
+            spill_dir=str(staging / "shuffle"), build=build)
+        write = (str(root), opts, str(staging), build, done, schemas)
         parts["item"] | "WriteItemParts" >> beam.Map(_write_part, *write)
         parts["user"] | "WriteUserParts" >> beam.Map(_write_part, *write)
 
@@ -532,7 +549,7 @@ def run_build(
             published = sum(f["num_records"] for f in files)
         last = committed_version(root, name, APP_ID, storage_options=opts)
         commit_files(
-            root, name, files, _OUTPUTS[name], app_id=APP_ID, version=0 if last is None else last + 1,
+            root, name, files, schemas[name], app_id=APP_ID, version=0 if last is None else last + 1,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
             storage_options=opts,
         )

@@ -120,6 +120,41 @@ SEQUENCES_BY_DOMAIN_SCHEMA = pa.schema(
 """One row per (user, domain): the newest ``max_same_domain_seq_len`` events of that domain."""
 
 
+HISTORY_BUCKETS = 16
+"""Partitions of the ``history`` table: a user's rows all live in bucket
+:func:`sequences.materialize.history_bucket` (crc32 of the user_id mod this), so the reader of one
+batch's users opens at most that many partitions. Changing it needs a rewrite of the table."""
+
+HISTORY_SCHEMA = pa.schema(
+    [
+        pa.field("user_bucket", pa.int32(), nullable=False),  # partition column
+        pa.field("user_id", pa.string(), nullable=False),
+        pa.field("event_id", pa.string(), nullable=False),
+        pa.field("event_time_ms", pa.int64(), nullable=False),
+        pa.field("created_ts_ms", pa.int64(), nullable=False),  # Kafka append time of the event
+        pa.field("item_id", pa.string(), nullable=False),
+        pa.field("category", pa.string()),  # null: no category ('' in the sequence lists)
+        pa.field("event_type", pa.string(), nullable=False),
+        pa.field("domain", pa.string(), nullable=False),
+        pa.field("build", pa.int64(), nullable=False),  # the build that appended it (its append version)
+    ]
+)
+"""One row per (user, event), appended once, by the build that first saw the event: every user's
+history stored once, which pointer-layout examples index into (:mod:`sequences.materialize`)."""
+
+LIST_COLUMNS: tuple[str, ...] = (
+    *SEQUENCE_FEATURES, "seq_event_time_ms", *SAME_DOMAIN_SEQUENCE_FEATURES, "seq_same_domain_event_time_ms",
+    "seq_time_delta_ms", "seq_same_domain_time_delta_ms",
+)
+"""The list columns of a fat ``examples`` row; a pointer-layout row (``build.examples_layout =
+"pointer"``) has every other column and is materialized from the ``history`` table."""
+
+
+def pointer_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` without its :data:`LIST_COLUMNS` (the pointer layout of an examples-like schema)."""
+    return pa.schema([f for f in schema if f.name not in LIST_COLUMNS])
+
+
 def dense_feature_names(schema: pa.Schema) -> list[str]:
     """The ``f_*`` dense feature columns of an examples schema, in schema order."""
     return [name for name in schema.names if name.startswith("f_")]

@@ -37,7 +37,7 @@ from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, PENDING_SCHEMA
 from sequences.incremental import EVICTED_SCHEMA, build_item, build_user
 from sequences.publish import ORPHAN_LABELS_SCHEMA
-from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
+from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 
 EVENT_SCHEMA = pa.schema([*EVENT_ARROW_SCHEMA, pa.field("created_ts_ms", pa.int64(), nullable=False)])
 """Event rows the build reads: the ingest event fields plus the Kafka append time (ms since epoch UTC)."""
@@ -47,6 +47,10 @@ DENSE_SCHEMA = pa.schema(
      *[pa.field(name, pa.float64(), nullable=False) for name in ITEM_DENSE]]
 )
 """Item counters of one new impression, keyed for the join with its user."""
+
+HISTORY_EVENT_SCHEMA = pa.schema([f for f in HISTORY_SCHEMA if f.name not in ("user_bucket", "build")])
+"""A user shard's ``history`` output: its events first seen in this build (the pipeline adds the
+build number and the user's bucket, :data:`sequences.schema.HISTORY_SCHEMA`)."""
 
 USER_INPUTS: dict[str, pa.Schema] = {
     "new": EVENT_SCHEMA, "buffer": EVENT_SCHEMA, "seq": SEQUENCES_SCHEMA, "dseq": SEQUENCES_BY_DOMAIN_SCHEMA,
@@ -60,7 +64,7 @@ ITEM_INPUTS: dict[str, pa.Schema] = {"new": EVENT_SCHEMA, "buffer": EVENT_SCHEMA
 USER_OUTPUTS: dict[str, pa.Schema] = {
     "sequences": SEQUENCES_SCHEMA, "sequences_by_domain": SEQUENCES_BY_DOMAIN_SCHEMA,
     "buffer": EVENT_SCHEMA, "evicted": EVICTED_SCHEMA, "pending": PENDING_SCHEMA, "examples": EXAMPLES_SCHEMA,
-    "orphan_labels": ORPHAN_LABELS_SCHEMA, USER_FEATURES.name: USER_FEATURES.schema, USER_CATEGORY_FEATURES.name: USER_CATEGORY_FEATURES.schema,
+    "orphan_labels": ORPHAN_LABELS_SCHEMA, "history": HISTORY_EVENT_SCHEMA, USER_FEATURES.name: USER_FEATURES.schema, USER_CATEGORY_FEATURES.name: USER_CATEGORY_FEATURES.schema,
 }
 """Output tables of a user shard."""
 
@@ -229,6 +233,7 @@ def user_shard_reference(
                           (USER_FEATURES.name, "user_features"),
                           (USER_CATEGORY_FEATURES.name, "user_category_features")):
             rows[name] += out[key]
+        rows["history"] += out["fresh"]
         for name in ("examples", "pending", "orphan_labels"):
             if out[name].num_rows:
                 rows[name].append(out[name])
@@ -236,6 +241,6 @@ def user_shard_reference(
 
 
 __all__ = [
-    "DENSE_SCHEMA", "EVENT_SCHEMA", "ITEM_INPUTS", "ITEM_OUTPUTS", "USER_INPUTS", "USER_OUTPUTS", "gather_inputs",
+    "DENSE_SCHEMA", "EVENT_SCHEMA", "HISTORY_EVENT_SCHEMA", "ITEM_INPUTS", "ITEM_OUTPUTS", "USER_INPUTS", "USER_OUTPUTS", "gather_inputs",
     "item_shard_reference", "load_piece", "shard_of", "spill_piece", "split_by_shard", "user_shard_reference",
 ]

@@ -60,6 +60,7 @@ from sequences.schema import SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, SPARS
 from sequences.shards import (
     DENSE_SCHEMA,
     EVENT_SCHEMA,
+    HISTORY_EVENT_SCHEMA,
     ITEM_OUTPUTS,
     USER_OUTPUTS,
     item_shard_reference,
@@ -367,6 +368,7 @@ def user_shard_vectorized(
         "pending": all_pending.filter(pa.array(plan.keep)),
         "examples": examples,
         "orphan_labels": orphans,
+        "history": _to_arrow(fresh, HISTORY_EVENT_SCHEMA),
         USER_FEATURES.name: _to_arrow(user_features, USER_FEATURES.schema),
         USER_CATEGORY_FEATURES.name: _to_arrow(category_features, USER_CATEGORY_FEATURES.schema),
     }

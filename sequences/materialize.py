@@ -1,0 +1,236 @@
+"""Pointer-layout examples: each user's history stored once, sequences rebuilt when read.
+
+With ``build.examples_layout = "pointer"`` the build appends every event it sees for the first time
+to the ``history`` table (:data:`sequences.schema.HISTORY_SCHEMA`, one row per (user, event), with
+``build``, the number of the build that appended it), and the ``examples`` rows keep every column
+but the list columns (:data:`sequences.schema.LIST_COLUMNS`). :func:`materialize_examples` gives
+back the fat rows, equal to what the fat build writes.
+
+The pointer. An example's own impression is an event of the history, appended by the build ``k``
+that first saw it, and that build cut the example's sequences from (:mod:`sequences.incremental`):
+
+- cross-domain: the stored sequence as of build k - 1, i.e. the newest N = ``max_seq_len`` of the
+  user's events appended by builds < k (newest by (event_time_ms, event_id); newest-N of a union
+  is newest-N of the newest-N of its parts, so the stored sequence of k - 1 is exactly that), plus
+  the user's events appended by build k; of those, the events with event time strictly before the
+  impression and append time (``created_ts_ms``) at or before the impression's, newest N kept,
+  time-ascending. ``seq_truncated`` = max(0, |builds < k| - N) (what the stored sequence had cut)
+  + the candidates visible to the impression - the length kept.
+- same-domain: the same over the user's events of the impression's domain, with
+  ``build.same_domain_seq_len``.
+
+So the pointer is (user_id, example_id -> its history row's ``build``); a correction row points
+through ``corrects_example_id``. Nothing else is stored: a backfilled event (old event time,
+appended late) has a ``created_ts_ms`` after the example's and never enters it; a late impression
+(older than N events the state already held) gets the same shorter history the fat build gave it.
+
+Assumes, as the fat build does, that ``max_seq_len`` and ``same_domain_seq_len`` do not change over
+the life of the lake and that an event id reaches the history once (the build deduplicates
+redeliveries against its state: :mod:`sequences.incremental`).
+
+Batch-time use: the candidates of a (user, build) pair are computed once however many examples of
+the batch point into them, and each example's lists are index ranges into them (RecD's inverse
+indices, Zhao et al., MLSys 2023, arXiv 2211.05239, section 4).
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from features.vectorized import EVENT_ORDER, grouped
+from gemline.lake import Lake, StorageOptions, open_table
+from gemline.tables import Table
+from sequences.config import BuildConfig
+from sequences.schema import HISTORY_BUCKETS, HISTORY_SCHEMA, LIST_COLUMNS
+
+_HISTORY_COLUMNS = ["user_id", "event_id", "event_time_ms", "created_ts_ms", "item_id", "category", "event_type",
+                    "domain", "build"]
+
+
+def history_bucket(user_ids: pa.Array | pa.ChunkedArray | list[str]) -> np.ndarray:
+    """(n,) int32 bucket in ``[0, HISTORY_BUCKETS)`` of each user: crc32 of its UTF-8 id.
+
+    crc32 (zlib) rather than a library hash: the bucket is stored in the ``history`` table's
+    partition column, so it must not change with a library version.
+    """
+    values = pa.array(user_ids, pa.string()) if isinstance(user_ids, list) else user_ids
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    encoded = values.dictionary_encode()
+    per_id = np.fromiter((zlib.crc32(s.encode()) % HISTORY_BUCKETS for s in encoded.dictionary.to_pylist()),
+                         dtype=np.int32, count=len(encoded.dictionary))
+    return per_id[encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)]
+
+
+def history_rows(fresh: pa.Table, build: int) -> pa.Table:
+    """``history`` rows (:data:`HISTORY_SCHEMA`) of events first seen by build number ``build``."""
+    with_build = fresh.append_column("build", pa.array(np.full(fresh.num_rows, build, dtype=np.int64)))
+    bucket = pa.array(history_bucket(fresh.column("user_id")), pa.int32())
+    return with_build.append_column("user_bucket", bucket).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA)
+
+
+def to_pointers(examples: pa.Table) -> pa.Table:
+    """Fat examples rows without their list columns (the pointer layout)."""
+    return examples.drop_columns([c for c in LIST_COLUMNS if c in examples.column_names])
+
+
+def _candidates(history: pl.DataFrame, pairs: pl.DataFrame, keys: list[str], max_len: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(candidates, prior): per pair of ``keys`` + ``_k`` (a build), the events its examples were cut
+    from: the newest ``max_len`` appended before build _k plus those appended by _k; ``prior`` holds
+    the pair's ``_prior`` (events the stored sequence had cut)."""
+    rows = (pairs.join(history, on=keys, how="inner").filter(pl.col("build") <= pl.col("_k"))
+            .sort([*keys, "_k", *EVENT_ORDER]))
+    old = (pl.col("build") < pl.col("_k")).cast(pl.Int64)
+    rows = rows.with_columns(old.alias("_old"), old.cum_sum(reverse=True).over([*keys, "_k"]).alias("_newer"))
+    prior = rows.group_by([*keys, "_k"]).agg((pl.col("_old").sum() - max_len).clip(lower_bound=0).alias("_prior"))
+    kept = rows.filter((pl.col("_old") == 0) | (pl.col("_newer") <= max_len))
+    return kept.drop("_old", "_newer"), prior
+
+
+def _gather(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len: int, prefix: str,
+            with_domains: bool) -> dict[str, Any]:
+    """The ``prefix`` sequence columns of each query row (in query order) from its pair's candidates:
+    newest ``max_len`` with time < the query's and append time <= the query's."""
+    group_keys = [*keys, "_k"]
+    cands, groups, q_codes, q_times = grouped(cands, queries, group_keys)
+    times = cands.get_column("event_time_ms").to_numpy()
+    created = cands.get_column("created_ts_ms").to_numpy()
+    q_created = queries.get_column("created_ts_ms").to_numpy()
+    end = groups.before(q_codes, q_times)
+    first = groups.start(q_codes)
+    # Running max of append times per group: a query whose whole prefix was appended before it
+    # (the usual case) takes a contiguous range, the others a mask.
+    codes = cands.get_column("_g").to_numpy()
+    running = (pl.DataFrame({"g": codes, "c": created}).select(pl.col("c").cum_max().over("g"))
+               .get_column("c").to_numpy()) if created.size else created
+    worst = np.where(end > first, running[np.maximum(end - 1, 0)] if created.size else 0, np.iinfo(np.int64).min)
+    fast = worst <= q_created
+    start = np.maximum(first, end - max_len)
+    lengths = np.where(fast, end - start, 0).astype(np.int64)
+    visible = np.where(fast, end - first, 0).astype(np.int64)
+    slow_index: dict[int, np.ndarray] = {}
+    for i in np.flatnonzero(~fast):
+        hits = first[i] + np.flatnonzero(created[first[i]:end[i]] <= q_created[i])
+        slow_index[int(i)] = hits[-max_len:]
+        visible[i] = hits.size
+        lengths[i] = slow_index[int(i)].size
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+    for row, kept in slow_index.items():
+        index[offsets[row]:offsets[row + 1]] = kept
+    take = pa.array(index, pa.int64())
+    arrow_offsets = pa.array(offsets, pa.int32())
+
+    def lists(column: pl.Series, value_type: pa.DataType) -> pa.Array:
+        values = column.to_arrow().cast(value_type).take(take)
+        return pa.ListArray.from_arrays(arrow_offsets, values, type=pa.list_(value_type))
+
+    out: dict[str, Any] = {
+        f"{prefix}item_ids": lists(cands.get_column("item_id"), pa.string()),
+        f"{prefix}categories": lists(cands.get_column("category").fill_null(""), pa.string()),
+        f"{prefix}event_types": lists(cands.get_column("event_type"), pa.string()),
+    }
+    if with_domains:
+        out[f"{prefix}domains"] = lists(cands.get_column("domain"), pa.string())
+    out[f"{prefix}event_time_ms"] = lists(cands.get_column("event_time_ms"), pa.int64())
+    deltas = np.repeat(q_times, lengths) - times[index]
+    out[f"{prefix}time_delta_ms"] = pa.ListArray.from_arrays(arrow_offsets, pa.array(deltas, pa.int64()),
+                                                             type=pa.list_(pa.int64()))
+    out[f"{prefix}length"] = lengths
+    out[f"{prefix}visible"] = visible
+    return out
+
+
+def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildConfig,
+                         schema: pa.Schema | None = None) -> pa.Table:
+    """Fat ``examples`` rows from pointer-layout rows and the ``history`` table (rules: module docstring).
+
+    Args:
+        pointer_rows: rows of the pointer layout (:func:`sequences.schema.pointer_schema` of the
+            examples schema: every column but the lists; ``user_id``, ``example_id``,
+            ``event_time_ms``, ``created_ts_ms``, ``domain``, the four ``*_length`` / ``*_truncated``
+            counts and, when present, ``corrects_example_id`` are read).
+        history: ``history`` rows (:data:`sequences.schema.HISTORY_SCHEMA`) holding at least every
+            row of these examples' users; rows of other users or of later builds are ignored.
+        cfg: the build config the rows were built with (``max_seq_len``, ``same_domain_seq_len``).
+        schema: the output schema (default: :data:`sequences.examples.EXAMPLES_SCHEMA`); its list
+            columns are computed, the others taken from ``pointer_rows``.
+
+    Returns:
+        One fat row per pointer row, in the same order.
+
+    Raises:
+        ValueError: an example's impression is not in ``history`` (a history read before the
+            example's build, or another lake), or a rebuilt length or truncation count differs from
+            the one the row stores (history and pointers disagree, e.g. a changed ``max_seq_len``).
+    """
+    from sequences.examples import EXAMPLES_SCHEMA
+
+    schema = EXAMPLES_SCHEMA if schema is None else schema
+    n = pointer_rows.num_rows
+    if n == 0:
+        return schema.empty_table()
+    anchor = pointer_rows.column("example_id")
+    if "corrects_example_id" in pointer_rows.column_names:
+        anchor = pc.coalesce(pointer_rows.column("corrects_example_id"), anchor)
+    queries = pl.DataFrame({
+        "user_id": pointer_rows.column("user_id"), "_anchor": anchor,
+        "domain": pointer_rows.column("domain"), "event_time_ms": pointer_rows.column("event_time_ms"),
+        "created_ts_ms": pointer_rows.column("created_ts_ms"),
+    }).with_row_index("_i")
+    users = queries.select("user_id").unique()
+    hist = pl.DataFrame(history.select(_HISTORY_COLUMNS)).join(users, on="user_id", how="semi")
+    builds = hist.select("user_id", pl.col("event_id").alias("_anchor"), pl.col("build").alias("_k"))
+    queries = queries.join(builds, on=["user_id", "_anchor"], how="left").sort("_i")
+    lost = queries.filter(pl.col("_k").is_null())
+    if lost.height:
+        raise ValueError(f"{lost.height} example(s) point to impressions missing from history, e.g. "
+                         f"{lost.get_column('_anchor').head(3).to_list()!r}; read history at or after the examples' "
+                         "build, from the same lake")
+    columns: dict[str, Any] = {}
+    for keys, max_len, prefix, with_domains in ((["user_id"], cfg.max_seq_len, "seq_", True),
+                                                (["user_id", "domain"], cfg.same_domain_seq_len, "seq_same_domain_",
+                                                 False)):
+        pairs = queries.select(*keys, "_k").unique()
+        cands, prior = _candidates(hist, pairs, keys, max_len)
+        part = _gather(cands, queries, keys, max_len, prefix, with_domains)
+        cut = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
+               .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
+        truncated = cut + part.pop(f"{prefix}visible") - part[f"{prefix}length"]
+        for name, got in ((f"{prefix}length", part[f"{prefix}length"]), (f"{prefix}truncated", truncated)):
+            stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = np.flatnonzero(stored != got)
+            if bad.size:
+                raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
+                                 f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
+                                 "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
+        columns.update({k: v for k, v in part.items() if isinstance(v, pa.Array)})
+    arrays = [columns[f.name] if f.name in columns else pointer_rows.column(f.name) for f in schema]
+    return pa.Table.from_arrays([a.cast(f.type) for a, f in zip(arrays, schema, strict=True)], schema=schema)
+
+
+def read_history(lake: Lake | str | Path, user_ids: pa.Array | pa.ChunkedArray, *, version: int | None = None,
+                 storage_options: StorageOptions | None = None) -> pa.Table:
+    """The ``history`` rows of ``user_ids`` (only their buckets' partitions are read); an empty
+    :data:`HISTORY_SCHEMA` table when the lake has no history."""
+    dt = open_table(lake, Table.HISTORY, version, storage_options=storage_options)
+    if dt is None:
+        return HISTORY_SCHEMA.empty_table()
+    unique = pc.unique(user_ids if isinstance(user_ids, pa.Array) else user_ids.combine_chunks())
+    buckets = sorted({int(b) for b in history_bucket(unique)})
+    if not buckets:
+        return HISTORY_SCHEMA.empty_table()
+    dataset = dt.to_pyarrow_dataset()
+    wanted = ds.field("user_bucket").isin(buckets) & ds.field("user_id").isin(unique)
+    return dataset.to_table(filter=wanted).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA)
+
+
+__all__ = ["history_bucket", "history_rows", "materialize_examples", "read_history", "to_pointers"]
