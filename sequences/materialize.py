@@ -36,8 +36,8 @@ indices, Zhao et al., MLSys 2023, arXiv 2211.05239, section 4).
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import polars as pl
@@ -95,13 +95,48 @@ def _candidates(history: pl.DataFrame, pairs: pl.DataFrame, keys: list[str], max
     return kept.drop("_old", "_newer"), prior
 
 
-def _gather(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len: int, prefix: str,
-            with_domains: bool) -> dict[str, Any]:
-    """The ``prefix`` sequence columns of each query row (in query order) from its pair's candidates:
-    newest ``max_len`` with time < the query's and append time <= the query's."""
-    group_keys = [*keys, "_k"]
-    cands, groups, q_codes, q_times = grouped(cands, queries, group_keys)
-    times = cands.get_column("event_time_ms").to_numpy()
+@dataclass(frozen=True)
+class SequenceIndex:
+    """One sequence (cross-domain or same-domain) of n examples as an index into candidate events.
+
+    Attributes:
+        events: the candidate events (columns of :data:`sequences.schema.HISTORY_SCHEMA`), each
+            (user, build[, domain]) pair's once however many examples point into it.
+        index: (T,) int64 rows of ``events``; example i's sequence, time-ascending, is
+            ``events.take(index[offsets[i]:offsets[i + 1]])``.
+        offsets: (n + 1,) int64, ``offsets[i + 1] - offsets[i]`` = its length.
+        truncated: (n,) int64, its ``*_truncated`` count.
+        query_ms: (n,) int64 the examples' event times (for the time deltas).
+    """
+
+    events: pa.Table
+    index: np.ndarray
+    offsets: np.ndarray
+    truncated: np.ndarray
+    query_ms: np.ndarray
+
+    def lists(self, column: str, value_type: pa.DataType) -> pa.ListArray:
+        """The list<value_type> column of ``events[column]`` per example (null category -> '')."""
+        values = self.events.column(column)
+        if column == "category":
+            values = pc.fill_null(values, "")
+        taken = values.combine_chunks().cast(value_type).take(pa.array(self.index, pa.int64()))
+        return pa.ListArray.from_arrays(pa.array(self.offsets, pa.int32()), taken, type=pa.list_(value_type))
+
+    def time_deltas(self) -> pa.ListArray:
+        """list<int64>: the example's time minus each element's (ms, > 0)."""
+        times = self.events.column("event_time_ms").to_numpy()
+        lengths = np.diff(self.offsets)
+        deltas = np.repeat(self.query_ms, lengths) - times[self.index]
+        return pa.ListArray.from_arrays(pa.array(self.offsets, pa.int32()), pa.array(deltas, pa.int64()),
+                                        type=pa.list_(pa.int64()))
+
+
+def _index(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len: int
+           ) -> tuple[pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
+    """(candidates sorted by group, index, offsets, visible): per query row, the newest ``max_len``
+    of its pair's candidates with time < the query's and append time <= the query's."""
+    cands, groups, q_codes, q_times = grouped(cands, queries, [*keys, "_k"])
     created = cands.get_column("created_ts_ms").to_numpy()
     q_created = queries.get_column("created_ts_ms").to_numpy()
     end = groups.before(q_codes, q_times)
@@ -110,8 +145,8 @@ def _gather(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len
     # (the usual case) takes a contiguous range, the others a mask.
     codes = cands.get_column("_g").to_numpy()
     running = (pl.DataFrame({"g": codes, "c": created}).select(pl.col("c").cum_max().over("g"))
-               .get_column("c").to_numpy()) if created.size else created
-    worst = np.where(end > first, running[np.maximum(end - 1, 0)] if created.size else 0, np.iinfo(np.int64).min)
+               .get_column("c").to_numpy()) if created.size else np.zeros(1, dtype=np.int64)
+    worst = np.where(end > first, running[np.maximum(end - 1, 0)], np.iinfo(np.int64).min)
     fast = worst <= q_created
     start = np.maximum(first, end - max_len)
     lengths = np.where(fast, end - start, 0).astype(np.int64)
@@ -126,27 +161,64 @@ def _gather(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len
     index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
     for row, kept in slow_index.items():
         index[offsets[row]:offsets[row + 1]] = kept
-    take = pa.array(index, pa.int64())
-    arrow_offsets = pa.array(offsets, pa.int32())
+    return cands, index, offsets, visible
 
-    def lists(column: pl.Series, value_type: pa.DataType) -> pa.Array:
-        values = column.to_arrow().cast(value_type).take(take)
-        return pa.ListArray.from_arrays(arrow_offsets, values, type=pa.list_(value_type))
 
-    out: dict[str, Any] = {
-        f"{prefix}item_ids": lists(cands.get_column("item_id"), pa.string()),
-        f"{prefix}categories": lists(cands.get_column("category").fill_null(""), pa.string()),
-        f"{prefix}event_types": lists(cands.get_column("event_type"), pa.string()),
-    }
-    if with_domains:
-        out[f"{prefix}domains"] = lists(cands.get_column("domain"), pa.string())
-    out[f"{prefix}event_time_ms"] = lists(cands.get_column("event_time_ms"), pa.int64())
-    deltas = np.repeat(q_times, lengths) - times[index]
-    out[f"{prefix}time_delta_ms"] = pa.ListArray.from_arrays(arrow_offsets, pa.array(deltas, pa.int64()),
-                                                             type=pa.list_(pa.int64()))
-    out[f"{prefix}length"] = lengths
-    out[f"{prefix}visible"] = visible
-    return out
+def _queries(pointer_rows: pa.Table, history: pa.Table) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(queries, history of their users): one query per pointer row with its build ``_k``."""
+    anchor = pointer_rows.column("example_id")
+    if "corrects_example_id" in pointer_rows.column_names:
+        anchor = pc.coalesce(pointer_rows.column("corrects_example_id"), anchor)
+    queries = pl.DataFrame({
+        "user_id": pointer_rows.column("user_id"), "_anchor": anchor,
+        "domain": pointer_rows.column("domain"), "event_time_ms": pointer_rows.column("event_time_ms"),
+        "created_ts_ms": pointer_rows.column("created_ts_ms"),
+    }).with_row_index("_i")
+    hist = pl.DataFrame(history.select(_HISTORY_COLUMNS)).join(queries.select("user_id").unique(), on="user_id",
+                                                                how="semi")
+    builds = hist.select("user_id", pl.col("event_id").alias("_anchor"), pl.col("build").alias("_k"))
+    queries = queries.join(builds, on=["user_id", "_anchor"], how="left").sort("_i")
+    lost = queries.filter(pl.col("_k").is_null())
+    if lost.height:
+        raise ValueError(f"{lost.height} example(s) point to impressions missing from history, e.g. "
+                         f"{lost.get_column('_anchor').head(3).to_list()!r}; read history at or after the examples' "
+                         "build, from the same lake")
+    return queries, hist
+
+
+def sequence_index(pointer_rows: pa.Table, history: pa.Table, max_len: int, *, same_domain: bool = False,
+                   check: bool = True) -> SequenceIndex:
+    """The cross-domain (or, ``same_domain``, the example's-domain) sequence of each pointer row as a
+    :class:`SequenceIndex` (rules: the module docstring; arguments: :func:`materialize_examples`).
+
+    ``max_len``: ``max_seq_len`` (or ``same_domain_seq_len``) of the build that wrote the rows.
+    ``check``: compare the rebuilt length and truncation count with the row's stored ones.
+
+    Raises:
+        ValueError: as :func:`materialize_examples`.
+    """
+    prefix = "seq_same_domain_" if same_domain else "seq_"
+    keys = ["user_id", "domain"] if same_domain else ["user_id"]
+    if pointer_rows.num_rows == 0:
+        return SequenceIndex(HISTORY_SCHEMA.empty_table(), np.zeros(0, np.int64), np.zeros(1, np.int64),
+                             np.zeros(0, np.int64), np.zeros(0, np.int64))
+    queries, hist = _queries(pointer_rows, history)
+    cands, prior = _candidates(hist, queries.select(*keys, "_k").unique(), keys, max_len)
+    cands, index, offsets, visible = _index(cands, queries, keys, max_len)
+    lengths = np.diff(offsets)
+    cut = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
+           .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
+    truncated = cut + visible - lengths
+    if check:
+        for name, got in ((f"{prefix}length", lengths), (f"{prefix}truncated", truncated)):
+            stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = np.flatnonzero(stored != got)
+            if bad.size:
+                raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
+                                 f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
+                                 "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
+    return SequenceIndex(cands.select(_HISTORY_COLUMNS).to_arrow(), index, offsets, truncated,
+                         queries.get_column("event_time_ms").to_numpy())
 
 
 def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildConfig,
@@ -175,44 +247,17 @@ def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildCo
     from sequences.examples import EXAMPLES_SCHEMA
 
     schema = EXAMPLES_SCHEMA if schema is None else schema
-    n = pointer_rows.num_rows
-    if n == 0:
+    if pointer_rows.num_rows == 0:
         return schema.empty_table()
-    anchor = pointer_rows.column("example_id")
-    if "corrects_example_id" in pointer_rows.column_names:
-        anchor = pc.coalesce(pointer_rows.column("corrects_example_id"), anchor)
-    queries = pl.DataFrame({
-        "user_id": pointer_rows.column("user_id"), "_anchor": anchor,
-        "domain": pointer_rows.column("domain"), "event_time_ms": pointer_rows.column("event_time_ms"),
-        "created_ts_ms": pointer_rows.column("created_ts_ms"),
-    }).with_row_index("_i")
-    users = queries.select("user_id").unique()
-    hist = pl.DataFrame(history.select(_HISTORY_COLUMNS)).join(users, on="user_id", how="semi")
-    builds = hist.select("user_id", pl.col("event_id").alias("_anchor"), pl.col("build").alias("_k"))
-    queries = queries.join(builds, on=["user_id", "_anchor"], how="left").sort("_i")
-    lost = queries.filter(pl.col("_k").is_null())
-    if lost.height:
-        raise ValueError(f"{lost.height} example(s) point to impressions missing from history, e.g. "
-                         f"{lost.get_column('_anchor').head(3).to_list()!r}; read history at or after the examples' "
-                         "build, from the same lake")
-    columns: dict[str, Any] = {}
-    for keys, max_len, prefix, with_domains in ((["user_id"], cfg.max_seq_len, "seq_", True),
-                                                (["user_id", "domain"], cfg.same_domain_seq_len, "seq_same_domain_",
-                                                 False)):
-        pairs = queries.select(*keys, "_k").unique()
-        cands, prior = _candidates(hist, pairs, keys, max_len)
-        part = _gather(cands, queries, keys, max_len, prefix, with_domains)
-        cut = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
-               .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
-        truncated = cut + part.pop(f"{prefix}visible") - part[f"{prefix}length"]
-        for name, got in ((f"{prefix}length", part[f"{prefix}length"]), (f"{prefix}truncated", truncated)):
-            stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
-            bad = np.flatnonzero(stored != got)
-            if bad.size:
-                raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
-                                 f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
-                                 "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
-        columns.update({k: v for k, v in part.items() if isinstance(v, pa.Array)})
+    columns: dict[str, pa.Array] = {}
+    for prefix, max_len, same in (("seq_", cfg.max_seq_len, False), ("seq_same_domain_", cfg.same_domain_seq_len, True)):
+        seq = sequence_index(pointer_rows, history, max_len, same_domain=same)
+        for name, column in (("item_ids", "item_id"), ("categories", "category"), ("event_types", "event_type"),
+                             ("domains", "domain")):
+            if not (same and name == "domains"):
+                columns[f"{prefix}{name}"] = seq.lists(column, pa.string())
+        columns[f"{prefix}event_time_ms"] = seq.lists("event_time_ms", pa.int64())
+        columns[f"{prefix}time_delta_ms"] = seq.time_deltas()
     arrays = [columns[f.name] if f.name in columns else pointer_rows.column(f.name) for f in schema]
     return pa.Table.from_arrays([a.cast(f.type) for a, f in zip(arrays, schema, strict=True)], schema=schema)
 
@@ -233,4 +278,4 @@ def read_history(lake: Lake | str | Path, user_ids: pa.Array | pa.ChunkedArray, 
     return dataset.to_table(filter=wanted).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA)
 
 
-__all__ = ["history_bucket", "history_rows", "materialize_examples", "read_history", "to_pointers"]
+__all__ = ["SequenceIndex", "history_bucket", "sequence_index", "history_rows", "materialize_examples", "read_history", "to_pointers"]

@@ -111,6 +111,14 @@ _OUTPUTS: dict[str, pa.Schema] = {
 the table's spec, :mod:`gemline.tables`); :func:`output_schemas` gives the layout's examples schema."""
 
 
+def layout_metadata(config: BuildConfig) -> dict[str, Any]:
+    """What a reader of pointer-layout examples needs from the build, stored in every build commit:
+    ``examples_layout``, ``max_seq_len`` and ``same_domain_seq_len``
+    (:func:`sequences.materialize.materialize_examples`)."""
+    return {"examples_layout": config.examples_layout, "max_seq_len": config.max_seq_len,
+            "same_domain_seq_len": config.same_domain_seq_len}
+
+
 def output_schemas(config: BuildConfig) -> dict[str, pa.Schema]:
     """:data:`_OUTPUTS` with the ``examples`` schema of ``config.examples_layout`` (the pointer layout
     drops the list columns, :func:`sequences.schema.pointer_schema`)."""
@@ -550,7 +558,8 @@ def run_build(
         last = committed_version(root, name, APP_ID, storage_options=opts)
         commit_files(
             root, name, files, schemas[name], app_id=APP_ID, version=0 if last is None else last + 1,
-            metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build},
+            metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build,
+                      **layout_metadata(config)},
             storage_options=opts,
         )
     shutil.rmtree(staging, ignore_errors=True)
