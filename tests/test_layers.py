@@ -4,7 +4,7 @@
   module;
 - stages (``ingest``, ``sequences``, ``features``, ``validation``, ``trainer``, ``kernels``): import the core, their
   own package, and of another stage only its typed records (``ingest.schema``, ``ingest.config``,
-  ``sequences.schema``, ``sequences.config``, ``features.definitions``) or a library stage: ``kernels`` (jagged
+  ``sequences.schema``, ``sequences.config``, ``sequences.materialize``, ``features.definitions``) or a library stage: ``kernels`` (jagged
   ops) and ``features`` (point-in-time feature computation, which the build composes and whose tables it writes);
   never the application. The libraries themselves obey the same rule, so ``features`` never reaches into the
   build;
@@ -26,7 +26,10 @@ STAGES = ("ingest", "sequences", "features", "validation", "trainer", "kernels")
 CORE = {"gemline", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.hygiene", "gemline.beam_runner", "gemline.configtree",
         "gemline.gate", "gemline.increments", "gemline.metrics", "gemline.process", "gemline.supervisor", "gemline.tables"}
 LIBRARIES = ("kernels", "features")
-RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "features.definitions"}
+# sequences.materialize: the pointer layout of ``examples`` (issue 15) is read by rebuilding its lists
+# from ``history``; that reading rule is part of the examples contract, like the schema.
+RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "sequences.materialize",
+           "features.definitions"}
 
 KNOWN: set[tuple[str, str]] = set()
 

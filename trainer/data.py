@@ -16,8 +16,10 @@ blake2b, unlike Python's ``hash``, is identical across processes and runs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,8 +31,9 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from gemline.errors import InputSchemaError, MissingInputError
-from gemline.lake import Lake, StorageOptions, open_table, read_table
+from gemline.lake import Lake, StorageOptions, commit_metadata, open_table, read_table
 from gemline.tables import Table
+from sequences.materialize import read_history, sequence_index
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
 
@@ -224,14 +227,26 @@ class EncodedExamples:
 
 
 @dataclass(frozen=True)
+class PointerHistory:
+    """What :func:`encode_examples` rebuilds pointer-layout sequences from (``build.examples_layout =
+    "pointer"``, :mod:`sequences.materialize`): the ``history`` rows of the examples' users and the
+    ``max_seq_len`` of the build that wrote them."""
+
+    history: pa.Table
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
 class ExamplesSplit:
-    """The temporal split of one examples version: train on every date but the last, eval on the last."""
+    """The temporal split of one examples version: train on every date but the last, eval on the last.
+    ``pointers``: set when the rows are pointer-layout (no list columns); pass it to :func:`encode_examples`."""
 
     examples_version: int
     train: pa.Table
     eval: pa.Table
     train_dates: tuple[str, ...]
     eval_date: str
+    pointers: PointerHistory | None = None
 
 
 def latest_examples_version(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> int:
@@ -279,13 +294,36 @@ def load_split(lake: Lake | str | Path, examples_version: int, *,
     table = read_table(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
     if table is None:
         raise MissingInputError(f"no examples table under {str(lake)!r}; run the build stage first")
-    required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *SEQUENCE_KEYS, "label_click", "label_conversion"]
+    pointers = pointer_history(lake, table, storage_options=storage_options)
+    lists = [] if pointers is not None else list(SEQUENCE_KEYS)
+    required = ["example_id", "event_time_ms", "event_date", "domain", "seq_length", *SPARSE_FEATURES, *lists, "label_click", "label_conversion"]
     missing = [c for c in required if c not in table.schema.names]
     if missing:
         raise ValueError(f"examples@{examples_version} lacks columns {missing}; expected the sequences/schema.py contract")
     # Delta's file order is not stable across reads; a fixed row order makes a seeded run reproducible.
     table = table.sort_by([("event_time_ms", "ascending"), ("example_id", "ascending")])
-    return temporal_split(table, examples_version)
+    split = temporal_split(table, examples_version)
+    return split if pointers is None else dataclasses.replace(split, pointers=pointers)
+
+
+def pointer_history(lake: Lake | str | Path, table: pa.Table, *,
+                    storage_options: StorageOptions | None = None) -> PointerHistory | None:
+    """None for fat examples rows (they carry :data:`SEQUENCE_KEYS`); for pointer-layout rows the
+    ``history`` rows of their users (only those users' buckets are read) and the build's
+    ``max_seq_len`` (from the build's commit metadata).
+
+    Raises:
+        InputSchemaError: pointer rows but no build metadata naming ``max_seq_len`` (a lake written by
+            another tool).
+    """
+    if all(key in table.schema.names for key in SEQUENCE_KEYS):
+        return None
+    meta = commit_metadata(lake, Table.EXAMPLES, "build", storage_options=storage_options) or {}
+    if "max_seq_len" not in meta:
+        raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout) but the "
+                               "build's commit metadata has no max_seq_len to rebuild them with; rebuild the lake")
+    return PointerHistory(read_history(lake, table.column("user_id"), storage_options=storage_options),
+                          int(meta["max_seq_len"]))
 
 
 def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
@@ -311,13 +349,29 @@ def fit_normalizer(train: pa.Table) -> DenseNormalizer:
     return DenseNormalizer.fit(names, _dense_raw(train, names))
 
 
-def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer, *,
-                    ids: IdMapping | None = None) -> EncodedExamples:
-    """Hash (or map with ``ids``, trainer.id_mapping, which counts nothing here), flatten and normalize a split.
+RowsOf = Callable[[pa.Array | pa.ChunkedArray, str], np.ndarray]
+"""(values, id column) -> (N,) int64 embedding rows: hashing or an id mapping's lookup."""
+
+
+def _pointer_sequences(table: pa.Table, pointers: PointerHistory, rows: RowsOf) -> dict[str, np.ndarray]:
+    """SEQUENCE_KEYS -> (T,) ids of pointer-layout rows: each (user, build) pair's candidate events
+    are mapped to rows once and the examples gather from them (RecD's inverse indices, arXiv 2211.05239)."""
+    index = sequence_index(table, pointers.history, pointers.max_seq_len)
+    columns = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
+    return {key: rows(index.events.column(columns[key]).cast(pa.string()), key)[index.index] for key in SEQUENCE_KEYS}
+
+
+def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer,
+                    pointers: PointerHistory | None = None, *, ids: IdMapping | None = None) -> EncodedExamples:
+    """Hash (or map with ``ids``, trainer.id_mapping, which counts nothing here), flatten and normalize a split;
+    pointer-layout rows take their sequences from ``pointers`` (:attr:`ExamplesSplit.pointers`), fat rows from
+    their list columns.
 
     Raises:
-        ValueError: a sequence column's list lengths disagree with ``seq_length``.
-        gemline.errors.InputSchemaError: a dense column of ``normalizer`` is missing or not numeric.
+        ValueError: a sequence column's list lengths disagree with ``seq_length`` (or, for pointer
+            rows, the history rebuilds other lengths; :func:`sequences.materialize.sequence_index`).
+        gemline.errors.InputSchemaError: a dense column of ``normalizer`` is missing or not numeric, or
+            the rows lack the sequence columns and no ``pointers`` were given.
     """
     missing = [n for n in normalizer.names if n not in table.schema.names]
     if missing:
@@ -334,7 +388,14 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(seq_length, out=offsets[1:])
     seq_values: dict[str, np.ndarray] = {}
+    if pointers is not None and n:
+        seq_values = _pointer_sequences(table, pointers, rows)
+    elif any(key not in table.schema.names for key in SEQUENCE_KEYS) and n:
+        raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout): pass "
+                               "the PointerHistory of load_split / pointer_history")
     for key in SEQUENCE_KEYS:
+        if key in seq_values:
+            continue
         column = table[key].combine_chunks() if n else pa.array([], pa.list_(pa.string()))
         lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         if not np.array_equal(lengths, seq_length):

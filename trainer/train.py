@@ -193,8 +193,8 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
     for row in stats_rows(ids):
         log.info("ids %(namespace)s (%(mode)s): %(distinct_ids)d distinct, %(rows)d rows, collision share "
                  "%(collision_share).4f, OOV share %(oov_share).4f", row)
-    train = encode_examples(split.train, tc.num_embeddings, normalizer, ids=ids)
-    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer, ids=ids)
+    train = encode_examples(split.train, tc.num_embeddings, normalizer, split.pointers, ids=ids)
+    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer, split.pointers, ids=ids)
     domains = training_domains(split.train, resume_from)
     torch.manual_seed(tc.seed)
     engine = make_engine(tc, len(normalizer.names), domains, prior_rates(train.labels) if resumed is None else None)

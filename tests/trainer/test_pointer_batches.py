@@ -1,0 +1,76 @@
+"""Training batches from a pointer-layout lake (examples + history) equal those of a fat-layout lake
+built from the same events: same ids, same jagged sequences, same dense features and labels."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from gemline.config import GemlineConfig
+from gemline.errors import InputSchemaError
+from sequences.config import BuildConfig
+from sequences.pipeline import run_build
+from tests.conftest import build_args
+from tests.sequences.conftest import event
+from tests.sequences.test_pipeline import write_events
+from trainer.data import encode_examples, fit_normalizer, load_split, make_batch
+
+DAY = 86_400_000
+BUILD = BuildConfig(max_seq_len=4, max_same_domain_seq_len=2, click_window_ms=3_600_000,
+                    conversion_window_ms=2 * 3_600_000, events_gate="off")
+
+
+def _events(seed: int) -> list[list[dict]]:
+    """Two builds of 60 events of four users over two days; one in eight appended hours late."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(60):
+        t = rng.randint(0, 2 * DAY - 1)
+        late = rng.randint(0, 7) == 0
+        rows.append(event(f"e{i}", t, rng.choice(["impression", "impression", "click", "engagement"]),
+                          user=rng.choice(["u1", "u2", "u3", "u4"]), item=rng.choice(["i1", "i2", "i3"]),
+                          domain=rng.choice(["d1", "d2"]), category=rng.choice([None, "c1", "c2"]),
+                          created_ts_ms=t + (5 * 3_600_000 if late else 1)))
+    rows.sort(key=lambda e: e["created_ts_ms"])
+    return [rows[:30], rows[30:]]
+
+
+def _batches(lake: str, layout: str, batches: list[list[dict]]):
+    config = GemlineConfig(lake=lake, build=dataclasses.replace(BUILD, examples_layout=layout))
+    for version, rows in enumerate(batches):
+        write_events(lake, rows, version=version)
+        run_build(*build_args(config), final=version == len(batches) - 1)
+    split = load_split(lake, 2)  # examples@0 is the CREATE TABLE commit, @1 and @2 the builds
+    assert (split.pointers is None) == (layout == "fat")
+    normalizer = fit_normalizer(split.train)
+    out = []
+    for table in (split.train, split.eval):
+        data = encode_examples(table, 1_000, normalizer, split.pointers)
+        out.append(make_batch(data, np.arange(len(data))))
+    return out, split
+
+
+@pytest.mark.slow
+def test_pointer_batches_equal_fat_batches(tmp_path):
+    batches = _events(3)
+    fat, fat_split = _batches(str(tmp_path / "fat"), "fat", batches)
+    pointer, split = _batches(str(tmp_path / "pointer"), "pointer", batches)
+    assert "seq_item_ids" not in split.train.column_names
+    assert sum(b.sequence.lengths().sum().item() for b in fat) > 0  # the sequences are not all empty
+    for want, got in zip(fat, pointer, strict=True):
+        assert want.sequence.keys() == got.sequence.keys()
+        assert torch.equal(want.sequence.values(), got.sequence.values())
+        assert torch.equal(want.sequence.lengths(), got.sequence.lengths())
+        assert torch.equal(want.sparse.values(), got.sparse.values())
+        assert torch.equal(want.dense, got.dense) and torch.equal(want.labels, got.labels)
+        assert want.domains == got.domains
+
+    with pytest.raises(InputSchemaError, match="pointer layout"):
+        encode_examples(split.train, 1_000, fit_normalizer(split.train))
+    assert fat_split.train.num_rows == split.train.num_rows
+    assert isinstance(split.pointers.history, pa.Table) and split.pointers.max_seq_len == 4
