@@ -16,7 +16,15 @@ conversions following some of them) go into a fresh events table under a temp la
   and the build state, so it is an optimistic reference. Its compute-only time is printed too.
 
 The ratio beam / polars (goal >= 0.5) is printed last, preceded by the ratio against the
-compute-only time. ``--pareto ALPHA`` draws events per user from a Pareto law capped at
+compute-only time.
+
+``--compare-layouts`` instead builds the same events twice, ``build.examples_layout`` "fat" and
+"pointer" (issue 15), each in a fresh child process (so each peak RSS is its own), and prints per
+layout: build events/s, bytes of ``examples`` per example, bytes of ``history``, peak RSS; then,
+on the pointer lake, the batch-time materialization rate (examples/s of reading the users'
+history and encoding the rows' sequences, :func:`trainer.data.encode_examples`) against GEM's
+training rate (examples/s of forward + backward + optimiser, :func:`benchmarks.train.examples_per_second`)
+on batches of those very rows, and the ratio (goal >= 5). ``--pareto ALPHA`` draws events per user from a Pareto law capped at
 ``--max-events-per-user`` instead (the one-million-user run:
 ``--users 1000000 --pareto 1.5 --max-events-per-user 1000``), and the peak RSS (``ru_maxrss`` of
 this process, MiB) and the Delta size of the lake (bytes on disk) are printed with the rates.
@@ -131,6 +139,82 @@ def polars_reference(events: pa.Table, max_seq_len: int, click_ms: int,
     return imps.join(counters, on="event_id", how="left"), sequences
 
 
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _build_layout(lake: str, events: pa.Table, batches: int, build, beam_args: list[str]) -> dict[str, float]:
+    """One layout's build in this (child) process: seconds, examples, bytes, peak RSS (MiB)."""
+    from gemline.lake import Lake, commit_once
+    from sequences.pipeline import run_build
+
+    with tempfile.TemporaryDirectory() as tmp:  # warm-up, as main's
+        warm = str(Path(tmp) / "lake")
+        commit_once(warm, "events", synthetic_events(5, 4, seed=1), app_id="bench", version=0,
+                    partition_by=["event_date"])
+        run_build(Lake(warm), build, final=True)
+    order = np.argsort(events.column("event_time_ms").to_numpy(), kind="stable")
+    seconds = 0.0
+    parts = np.array_split(order, batches)
+    for k, part in enumerate(parts):
+        commit_once(lake, "events", events.take(pa.array(part)), app_id="bench", version=k, partition_by=["event_date"])
+        start = time.perf_counter()
+        result = run_build(Lake(lake), build, final=k == len(parts) - 1, beam_args=beam_args)
+        seconds += time.perf_counter() - start
+    return {"seconds": seconds, "examples": result.num_examples, "examples_bytes": _dir_bytes(Path(lake) / "examples"),
+            "history_bytes": _dir_bytes(Path(lake) / "history"),
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def compare_layouts(events: pa.Table, build, batches: int, beam_args: list[str], gem_batch: int = 256,
+                    gem_steps: int = 6) -> None:
+    """Print the fat/pointer comparison of ``--compare-layouts`` (module docstring)."""
+    import dataclasses
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from gemline.lake import read_table
+    from trainer.data import encode_examples, fit_normalizer, make_batch, pointer_history
+
+    n = events.num_rows
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = {}
+        for layout in ("fat", "pointer"):
+            config = dataclasses.replace(build, examples_layout=layout)
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                stats[layout] = pool.submit(_build_layout, str(Path(tmp) / layout), events, batches, config,
+                                            beam_args).result()
+        print(f"events: {n}, max_seq_len: {build.max_seq_len}, examples: {stats['fat']['examples']}")
+        print(f"{'layout':8s} {'events/s':>10s} {'examples B/example':>19s} {'history MiB':>12s} {'peak RSS MiB':>13s}")
+        for layout, st in stats.items():
+            print(f"{layout:8s} {n / st['seconds']:10,.0f} {st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
+                  f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
+        print(f"build throughput pointer/fat: {stats['fat']['seconds'] / stats['pointer']['seconds']:.3f}")
+
+        lake = str(Path(tmp) / "pointer")
+        table = read_table(lake, "examples")
+        assert table is not None, "the pointer build wrote examples"
+        normalizer = fit_normalizer(table)
+        start = time.perf_counter()
+        pointers = pointer_history(lake, table)
+        data = encode_examples(table, 100_003, normalizer, pointers)
+        materialize_s = time.perf_counter() - start
+        rate = table.num_rows / materialize_s
+
+    import torch
+
+    from benchmarks.train import examples_per_second
+    from trainer.config import TrainerConfig
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, len(data), gem_batch) for _ in range(gem_steps)]
+    gem = TrainerConfig(model="gem", num_embeddings=100_003, embedding_dim=16)
+    _, gem_rate = examples_per_second(gem, [make_batch(data, r) for r in rows], 2, len(normalizer.names))
+    print(f"materialization (history read + sequence index + hashing, {table.num_rows} rows): {rate:,.0f} examples/s; "
+          f"GEM training (batch {gem_batch}, 1 thread): {gem_rate:,.0f} examples/s; ratio {rate / gem_rate:.1f} (goal >= 5)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=2000)
@@ -142,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=4, help="build.shards")
     parser.add_argument("--beam-args", default="", help="Beam pipeline flags for the build, space-separated "
                         "(e.g. '--direct_num_workers=2 --direct_running_mode=multi_threading')")
+    parser.add_argument("--compare-layouts", action="store_true",
+                        help="build with examples_layout fat and pointer, and time the pointer materialization vs GEM")
     args = parser.parse_args(argv)
 
     from gemline.lake import Lake, commit_once
@@ -151,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     events = synthetic_events(args.users, args.events_per_user, pareto=args.pareto,
                               max_events_per_user=args.max_events_per_user)
     build = BuildConfig(max_seq_len=args.max_seq_len, shards=args.shards, events_gate="off")  # raw synthetic events
+    if args.compare_layouts:
+        compare_layouts(events, build, args.batches, args.beam_args.split())
+        return
     # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
     # start-up); build a tiny lake once so the timed runs measure the build, not the imports.
     with tempfile.TemporaryDirectory() as tmp:
