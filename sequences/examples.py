@@ -43,7 +43,7 @@ from sequences.config import BuildConfig
 from sequences.history import point_in_time_gather
 from sequences.labels import CLICK, CONVERSION, _first_in_window
 from sequences.publish import NO_LABEL, PublicationPlan, deadlines, published_rows
-from sequences.schema import BUILD_EXTRA_SCHEMA, EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES
+from sequences.schema import BUILD_EXTRA_SCHEMA, EXAMPLES_BASE_SCHEMA, SPARSE_FEATURES, pointer_schema
 
 USER_DENSE: dict[str, str] = {
     "f_user_impressions_1d": "impressions_1d",
@@ -95,6 +95,17 @@ LABEL_COLUMNS: tuple[str, ...] = (
 
 PENDING_SCHEMA = pa.schema([f for f in EXAMPLES_SCHEMA if f.name not in LABEL_COLUMNS])
 """An example waiting for its attribution windows to close: everything but the labels."""
+
+
+def examples_schema(config: BuildConfig) -> pa.Schema:
+    """The ``examples`` schema of ``config.examples_layout``: :data:`EXAMPLES_SCHEMA`, or without its
+    list columns for "pointer" (:func:`sequences.schema.pointer_schema`)."""
+    return EXAMPLES_SCHEMA if config.examples_layout == "fat" else pointer_schema(EXAMPLES_SCHEMA)
+
+
+def pending_schema(config: BuildConfig) -> pa.Schema:
+    """The pending-state schema of ``config.examples_layout`` (the pointer layout computes no lists)."""
+    return PENDING_SCHEMA if config.examples_layout == "fat" else pointer_schema(PENDING_SCHEMA)
 
 _CONTEXT_FIELDS = ("event_id", "event_time_ms", "created_ts_ms", "user_id", "item_id", "domain", "event_type",
                    "category")
@@ -168,13 +179,16 @@ def _list_column(values: pa.Array, offsets: np.ndarray, index: np.ndarray, list_
 
 
 def _gather(candidates: list[EventRow], impressions: list[EventRow], max_len: int, prior_cut: np.ndarray,
-            prefix: str) -> dict[str, Any]:
-    """Sequence columns (``seq_*`` or ``seq_same_domain_*``) of Q impressions from sorted candidates."""
+            prefix: str, lists: bool = True) -> dict[str, Any]:
+    """Sequence columns (``seq_*`` or ``seq_same_domain_*``) of Q impressions from sorted candidates;
+    without ``lists`` only the length and truncation count (the pointer layout)."""
     times = np.fromiter((e["event_time_ms"] for e in candidates), dtype=np.int64, count=len(candidates))
     created = np.fromiter((_created(e) for e in candidates), dtype=np.int64, count=len(candidates))
     q_t = np.fromiter((e["event_time_ms"] for e in impressions), dtype=np.int64, count=len(impressions))
     q_c = np.fromiter((_created(e) for e in impressions), dtype=np.int64, count=len(impressions))
     index, lengths, visible = point_in_time_gather(times, created, q_t, q_c, max_len)
+    if not lists:
+        return {f"{prefix}length": lengths, f"{prefix}truncated": prior_cut + visible - lengths}
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     list_str = pa.list_(pa.string())
     list_i64 = pa.list_(pa.int64())
@@ -211,7 +225,7 @@ def pending_examples(
     item_dense: Mapping[str, Mapping[str, float]],
     config: BuildConfig,
 ) -> pa.Table:
-    """Point-in-time sequence and features of one user's new impressions (:data:`PENDING_SCHEMA`).
+    """Point-in-time sequence and features of one user's new impressions (:func:`pending_schema`).
 
     Every sequence element and counter input of an impression at time t appended at c has event
     time < t and append time <= c. Rows follow the impressions' (event_time_ms, event_id).
@@ -229,8 +243,10 @@ def pending_examples(
         ValueError: an impression has no entry in ``item_dense``, or an event lacks created_ts_ms.
     """
     impressions = fresh_impressions
+    schema = pending_schema(config)
+    lists = config.examples_layout == "fat"
     if not impressions:
-        return PENDING_SCHEMA.empty_table()
+        return schema.empty_table()
     missing = [e["event_id"] for e in impressions if e["event_id"] not in item_dense]
     if missing:
         raise ValueError(
@@ -239,7 +255,7 @@ def pending_examples(
         )
     user_dense = _dense_per_impression(counter_events, impressions, USER_DENSE, config, prior_counts)
     columns: dict[str, Any] = _gather(cross_candidates, impressions, config.max_seq_len,
-                                      np.full(len(impressions), cross_prior_cut, dtype=np.int64), "seq_")
+                                      np.full(len(impressions), cross_prior_cut, dtype=np.int64), "seq_", lists)
     # Same-domain sequences are gathered per domain, then put back in impression order.
     same: dict[str, Any] = {}  # column -> pa.Array or np.ndarray, as _gather returns them
     positions: list[int] = []
@@ -248,7 +264,8 @@ def pending_examples(
         rows = [i for i, e in enumerate(impressions) if e["domain"] == domain]
         group = [impressions[i] for i in rows]
         parts.append(_gather(domain_candidates.get(domain, []), group, config.same_domain_seq_len,
-                             np.full(len(group), domain_prior_cut.get(domain, 0), dtype=np.int64), "seq_same_domain_"))
+                             np.full(len(group), domain_prior_cut.get(domain, 0), dtype=np.int64), "seq_same_domain_",
+                             lists))
         positions += rows
     order = np.argsort(np.asarray(positions, dtype=np.int64), kind="stable")
     for name in parts[0]:
@@ -273,8 +290,8 @@ def pending_examples(
         columns[name] = [item_dense[i][name] for i in ids]
     columns["f_seq_length"] = np.asarray(columns["seq_length"], dtype=np.float64)
     arrays = [columns[f.name] if isinstance(columns[f.name], pa.Array) else pa.array(columns[f.name], f.type)
-              for f in PENDING_SCHEMA]
-    return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
+              for f in schema]
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def label_latencies(pending: pa.Table, events: list[EventRow], config: BuildConfig,

@@ -44,9 +44,8 @@ from features.reference import item_feature_rows, user_category_feature_rows, us
 from ingest.schema import IMPRESSION_TYPES, EventRow, sorted_unique_events
 from sequences.config import BuildConfig
 from sequences.examples import (
-    EXAMPLES_SCHEMA,
     LABEL_COLUMNS,
-    PENDING_SCHEMA,
+    examples_schema,
     item_features,
     label_latencies,
     pending_examples,
@@ -226,7 +225,8 @@ def build_user(
         item_dense=item_dense,
         config=config,
     )
-    all_pending = pa.concat_tables([pending.select(PENDING_SCHEMA.names).cast(PENDING_SCHEMA), new_pending])
+    pending_cols = new_pending.schema
+    all_pending = pa.concat_tables([pending.select(pending_cols.names).cast(pending_cols), new_pending])
     is_new = np.concatenate([np.zeros(pending.num_rows, dtype=bool), np.ones(new_pending.num_rows, dtype=bool)])
     t = all_pending.column("event_time_ms").to_numpy()
     domains = all_pending.column("domain").to_pylist()
@@ -241,7 +241,7 @@ def build_user(
     latency = label_latencies(all_pending, recent, config, need)
     plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
     examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
-                              schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
+                              schema=examples_schema(config), label_columns=LABEL_COLUMNS)
     still_pending = all_pending.filter(pa.array(plan.keep))
     orphans = orphan_labels(
         rows_to_table([{**e, "user_id": user_id} for e in fresh_labels], _ORPHAN_INPUT),

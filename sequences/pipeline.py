@@ -67,21 +67,21 @@ from gemline.lake import (
 from gemline.locks import holding
 from gemline.tables import Table, commit_files, write_files
 from sequences.config import BuildConfig
-from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA
+from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, examples_schema, pending_schema
 from sequences.incremental import EVICTED_SCHEMA
-from sequences.materialize import history_rows, to_pointers
+from sequences.materialize import history_rows
 from sequences.publish import ORPHAN_LABELS_SCHEMA
-from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA, pointer_schema
+from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 from sequences.shards import (
     EVENT_SCHEMA,
     ITEM_INPUTS,
-    USER_INPUTS,
     USER_OUTPUTS,
     gather_inputs,
     item_shard_reference,
     load_piece,
     spill_piece,
     split_by_shard,
+    user_inputs,
     user_shard_reference,
 )
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
@@ -120,22 +120,20 @@ def layout_metadata(config: BuildConfig) -> dict[str, Any]:
 
 
 def output_schemas(config: BuildConfig) -> dict[str, pa.Schema]:
-    """:data:`_OUTPUTS` with the ``examples`` schema of ``config.examples_layout`` (the pointer layout
-    drops the list columns, :func:`sequences.schema.pointer_schema`)."""
+    """:data:`_OUTPUTS` with the ``examples`` and pending schemas of ``config.examples_layout`` (the
+    pointer layout drops the list columns, :func:`sequences.schema.pointer_schema`)."""
     if config.examples_layout == "fat":
         return dict(_OUTPUTS)
-    return {**_OUTPUTS, Table.EXAMPLES: pointer_schema(EXAMPLES_SCHEMA)}
+    return {**_OUTPUTS, Table.EXAMPLES: examples_schema(config), Table.BUILD_PENDING: pending_schema(config)}
 
 
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
                      build: int):
     shard, pieces = keyed
     step = user_shard_vectorized if config.shard_step == "vectorized" else user_shard_reference
-    out = step(gather_inputs([load_piece(p) for p in pieces], USER_INPUTS), config, watermark_ms=watermark_ms,
+    out = step(gather_inputs([load_piece(p) for p in pieces], user_inputs(config)), config, watermark_ms=watermark_ms,
                old_close_ms=old_close_ms, close_ms=close_ms)
     out["history"] = history_rows(out["history"], build)
-    if config.examples_layout == "pointer":
-        out["examples"] = to_pointers(out["examples"])
     for name, table in out.items():
         if table.num_rows:
             yield _USER_OUTPUT_TABLES[name], f"user-{shard:05d}", table

@@ -34,7 +34,7 @@ import pyarrow as pa
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from ingest.schema import EVENT_ARROW_SCHEMA
 from sequences.config import BuildConfig
-from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, PENDING_SCHEMA
+from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, PENDING_SCHEMA, examples_schema, pending_schema
 from sequences.incremental import EVICTED_SCHEMA, build_item, build_user
 from sequences.publish import ORPHAN_LABELS_SCHEMA
 from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
@@ -73,6 +73,16 @@ ITEM_OUTPUTS: dict[str, pa.Schema] = {"dense": DENSE_SCHEMA, "evicted": EVICTED_
 """Output tables of an item shard."""
 
 _SHARD_SEED = 0
+
+
+def user_inputs(config: BuildConfig) -> dict[str, pa.Schema]:
+    """:data:`USER_INPUTS` with the pending schema of ``config.examples_layout``."""
+    return {**USER_INPUTS, "pending": pending_schema(config)}
+
+
+def user_outputs(config: BuildConfig) -> dict[str, pa.Schema]:
+    """:data:`USER_OUTPUTS` with the pending and examples schemas of ``config.examples_layout``."""
+    return {**USER_OUTPUTS, "pending": pending_schema(config), "examples": examples_schema(config)}
 
 
 def shard_of(keys: pa.Array | pa.ChunkedArray, shards: int) -> np.ndarray:
@@ -222,7 +232,7 @@ def user_shard_reference(
     for user in sorted(users):
         seq = groups["seq"].get(user, [])
         pending = (tables["pending"].take(pa.array(pending_rows[user], pa.int64())) if user in pending_rows
-                   else PENDING_SCHEMA.empty_table())
+                   else pending_schema(config).empty_table())
         out = build_user(
             user, stored_seq=seq[0] if seq else None, stored_domain_seqs=groups["dseq"].get(user, []),
             buffer=groups["buffer"].get(user, []), new=groups["new"].get(user, []),
@@ -237,10 +247,11 @@ def user_shard_reference(
         for name in ("examples", "pending", "orphan_labels"):
             if out[name].num_rows:
                 rows[name].append(out[name])
-    return _tables(rows, USER_OUTPUTS)
+    return _tables(rows, user_outputs(config))
 
 
 __all__ = [
     "DENSE_SCHEMA", "EVENT_SCHEMA", "HISTORY_EVENT_SCHEMA", "ITEM_INPUTS", "ITEM_OUTPUTS", "USER_INPUTS", "USER_OUTPUTS", "gather_inputs",
-    "item_shard_reference", "load_piece", "shard_of", "spill_piece", "split_by_shard", "user_shard_reference",
+    "item_shard_reference", "load_piece", "shard_of", "spill_piece", "split_by_shard", "user_inputs", "user_outputs",
+    "user_shard_reference",
 ]

@@ -45,7 +45,7 @@ from features.vectorized import (
 )
 from ingest.schema import IMPRESSION_TYPES
 from sequences.config import BuildConfig
-from sequences.examples import EXAMPLES_SCHEMA, ITEM_DENSE, LABEL_COLUMNS, PENDING_SCHEMA, USER_DENSE
+from sequences.examples import ITEM_DENSE, LABEL_COLUMNS, USER_DENSE, examples_schema, pending_schema
 from sequences.incremental import EVICTED_SCHEMA
 from sequences.publish import (
     NO_LABEL,
@@ -62,8 +62,8 @@ from sequences.shards import (
     EVENT_SCHEMA,
     HISTORY_EVENT_SCHEMA,
     ITEM_OUTPUTS,
-    USER_OUTPUTS,
     item_shard_reference,
+    user_outputs,
     user_shard_reference,
 )
 
@@ -204,14 +204,18 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
 
 
 def _gather_lists(cands: pl.DataFrame, group_keys: list[str], queries: pl.DataFrame, max_len: int,
-                  prior_cut: np.ndarray, prefix: str, with_domains: bool) -> dict[str, pa.Array | np.ndarray]:
-    """Point-in-time sequence columns of each query row from sorted candidates (fast case only)."""
+                  prior_cut: np.ndarray, prefix: str, with_domains: bool,
+                  lists_too: bool = True) -> dict[str, pa.Array | np.ndarray]:
+    """Point-in-time sequence columns of each query row from sorted candidates (fast case only);
+    without ``lists_too`` only the length and truncation count (the pointer layout)."""
     cands, groups, q_codes, q_times = grouped(cands, queries, group_keys)
     times = cands.get_column("event_time_ms").to_numpy()
     end = groups.before(q_codes, q_times)
     first = groups.start(q_codes)
     start = np.maximum(first, end - max_len)
     lengths = (end - start).astype(np.int64)
+    if not lists_too:
+        return {f"{prefix}length": lengths, f"{prefix}truncated": prior_cut + (end - first) - lengths}
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
     take = pa.array(index, pa.int64())
@@ -300,12 +304,12 @@ def user_shard_vectorized(
         fast_tables, slow_tables = _split(tables, keys, slow)
         kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
         return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs),
-                               user_shard_reference(slow_tables, config, **kwargs), USER_OUTPUTS)
+                               user_shard_reference(slow_tables, config, **kwargs), user_outputs(config))
 
     evicted = pl.DataFrame(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
     seq_table = pl.DataFrame(tables["seq"].select(["user_id", "seq_truncated"]))
     dseq_table = pl.DataFrame(tables["dseq"].select(["user_id", "domain", "seq_truncated"]))
-    pending_old = tables["pending"].select(PENDING_SCHEMA.names).cast(PENDING_SCHEMA)
+    pending_old = tables["pending"].select(pending_schema(config).names).cast(pending_schema(config))
     new_pending = _new_pending(tables, queries, fresh, seq_stored, dseq_stored, seq_table, dseq_table, recent,
                                evicted, config)
     all_pending = pa.concat_tables([pending_old, new_pending])
@@ -324,7 +328,7 @@ def user_shard_vectorized(
     latency = _latencies(all_pending, need, recent, config)
     plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
     examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
-                              schema=EXAMPLES_SCHEMA, label_columns=LABEL_COLUMNS)
+                              schema=examples_schema(config), label_columns=LABEL_COLUMNS)
     orphans = _orphan_labels(fresh_labels, recent, fresh, config, old_close_ms, close_ms)
 
     owners = pl.concat([
@@ -377,9 +381,12 @@ def user_shard_vectorized(
 def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored: pl.DataFrame,
                  dseq_stored: pl.DataFrame, seq_table: pl.DataFrame, dseq_table: pl.DataFrame, recent: pl.DataFrame,
                  evicted: pl.DataFrame, config: BuildConfig) -> pa.Table:
-    """PENDING_SCHEMA rows of the shard's new impressions (sequences and features point in time)."""
+    """:func:`sequences.examples.pending_schema` rows of the shard's new impressions (sequences and
+    features point in time)."""
+    schema = pending_schema(config)
+    lists_too = config.examples_layout == "fat"
     if queries.height == 0:
-        return PENDING_SCHEMA.empty_table()
+        return schema.empty_table()
     queries = queries.sort(["user_id", *EVENT_ORDER])
     dense = pl.DataFrame(tables["dense"].select(DENSE_SCHEMA.names)).unique(subset=["example_id"], keep="first")
     joined = queries.join(dense.drop("user_id"), left_on="event_id", right_on="example_id", how="left",
@@ -394,13 +401,13 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
     cross_cut = queries.select("user_id").join(seq_table, on="user_id", how="left", maintain_order="left")
     columns: dict = _gather_lists(cross, ["user_id"], queries, config.max_seq_len,
                                   cross_cut.get_column("seq_truncated").fill_null(0).to_numpy().astype(np.int64),
-                                  "seq_", with_domains=True)
+                                  "seq_", with_domains=True, lists_too=lists_too)
     same = pl.concat([dseq_stored.select(minimal), fresh.select(minimal)])
     same_cut = queries.select("user_id", "domain").join(dseq_table, on=["user_id", "domain"], how="left",
                                                         maintain_order="left")
     columns.update(_gather_lists(same, ["user_id", "domain"], queries, config.same_domain_seq_len,
                                  same_cut.get_column("seq_truncated").fill_null(0).to_numpy().astype(np.int64),
-                                 "seq_same_domain_", with_domains=False))
+                                 "seq_same_domain_", with_domains=False, lists_too=lists_too))
     user_windows = {"1d": WINDOWS_MS["1d"], "7d": WINDOWS_MS["7d"], "all": None}
     counts = counter_frame(recent, ["user_id", "domain"], queries, "event_time_ms", user_windows)
     prior = prior_counts(evicted, "user", queries, {"key": "user_id", "domain": "domain"})
@@ -412,10 +419,10 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
         frame = frame.with_columns(pl.Series(f_name, values[counter].astype(np.float64)))
     frame = frame.with_columns(pl.Series("f_seq_length", columns["seq_length"].astype(np.float64)))
     base = frame.to_arrow()
-    arrays = [columns[f.name] if f.name in columns else base.column(f.name) for f in PENDING_SCHEMA]
+    arrays = [columns[f.name] if f.name in columns else base.column(f.name) for f in schema]
     arrays = [pa.array(a, f.type) if isinstance(a, np.ndarray) else a.cast(f.type)
-              for a, f in zip(arrays, PENDING_SCHEMA, strict=True)]
-    return pa.Table.from_arrays(arrays, schema=PENDING_SCHEMA)
+              for a, f in zip(arrays, schema, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _latencies(pending: pa.Table, rows: np.ndarray, recent: pl.DataFrame, config: BuildConfig) -> dict[str, np.ndarray]:

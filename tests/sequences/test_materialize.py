@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from gemline.config import GemlineConfig
 from gemline.lake import read_table
 from sequences.config import BuildConfig
-from sequences.examples import EXAMPLES_SCHEMA
+from sequences.examples import EXAMPLES_SCHEMA, pending_schema
 from sequences.materialize import history_bucket, history_rows, materialize_examples, read_history, to_pointers
 from sequences.pipeline import run_build
 from sequences.schema import HISTORY_BUCKETS, HISTORY_SCHEMA, LIST_COLUMNS, pointer_schema
-from sequences.shards import EVENT_SCHEMA, USER_OUTPUTS
+from sequences.shards import EVENT_SCHEMA, user_outputs, user_shard_reference
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
 from tests.conftest import build_args
 
@@ -35,9 +35,12 @@ MODES = [CONFIG,
          dataclasses.replace(CONFIG, label_mode="defer", publish_delay_ms=3_600_000)]
 
 
-def build_batches(batches: list[list[dict]], config: BuildConfig) -> tuple[pa.Table, pa.Table]:
-    """(examples, history) of the shard steps driven over the batches (one shard, build n = batch n)."""
-    empty = {name: schema.empty_table() for name, schema in USER_OUTPUTS.items()}
+def build_batches(batches: list[list[dict]], config: BuildConfig, reference: bool = False) -> tuple[pa.Table, pa.Table]:
+    """(examples, history) of the shard steps driven over the batches (one shard, build n = batch n);
+    ``reference``: the per-user reference steps, else the vectorised ones. The pending state of a
+    pointer-layout config has no lists, like its examples."""
+    empty = {name: schema.empty_table() for name, schema in user_outputs(config).items()}
+    user_step = user_shard_reference if reference else user_shard_vectorized
     state = {"buffer": empty["buffer"], "seq": empty["sequences"], "dseq": empty["sequences_by_domain"],
              "evicted": empty["evicted"], "pending": empty["pending"]}
     watermark, close = 0, None
@@ -49,7 +52,7 @@ def build_batches(batches: list[list[dict]], config: BuildConfig) -> tuple[pa.Ta
         is_item = pa.compute.equal(state["evicted"].column("entity"), "item")
         item = item_shard_vectorized({"new": new, "buffer": state["buffer"], "evicted": state["evicted"].filter(is_item)},
                                      config, watermark_ms=watermark)
-        user = user_shard_vectorized(
+        user = user_step(
             {"new": new, "buffer": state["buffer"], "seq": state["seq"], "dseq": state["dseq"],
              "evicted": state["evicted"].filter(pa.compute.invert(is_item)), "pending": state["pending"],
              "dense": item["dense"]},
@@ -57,6 +60,7 @@ def build_batches(batches: list[list[dict]], config: BuildConfig) -> tuple[pa.Ta
         state = {"buffer": user["buffer"], "seq": user["sequences"], "dseq": user["sequences_by_domain"],
                  "evicted": pa.concat_tables([user["evicted"], item["evicted"]]), "pending": user["pending"]}
         close = new_close
+        assert user["pending"].schema.equals(pending_schema(config))
         examples.append(user["examples"])
         history.append(history_rows(user["history"], n))
     return pa.concat_tables(examples), pa.concat_tables(history)
@@ -105,6 +109,15 @@ def test_materialized_pointers_equal_fat_build(rows, parts, config):
     examples, history = build_batches(batches, config)
     assert sorted(history.column("event_id").to_pylist()) == sorted({e["event_id"] for e in events})
     assert_materializes(examples, history, config)
+    # The pointer-layout build computes no lists and writes the same rows otherwise, on both step paths.
+    pointer = dataclasses.replace(config, examples_layout="pointer")
+    for reference in (False, True):
+        got, got_history = build_batches(batches, pointer, reference)
+        assert _canon(got) == _canon(to_pointers(examples)) and _canon(got_history) == _canon(history)
+
+
+def _canon(table: pa.Table) -> list[str]:
+    return sorted(json.dumps(row, sort_keys=True, default=str) for row in table.to_pylist())
 
 
 def test_hand_case_truncation_backfill_late_and_redelivery():
