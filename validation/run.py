@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 from tqdm import tqdm
 
@@ -32,12 +33,13 @@ from gemline.lake import Lake, lake_fs, open_table, read_table
 from gemline.tables import Table
 from ingest.config import IngestConfig
 from sequences.config import BuildConfig
+from sequences.materialize import materialize_examples, read_history
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.config import ValidationConfig
 from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
-from validation.suites import CheckResult, validate_events, validate_examples
+from validation.suites import SEQUENCE_TIME_COLUMN, CheckResult, validate_events, validate_examples
 
 VALIDATED_TABLES: tuple[str, ...] = (Table.EVENTS, Table.SEQUENCES, Table.EXAMPLES, *FEATURE_VIEWS)
 
@@ -101,6 +103,20 @@ def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
     return batch, checks
 
 
+def _pointer_rows(lake: Lake, build: BuildConfig, table: str, data: pa.Table) -> tuple[pa.Table, list[CheckResult]]:
+    """Pointer-layout ``examples`` rows (no list columns, ``build.examples_layout = "pointer"``) rebuilt
+    from ``history`` so the suite checks leakage, order and lengths on exactly what readers get; a
+    rebuild that fails (a history that disagrees with the rows) is a failed critical check."""
+    if table != Table.EXAMPLES or SEQUENCE_TIME_COLUMN in data.column_names or data.num_rows == 0:
+        return data, []
+    try:
+        history = read_history(lake.root, data.column("user_id"), storage_options=lake.delta_options)
+        return materialize_examples(data, history, build), []
+    except ValueError as exc:
+        return data, [CheckResult("pointers_materialize", "critical", False, f"error: {exc}", "custom",
+                                  {"exception_message": str(exc)})]
+
+
 INCREMENTAL = (Table.EXAMPLES,)
 """Tables validated on the rows each version added rather than the whole table at that version."""
 
@@ -157,7 +173,8 @@ def validate_table(
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(root, table, table_version, storage_options=opts)
     steps.update()
-    results = _run_suite(validation, ingest, build, table, data, ts)
+    data, rebuilt = _pointer_rows(lake, build, table, data)
+    results = rebuilt + _run_suite(validation, ingest, build, table, data, ts)
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)
     profile = profile_batch(batch)

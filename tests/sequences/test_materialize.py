@@ -14,7 +14,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from gemline.config import GemlineConfig
-from gemline.lake import read_table
+from gemline.lake import Lake, read_table
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, pending_schema
 from sequences.materialize import history_bucket, history_rows, materialize_examples, read_history, to_pointers
@@ -22,7 +22,8 @@ from sequences.pipeline import run_build
 from sequences.schema import HISTORY_BUCKETS, HISTORY_SCHEMA, LIST_COLUMNS, pointer_schema
 from sequences.shards import EVENT_SCHEMA, user_outputs, user_shard_reference
 from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
-from tests.conftest import build_args
+from tests.conftest import build_args, quality_sections
+from validation.run import validate_table
 
 from .conftest import event
 from .test_pipeline import CONFIG as PIPELINE
@@ -186,3 +187,14 @@ def test_pointer_build_materializes_to_the_fat_build(tmp_path, make_event):
     got = materialize_examples(tables["pointer"], history, PIPELINE)
     assert tables["fat"].num_rows == 5
     assert got.to_pylist() == tables["fat"].select(EXAMPLES_SCHEMA.names).to_pylist()
+
+    # The quality suite judges the pointer rows on what they rebuild to: the same verdicts as the fat rows.
+    verdicts = {}
+    for layout in ("fat", "pointer"):
+        config = GemlineConfig(lake=str(tmp_path / layout), build=dataclasses.replace(PIPELINE, examples_layout=layout))
+        result = validate_table(Lake.for_config(config), "examples", 2, now_ms=10**13, **quality_sections(config))
+        verdicts[layout] = (result.passed, result.num_rows, result.failures)
+    assert verdicts["pointer"] == verdicts["fat"] and verdicts["fat"][1] > 0
+    wrong = GemlineConfig(lake=str(tmp_path / "pointer"), build=dataclasses.replace(PIPELINE, max_seq_len=1))
+    result = validate_table(Lake.for_config(wrong), "examples", 2, now_ms=10**13, **quality_sections(wrong))
+    assert ("pointers_materialize", "critical") in [f[:2] for f in result.failures]
