@@ -60,7 +60,7 @@ from gemline.tables import Table, commit
 from trainer import freshness
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
-from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_examples, fit_normalizer
+from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_examples, fit_normalizer, pointer_history
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
 from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
@@ -260,7 +260,7 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
         table = first_publications(pa.Table.from_batches([batch]))
         if table.num_rows == 0:
             continue
-        data = encode_examples(table, tc.num_embeddings, normalizer, ids=mapping)
+        data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table), ids=mapping)
         labels.append(data.labels)
         part = engine.predict(data, tc.batch_size)
         if part is not None:
@@ -511,7 +511,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             ids = start_mapping(tc, _sizing_sample(lake, upto) if tc.ids.mapping == "managed" else first, None)
             torch.manual_seed(tc.seed)
             engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains,
-                                 prior_rates(encode_examples(first, tc.num_embeddings, normalizer, ids=ids).labels))
+                                 prior_rates(encode_examples(first, tc.num_embeddings, normalizer,
+                                                             pointer_history(lake, first), ids=ids).labels))
         assert engine is not None and normalizer is not None and ids is not None
         evaluated = False
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
@@ -542,7 +543,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                  version, unread)
                     noted = noted or bool(unread)
                     ids.observe(first_publications(table))  # each impression counted once, as evaluation does
-                    data = encode_examples(table, tc.num_embeddings, normalizer, ids=ids)
+                    data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table), ids=ids)
                     reading.update(data=data, event_ms=table["event_time_ms"].to_numpy(),
                                    corrected=is_correction(table))
                     position = cursor if version == cursor.version else start

@@ -101,7 +101,7 @@ def _events(rows):
     return sorted(events, key=lambda e: e["created_ts_ms"])
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@settings(max_examples=15, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(EVENTS, st.integers(1, 4), st.sampled_from(MODES))
 def test_materialized_pointers_equal_fat_build(rows, parts, config):
     events = _events(rows)

@@ -40,11 +40,22 @@ def _events(seed: int) -> list[list[dict]]:
     return [rows[:30], rows[30:]]
 
 
-def _batches(lake: str, layout: str, batches: list[list[dict]]):
-    config = GemlineConfig(lake=lake, build=dataclasses.replace(BUILD, examples_layout=layout))
-    for version, rows in enumerate(batches):
-        write_events(lake, rows, version=version)
-        run_build(*build_args(config), final=version == len(batches) - 1)
+@pytest.fixture(scope="module")
+def lakes(tmp_path_factory) -> dict[str, str]:
+    """A fat and a pointer lake built from the same two batches of events."""
+    out = {}
+    for layout in ("fat", "pointer"):
+        lake = str(tmp_path_factory.mktemp(layout) / "lake")
+        config = GemlineConfig(lake=lake, build=dataclasses.replace(BUILD, examples_layout=layout))
+        batches = _events(3)
+        for version, rows in enumerate(batches):
+            write_events(lake, rows, version=version)
+            run_build(*build_args(config), final=version == len(batches) - 1)
+        out[layout] = lake
+    return out
+
+
+def _batches(lake: str, layout: str):
     split = load_split(lake, 2)  # examples@0 is the CREATE TABLE commit, @1 and @2 the builds
     assert (split.pointers is None) == (layout == "fat")
     normalizer = fit_normalizer(split.train)
@@ -56,10 +67,9 @@ def _batches(lake: str, layout: str, batches: list[list[dict]]):
 
 
 @pytest.mark.slow
-def test_pointer_batches_equal_fat_batches(tmp_path):
-    batches = _events(3)
-    fat, fat_split = _batches(str(tmp_path / "fat"), "fat", batches)
-    pointer, split = _batches(str(tmp_path / "pointer"), "pointer", batches)
+def test_pointer_batches_equal_fat_batches(lakes):
+    fat, fat_split = _batches(lakes["fat"], "fat")
+    pointer, split = _batches(lakes["pointer"], "pointer")
     assert "seq_item_ids" not in split.train.column_names
     assert sum(b.sequence.lengths().sum().item() for b in fat) > 0  # the sequences are not all empty
     for want, got in zip(fat, pointer, strict=True):
@@ -74,3 +84,27 @@ def test_pointer_batches_equal_fat_batches(tmp_path):
         encode_examples(split.train, 1_000, fit_normalizer(split.train))
     assert fat_split.train.num_rows == split.train.num_rows
     assert isinstance(split.pointers.history, pa.Table) and split.pointers.max_seq_len == 4
+
+
+@pytest.mark.slow
+def test_continuous_run_on_pointer_lake_equals_fat_lake(lakes):
+    """run_once over the builds' examples versions: the pointer lake trains GEM to the same parameters."""
+    from gemline.config import load_config
+    from tests.conftest import trainer_args
+    from trainer.continuous import run_once
+
+    from .conftest import mark_quality
+
+    params = {}
+    for layout in ("fat", "pointer"):
+        lake = lakes[layout]
+        for version in (0, 1, 2):
+            mark_quality(lake, version, passed=True)
+        config = load_config(overrides={
+            "lake": str(lake), "trainer.num_embeddings": "1000", "trainer.batch_size": "16", "trainer.seed": "0",
+            "trainer.model": "gem", "ingest.domains": '["d1", "d2"]'})
+        out = run_once(*trainer_args(config))
+        assert out.rows_trained_total > 0
+        params[layout] = torch.load(f"{out.checkpoint_path}/state.pt", weights_only=False)["model"]
+    assert params["fat"].keys() == params["pointer"].keys()
+    assert all(torch.equal(params["fat"][k], params["pointer"][k]) for k in params["fat"])
