@@ -231,6 +231,16 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from sequences.materialize import export_examples
+
+    config = _config(args)
+    lake = Lake.for_config(config)
+    print(_json_line(export_examples(lake, args.out, version=args.version, materialize=args.materialize,
+                                     storage_options=lake.delta_options)), flush=True)
+    return 0
+
+
 def cmd_backfill(args: argparse.Namespace, extra: list[str]) -> int:
     from ingest.backfill import backfill_late_events
 
@@ -514,6 +524,15 @@ def build_parser() -> argparse.ArgumentParser:
     _metrics_flag(p, "--follow: ")
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
+
+    p = sub.add_parser("export", help="write examples as plain Parquet (fat rows with --materialize)")
+    _common(p)
+    p.add_argument("table", choices=[Table.EXAMPLES])
+    p.add_argument("--out", required=True, help="directory for part-NNNNN.parquet (must hold none yet)")
+    p.add_argument("--version", type=int, default=None, help="examples version (default latest)")
+    p.add_argument("--materialize", action="store_true",
+                   help="pointer-layout rows (build.examples_layout=pointer) rebuilt with their sequence lists")
+    p.set_defaults(func=cmd_export, passthrough=False)
 
     p = sub.add_parser("backfill", help="re-admit late_events rows into events, exactly once (ingest.backfill)")
     _common(p)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -278,4 +279,54 @@ def read_history(lake: Lake | str | Path, user_ids: pa.Array | pa.ChunkedArray, 
     return dataset.to_table(filter=wanted).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA)
 
 
-__all__ = ["SequenceIndex", "history_bucket", "sequence_index", "history_rows", "materialize_examples", "read_history", "to_pointers"]
+def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: int | None = None,
+                    materialize: bool = True, chunk_rows: int = 100_000,
+                    storage_options: StorageOptions | None = None) -> dict[str, Any]:
+    """Write ``examples@version`` (latest when None) as plain Parquet files under ``out_dir``, for an
+    engine that does not know the pointer layout (DuckDB, Spark).
+
+    With ``materialize``, pointer-layout rows are written fat (:func:`materialize_examples`, ``max_seq_len``
+    and ``same_domain_seq_len`` from the build's commit metadata), ``chunk_rows`` rows at a time with
+    the history of that chunk's users; fat rows are written as they are. Files are
+    ``part-NNNNN.parquet``; an existing ``out_dir`` with Parquet files is refused (no mixing of exports).
+
+    Returns:
+        ``{"version", "rows", "files", "materialized", "out_dir"}``.
+
+    Raises:
+        FileNotFoundError: no examples table; FileExistsError: ``out_dir`` holds Parquet files already.
+        ValueError: as :func:`materialize_examples`, or pointer rows without the build's metadata.
+    """
+    import pyarrow.parquet as pq
+
+    from gemline.lake import commit_metadata
+
+    dt = open_table(lake, Table.EXAMPLES, version, storage_options=storage_options)
+    if dt is None:
+        raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
+    out = Path(out_dir)
+    if out.exists() and any(out.glob("*.parquet")):
+        raise FileExistsError(f"{out} already holds Parquet files; export into an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = dt.to_pyarrow_dataset()
+    pointer = "seq_event_time_ms" not in dataset.schema.names
+    cfg = None
+    if pointer and materialize:
+        meta = commit_metadata(lake, Table.EXAMPLES, "build", storage_options=storage_options) or {}
+        if "max_seq_len" not in meta:
+            raise ValueError("pointer-layout examples without the build's max_seq_len in their commit metadata")
+        cfg = BuildConfig(max_seq_len=int(meta["max_seq_len"]), max_same_domain_seq_len=int(meta["same_domain_seq_len"]))
+    rows = files = 0
+    for batch in dataset.to_batches(batch_size=chunk_rows):
+        table = pa.Table.from_batches([batch])
+        if cfg is not None and table.num_rows:
+            table = materialize_examples(table, read_history(lake, table.column("user_id"),
+                                                             storage_options=storage_options), cfg)
+        if table.num_rows:
+            pq.write_table(table, out / f"part-{files:05d}.parquet")
+            rows, files = rows + table.num_rows, files + 1
+    return {"version": dt.version(), "rows": rows, "files": files, "materialized": cfg is not None,
+            "out_dir": str(out)}
+
+
+__all__ = ["SequenceIndex", "export_examples", "history_bucket", "sequence_index", "history_rows", "materialize_examples", "read_history", "to_pointers"]

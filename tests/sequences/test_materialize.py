@@ -9,15 +9,24 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from gemline.cli import main
 from gemline.config import GemlineConfig
 from gemline.lake import Lake, read_table
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, pending_schema
-from sequences.materialize import history_bucket, history_rows, materialize_examples, read_history, to_pointers
+from sequences.materialize import (
+    export_examples,
+    history_bucket,
+    history_rows,
+    materialize_examples,
+    read_history,
+    to_pointers,
+)
 from sequences.pipeline import run_build
 from sequences.schema import HISTORY_BUCKETS, HISTORY_SCHEMA, LIST_COLUMNS, pointer_schema
 from sequences.shards import EVENT_SCHEMA, user_outputs, user_shard_reference
@@ -198,3 +207,11 @@ def test_pointer_build_materializes_to_the_fat_build(tmp_path, make_event):
     wrong = GemlineConfig(lake=str(tmp_path / "pointer"), build=dataclasses.replace(PIPELINE, max_seq_len=1))
     result = validate_table(Lake.for_config(wrong), "examples", 2, now_ms=10**13, **quality_sections(wrong))
     assert ("pointers_materialize", "critical") in [f[:2] for f in result.failures]
+
+    # gemline export examples --materialize: plain Parquet files with the fat rows, readable by any engine.
+    out = tmp_path / "export"
+    assert main(["export", "examples", "--lake", str(tmp_path / "pointer"), "--out", str(out), "--materialize"]) == 0
+    exported = pq.read_table(out).select(EXAMPLES_SCHEMA.names).sort_by("example_id")
+    assert exported.to_pylist() == tables["fat"].select(EXAMPLES_SCHEMA.names).to_pylist()
+    with pytest.raises(FileExistsError):
+        export_examples(str(tmp_path / "pointer"), out)
