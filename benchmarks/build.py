@@ -18,8 +18,8 @@ conversions following some of them) go into a fresh events table under a temp la
 The ratio beam / polars (goal >= 0.5) is printed last, preceded by the ratio against the
 compute-only time.
 
-``--compare-layouts`` instead builds the same events twice, ``build.examples_layout`` "fat" and
-"pointer" (issue 15), each in a fresh child process (so each peak RSS is its own), and prints per
+``--compare-layouts [--max-seq-lens 128,2048]`` instead builds the same events with
+``build.examples_layout`` "fat" and "pointer" (issue 15) at each max length, each build in a fresh child process (so each peak RSS is its own), and prints per
 layout: build events/s, bytes of ``examples`` per example, bytes of ``history``, peak RSS; then,
 on the pointer lake, the batch-time materialization rate (examples/s of reading the users'
 history and encoding the rows' sequences, :func:`trainer.data.encode_examples`) against GEM's
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -166,53 +167,68 @@ def _build_layout(lake: str, events: pa.Table, batches: int, build, beam_args: l
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def compare_layouts(events: pa.Table, build, batches: int, beam_args: list[str], gem_batch: int = 256,
-                    gem_steps: int = 6) -> None:
-    """Print the fat/pointer comparison of ``--compare-layouts`` (module docstring)."""
+def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int, float, float]:
+    """(rows, materialization examples/s, GEM training examples/s) on the pointer lake's examples."""
+    import torch
+
+    from benchmarks.train import examples_per_second
+    from gemline.lake import read_table
+    from trainer.config import TrainerConfig
+    from trainer.data import encode_examples, fit_normalizer, make_batch, pointer_history
+
+    table = read_table(lake, "examples")
+    assert table is not None, "the pointer build wrote examples"
+    normalizer = fit_normalizer(table)
+    start = time.perf_counter()
+    data = encode_examples(table, 100_003, normalizer, pointer_history(lake, table))
+    rate = table.num_rows / (time.perf_counter() - start)
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    batches = [make_batch(data, rng.integers(0, len(data), gem_batch)) for _ in range(gem_steps)]
+    gem = TrainerConfig(model="gem", num_embeddings=100_003, embedding_dim=16)
+    _, gem_rate = examples_per_second(gem, batches, 2, len(normalizer.names))
+    return table.num_rows, rate, gem_rate
+
+
+def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, beam_args: list[str],
+                    gem_batch: int = 256, gem_steps: int = 6) -> None:
+    """Print the fat/pointer comparison of ``--compare-layouts`` at each max length (module docstring)."""
     import dataclasses
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from gemline.lake import read_table
-    from trainer.data import encode_examples, fit_normalizer, make_batch, pointer_history
-
     n = events.num_rows
+    stats: dict[tuple[str, int], dict[str, float]] = {}
+    feeds = {}
     with tempfile.TemporaryDirectory() as tmp:
-        stats = {}
+        for length in lengths:
+            for layout in ("fat", "pointer"):
+                config = dataclasses.replace(build, examples_layout=layout, max_seq_len=length)
+                lake = str(Path(tmp) / f"{layout}-{length}")
+                # A fresh process per build: each peak RSS is that build's own.
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                    stats[layout, length] = pool.submit(_build_layout, lake, events, batches, config,
+                                                        beam_args).result()
+                if layout == "pointer":
+                    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                        feeds[length] = pool.submit(_materialize_vs_gem, lake, gem_batch, gem_steps).result()
+                shutil.rmtree(lake, ignore_errors=True)
+    print(f"events: {n}, examples: {stats[next(iter(stats))]['examples']:.0f}")
+    print(f"{'layout':8s} {'max len':>7s} {'events/s':>10s} {'examples B/example':>19s} {'history MiB':>12s} "
+          f"{'peak RSS MiB':>13s}")
+    for (layout, length), st in stats.items():
+        print(f"{layout:8s} {length:7d} {n / st['seconds']:10,.0f} {st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
+              f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
+    for length in lengths:
+        rows, rate, gem_rate = feeds[length]
+        print(f"max len {length}: pointer/fat build throughput {stats['fat', length]['seconds'] / stats['pointer', length]['seconds']:.2f}; "
+              f"materialization (history read + index + hashing, {rows} rows) {rate:,.0f} examples/s vs GEM training "
+              f"(batch {gem_batch}, 1 thread) {gem_rate:,.0f} examples/s: ratio {rate / gem_rate:.1f} (goal >= 5)")
+    if len(lengths) > 1:
+        lo, hi = min(lengths), max(lengths)
         for layout in ("fat", "pointer"):
-            config = dataclasses.replace(build, examples_layout=layout)
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-                stats[layout] = pool.submit(_build_layout, str(Path(tmp) / layout), events, batches, config,
-                                            beam_args).result()
-        print(f"events: {n}, max_seq_len: {build.max_seq_len}, examples: {stats['fat']['examples']}")
-        print(f"{'layout':8s} {'events/s':>10s} {'examples B/example':>19s} {'history MiB':>12s} {'peak RSS MiB':>13s}")
-        for layout, st in stats.items():
-            print(f"{layout:8s} {n / st['seconds']:10,.0f} {st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
-                  f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
-        print(f"build throughput pointer/fat: {stats['fat']['seconds'] / stats['pointer']['seconds']:.3f}")
-
-        lake = str(Path(tmp) / "pointer")
-        table = read_table(lake, "examples")
-        assert table is not None, "the pointer build wrote examples"
-        normalizer = fit_normalizer(table)
-        start = time.perf_counter()
-        pointers = pointer_history(lake, table)
-        data = encode_examples(table, 100_003, normalizer, pointers)
-        materialize_s = time.perf_counter() - start
-        rate = table.num_rows / materialize_s
-
-    import torch
-
-    from benchmarks.train import examples_per_second
-    from trainer.config import TrainerConfig
-
-    torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    rows = [rng.integers(0, len(data), gem_batch) for _ in range(gem_steps)]
-    gem = TrainerConfig(model="gem", num_embeddings=100_003, embedding_dim=16)
-    _, gem_rate = examples_per_second(gem, [make_batch(data, r) for r in rows], 2, len(normalizer.names))
-    print(f"materialization (history read + sequence index + hashing, {table.num_rows} rows): {rate:,.0f} examples/s; "
-          f"GEM training (batch {gem_batch}, 1 thread): {gem_rate:,.0f} examples/s; ratio {rate / gem_rate:.1f} (goal >= 5)")
+            ratio = stats[layout, lo]["seconds"] / stats[layout, hi]["seconds"]
+            print(f"{layout}: build throughput at {hi} / at {lo}: {ratio:.2f} (goal >= 0.8)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=4, help="build.shards")
     parser.add_argument("--beam-args", default="", help="Beam pipeline flags for the build, space-separated "
                         "(e.g. '--direct_num_workers=2 --direct_running_mode=multi_threading')")
+    parser.add_argument("--max-seq-lens", default=None,
+                        help="--compare-layouts: comma-separated max lengths built on the same events (e.g. 128,2048)")
     parser.add_argument("--compare-layouts", action="store_true",
                         help="build with examples_layout fat and pointer, and time the pointer materialization vs GEM")
     args = parser.parse_args(argv)
@@ -238,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
                               max_events_per_user=args.max_events_per_user)
     build = BuildConfig(max_seq_len=args.max_seq_len, shards=args.shards, events_gate="off")  # raw synthetic events
     if args.compare_layouts:
-        compare_layouts(events, build, args.batches, args.beam_args.split())
+        lengths = [int(x) for x in args.max_seq_lens.split(",")] if args.max_seq_lens else [args.max_seq_len]
+        compare_layouts(events, build, lengths, args.batches, args.beam_args.split())
         return
     # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
     # start-up); build a tiny lake once so the timed runs measure the build, not the imports.
