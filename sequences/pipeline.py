@@ -473,7 +473,9 @@ def run_build(
 
     Raises:
         MissingInputError: no ``events`` table (run ingest first; a ValueError).
-        BadConfigError: an ``events_version`` older than the last built one (a ValueError).
+        BadConfigError: an ``events_version`` older than the last built one, or (a pointer lake, or a
+            pointer config) an ``examples_layout``, ``max_seq_len`` or ``same_domain_seq_len`` other than the
+            lake was built with (a ValueError).
         ValueError: missing columns, or ``close_windows_at`` < 0.
         gemline.locks.LakeBusyError: another build is running on this lake.
         gemline.gate.GateClosedError: an events version to be read is quarantined, or
@@ -492,6 +494,13 @@ def run_build(
     if old_version is not None and version < old_version:
         raise BadConfigError(f"events_version {version} is older than the last built version {old_version}; "
                              "examples are append-only, so the build cannot go back")
+    built = {k: meta.get(k, "fat" if k == "examples_layout" else None) for k in layout_metadata(config)} if meta else {}
+    changed = {k: (v, layout_metadata(config)[k]) for k, v in built.items() if v is not None and v != layout_metadata(config)[k]}
+    if changed and "pointer" in (built.get("examples_layout"), config.examples_layout):
+        # Pointer rows are rebuilt with the lake's layout and lengths; a change would make them unreadable.
+        raise BadConfigError(f"this lake was built with {', '.join(f'build.{k}={v[0]!r}' for k, v in changed.items())}; "
+                             f"got {', '.join(f'{v[1]!r}' for v in changed.values())}: they are fixed for the life of a "
+                             "lake (build a new lake to change them)")
     old_close = meta.get("close_ms")
     if old_version == version:
         # Nothing new: only closing windows further can publish anything, and only if impressions

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gemline.cli import main
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError
 from gemline.lake import Lake, read_table
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, pending_schema
@@ -188,6 +189,10 @@ def test_pointer_build_materializes_to_the_fat_build(tmp_path, make_event):
         write_events(lake, second, version=1)
         run_build(*build_args(config), final=True)
         tables[layout] = read_table(lake, "examples").sort_by("example_id")
+    for other in (dataclasses.replace(PIPELINE, examples_layout="fat"),
+                  dataclasses.replace(PIPELINE, examples_layout="pointer", max_seq_len=7)):
+        with pytest.raises(BadConfigError, match="fixed for the life of a lake"):
+            run_build(*build_args(GemlineConfig(lake=str(tmp_path / "pointer"), build=other)))
     history = read_history(str(tmp_path / "pointer"), tables["pointer"].column("user_id"))
     assert sorted(history.column("event_id").to_pylist()) == sorted(
         {e["event_id"] for e in pipeline_events(make_event)} | {"b_imp2", "a_late"})
