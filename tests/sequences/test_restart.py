@@ -129,3 +129,40 @@ def test_ctrl_c_between_two_table_commits_then_the_next_build_finishes_it(tmp_pa
     assert _snapshot(lake) == clean
     ids = read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist()
     assert len(ids) == len(set(ids)) == 5
+
+
+@pytest.mark.slow
+def test_pointer_build_crashed_between_history_and_examples_reruns_to_a_clean_run(tmp_path, make_event, monkeypatch,
+                                                                                 clean):
+    """Pointer layout: build 1 crashes at its examples commit, after its history rows were committed; the rerun
+    adds no history row twice, and examples + history materialize to the clean fat run's examples."""
+    import dataclasses
+
+    from sequences.materialize import materialize_examples, read_history
+
+    lake = str(tmp_path / "pointer")
+    config = GemlineConfig(lake=lake, build=dataclasses.replace(CONFIG, examples_layout="pointer"))
+    real = lake_mod.commit_files_once
+
+    def crashing(root, name, *args, **kwargs):
+        if name == "examples":
+            raise RuntimeError("injected crash at the examples commit")
+        return real(root, name, *args, **kwargs)
+
+    batches = [_events(make_event), _second_batch(make_event)]
+    for n, batch in enumerate(batches):
+        write_events(lake, batch, version=n)
+        if n == 1:
+            monkeypatch.setattr(lake_mod, "commit_files_once", crashing)
+            with pytest.raises(RuntimeError, match="injected crash"):
+                run_build(*build_args(config), final=True)
+            monkeypatch.undo()
+            assert _commits_of_build(lake, "history", 1) == 1 and _commits_of_build(lake, "examples", 1) == 0
+        run_build(*build_args(config), final=n == 1)
+    assert _commits_of_build(lake, "history", 1) == 1
+    pointers = read_table(lake, "examples")
+    history = read_history(lake, pointers.column("user_id"))
+    ids = history.column("event_id").to_pylist()
+    assert len(ids) == len(set(ids)) == len({e["event_id"] for b in batches for e in b})
+    rows = materialize_examples(pointers, history, CONFIG).to_pylist()
+    assert sorted(json.dumps(r, sort_keys=True, default=str) for r in rows) == clean["examples"]
