@@ -1,5 +1,8 @@
-"""The incremental build: new ``events`` rows + build state -> ``examples`` (appended), ``sequences``,
-``sequences_by_domain``, ``features/{user,item,user_category}`` and the state (overwritten).
+"""The incremental build: new ``events`` rows + build state -> ``examples`` and ``history`` (appended),
+``sequences``, ``sequences_by_domain``, ``features/{user,item,user_category}`` and the state (overwritten).
+``history`` gets each event the build sees for the first time, once; with ``build.examples_layout =
+"pointer"`` the examples (and the pending state) carry no sequence lists and readers rebuild them from it
+(:mod:`sequences.materialize`).
 
     events@v_old..v  --ReadNewEvents--+                              +--> examples (append, once per impression)
     state@k (buffer, sequences,       +--GroupByKey(user shard)--BuildUserShard--> sequences, sequences_by_domain,
