@@ -205,12 +205,12 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
             for layout in layouts:
                 config = dataclasses.replace(build, examples_layout=layout, max_seq_len=length)
                 lake = str(Path(tmp) / f"{layout}-{length}")
-                # A fresh process per build: each peak RSS is that build's own.
-                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                # A fresh (spawned, not forked) process per build: each peak RSS is that build's own.
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     stats[layout, length] = pool.submit(_build_layout, lake, events, batches, config,
                                                         beam_args).result()
                 if layout == "pointer":
-                    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                         feeds[length] = pool.submit(_materialize_vs_gem, lake, gem_batch, gem_steps).result()
                 shutil.rmtree(lake, ignore_errors=True)
     print(f"events: {n}, examples: {stats[next(iter(stats))]['examples']:.0f}")
