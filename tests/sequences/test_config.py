@@ -16,6 +16,7 @@ from sequences.config import BuildConfig
         ("build.ctr_prior_clicks must be a finite number >= 0, got nan", {"ctr_prior_clicks": float("nan")}),
         ("must be > 0 .else the CTR of an unseen entity is 0/0", {"ctr_prior_clicks": 0.0, "ctr_prior_non_clicks": 0.0}),
         ("build.max_seq_len must be >= 1, got 0", {"max_seq_len": 0}),
+        ("build.examples_layout must be one of .'fat', 'pointer'., got 'thin'", {"examples_layout": "thin"}),
     ],
 )
 def test_invalid_build_config(message, kwargs):
@@ -26,3 +27,8 @@ def test_invalid_build_config(message, kwargs):
 def test_prior_from_overrides():
     config = load_config(overrides={"build.ctr_prior_clicks": "2", "build.ctr_prior_non_clicks": "18.5"})
     assert (config.build.ctr_prior_clicks, config.build.ctr_prior_non_clicks) == (2.0, 18.5)
+
+
+def test_examples_layout_from_overrides():
+    assert load_config(overrides={"build.examples_layout": "pointer"}).build.examples_layout == "pointer"
+    assert load_config().build.examples_layout == "fat"
