@@ -18,6 +18,7 @@
     quality_profiles           validation  append                          validation.profiles:PROFILES_SCHEMA
     training_metrics           trainer     append                          trainer.continuous:TRAINING_METRICS_SCHEMA
     freshness                  trainer     append                          trainer.freshness:FRESHNESS_SCHEMA
+    teacher_predictions        trainer     append                          trainer.teacher_log:TEACHER_PREDICTIONS_SCHEMA
 
 A table is named by a :class:`Table` member (a ``str``, so ``read_table(lake, Table.EVENTS)`` and
 ``Table.EVENTS == "events"`` work), never by a string literal. The owner is the stage that computes
@@ -75,6 +76,7 @@ class Table(StrEnum):
     QUALITY_PROFILES = "quality_profiles"
     TRAINING_METRICS = "training_metrics"
     FRESHNESS = "freshness"
+    TEACHER_PREDICTIONS = "teacher_predictions"
 
     def __repr__(self) -> str:
         # A name reads as its string in messages and reprs ('events', not <Table.EVENTS: 'events'>):
@@ -168,6 +170,9 @@ TABLES: Mapping[Table, TableSpec] = _specs(
               schema="trainer.continuous:TRAINING_METRICS_SCHEMA", about="one metric of one continuous evaluation"),
     TableSpec(name=Table.FRESHNESS, owner="trainer", mode="append", schema="trainer.freshness:FRESHNESS_SCHEMA",
               about="p50/p95/p99 of one freshness hop over one trained examples version"),
+    TableSpec(name=Table.TEACHER_PREDICTIONS, owner="trainer", mode="append",
+              schema="trainer.teacher_log:TEACHER_PREDICTIONS_SCHEMA",
+              about="what the continuous teacher predicted for one example before training on it, and its vectors"),
 )
 """Every Delta table gemline writes, by name."""
 

@@ -200,6 +200,13 @@ class TrainerConfig:
     """The GEM model's architecture (``[trainer.gem]``); used when ``model`` is "gem"."""
     ids: IdsConfig = field(default_factory=IdsConfig)
     """Id -> embedding row mapping (``[trainer.ids]``); in managed mode it also sizes each table."""
+    log_teacher_predictions: bool | None = None
+    """Write each progressive evaluation's predictions and vectors to ``teacher_predictions`` (trainer.teacher_log), the students' supervision (trainer.distill); None: on for gem, off for the other models. One process only (--nproc 1)."""
+
+    @property
+    def logs_teacher_predictions(self) -> bool:
+        """``log_teacher_predictions`` with its default resolved (on for gem)."""
+        return self.model == "gem" if self.log_teacher_predictions is None else self.log_teacher_predictions
 
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "gem_layers": "gem.layers", "gem_heads": "gem.heads", "gem_pyramid_ratio": "gem.pyramid_ratio",

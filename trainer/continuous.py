@@ -57,13 +57,13 @@ from gemline.increments import Cursor, CursorError, latest_version, read_from, t
 from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table, read_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
-from trainer import freshness
+from trainer import freshness, teacher_log
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
 from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_examples, fit_normalizer, pointer_history
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
-from trainer.loop import Engine, EngineFactory, GlobalBatch, Progress, local_engine, train_loop
+from trainer.loop import Engine, EngineFactory, GlobalBatch, LocalEngine, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.run_report import write_run_report
 from trainer.sharded_checkpoint import sharded_checkpoint_dir
@@ -247,11 +247,13 @@ PredictionsHook = Callable[[ProgressivePredictions], None]
 
 
 def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: DenseNormalizer, mapping: IdMapping,
-                 start: Cursor, version: int, on_predictions: PredictionsHook | None = None) -> dict | None:
+                 start: Cursor, version: int, on_predictions: PredictionsHook | None = None,
+                 capture: teacher_log.VectorCapture | None = None) -> dict | None:
     """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
     batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows. Ids are
     looked up in ``mapping`` as trained so far (not counted).
-    ``on_predictions`` sees the predictions before they are evaluated (rank 0).
+    ``on_predictions`` sees the predictions before they are evaluated (rank 0); ``capture`` collects the
+    model's vectors of every row predicted (a :class:`trainer.loop.LocalEngine` only).
 
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
     ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
@@ -262,7 +264,12 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
             continue
         data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table), ids=mapping)
         labels.append(data.labels)
-        part = engine.predict(data, tc.batch_size)
+        part: np.ndarray | None
+        if capture is not None and isinstance(engine, LocalEngine):
+            with capture.recording(engine.model):
+                part = engine.predict(data, tc.batch_size)
+        else:
+            part = engine.predict(data, tc.batch_size)
         if part is not None:
             probs.append(part)
         domains.append(np.asarray(data.domains, dtype=object))
@@ -276,6 +283,17 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
     if on_predictions is not None:
         on_predictions(predictions)
     return evaluate(predictions.labels, predictions.probs, predictions.domains)
+
+
+def _log_teacher(lake: Lake, run_id: str, sequence: int, step: int, saved_ms: int, trained_until_ms: int,
+                 predictions: ProgressivePredictions, capture: teacher_log.VectorCapture) -> None:
+    """Write one evaluation's ``teacher_predictions`` rows once (app transaction ``sequence``, the number of its
+    ``training_metrics`` commit); ``saved_ms`` and ``trained_until_ms`` are those of the predicting checkpoint."""
+    rows = teacher_log.prediction_rows(
+        example_ids=predictions.example_ids, domains=predictions.domains, probs=predictions.probs, run_id=run_id,
+        step=step, checkpoint_ms=saved_ms, data_ms=trained_until_ms, version=predictions.version,
+        vectors=capture.vectors(len(predictions.probs)))
+    teacher_log.append_predictions(lake, run_id, sequence, rows)
 
 
 def _measure(lake: Lake, run_id: str, sequence: int, version: int, clock: freshness.VersionClock,
@@ -436,6 +454,9 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         run_id, cursor = cont["run_id"], Cursor.from_dict(cont["cursor"])
         skipped, lineage, evaluations = list(cont["skipped"]), list(cont["lineage"]), int(cont["evaluations"])
         measured = int(cont.get("measured", 0))  # checkpoints from before trainer.freshness have no count
+        # Checkpoints from before trainer.teacher_log have neither: their predictions are logged as of time 0.
+        saved_ms = int(cont.get("saved_ms", 0))
+        trained_until_ms = int(cont.get("trained_until_ms", teacher_log.NO_DATA_MS))
         if cursor.table_id != tid:
             raise CursorError(f"examples was recreated: its table id is {tid}, the run {run_id} read {cursor.table_id}; "
                               "start a new run with `gemline train --once --from-scratch`")
@@ -454,6 +475,10 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     else:
         run_id, cursor = plan["run_id"], Cursor(tid, 0)
         skipped, lineage, evaluations, measured = [], [], 0, 0
+        saved_ms, trained_until_ms = 0, teacher_log.NO_DATA_MS
+    logs_teacher = tc.logs_teacher_predictions and world == 1
+    if tc.logs_teacher_predictions and world > 1 and rank == 0:
+        log.warning("trainer.log_teacher_predictions is not done with --nproc > 1: no teacher predictions are logged")
 
     result = ContinuousResult(run_id, counters.step, counters.examples_seen, cursor)
     newest, decisions = plan["newest"], plan["decisions"]
@@ -466,10 +491,13 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         log.info("examples@%d and later wait for their validation (%s)", upto + 1, decisions[upto + 1].reason)
 
     def checkpoint() -> str | None:
+        nonlocal saved_ms
         assert engine is not None and normalizer is not None and ids is not None
+        saved_ms = int(time.time() * 1000)  # the teacher time of the predictions these parameters will log
         extra = {"normalizer": normalizer.to_dict(), "domains": list(domains), "model": tc.model,
                  "continuous": {"run_id": run_id, "cursor": cursor.to_dict(), "skipped": skipped,
-                                "lineage": lineage, "evaluations": evaluations, "measured": measured}}
+                                "lineage": lineage, "evaluations": evaluations, "measured": measured,
+                                "saved_ms": saved_ms, "trained_until_ms": trained_until_ms}}
         state = TrainState(step=counters.step, examples_seen=counters.examples_seen,
                            examples_version=max(cursor.version - 1, 0), extra=extra)
         path = engine.save(root, state, files={MAPPING_FILE: ids.to_bytes()}, storage_options=opts)
@@ -516,13 +544,24 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         assert engine is not None and normalizer is not None and ids is not None
         evaluated = False
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
-            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, on_predictions)
+            capture = teacher_log.VectorCapture() if logs_teacher else None
+            seen: list[ProgressivePredictions] = []
+
+            def keep(predictions: ProgressivePredictions) -> None:
+                seen.append(predictions)
+                if on_predictions is not None:
+                    on_predictions(predictions)
+
+            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, keep, capture)
             if metrics is not None:
                 evaluations += 1
                 evaluated = True
                 if rank == 0:
                     _append_metrics(lake, run_id, evaluations, _metric_rows(run_id, counters.step, version, metrics,
                                                                              int(time.time() * 1000)))
+                    if capture is not None and seen:
+                        _log_teacher(lake, run_id, evaluations, counters.step, saved_ms, trained_until_ms, seen[0],
+                                     capture)
                     click = metrics["click"]["overall"]
                     result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
                                                "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
@@ -560,8 +599,10 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         def on_step(batch: GlobalBatch, step: int) -> None:
             # train_loop calls this before it draws the next batch, so `reading` still holds this batch's rows.
             assert batch.data is reading["data"], "on_step runs before the next read batch is drawn"
+            nonlocal trained_until_ms
             clock.add_step(reading["event_ms"][batch.rows], reading["corrected"][batch.rows], step,
                            freshness.wall_ms())
+            trained_until_ms = max(trained_until_ms, int(reading["event_ms"][batch.rows].max()))
 
         train_loop(engine, counters, global_batches(), on_step=on_step)
         if clock.event_ms:

@@ -195,6 +195,7 @@ def test_a_demo_like_run_writes_exactly_the_registered_tables(tmp_path):
         admin.create_topics([NewTopic("events", num_partitions=2, replication_factor=1)])["events"].result(timeout=30)
         config = load_config(overrides={
             "lake": str(lake), "kafka.topic": "events", "kafka.partitions": "2", "trainer.model": "lr",
+            "trainer.log_teacher_predictions": "true",
             "trainer.batch_size": "64", "trainer.num_embeddings": "1000", "build.shards": "2",
             "validation.gx_sample_rows": "200"})
         for part in range(2):
