@@ -16,6 +16,7 @@
     gemline run [--bootstrap HOST:PORT] [--generate-rate R] [--interval-s S] [--poll-interval-s S] [--no-train]
                 [--metrics-port P]
     gemline lineage [--json]
+    gemline distill --once | --follow [--poll-interval-s S] [--from-scratch]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
 
@@ -404,6 +405,26 @@ def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace, extra: list[str]) -> int:
+    """``distill --once`` / ``--follow``: the per-domain students (trainer.distill), one JSON line per run."""
+    from trainer.distill import follow, run_distill_once
+
+    config = _config(args)
+    lake = Lake.for_config(config)
+
+    def show(result: object) -> None:
+        record = _as_dict(result)
+        print(json.dumps({k: record[k] for k in ("run_id", "cursor", "versions", "waiting_for", "report_path")}),
+              flush=True)
+
+    if args.follow:
+        follow(lake, config.trainer, config.distill, poll_interval_s=args.poll_interval_s,
+               from_scratch=args.from_scratch, on_result=show)
+        return 0
+    show(run_distill_once(lake, config.trainer, config.distill, from_scratch=args.from_scratch))
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from trainer.compare import run_compare, run_holdout_compare
 
@@ -609,6 +630,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--json", action="store_true", help="the lineage as JSON")
     p.set_defaults(func=cmd_lineage, passthrough=False)
+
+    p = sub.add_parser("distill", help="per-domain students learn each new examples version from its labels and the "
+                                       "logged teacher predictions; report under LAKE/_runs")
+    _common(p)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--once", action="store_true", help="distill every version the teacher has consumed, then stop")
+    mode.add_argument("--follow", action="store_true", help="--once again every --poll-interval-s until Ctrl-C")
+    p.add_argument("--poll-interval-s", type=float, default=30.0, help="--follow: seconds between runs (default 30)")
+    p.add_argument("--from-scratch", action="store_true", help="new students instead of resuming the checkpoint")
+    p.set_defaults(func=cmd_distill, passthrough=False)
 
     p = sub.add_parser("compare", help="GEM, DLRM and LR through the continuous trainer's progressive validation over "
                                        "every examples version, with paired bootstrap intervals; report under LAKE/_runs")

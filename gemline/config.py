@@ -27,6 +27,7 @@ from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig
 from sequences.config import BuildConfig
 from trainer.config import TrainerConfig
+from trainer.students import DistillConfig
 from validation.config import ValidationConfig
 
 
@@ -50,6 +51,8 @@ class GemlineConfig:
     """Model and optimisation."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """Synthetic traffic (`gemline generate`)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """The per-domain students of `gemline distill` (trainer.students, trainer.distill)."""
 
     def __post_init__(self) -> None:
         # Messages name the bad option but never show a secret's value (gemline.lake.redact).

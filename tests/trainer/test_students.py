@@ -1,0 +1,207 @@
+"""trainer.students and trainer.distill.join_teacher: the auxiliary head's gradient scaling by hand, the label-only
+loss without a teacher, each bad teacher prediction of issue 14, and the Student Adapter against a stale teacher."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemline.errors import BadConfigError, InputSchemaError
+from sequences.schema import SPARSE_FEATURES
+from trainer.distill import join_teacher, pooled
+from trainer.students import (
+    DistillConfig,
+    Student,
+    StudentAdapter,
+    TeacherInputs,
+    adapter_step,
+    scale_gradient,
+    student_loss,
+    teacher_logits,
+)
+from trainer.teacher_log import TEACHER_PREDICTIONS_SCHEMA
+
+S = len(SPARSE_FEATURES)
+
+
+def _student(variant="aux_head", dim=4, hidden=3):
+    torch.manual_seed(0)
+    return Student(variant=variant, num_embeddings=8, dim=dim, num_dense=2, teacher_width=2 * dim + hidden,
+                   hidden_dims=(5,))
+
+
+def _teacher(probs, has, width=11):
+    probs = torch.tensor(probs, dtype=torch.float32)
+    return TeacherInputs(probs, torch.tensor(has), torch.zeros(len(probs), width))
+
+
+def test_scale_gradient_is_the_identity_forward_and_scales_backward():
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    y = scale_gradient(x, 0.25)
+    assert torch.equal(y, x)
+    (y * torch.tensor([4.0, 8.0, -12.0])).sum().backward()
+    assert torch.equal(x.grad, torch.tensor([1.0, 2.0, -3.0]))  # 0.25 x the upstream gradient, by hand
+
+
+def test_the_aux_heads_gradient_into_the_shared_layers_is_scaled_and_its_own_is_not():
+    ids = torch.randint(0, 8, (6, S))
+    dense = torch.randn(6, 2)
+    teacher = _teacher([[0.3, 0.1]] * 6, [True] * 6)
+
+    def grads(scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        student = _student()
+        _, aux = student(ids, dense, teacher, gradient_scale=scale)
+        assert aux is not None
+        F.binary_cross_entropy_with_logits(aux, teacher.probs).backward()
+        shared = student.shared[0].weight.grad
+        assert student.aux is not None and shared is not None and student.aux.weight.grad is not None
+        return shared.clone(), student.aux.weight.grad.clone()
+
+    shared_1, head_1 = grads(1.0)
+    shared_s, head_s = grads(0.3)
+    assert shared_1.abs().sum() > 0
+    assert torch.allclose(shared_s, 0.3 * shared_1, atol=1e-7)
+    assert torch.equal(head_s, head_1), "the auxiliary head itself learns at full rate"
+
+
+def test_without_a_teacher_prediction_the_loss_is_the_labels_alone():
+    student = _student()
+    ids, dense = torch.randint(0, 8, (4, S)), torch.randn(4, 2)
+    labels = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    none = _teacher([[0.0, 0.0]] * 4, [False] * 4)
+    serving, _ = student(ids, dense, none)
+    reference = F.binary_cross_entropy_with_logits(serving, labels, reduction="none").mean(dim=0).sum()
+    got = student_loss(student, ids, dense, labels, none, DistillConfig(), adapter=StudentAdapter(4))
+    assert torch.allclose(got, reference)
+    half = _teacher([[0.9, 0.2], [0.0, 0.0]] * 2, [True, False] * 2)
+    _, aux = student(ids, dense, half)
+    assert aux is not None
+    distill = (F.binary_cross_entropy_with_logits(aux, half.probs, reduction="none")
+               * torch.tensor([[1.0], [0.0], [1.0], [0.0]])).mean(dim=0).sum()
+    dc = DistillConfig(aux_loss_weight=2.0)
+    assert torch.allclose(student_loss(student, ids, dense, labels, half, dc), reference + 2.0 * distill)
+
+
+def _predictions(rows: list[dict]) -> pa.Table:
+    base = {"run_id": "r", "teacher_step": 1, "teacher_checkpoint_ms": 5, "domain": "feed", "user_vector": [0.5] * 2,
+            "candidate_vector": [0.25] * 2, "representation": [1.0] * 3}
+    return pa.Table.from_pylist([{**base, **r} for r in rows], schema=TEACHER_PREDICTIONS_SCHEMA)
+
+
+def test_each_bad_teacher_prediction_is_dropped_and_counted_and_its_example_trains_on_labels():
+    examples = pa.table({"example_id": ["none", "quarantined", "nan", "inf", "future", "two", "ok"],
+                         "event_time_ms": [100] * 7})
+    predictions = _predictions([
+        {"example_id": "quarantined", "examples_version": 4, "teacher_data_ms": 50, "p_click": 0.2, "p_conversion": 0.1},
+        {"example_id": "nan", "examples_version": 3, "teacher_data_ms": 50, "p_click": math.nan, "p_conversion": 0.1},
+        {"example_id": "inf", "examples_version": 3, "teacher_data_ms": 50, "p_click": 0.2, "p_conversion": math.inf},
+        {"example_id": "future", "examples_version": 3, "teacher_data_ms": 100, "p_click": 0.2, "p_conversion": 0.1},
+        {"example_id": "two", "examples_version": 3, "teacher_data_ms": 40, "p_click": 0.6, "p_conversion": 0.1},
+        {"example_id": "two", "examples_version": 3, "teacher_data_ms": 60, "p_click": 0.7, "p_conversion": 0.3},
+        {"example_id": "two", "examples_version": 3, "teacher_data_ms": 120, "p_click": 0.9, "p_conversion": 0.3},
+        {"example_id": "ok", "examples_version": 3, "teacher_data_ms": 99, "p_click": 0.4, "p_conversion": 0.05},
+        {"example_id": "elsewhere", "examples_version": 3, "teacher_data_ms": 1, "p_click": 0.4, "p_conversion": 0.05},
+    ])
+    joined = join_teacher(examples, predictions, lambda v: v != 4, dim=2, hidden=3)
+    assert joined.inputs.has.tolist() == [False, False, False, False, False, True, True]
+    assert joined.counts == {"with_teacher": 2, "label_only": 5, "dropped_quarantined": 1, "dropped_nonfinite": 2,
+                             "dropped_future": 2}
+    # "two": the newest teacher that had trained only on events before the example's (60 < 100; 120 leaks).
+    assert joined.inputs.probs[5].tolist() == pytest.approx([0.7, 0.3])
+    assert joined.inputs.probs[6].tolist() == pytest.approx([0.4, 0.05])
+    assert joined.inputs.probs[:5].abs().sum() == 0 and joined.inputs.vectors[:5].abs().sum() == 0
+    assert joined.inputs.vectors[6].tolist() == [0.5, 0.5, 0.25, 0.25, 1.0, 1.0, 1.0]
+    assert joined.data_ms.tolist() == [-1, -1, -1, -1, -1, 60, 99]
+    with pytest.raises(InputSchemaError, match="width 2"):
+        join_teacher(examples, predictions, lambda v: True, dim=4, hidden=3)
+
+
+def test_representation_student_adopts_each_teacher_row_once():
+    student = _student("representation", dim=2)
+    ids = torch.zeros(3, S, dtype=torch.int64)
+    ids[:, SPARSE_FEATURES.index("user_id")] = torch.tensor([5, 5, 0])
+    ids[:, SPARSE_FEATURES.index("item_id")] = torch.tensor([3, 4, 4])
+    users = torch.tensor([[1.0, 2.0], [9.0, 9.0], [7.0, 7.0]])
+    items = torch.tensor([[3.0, 4.0], [5.0, 6.0], [8.0, 8.0]])
+    assert student.adopt_rows(ids, users, items, torch.tensor([True, True, True])) == 3  # user 5, items 3 and 4
+    user_table = student.table(SPARSE_FEATURES.index("user_id")).weight
+    item_table = student.table(SPARSE_FEATURES.index("item_id")).weight
+    assert user_table[5].tolist() == [1.0, 2.0], "the first row of user 5; null id 0 is never set"
+    assert item_table[3].tolist() == [3.0, 4.0] and item_table[4].tolist() == [5.0, 6.0]
+    assert student.adopt_rows(ids, users + 1, items + 1, torch.tensor([True, True, True])) == 0, "once per row"
+
+
+def test_the_adapter_corrects_a_stale_teacher_after_a_shift_in_the_label_rate():
+    """Teacher p = sigmoid(2x - 2.5), right before increment 3; from increment 3 on the click logit is 1.5 higher
+    and the teacher does not know: it predicts about half the clicks. The adapter, trained on the fresh labels,
+    brings its corrected prediction back to calibration, and the auxiliary head that distills it follows."""
+    rng = np.random.default_rng(0)
+
+    def increment(shift: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TeacherInputs]:
+        x = rng.normal(size=(2000, 1)).astype(np.float32)
+        logit = 2 * x[:, 0] - 2.5
+        y = (rng.random(2000) < 1 / (1 + np.exp(-(logit + shift)))).astype(np.float32)
+        probs = np.stack([1 / (1 + np.exp(-logit)), np.full(2000, 0.01)], axis=1).astype(np.float32)
+        return (torch.zeros((2000, S), dtype=torch.int64), torch.from_numpy(x), torch.from_numpy(np.stack([y, 0 * y], 1)),
+                TeacherInputs(torch.from_numpy(probs), torch.ones(2000, dtype=torch.bool), torch.zeros(2000, 1)))
+
+    dc = DistillConfig(aux_gradient_scale=1.0, batch_size=128)
+    students: dict[str, Student] = {}
+    calibration: dict[str, list[float]] = {"aux_head": [], "adapter": [], "adapter_output": [], "teacher": []}
+    for variant in ("aux_head", "adapter"):
+        torch.manual_seed(0)
+        students[variant] = Student(variant=variant, num_embeddings=8, dim=4, num_dense=1, teacher_width=0,
+                                    hidden_dims=(16,))
+    torch.manual_seed(0)
+    adapter = StudentAdapter(8)
+    optimizers = {v: torch.optim.Adam(s.parameters(), lr=dc.learning_rate) for v, s in students.items()}
+    adapter_optimizer = torch.optim.Adam(adapter.parameters(), lr=dc.adapter_learning_rate)
+    for k in range(8):
+        ids, x, labels, teacher = increment(0.0 if k < 3 else 1.5)
+        clicks = float(labels[:, 0].sum())
+        if k >= 5:  # progressive: predicted before this increment is trained on, two increments after the shift
+            with torch.no_grad():
+                for variant, student in students.items():
+                    aux = student(ids, x, teacher)[1]
+                    assert aux is not None
+                    calibration[variant].append(float(torch.sigmoid(aux[:, 0]).sum()) / clicks)
+                corrected = torch.sigmoid(adapter(teacher_logits(teacher.probs)))[:, 0]
+            calibration["adapter_output"].append(float(corrected.sum()) / clicks)
+            calibration["teacher"].append(float(teacher.probs[:, 0].sum()) / clicks)
+        for i in range(0, 2000, dc.batch_size):
+            rows = slice(i, i + dc.batch_size)
+            part = TeacherInputs(teacher.probs[rows], teacher.has[rows], teacher.vectors[rows])
+            adapter_step(adapter, adapter_optimizer, part, labels[rows])
+            for variant, student in students.items():
+                loss = student_loss(student, ids[rows], x[rows], labels[rows], part, dc,
+                                    adapter=adapter if variant == "adapter" else None)
+                optimizers[variant].zero_grad()
+                loss.backward()
+                optimizers[variant].step()
+    assert all(c < 0.6 for c in calibration["teacher"]), calibration
+    assert all(abs(c - 1) < 0.1 for c in calibration["adapter_output"]), calibration
+    for with_adapter, without in zip(calibration["adapter"], calibration["aux_head"]):
+        assert abs(with_adapter - 1) < abs(without - 1) - 0.1, calibration
+
+
+def test_pooled_ne_is_the_ne_of_the_concatenated_rows():
+    from trainer.distill import _scores
+    from trainer.metrics import calibration, normalized_entropy
+
+    labels, probs = np.array([1.0, 0, 0, 1, 0, 0]), np.array([0.8, 0.3, 0.1, 0.4, 0.5, 0.2])
+    got = pooled([_scores(labels[:2], probs[:2]), _scores(labels[2:], probs[2:])])
+    assert got["rows"] == 6
+    assert got["ne"] == pytest.approx(normalized_entropy(labels, probs))
+    assert got["calibration"] == pytest.approx(calibration(labels, probs))
+
+
+def test_bad_distill_config_is_one_line():
+    with pytest.raises(BadConfigError, match="distill.variants"):
+        DistillConfig(variants=("alone", "alone"))
+    with pytest.raises(BadConfigError, match="aux_gradient_scale"):
+        DistillConfig(aux_gradient_scale=-1.0)

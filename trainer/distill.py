@@ -1,0 +1,550 @@
+"""Continuous distillation: per-domain students (:mod:`trainer.students`) learn each new ``examples`` version
+from its labels and from the teacher's logged predictions (:mod:`trainer.teacher_log`), point in time.
+
+``run_distill_once`` (``gemline distill --once``) resumes from its newest checkpoint
+``LAKE/_distill/_checkpoints/step-<cursor>`` and, for each examples version after its cursor that the teacher
+has consumed (its continuous lineage), in order:
+
+1. joins the version's rows with the logged teacher predictions (:func:`join_teacher`): a prediction is used
+   only if its examples version is allowed by the gate now (never one of a quarantined version), both
+   probabilities are finite and in [0, 1], and the teacher had trained only on events before the example's
+   (``teacher_data_ms < event_time_ms``: a newer teacher would leak the future); an example without a usable
+   prediction is trained on its labels alone. Every case is counted;
+2. **progressive evaluation**: each existing student predicts its domain's rows before training on them
+   (NE, AUC, calibration per task, on all rows and on the rows with a teacher prediction, where the teacher
+   is scored too);
+3. the representation students adopt the teacher's logged user and item rows they have not set yet;
+4. **training**, one pass in a seeded order: per batch the Student Adapter steps first, then the student;
+5. a **checkpoint** holding every student, adapter and optimiser, the cursor (the next version), the input
+   normalizer and the history of metrics, so a crash anywhere resumes at the last finished version: each
+   example reaches each student's final parameters exactly once. A quarantined version is skipped.
+
+The report (:func:`write_report`) pools the history per domain and variant: NE, AUC, calibration, the
+transfer ratio (LoopFM, arXiv 2605.29280: the student's NE gain over student-alone divided by the teacher's NE
+gain over the same baseline, on the rows with a teacher prediction) and the teacher's staleness against the
+adapter's gain, to ``LAKE/_runs/<run_id>/distill.json`` and ``distill.html``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import math
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from gemline.errors import BadConfigError, InputSchemaError, MissingInputError
+from gemline.gate import gate_decisions
+from gemline.increments import Cursor, latest_version, read_from, table_id
+from gemline.lake import Lake, is_remote, lake_fs
+from gemline.locks import holding
+from gemline.tables import Table
+from trainer import continuous
+from trainer.checkpoint import (
+    CHECKPOINTS_DIR,
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from trainer.config import TrainerConfig
+from trainer.data import DenseNormalizer, EncodedExamples, encode_examples, fit_normalizer
+from trainer.delayed import is_correction, to_torch
+from trainer.metrics import TASKS, auc
+from trainer.students import (
+    DistillConfig,
+    Student,
+    StudentAdapter,
+    TeacherInputs,
+    VariantName,
+    adapter_step,
+    predict,
+    student_loss,
+)
+from trainer.teacher_log import read_predictions
+
+log = logging.getLogger(__name__)
+
+EXAMPLES = Table.EXAMPLES
+DISTILL_DIR = "_distill"
+TEACHER = "teacher"
+"""The ``variant`` of the teacher's own rows in the history and the report."""
+_EPS = 1e-7
+
+
+def distill_root(lake: Lake) -> str:
+    """``LAKE/_distill``: the students' checkpoint root."""
+    return f"{lake.root.rstrip('/')}/{DISTILL_DIR}"
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The teacher's usable prediction for each of N examples (:func:`join_teacher`).
+
+    Attributes:
+        inputs: :class:`trainer.students.TeacherInputs` of the N rows.
+        data_ms: (N,) int64 newest event the predicting teacher had trained on (ms since epoch UTC); -1 where none.
+        counts: ``{"with_teacher", "label_only"}`` examples, and the prediction rows dropped:
+            ``{"dropped_quarantined", "dropped_nonfinite", "dropped_future"}``.
+    """
+
+    inputs: TeacherInputs
+    data_ms: np.ndarray
+    counts: dict[str, int]
+
+
+def _vectors(column: pa.ChunkedArray | pa.Array, rows: int, width: int, name: str) -> np.ndarray:
+    """(rows, width) float32 of a list<float32> column; zeros for nulls.
+
+    Raises:
+        InputSchemaError: a vector of another width.
+    """
+    out = np.zeros((rows, width), dtype=np.float32)
+    for i, value in enumerate(column.to_pylist()):
+        if value is None:
+            continue
+        if len(value) != width:
+            raise InputSchemaError(f"teacher_predictions.{name} has vectors of width {len(value)}, the students "
+                                   f"expect {width} (trainer.embedding_dim / trainer.hidden_dims of the teacher)")
+        out[i] = value
+    return out
+
+
+def join_teacher(examples: pa.Table, predictions: pa.Table, allowed: Callable[[int], bool], *, dim: int,
+                 hidden: int) -> Joined:
+    """Each example's usable teacher prediction (module docstring, step 1); among several, the one of the newest
+    teacher (highest ``teacher_data_ms``, then ``teacher_step``).
+
+    Args:
+        examples: N rows with ``example_id`` and ``event_time_ms`` (ms since epoch UTC).
+        predictions: ``teacher_predictions`` rows (trainer.teacher_log schema); rows of other examples are ignored.
+        allowed: whether the gate allows an examples version now.
+        dim, hidden: widths D of the user / candidate vectors and H of the representation.
+
+    Raises:
+        InputSchemaError: a logged vector of another width.
+    """
+    n = examples.num_rows
+    index = {e: i for i, e in enumerate(examples["example_id"].to_pylist())}
+    event_ms = examples["event_time_ms"].to_numpy(zero_copy_only=False).astype(np.int64)
+    rows = np.asarray([index.get(e, -1) for e in predictions["example_id"].to_pylist()], dtype=np.int64)
+    mine = rows >= 0
+    predictions, rows = predictions.filter(pa.array(mine)), rows[mine]
+    versions = predictions["examples_version"].to_numpy(zero_copy_only=False)
+    data_ms = predictions["teacher_data_ms"].to_numpy(zero_copy_only=False).astype(np.int64)
+    steps = predictions["teacher_step"].to_numpy(zero_copy_only=False).astype(np.int64)
+    probs = np.stack([predictions[c].to_numpy(zero_copy_only=False).astype(np.float64)
+                      for c in ("p_click", "p_conversion")], axis=1) if len(rows) else np.zeros((0, 2))
+    quarantined = ~np.asarray([allowed(int(v)) for v in versions], dtype=bool)
+    nonfinite = ~quarantined & ~np.all(np.isfinite(probs) & (probs >= 0) & (probs <= 1), axis=1)
+    future = ~quarantined & ~nonfinite & (data_ms >= event_ms[rows])
+    usable = ~(quarantined | nonfinite | future)
+
+    chosen = np.full(n, -1, dtype=np.int64)  # prediction row of each example
+    for j in np.lexsort((steps, data_ms, rows))[::-1]:  # newest teacher first within each example
+        if usable[j] and chosen[rows[j]] < 0:
+            chosen[rows[j]] = j
+    has = chosen >= 0
+    picked = predictions.take(pa.array(chosen[has]))
+    teacher_probs = np.zeros((n, 2), dtype=np.float32)
+    teacher_probs[has] = probs[chosen[has]]
+    vectors = np.zeros((n, 2 * dim + hidden), dtype=np.float32)
+    vectors[has] = np.concatenate([_vectors(picked["user_vector"], int(has.sum()), dim, "user_vector"),
+                                   _vectors(picked["candidate_vector"], int(has.sum()), dim, "candidate_vector"),
+                                   _vectors(picked["representation"], int(has.sum()), hidden, "representation")],
+                                  axis=1)
+    teacher_ms = np.full(n, -1, dtype=np.int64)
+    teacher_ms[has] = data_ms[chosen[has]]
+    counts = {"with_teacher": int(has.sum()), "label_only": int(n - has.sum()),
+              "dropped_quarantined": int(quarantined.sum()), "dropped_nonfinite": int(nonfinite.sum()),
+              "dropped_future": int(future.sum())}
+    inputs = TeacherInputs(torch.from_numpy(teacher_probs), torch.from_numpy(has), torch.from_numpy(vectors))
+    return Joined(inputs, teacher_ms, counts)
+
+
+def _take(inputs: TeacherInputs, rows: np.ndarray) -> TeacherInputs:
+    index = torch.from_numpy(rows)
+    return TeacherInputs(inputs.probs[index], inputs.has[index], inputs.vectors[index])
+
+
+def _scores(labels: np.ndarray, probs: np.ndarray) -> dict[str, Any]:
+    """Poolable sums of one task on (N,) arrays: rows, positives, log-loss sum, prediction sum, and the AUC."""
+    p = np.clip(probs, _EPS, 1 - _EPS)
+    logloss = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+    return {"rows": int(labels.size), "positives": float(labels.sum()), "logloss_sum": float(logloss.sum()),
+            "pred_sum": float(probs.sum()), "auc": None if labels.size == 0 else _none(auc(labels, probs))}
+
+
+def _none(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def pooled(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    """NE and calibration of the rows behind several :func:`_scores` (NE: mean log loss over the entropy of the
+    pooled base rate, He et al. 2014; calibration: predictions / positives); AUC: row-weighted mean of the parts'."""
+    rows = sum(s["rows"] for s in scores)
+    positives = sum(s["positives"] for s in scores)
+    if rows == 0:
+        return {"rows": 0, "ne": None, "auc": None, "calibration": None}
+    rate = positives / rows
+    entropy = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)) if 0 < rate < 1 else 0.0
+    ne = sum(s["logloss_sum"] for s in scores) / rows / entropy if entropy > 0 else None
+    aucs = [(s["auc"], s["rows"]) for s in scores if s["auc"] is not None]
+    return {"rows": rows, "ne": ne, "calibration": sum(s["pred_sum"] for s in scores) / positives if positives else None,
+            "auc": sum(a * r for a, r in aucs) / sum(r for _, r in aucs) if aucs else None}
+
+
+@dataclass
+class DistillResult:
+    """What one :func:`run_distill_once` call did."""
+
+    run_id: str
+    cursor: int
+    """The next examples version to distill."""
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    """Per version this call passed: ``{"version", "quality", "rows", "counts"}``."""
+    waiting_for: int | None = None
+    """The first version the teacher has not consumed yet (None: caught up with the examples table)."""
+    report: dict[str, Any] | None = None
+    report_path: str | None = None
+
+
+class _Students:
+    """Every domain's students, adapters and optimisers, as one module and one optimiser dict (checkpoints)."""
+
+    def __init__(self, dc: DistillConfig, tc: TrainerConfig, num_dense: int) -> None:
+        self.dc, self.tc, self.num_dense = dc, tc, num_dense
+        self.domains: list[str] = []
+        self.modules = nn.ModuleDict()
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    @property
+    def teacher_dims(self) -> tuple[int, int]:
+        """(D, H) of the teacher's vectors: trainer.embedding_dim and trainer.hidden_dims[-1]."""
+        return self.tc.embedding_dim, self.tc.hidden_dims[-1]
+
+    def add(self, domain: str) -> None:
+        """Fresh students (and adapters) of ``domain``, seeded by (distill.seed, domain number)."""
+        d = len(self.domains)
+        self.domains.append(domain)
+        torch.manual_seed(self.dc.seed * 1009 + d)
+        dim, hidden = self.teacher_dims
+        for variant in self.dc.variants:
+            student = Student(variant=variant, num_embeddings=self.dc.num_embeddings, dim=dim, num_dense=self.num_dense,
+                              teacher_width=2 * dim + hidden, hidden_dims=self.dc.hidden_dims)
+            self.modules[f"d{d}_{variant}"] = student
+            self.optimizers[f"d{d}_{variant}"] = torch.optim.Adam(student.parameters(), lr=self.dc.learning_rate)
+            if variant in ("adapter", "representation"):
+                adapter = StudentAdapter(self.dc.adapter_hidden)
+                self.modules[f"d{d}_{variant}_adapter"] = adapter
+                self.optimizers[f"d{d}_{variant}_adapter"] = torch.optim.Adam(adapter.parameters(),
+                                                                              lr=self.dc.adapter_learning_rate)
+
+    def student(self, domain: str, variant: str) -> Student:
+        """The student of (domain, variant)."""
+        module = self.modules[f"d{self.domains.index(domain)}_{variant}"]
+        assert isinstance(module, Student)
+        return module
+
+    def adapter(self, domain: str, variant: str) -> tuple[StudentAdapter, torch.optim.Optimizer] | None:
+        """The Student Adapter of (domain, variant) and its optimiser; None for the variants without one."""
+        key = f"d{self.domains.index(domain)}_{variant}_adapter"
+        if key not in self.modules:
+            return None
+        module = self.modules[key]
+        assert isinstance(module, StudentAdapter)
+        return module, self.optimizers[key]
+
+
+def _read_version(lake: Lake, tid: str, version: int) -> pa.Table:
+    """Every row ``version`` added (in log order)."""
+    batches = [b for _, b, _ in read_from(lake.root, EXAMPLES, Cursor(tid, version), until_version=version,
+                                          storage_options=lake.storage_options) if b is not None]
+    return pa.Table.from_batches(batches) if batches else pa.table({})
+
+
+def _prune(root: str, keep: int = 2) -> None:
+    if is_remote(root):
+        return
+    folder = Path(root) / CHECKPOINTS_DIR
+    steps = sorted((int(p.name.split("-")[1]), p) for p in folder.glob("step-*") if (p / "meta.json").is_file())
+    for _, path in steps[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _distill_version(students: _Students, version: int, table: pa.Table, data: EncodedExamples, joined: Joined,
+                     history: list[dict[str, Any]]) -> None:
+    """Steps 2-4 of the module docstring for one version's rows (``data``: ``table`` encoded)."""
+    dc = students.dc
+    ids = torch.from_numpy(data.sparse_ids % dc.num_embeddings)
+    dense, labels = torch.from_numpy(data.dense), torch.from_numpy(data.labels)
+    first = ~is_correction(table)
+    event_ms = table["event_time_ms"].to_numpy(zero_copy_only=False).astype(np.int64)
+    dim, _ = students.teacher_dims
+    for domain in sorted(set(data.domains.tolist()) - {None}):
+        new = domain not in students.domains
+        if new:
+            students.add(domain)
+        rows = np.flatnonzero(data.domains == domain)
+        teacher = _take(joined.inputs, rows)
+        evaluated = rows[first[rows]]
+        eval_teacher = _take(joined.inputs, evaluated)
+        sub = eval_teacher.has.numpy()
+        eval_labels = data.labels[evaluated].astype(np.float64)
+        if not new and len(evaluated):
+            base = {"examples_version": version, "domain": domain}
+            probs = eval_teacher.probs.numpy().astype(np.float64)
+            lag = event_ms[evaluated][sub] - joined.data_ms[evaluated][sub]
+            for j, task in enumerate(TASKS):
+                history.append({**base, "variant": TEACHER, "task": task, "all": None,
+                                "teacher_rows": _scores(eval_labels[sub, j], probs[sub, j]),
+                                "staleness_ms_p50": float(np.median(lag)) if lag.size else None})
+        for variant in dc.variants:
+            student = students.student(domain, variant)
+            if variant == "representation":
+                vectors = teacher.vectors
+                student.adopt_rows(ids[rows], vectors[:, :dim], vectors[:, dim: 2 * dim], teacher.has)
+            if not new and len(evaluated):
+                probs = predict(student, ids[evaluated], dense[evaluated], eval_teacher, dc.batch_size)
+                for j, task in enumerate(TASKS):
+                    history.append({"examples_version": version, "domain": domain, "variant": variant, "task": task,
+                                    "all": _scores(eval_labels[:, j], probs[:, j]),
+                                    "teacher_rows": _scores(eval_labels[sub, j], probs[sub, j])})
+            _train(students, domain, variant, version, rows, ids, dense, labels, teacher, data)
+
+
+def _train(students: _Students, domain: str, variant: VariantName, version: int, rows: np.ndarray, ids: torch.Tensor,
+           dense: torch.Tensor, labels: torch.Tensor, teacher: TeacherInputs, data: EncodedExamples) -> None:
+    """One pass of one student over its domain's rows of a version, in an order seeded by (seed, version, domain)."""
+    dc = students.dc
+    student, optimizer = students.student(domain, variant), students.optimizers[
+        f"d{students.domains.index(domain)}_{variant}"]
+    adapter = students.adapter(domain, variant)
+    order = np.random.default_rng([dc.seed, version, students.domains.index(domain)]).permutation(len(rows))
+    for i in range(0, len(order), dc.batch_size):
+        local = order[i: i + dc.batch_size]
+        batch = rows[local]
+        part = _take(teacher, local)
+        if adapter is not None:  # the adapter first, on the freshest labels, then the student (ExFM Algorithm 1)
+            adapter_step(adapter[0], adapter[1], part, labels[batch])
+        delayed = None if data.delayed is None else to_torch(data.delayed.take(batch))
+        loss = student_loss(student, ids[batch], dense[batch], labels[batch], part, dc,
+                            adapter=None if adapter is None else adapter[0], delayed=delayed)
+        optimizer.zero_grad()
+        if not torch.isfinite(loss):
+            log.warning("distill: a non-finite loss of %s/%s at examples@%d: step skipped", domain, variant, version)
+            continue
+        loss.backward()
+        optimizer.step()
+
+
+@holding("distill")
+def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool = False,
+                     max_versions: int | None = None) -> DistillResult:
+    """Distill every examples version the teacher has consumed since the students' cursor (module docstring).
+
+    Holds ``LAKE/_locks/distill.lock``. ``tc``: the teacher's section (its vectors' widths and hashed id space).
+
+    Returns:
+        A :class:`DistillResult`; its report covers the whole history of the students.
+
+    Raises:
+        gemline.errors.MissingInputError: no examples table.
+        gemline.errors.BadConfigError: the checkpoint was written with other ``distill.variants``.
+        gemline.errors.InputSchemaError: logged teacher vectors of other widths than ``tc`` gives.
+    """
+    tid = table_id(lake.root, EXAMPLES, storage_options=lake.storage_options)
+    if tid is None:
+        raise MissingInputError(f"no examples table in {lake.root}: run `gemline build` first")
+    root = distill_root(lake)
+    resume = None if from_scratch else latest_checkpoint(root, storage_options=lake.storage_options)
+    students: _Students | None = None
+    normalizer: DenseNormalizer | None = None
+    history: list[dict[str, Any]] = []
+    passed: list[dict[str, Any]] = []
+    if resume is not None:
+        state = read_state(resume)
+        extra = state.extra
+        if tuple(extra["variants"]) != dc.variants:
+            raise BadConfigError(f"the students in {root} are {extra['variants']}, not distill.variants={list(dc.variants)}: "
+                                 "set it back, or start again with --from-scratch")
+        run_id, cursor, history, passed = extra["run_id"], int(extra["cursor"]), extra["history"], extra["versions"]
+        if extra["normalizer"] is not None:
+            normalizer = DenseNormalizer.from_dict(extra["normalizer"])
+            students = _Students(dc, tc, len(normalizer.names))
+            for domain in extra["domains"]:
+                students.add(domain)
+            load_checkpoint(resume, students.modules, students.optimizers)
+    else:
+        run_id, cursor = f"distill-{uuid.uuid4().hex[:12]}", 0
+    result = DistillResult(run_id, cursor)
+
+    try:
+        consumed = {int(r["version"]) for r in continuous.lineage(lake)["examples_versions"]}
+    except MissingInputError:
+        consumed = set()
+    newest = latest_version(lake.root, EXAMPLES, storage_options=lake.storage_options)
+    assert newest is not None
+    decisions = gate_decisions(lake.root, EXAMPLES, range(newest + 1), storage_options=lake.storage_options)
+
+    def allowed(version: int) -> bool:
+        return version in decisions and decisions[version].allowed
+
+    def checkpoint() -> None:
+        extra = {"run_id": run_id, "cursor": cursor, "variants": list(dc.variants), "history": history,
+                 "versions": passed, "normalizer": None if normalizer is None else normalizer.to_dict(),
+                 "domains": [] if students is None else students.domains}
+        module = nn.ModuleDict() if students is None else students.modules
+        optimizers = {} if students is None else students.optimizers
+        save_checkpoint(root, TrainState(step=cursor, examples_seen=0, examples_version=cursor - 1, extra=extra),
+                        module, optimizers, storage_options=lake.storage_options)
+        _prune(root)
+
+    done = 0
+    for version in range(cursor, newest + 1):
+        if max_versions is not None and done >= max_versions:
+            break
+        if version not in consumed:
+            result.waiting_for = version
+            log.info("distill waits for the teacher to consume examples@%d", version)
+            break
+        if not allowed(version):
+            record: dict[str, Any] = {"version": version, "quality": "quarantined", "rows": 0, "counts": {}}
+        else:
+            table = _read_version(lake, tid, version)
+            if table.num_rows and normalizer is None:
+                normalizer = fit_normalizer(table)
+                students = _Students(dc, tc, len(normalizer.names))
+            if table.num_rows:
+                assert normalizer is not None and students is not None
+                dim, hidden = students.teacher_dims
+                joined = join_teacher(table, read_predictions(lake, version), allowed, dim=dim, hidden=hidden)
+                _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer),
+                                 joined, history)
+                counts = joined.counts
+            else:
+                counts = {}
+            record = {"version": version, "quality": "passed", "rows": table.num_rows, "counts": counts}
+        passed.append(record)
+        result.versions.append(record)
+        cursor = version + 1
+        done += 1
+        checkpoint()
+        log.info("distill: examples@%d %s", version, record)
+    result.cursor = cursor
+    result.report = summarize(history, passed, dc.variants)
+    result.report_path = write_report(lake, run_id, result.report)
+    return result
+
+
+def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
+              variants: tuple[str, ...]) -> dict[str, Any]:
+    """The report's numbers: ``rows`` (per increment, domain, variant, task: ne, auc, calibration, rows, on all
+    rows; the teacher on the rows it predicted), ``summary`` (per domain and variant, pooled over increments, on
+    the rows with a teacher prediction, with the click transfer ratio), ``staleness`` (per increment and domain:
+    the teacher's median staleness and the adapter's click NE gain over aux_head) and the join ``counts``."""
+    rows = []
+    for h in history:
+        scores = h["teacher_rows"] if h["variant"] == TEACHER else h["all"]
+        rows.append({"examples_version": h["examples_version"], "domain": h["domain"], "variant": h["variant"],
+                     "task": h["task"], **pooled([scores])})
+    summary = []
+    for domain in sorted({h["domain"] for h in history}):
+        for task in TASKS:
+            by_variant = {v: pooled([h["teacher_rows"] for h in history if h["domain"] == domain and h["task"] == task
+                                     and h["variant"] == v]) for v in (*variants, TEACHER)}
+            alone, teacher = by_variant.get("alone", {}).get("ne"), by_variant[TEACHER]["ne"]
+            for variant, metrics in by_variant.items():
+                ratio = None
+                if alone is not None and teacher is not None and metrics["ne"] is not None and abs(alone - teacher) > 1e-9:
+                    ratio = (alone - metrics["ne"]) / (alone - teacher)
+                all_rows = pooled([h["all"] for h in history if h["domain"] == domain and h["task"] == task
+                                   and h["variant"] == variant and h["all"] is not None])
+                summary.append({"domain": domain, "variant": variant, "task": task, **metrics,
+                                "transfer_ratio": ratio, "ne_all_rows": all_rows["ne"], "rows_all": all_rows["rows"]})
+    staleness = []
+    for h in history:
+        if h["variant"] == TEACHER and h["task"] == "click":
+            key = (h["examples_version"], h["domain"])
+            ne = {v: pooled([g["teacher_rows"]])["ne"] for g in history for v in ("aux_head", "adapter")
+                  if (g["examples_version"], g["domain"]) == key and g["task"] == "click" and g["variant"] == v}
+            gain = ne["aux_head"] - ne["adapter"] if None not in (ne.get("aux_head"), ne.get("adapter")) else None
+            staleness.append({"examples_version": key[0], "domain": key[1], "staleness_ms_p50": h["staleness_ms_p50"],
+                              "adapter_ne_gain": gain})
+    return {"rows": rows, "summary": summary, "staleness": staleness, "versions": versions}
+
+
+def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
+    """Write ``LAKE/_runs/<run_id>/distill.json`` (the whole report; its ``rows`` are the per-increment metrics)
+    and ``distill.html`` (the summary and staleness tables); return the HTML's path."""
+    fs, base = lake_fs(lake.root, lake.storage_options)
+    folder = f"{base}/_runs/{run_id}"
+    fs.create_dir(folder, recursive=True)
+    with fs.open_output_stream(f"{folder}/distill.json") as out:
+        out.write(json.dumps(report, indent=1, sort_keys=True).encode())
+
+    def cell(v: Any) -> str:
+        return "" if v is None else f"{v:.4f}" if isinstance(v, float) else html.escape(str(v))
+
+    def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+        head = "".join(f"<th>{c}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
+        return f"<table border=1 cellpadding=3><tr>{head}</tr>{body}</table>"
+
+    page = (f"<html><head><meta charset='utf-8'><title>distill {html.escape(run_id)}</title></head><body>"
+            f"<h1>Distillation run {html.escape(run_id)}</h1><p>Written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}. "
+            "Progressive evaluation: each student predicts a version's rows before training on them. Pooled over "
+            "increments, on the rows with a usable teacher prediction; transfer ratio = (NE alone - NE variant) / "
+            "(NE alone - NE teacher).</p><h2>Per domain and variant</h2>"
+            + table(report["summary"], ["domain", "task", "variant", "rows", "ne", "auc", "calibration", "transfer_ratio",
+                                        "ne_all_rows", "rows_all"])
+            + "<h2>Teacher staleness and the adapter's gain (click NE of aux_head minus adapter)</h2>"
+            + table(report["staleness"], ["examples_version", "domain", "staleness_ms_p50", "adapter_ne_gain"])
+            + "<h2>Per increment (all rows; the teacher on its rows)</h2>"
+            + table(report["rows"], ["examples_version", "domain", "variant", "task", "rows", "ne", "auc", "calibration"])
+            + "<h2>Versions and the teacher join</h2>"
+            + table([{**v, **v.get("counts", {})} for v in report["versions"]],
+                    ["version", "quality", "rows", "with_teacher", "label_only", "dropped_quarantined",
+                     "dropped_nonfinite", "dropped_future"])
+            + "</body></html>")
+    with fs.open_output_stream(f"{folder}/distill.html") as out:
+        out.write(page.encode())
+    return f"{lake.root.rstrip('/')}/_runs/{run_id}/distill.html"
+
+
+def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s: float = 30.0,
+           from_scratch: bool = False, on_result: Callable[[DistillResult], object] | None = None,
+           max_polls: int | None = None) -> int:
+    """:func:`run_distill_once` again every ``poll_interval_s`` seconds until interrupted (``gemline distill
+    --follow``); returns the calls made. Raises ValueError for ``poll_interval_s < 0``."""
+    if poll_interval_s < 0:
+        raise ValueError(f"distill follow: expected poll_interval_s >= 0, got {poll_interval_s}")
+    calls = 0
+    while max_polls is None or calls < max_polls:
+        try:
+            result = run_distill_once(lake, tc, dc, from_scratch=from_scratch and calls == 0)
+        except MissingInputError as exc:
+            log.warning("distill waits: %s", exc)
+        else:
+            if on_result is not None:
+                on_result(result)
+        calls += 1
+        if max_polls is not None and calls >= max_polls:
+            break
+        try:
+            time.sleep(poll_interval_s)
+        except KeyboardInterrupt:
+            break
+    return calls
