@@ -72,6 +72,7 @@ from trainer.students import (
     adapter_step,
     predict,
     student_loss,
+    student_optimizers,
 )
 from trainer.teacher_log import read_predictions
 
@@ -245,7 +246,8 @@ class _Students:
             student = Student(variant=variant, num_embeddings=self.dc.num_embeddings, dim=dim, num_dense=self.num_dense,
                               teacher_width=2 * dim + hidden, hidden_dims=self.dc.hidden_dims)
             self.modules[f"d{d}_{variant}"] = student
-            self.optimizers[f"d{d}_{variant}"] = torch.optim.Adam(student.parameters(), lr=self.dc.learning_rate)
+            self.optimizers[f"d{d}_{variant}"], self.optimizers[f"d{d}_{variant}_tables"] = student_optimizers(
+                student, self.dc.learning_rate)
             if variant in ("adapter", "representation"):
                 adapter = StudentAdapter(self.dc.adapter_hidden)
                 self.modules[f"d{d}_{variant}_adapter"] = adapter
@@ -329,8 +331,9 @@ def _train(students: _Students, domain: str, variant: VariantName, version: int,
            dense: torch.Tensor, labels: torch.Tensor, teacher: TeacherInputs, data: EncodedExamples) -> None:
     """One pass of one student over its domain's rows of a version, in an order seeded by (seed, version, domain)."""
     dc = students.dc
-    student, optimizer = students.student(domain, variant), students.optimizers[
-        f"d{students.domains.index(domain)}_{variant}"]
+    key = f"d{students.domains.index(domain)}_{variant}"
+    student, optimizers = students.student(domain, variant), (students.optimizers[key],
+                                                              students.optimizers[f"{key}_tables"])
     adapter = students.adapter(domain, variant)
     order = np.random.default_rng([dc.seed, version, students.domains.index(domain)]).permutation(len(rows))
     for i in range(0, len(order), dc.batch_size):
@@ -342,12 +345,14 @@ def _train(students: _Students, domain: str, variant: VariantName, version: int,
         delayed = None if data.delayed is None else to_torch(data.delayed.take(batch))
         loss = student_loss(student, ids[batch], dense[batch], labels[batch], part, dc,
                             adapter=None if adapter is None else adapter[0], delayed=delayed)
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         if not torch.isfinite(loss):
             log.warning("distill: a non-finite loss of %s/%s at examples@%d: step skipped", domain, variant, version)
             continue
         loss.backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
 
 
 @holding("distill")
@@ -365,6 +370,18 @@ def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_s
         gemline.errors.BadConfigError: the checkpoint was written with other ``distill.variants``.
         gemline.errors.InputSchemaError: logged teacher vectors of other widths than ``tc`` gives.
     """
+    previous_threads = torch.get_num_threads()
+    if tc.torch_threads is not None:  # as trainer.train: tiny ops run several times slower with more threads
+        torch.set_num_threads(tc.torch_threads)
+    try:
+        return _run_distill(lake, tc, dc, from_scratch=from_scratch, max_versions=max_versions)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool,
+                 max_versions: int | None) -> DistillResult:
+    """:func:`run_distill_once` without the lock and the thread setting."""
     tid = table_id(lake.root, EXAMPLES, storage_options=lake.storage_options)
     if tid is None:
         raise MissingInputError(f"no examples table in {lake.root}: run `gemline build` first")

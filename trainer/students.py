@@ -138,7 +138,8 @@ class Student(nn.Module):
                  hidden_dims: Sequence[int]) -> None:
         super().__init__()
         self.variant, self.num_embeddings = variant, num_embeddings
-        self.tables = nn.ModuleList(nn.Embedding(num_embeddings, dim) for _ in SPARSE_FEATURES)
+        # Sparse gradients: a step touches the batch's rows only, not every row of S tables (SparseAdam).
+        self.tables = nn.ModuleList(nn.Embedding(num_embeddings, dim, sparse=True) for _ in SPARSE_FEATURES)
         for j in range(len(SPARSE_FEATURES)):
             nn.init.uniform_(self.table(j).weight, -0.05, 0.05)
         self.teacher_width = teacher_width + 1 if variant == "representation" else 0
@@ -149,6 +150,15 @@ class Student(nn.Module):
         self.aux = nn.Linear(hidden_dims[-1], 2) if variant != "alone" else None
         # Which user and item rows were set from the teacher (representation variant): each once.
         self.register_buffer("adopted", torch.zeros(2, num_embeddings, dtype=torch.bool))
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        """The tables' weights (sparse gradients: torch.optim.SparseAdam)."""
+        return list(self.tables.parameters())
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Every other parameter (torch.optim.Adam)."""
+        tables = {id(p) for p in self.table_parameters()}
+        return [p for p in self.parameters() if id(p) not in tables]
 
     def table(self, j: int) -> nn.Embedding:
         """The table of ``SPARSE_FEATURES[j]``."""
@@ -194,6 +204,12 @@ class Student(nn.Module):
                         adopted[k, row] = True
                         set_rows += 1
         return set_rows
+
+
+def student_optimizers(student: Student, learning_rate: float) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """(Adam over the dense parameters, SparseAdam over the tables) of ``student``."""
+    return (torch.optim.Adam(student.dense_parameters(), lr=learning_rate),
+            torch.optim.SparseAdam(student.table_parameters(), lr=learning_rate))
 
 
 class StudentAdapter(nn.Module):

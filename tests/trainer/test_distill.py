@@ -1,0 +1,125 @@
+"""trainer.distill end to end: the students follow the teacher's versions (never a quarantined one), join its logged
+predictions point in time, resume after a crash at the parameters of an uninterrupted run, and report per domain
+and variant to LAKE/_runs/<run_id>/distill.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+import torch
+
+import trainer.distill as distill
+from gemline.cli import main
+from gemline.config import load_config
+from tests.conftest import trainer_args
+from trainer.checkpoint import latest_checkpoint
+from trainer.continuous import run_once
+from trainer.students import VARIANTS
+
+from .conftest import synthetic_examples
+from .test_continuous import SMALL, _add
+
+SETS = {**SMALL, "trainer.log_teacher_predictions": "true", "distill.batch_size": "64"}
+DOMAINS = ("feed", "marketplace", "reels")
+
+
+def _lake(lake: Path, quarantined: int | None = None) -> None:
+    """Four days of 90 examples, day d's events a day after day d-1's (the teacher's data time moves on)."""
+    for day in (1, 2, 3, 4):
+        table = synthetic_examples([f"2026-01-{day:02d}"], 90, seed=day)
+        shifted = pc.add(table["event_time_ms"], day * 86_400_000)
+        table = table.set_column(table.schema.get_field_index("event_time_ms"), "event_time_ms", shifted)
+        _add(lake, day, table=table, passed=day - 1 != quarantined)
+
+
+def _config(lake: Path):
+    return load_config(overrides={"lake": str(lake), **SETS})
+
+
+def _distill(lake: Path) -> distill.DistillResult:
+    config = _config(lake)
+    return distill.run_distill_once(trainer_args(config)[0], config.trainer, config.distill)
+
+
+def _params(lake: Path) -> dict[str, torch.Tensor]:
+    path = latest_checkpoint(f"{lake}/_distill")
+    assert path is not None
+    return torch.load(Path(path) / "state.pt", weights_only=False)["model"]
+
+
+def test_students_wait_for_the_teacher(tmp_path):
+    lake = tmp_path / "lake"
+    _lake(lake)
+    out = _distill(lake)
+    assert out.versions == [] and out.waiting_for == 0 and out.cursor == 0
+
+
+def test_students_distill_each_teacher_version_once_and_skip_the_quarantined_one(tmp_path, monkeypatch):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    _lake(straight, quarantined=2)
+    run_once(*trainer_args(_config(straight)))
+    shutil.copytree(straight, crashed)
+
+    out = _distill(straight)
+    assert [(v["version"], v["quality"], v["rows"]) for v in out.versions] == [
+        (0, "passed", 90), (1, "passed", 90), (2, "quarantined", 0), (3, "passed", 90)]
+    counts = [v["counts"].get("with_teacher") for v in out.versions]
+    assert counts == [0, 90, None, 90], "version 0 was the teacher's first (not evaluated): labels alone"
+    assert out.versions[0]["counts"]["label_only"] == 90
+
+    report = json.loads((straight / "_runs" / out.run_id / "distill.json").read_text())
+    assert (straight / "_runs" / out.run_id / "distill.html").is_file()
+    click = [r for r in report["rows"] if r["task"] == "click"]
+    # Versions 1 and 3 evaluated (0 trained the new students first), 3 domains, 4 variants and the teacher.
+    assert len(click) == 2 * 3 * (len(VARIANTS) + 1)
+    assert all(r["rows"] == 30 and 0 <= r["auc"] <= 1 and r["ne"] > 0 and r["calibration"] > 0 for r in click)
+    summary = {(r["domain"], r["variant"]): r for r in report["summary"] if r["task"] == "click"}
+    assert {d for d, _ in summary} == set(DOMAINS)
+    for domain in DOMAINS:
+        alone, teacher = summary[(domain, "alone")], summary[(domain, "teacher")]
+        assert alone["rows"] == teacher["rows"] == 60
+        assert alone["transfer_ratio"] == 0.0 and teacher["transfer_ratio"] == pytest.approx(1.0)
+        for variant in VARIANTS[1:]:
+            got = summary[(domain, variant)]
+            assert got["transfer_ratio"] == pytest.approx((alone["ne"] - got["ne"]) / (alone["ne"] - teacher["ne"]))
+
+    again = _distill(straight)
+    assert again.versions == [] and again.cursor == 4, "nothing new: nothing distilled twice"
+
+    calls = {"n": 0}
+    real = distill._train
+
+    def crash_in_version_1(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3 * len(VARIANTS) + 5:  # version 0 trains 3 domains x 4 variants; this is in version 1
+            raise RuntimeError("crash")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "_train", crash_in_version_1)
+    with pytest.raises(RuntimeError, match="crash"):
+        _distill(crashed)
+    monkeypatch.setattr(distill, "_train", real)
+    resumed = _distill(crashed)
+    assert [v["version"] for v in resumed.versions] == [1, 2, 3], "resumed after the last finished version"
+    want, got = _params(straight), _params(crashed)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[name], got[name]) for name in want), "each example trained exactly once"
+    report_crashed = json.loads((crashed / "_runs" / resumed.run_id / "distill.json").read_text())
+    assert report_crashed["rows"] == report["rows"]
+
+
+def test_cli_distill_once_prints_one_json_line(tmp_path, capsys):
+    lake = tmp_path / "lake"
+    _lake(lake)
+    run_once(*trainer_args(_config(lake)))
+    sets = [arg for key, value in {**SETS, "distill.variants": "alone,aux_head"}.items()
+            for arg in ("--set", f"{key}={value}")]
+    assert main(["distill", "--once", "--lake", str(lake), *sets]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["cursor"] == 4 and [v["version"] for v in line["versions"]] == [0, 1, 2, 3]
+    assert Path(line["report_path"]).is_file()
+    assert main(["distill", "--once", "--lake", str(lake), *sets[:-2], "--set", "distill.variants=alone"]) == 2
