@@ -160,6 +160,8 @@ def run_demo(
                                   f"before training on it: click AUC {_fmt(row['auc'])}, NE {_fmt(row['ne'])}")
                 summary["continuous_report"] = consumed.report_path
         assert built is not None and events_quality is not None
+    if len(parts) > 1 and summary.get("continuous_report"):
+        summary["distill"] = _distill(lake, config, console)
     summary["examples"] = built.num_examples
     summary["seq_len_p50"] = built.seq_length_p50
     summary["seq_len_p99"] = built.seq_length_p99
@@ -203,6 +205,18 @@ def _increments(n: int, parts: int) -> list[tuple[int, int]]:
         raise ValueError(f"demo: expected increments >= 1, got {parts}")
     bounds = [round(i * n / parts) for i in range(parts + 1)]
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, n)]
+
+
+def _distill(lake: Lake, config: GemlineConfig, console: Console) -> dict[str, Any]:
+    """New per-domain students (trainer.distill) over every version the continuous teacher consumed: the click rows
+    of their report's summary (per domain and variant, with the transfer ratio) and the report's path."""
+    from trainer.distill import run_distill_once
+
+    console.rule("distill: per-domain students learn from the labels and the teacher's logged predictions")
+    result = run_distill_once(lake, config.trainer, config.distill, from_scratch=True)
+    assert result.report is not None
+    click = [r for r in result.report["summary"] if r["task"] == "click"]
+    return {"report": result.report_path, "click": click, "versions": result.versions}
 
 
 def _has_offsets(config: GemlineConfig) -> bool:
@@ -278,6 +292,15 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
                          _fmt(row["ne"]))
         console.print(prog)
         console.print(f"continuous run report: {summary.get('continuous_report')}")
+    if summary.get("distill"):
+        students = Table(title="distillation (click, rows with a teacher prediction, progressive, pooled over versions)")
+        for column in ("domain", "variant", "rows", "NE", "AUC", "calibration", "transfer ratio"):
+            students.add_column(column, justify="right")
+        for row in summary["distill"]["click"]:
+            students.add_row(row["domain"], row["variant"], str(row["rows"]), _fmt(row["ne"]), _fmt(row["auc"]),
+                             _fmt(row["calibration"]), _fmt(row["transfer_ratio"]))
+        console.print(students)
+        console.print(f"distill report: {summary['distill']['report']}")
     for name, report in summary["quality_reports"].items():
         console.print(f"quality report {name}@{report['version']}: {report['report_html']}")
     console.print(f"summary: {summary['summary_path']}")

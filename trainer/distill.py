@@ -5,8 +5,8 @@ from its labels and from the teacher's logged predictions (:mod:`trainer.teacher
 ``LAKE/_distill/_checkpoints/step-<cursor>`` and, for each examples version after its cursor that the teacher
 has consumed (its continuous lineage), in order:
 
-1. joins the version's rows with the logged teacher predictions (:func:`join_teacher`): a prediction is used
-   only if its examples version is allowed by the gate now (never one of a quarantined version), both
+1. joins the version's rows with the predictions the teacher's current run logged (:func:`join_teacher`; an
+   older run's predictions came from another model): a prediction is used only if its examples version is allowed by the gate now (never one of a quarantined version), both
    probabilities are finite and in [0, 1], and the teacher had trained only on events before the example's
    (``teacher_data_ms < event_time_ms``: a newer teacher would leak the future); an example without a usable
    prediction is trained on its labels alone. Every case is counted;
@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch import nn
 
@@ -409,9 +410,10 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
     result = DistillResult(run_id, cursor)
 
     try:
-        consumed = {int(r["version"]) for r in continuous.lineage(lake)["examples_versions"]}
+        teacher = continuous.lineage(lake)
     except MissingInputError:
-        consumed = set()
+        teacher = {"run_id": None, "examples_versions": []}
+    consumed = {int(r["version"]) for r in teacher["examples_versions"]}
     newest = latest_version(lake.root, EXAMPLES, storage_options=lake.storage_options)
     assert newest is not None
     decisions = gate_decisions(lake.root, EXAMPLES, range(newest + 1), storage_options=lake.storage_options)
@@ -447,7 +449,9 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
             if table.num_rows:
                 assert normalizer is not None and students is not None
                 dim, hidden = students.teacher_dims
-                joined = join_teacher(table, read_predictions(lake, version), allowed, dim=dim, hidden=hidden)
+                logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
+                logged = logged.filter(pc.equal(logged["run_id"], teacher["run_id"]))
+                joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
                 _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer),
                                  joined, history)
                 counts = joined.counts
