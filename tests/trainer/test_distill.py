@@ -51,7 +51,10 @@ def _params(lake: Path) -> dict[str, torch.Tensor]:
     return torch.load(Path(path) / "state.pt", weights_only=False)["model"]
 
 
-def test_students_wait_for_the_teacher(tmp_path):
+def test_students_wait_for_the_teacher_and_need_an_examples_table(tmp_path, capsys):
+    assert main(["distill", "--once", "--lake", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no examples table") and "Traceback" not in err
     lake = tmp_path / "lake"
     _lake(lake)
     out = _distill(lake)
