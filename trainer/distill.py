@@ -496,12 +496,13 @@ def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
                 summary.append({"domain": domain, "variant": variant, "task": task, **metrics,
                                 "transfer_ratio": ratio, "ne_all_rows": all_rows["ne"], "rows_all": all_rows["rows"]})
     staleness = []
+    click_ne = {(h["examples_version"], h["domain"], h["variant"]): pooled([h["teacher_rows"]])["ne"]
+                for h in history if h["task"] == "click"}
     for h in history:
         if h["variant"] == TEACHER and h["task"] == "click":
             key = (h["examples_version"], h["domain"])
-            ne = {v: pooled([g["teacher_rows"]])["ne"] for g in history for v in ("aux_head", "adapter")
-                  if (g["examples_version"], g["domain"]) == key and g["task"] == "click" and g["variant"] == v}
-            gain = ne["aux_head"] - ne["adapter"] if None not in (ne.get("aux_head"), ne.get("adapter")) else None
+            aux, adapted = click_ne.get((*key, "aux_head")), click_ne.get((*key, "adapter"))
+            gain = aux - adapted if aux is not None and adapted is not None else None
             staleness.append({"examples_version": key[0], "domain": key[1], "staleness_ms_p50": h["staleness_ms_p50"],
                               "adapter_ne_gain": gain})
     return {"rows": rows, "summary": summary, "staleness": staleness, "versions": versions}

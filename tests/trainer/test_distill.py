@@ -90,6 +90,16 @@ def test_students_distill_each_teacher_version_once_and_skip_the_quarantined_one
             got = summary[(domain, variant)]
             assert got["transfer_ratio"] == pytest.approx((alone["ne"] - got["ne"]) / (alone["ne"] - teacher["ne"]))
 
+    by_key = {(r["examples_version"], r["domain"], r["variant"]): r for r in click}
+    staleness = report["staleness"]
+    assert sorted((s["examples_version"], s["domain"]) for s in staleness) == [(v, d) for v in (1, 3) for d in DOMAINS]
+    for s in staleness:
+        # Version 1's teacher had trained on version 0 (a day earlier); version 3's on version 1 (2 was skipped).
+        days = 1 if s["examples_version"] == 1 else 2
+        assert days * 86_400_000 - 1_000 < s["staleness_ms_p50"] < days * 86_400_000
+        aux, adapted = (by_key[(s["examples_version"], s["domain"], v)]["ne"] for v in ("aux_head", "adapter"))
+        assert s["adapter_ne_gain"] == pytest.approx(aux - adapted)
+
     again = _distill(straight)
     assert again.versions == [] and again.cursor == 4, "nothing new: nothing distilled twice"
 
