@@ -3,7 +3,7 @@ from its labels and from the teacher's logged predictions (:mod:`trainer.teacher
 
 ``run_distill_once`` (``gemline distill --once``) resumes from its newest checkpoint
 ``LAKE/_distill/_checkpoints/step-<cursor>`` and, for each examples version after its cursor that the teacher
-has consumed (its continuous lineage), in order:
+has passed (below the cursor of its newest checkpoint: trained, skipped, or without rows), in order:
 
 1. joins the version's rows with the predictions the teacher's current run logged (:func:`join_teacher`; an
    older run's predictions came from another model): a prediction is used only if its examples version is allowed by the gate now (never one of a quarantined version), both
@@ -271,6 +271,17 @@ class _Students:
         return module, self.optimizers[key]
 
 
+def _teacher_position(lake: Lake) -> tuple[str | None, int]:
+    """(run id, cursor version) of the teacher's newest continuous checkpoint: it has passed every examples version
+    below the cursor (trained, skipped as quarantined, or without rows); (None, 0) before its first checkpoint."""
+    root = continuous.current_root(lake.root, lake.storage_options)
+    path = latest_checkpoint(root, storage_options=lake.storage_options)
+    if path is None:
+        return None, 0
+    cont = read_state(path).extra["continuous"]
+    return str(cont["run_id"]), int(cont["cursor"]["version"])
+
+
 def _read_version(lake: Lake, tid: str, version: int) -> pa.Table:
     """Every row ``version`` added (in log order)."""
     batches = [b for _, b, _ in read_from(lake.root, EXAMPLES, Cursor(tid, version), until_version=version,
@@ -409,11 +420,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         run_id, cursor = f"distill-{uuid.uuid4().hex[:12]}", 0
     result = DistillResult(run_id, cursor)
 
-    try:
-        teacher = continuous.lineage(lake)
-    except MissingInputError:
-        teacher = {"run_id": None, "examples_versions": []}
-    consumed = {int(r["version"]) for r in teacher["examples_versions"]}
+    teacher_run, teacher_cursor = _teacher_position(lake)
     newest = latest_version(lake.root, EXAMPLES, storage_options=lake.storage_options)
     assert newest is not None
     decisions = gate_decisions(lake.root, EXAMPLES, range(newest + 1), storage_options=lake.storage_options)
@@ -435,7 +442,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
     for version in range(cursor, newest + 1):
         if max_versions is not None and done >= max_versions:
             break
-        if version not in consumed:
+        if version >= teacher_cursor:
             result.waiting_for = version
             log.info("distill waits for the teacher to consume examples@%d", version)
             break
@@ -450,7 +457,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 assert normalizer is not None and students is not None
                 dim, hidden = students.teacher_dims
                 logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
-                logged = logged.filter(pc.equal(logged["run_id"], teacher["run_id"]))
+                logged = logged.filter(pc.equal(logged["run_id"], teacher_run))
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
                 _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer),
                                  joined, history)

@@ -127,12 +127,15 @@ def test_students_distill_each_teacher_version_once_and_skip_the_quarantined_one
 
 def test_cli_distill_once_prints_one_json_line(tmp_path, capsys):
     lake = tmp_path / "lake"
+    # An empty first version, as the demo's table creation: the teacher passes it without a lineage record.
+    _add(lake, 1, table=synthetic_examples(["2026-01-01"], 1, seed=0).slice(0, 0))
     _lake(lake)
     run_once(*trainer_args(_config(lake)))
     sets = [arg for key, value in {**SETS, "distill.variants": "alone,aux_head"}.items()
             for arg in ("--set", f"{key}={value}")]
     assert main(["distill", "--once", "--lake", str(lake), *sets]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["cursor"] == 4 and [v["version"] for v in line["versions"]] == [0, 1, 2, 3]
+    assert line["cursor"] == 5 and [(v["version"], v["rows"]) for v in line["versions"]] == [
+        (0, 0), (1, 90), (2, 90), (3, 90), (4, 90)]
     assert Path(line["report_path"]).is_file()
     assert main(["distill", "--once", "--lake", str(lake), *sets[:-2], "--set", "distill.variants=alone"]) == 2
