@@ -298,7 +298,8 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
             students.add_column(column, justify="right")
         for row in summary["distill"]["click"]:
             students.add_row(row["domain"], row["variant"], str(row["rows"]), _fmt(row["ne"]), _fmt(row["auc"]),
-                             _fmt(row["calibration"]), _fmt(row["transfer_ratio"]))
+                             _fmt(row["calibration"]),
+                             "teacher not better" if row["transfer_ratio"] is None else _fmt(row["transfer_ratio"]))
         console.print(students)
         console.print(f"distill report: {summary['distill']['report']}")
     for name, report in summary["quality_reports"].items():

@@ -446,8 +446,9 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
             result.waiting_for = version
             log.info("distill waits for the teacher to consume examples@%d", version)
             break
-        if not allowed(version):
-            record: dict[str, Any] = {"version": version, "quality": "quarantined", "rows": 0, "counts": {}}
+        if not allowed(version):  # the teacher passed it: quarantined, or never validated and without rows
+            quality = "quarantined" if decisions[version].validated else "not validated"
+            record: dict[str, Any] = {"version": version, "quality": quality, "rows": 0, "counts": {}}
         else:
             table = _read_version(lake, tid, version)
             if table.num_rows and normalizer is None:
@@ -481,7 +482,8 @@ def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
               variants: tuple[str, ...]) -> dict[str, Any]:
     """The report's numbers: ``rows`` (per increment, domain, variant, task: ne, auc, calibration, rows, on all
     rows; the teacher on the rows it predicted), ``summary`` (per domain and variant, pooled over increments, on
-    the rows with a teacher prediction, with the click transfer ratio), ``staleness`` (per increment and domain:
+    the rows with a teacher prediction, with the transfer ratio; None where the teacher's NE is not below
+    student-alone's), ``staleness`` (per increment and domain:
     the teacher's median staleness and the adapter's click NE gain over aux_head) and the join ``counts``."""
     rows = []
     for h in history:
@@ -496,7 +498,8 @@ def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
             alone, teacher = by_variant.get("alone", {}).get("ne"), by_variant[TEACHER]["ne"]
             for variant, metrics in by_variant.items():
                 ratio = None
-                if alone is not None and teacher is not None and metrics["ne"] is not None and abs(alone - teacher) > 1e-9:
+                # A teacher no better than student-alone has no gain to transfer: the ratio is undefined then.
+                if alone is not None and teacher is not None and metrics["ne"] is not None and alone - teacher > 1e-9:
                     ratio = (alone - metrics["ne"]) / (alone - teacher)
                 all_rows = pooled([h["all"] for h in history if h["domain"] == domain and h["task"] == task
                                    and h["variant"] == variant and h["all"] is not None])
