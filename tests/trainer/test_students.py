@@ -218,3 +218,14 @@ def test_bad_distill_config_is_one_line():
         DistillConfig(variants=("alone", "alone"))
     with pytest.raises(BadConfigError, match="aux_gradient_scale"):
         DistillConfig(aux_gradient_scale=-1.0)
+
+
+def test_only_the_representation_student_reads_the_teachers_vectors():
+    ids, dense = torch.randint(0, 8, (3, S)), torch.randn(3, 2)
+    a = TeacherInputs(torch.full((3, 2), 0.5), torch.tensor([True, True, False]), torch.zeros(3, 11))
+    b = TeacherInputs(a.probs, a.has, torch.ones(3, 11))
+    rep, aux = _student("representation"), _student("aux_head")
+    assert not torch.allclose(rep(ids, dense, a)[0], rep(ids, dense, b)[0])
+    assert torch.equal(aux(ids, dense, a)[0], aux(ids, dense, b)[0])
+    with pytest.raises(ValueError, match="teacher's vectors"):
+        rep(ids, dense, None)
