@@ -61,7 +61,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import TrainerConfig
-from trainer.data import DenseNormalizer, EncodedExamples, encode_examples, fit_normalizer
+from trainer.data import DenseNormalizer, EncodedExamples, encode_examples, fit_normalizer, pointer_history
 from trainer.delayed import is_correction, to_torch
 from trainer.metrics import TASKS, auc
 from trainer.students import (
@@ -460,7 +460,8 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
                 logged = logged.filter(pc.equal(logged["run_id"], teacher_run))
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
-                _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer),
+                _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer,
+                                                                pointer_history(lake, table)),
                                  joined, history)
                 counts = joined.counts
             else:
