@@ -17,7 +17,8 @@ has passed (below the cursor of its newest checkpoint: trained, skipped, or with
 4. **training**, one pass in a seeded order: per batch the Student Adapter steps first, then the student;
 5. a **checkpoint** holding every student, adapter and optimiser, the cursor (the next version), the input
    normalizer and the history of metrics, so a crash anywhere resumes at the last finished version: each
-   example reaches each student's final parameters exactly once. A quarantined version is skipped.
+   example reaches each student's final parameters exactly once. A quarantined version is skipped, and distilled
+   (not evaluated) once released and consumed by the teacher.
 
 The report (:func:`write_report`) pools the history per domain and variant: NE, AUC, calibration, the
 transfer ratio (LoopFM, arXiv 2605.29280: the student's NE gain over student-alone divided by the teacher's NE
@@ -271,15 +272,16 @@ class _Students:
         return module, self.optimizers[key]
 
 
-def _teacher_position(lake: Lake) -> tuple[str | None, int]:
-    """(run id, cursor version) of the teacher's newest continuous checkpoint: it has passed every examples version
-    below the cursor (trained, skipped as quarantined, or without rows); (None, 0) before its first checkpoint."""
+def _teacher_position(lake: Lake) -> tuple[str | None, int, set[int]]:
+    """(run id, cursor version, versions skipped as quarantined and not consumed since) of the teacher's newest
+    continuous checkpoint: it has passed every examples version below the cursor (trained, skipped, or without
+    rows); (None, 0, set()) before its first checkpoint."""
     root = continuous.current_root(lake.root, lake.storage_options)
     path = latest_checkpoint(root, storage_options=lake.storage_options)
     if path is None:
-        return None, 0
+        return None, 0, set()
     cont = read_state(path).extra["continuous"]
-    return str(cont["run_id"]), int(cont["cursor"]["version"])
+    return str(cont["run_id"]), int(cont["cursor"]["version"]), {int(v) for v in cont["skipped"]}
 
 
 def _read_version(lake: Lake, tid: str, version: int) -> pa.Table:
@@ -299,8 +301,9 @@ def _prune(root: str, keep: int = 2) -> None:
 
 
 def _distill_version(students: _Students, version: int, table: pa.Table, data: EncodedExamples, joined: Joined,
-                     history: list[dict[str, Any]]) -> None:
-    """Steps 2-4 of the module docstring for one version's rows (``data``: ``table`` encoded)."""
+                     history: list[dict[str, Any]], *, evaluate: bool = True) -> None:
+    """Steps 2-4 of the module docstring for one version's rows (``data``: ``table`` encoded); without
+    ``evaluate`` (a released version, older than what the students trained on) step 2 is left out."""
     dc = students.dc
     ids = torch.from_numpy(data.sparse_ids % dc.num_embeddings)
     dense, labels = torch.from_numpy(data.dense), torch.from_numpy(data.labels)
@@ -317,7 +320,7 @@ def _distill_version(students: _Students, version: int, table: pa.Table, data: E
         eval_teacher = _take(joined.inputs, evaluated)
         sub = eval_teacher.has.numpy()
         eval_labels = data.labels[evaluated].astype(np.float64)
-        if not new and len(evaluated):
+        if evaluate and not new and len(evaluated):
             base = {"examples_version": version, "domain": domain}
             probs = eval_teacher.probs.numpy().astype(np.float64)
             lag = event_ms[evaluated][sub] - joined.data_ms[evaluated][sub]
@@ -330,7 +333,7 @@ def _distill_version(students: _Students, version: int, table: pa.Table, data: E
             if variant == "representation":
                 vectors = teacher.vectors
                 student.adopt_rows(ids[rows], vectors[:, :dim], vectors[:, dim: 2 * dim], teacher.has)
-            if not new and len(evaluated):
+            if evaluate and not new and len(evaluated):
                 probs = predict(student, ids[evaluated], dense[evaluated], eval_teacher, dc.batch_size)
                 for j, task in enumerate(TASKS):
                     history.append({"examples_version": version, "domain": domain, "variant": variant, "task": task,
@@ -403,6 +406,8 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
     normalizer: DenseNormalizer | None = None
     history: list[dict[str, Any]] = []
     passed: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    saves = 0
     if resume is not None:
         state = read_state(resume)
         extra = state.extra
@@ -410,6 +415,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
             raise BadConfigError(f"the students in {root} are {extra['variants']}, not distill.variants={list(dc.variants)}: "
                                  "set it back, or start again with --from-scratch")
         run_id, cursor, history, passed = extra["run_id"], int(extra["cursor"]), extra["history"], extra["versions"]
+        skipped, saves = [int(v) for v in extra["skipped"]], state.step
         if extra["normalizer"] is not None:
             normalizer = DenseNormalizer.from_dict(extra["normalizer"])
             students = _Students(dc, tc, len(normalizer.names))
@@ -420,7 +426,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         run_id, cursor = f"distill-{uuid.uuid4().hex[:12]}", 0
     result = DistillResult(run_id, cursor)
 
-    teacher_run, teacher_cursor = _teacher_position(lake)
+    teacher_run, teacher_cursor, teacher_skipped = _teacher_position(lake)
     newest = latest_version(lake.root, EXAMPLES, storage_options=lake.storage_options)
     assert newest is not None
     decisions = gate_decisions(lake.root, EXAMPLES, range(newest + 1), storage_options=lake.storage_options)
@@ -429,25 +435,33 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         return version in decisions and decisions[version].allowed
 
     def checkpoint() -> None:
-        extra = {"run_id": run_id, "cursor": cursor, "variants": list(dc.variants), "history": history,
+        nonlocal saves
+        saves += 1  # the step of the checkpoint: a released version is distilled without moving the cursor
+        extra = {"run_id": run_id, "cursor": cursor, "skipped": skipped, "variants": list(dc.variants),
+                 "history": history,
                  "versions": passed, "normalizer": None if normalizer is None else normalizer.to_dict(),
                  "domains": [] if students is None else students.domains}
         module = nn.ModuleDict() if students is None else students.modules
         optimizers = {} if students is None else students.optimizers
-        save_checkpoint(root, TrainState(step=cursor, examples_seen=0, examples_version=cursor - 1, extra=extra),
+        save_checkpoint(root, TrainState(step=saves, examples_seen=0, examples_version=cursor - 1, extra=extra),
                         module, optimizers, storage_options=lake.storage_options)
         _prune(root)
 
+    # A version released after its quarantine, once the teacher has consumed it, first (as the teacher does).
+    released = [v for v in skipped if allowed(v) and v < teacher_cursor and v not in teacher_skipped]
     done = 0
-    for version in range(cursor, newest + 1):
+    for version in [*released, *range(cursor, newest + 1)]:
         if max_versions is not None and done >= max_versions:
             break
-        if version >= teacher_cursor:
+        is_released = version < cursor
+        if not is_released and version >= teacher_cursor:
             result.waiting_for = version
             log.info("distill waits for the teacher to consume examples@%d", version)
             break
         if not allowed(version):  # the teacher passed it: quarantined, or never validated and without rows
             quality = "quarantined" if decisions[version].validated else "not validated"
+            if decisions[version].validated and version not in skipped:
+                skipped.append(version)
             record: dict[str, Any] = {"version": version, "quality": quality, "rows": 0, "counts": {}}
         else:
             table = _read_version(lake, tid, version)
@@ -462,14 +476,17 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
                 _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer,
                                                                 pointer_history(lake, table)),
-                                 joined, history)
+                                 joined, history, evaluate=not is_released)
                 counts = joined.counts
             else:
                 counts = {}
-            record = {"version": version, "quality": "passed", "rows": table.num_rows, "counts": counts}
+            record = {"version": version, "quality": "released" if is_released else "passed", "rows": table.num_rows,
+                      "counts": counts}
+            if is_released:
+                skipped.remove(version)
         passed.append(record)
         result.versions.append(record)
-        cursor = version + 1
+        cursor = max(cursor, version + 1)
         done += 1
         checkpoint()
         log.info("distill: examples@%d %s", version, record)

@@ -15,6 +15,7 @@ import torch
 import trainer.distill as distill
 from gemline.cli import main
 from gemline.config import load_config
+from gemline.gate import release
 from tests.conftest import trainer_args
 from trainer.checkpoint import latest_checkpoint
 from trainer.continuous import run_once
@@ -61,7 +62,7 @@ def test_students_wait_for_the_teacher_and_need_an_examples_table(tmp_path, caps
     assert out.versions == [] and out.waiting_for == 0 and out.cursor == 0
 
 
-def test_students_distill_each_teacher_version_once_and_skip_the_quarantined_one(tmp_path, monkeypatch):
+def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_released(tmp_path, monkeypatch):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     _lake(straight, quarantined=2)
     run_once(*trainer_args(_config(straight)))
@@ -127,6 +128,17 @@ def test_students_distill_each_teacher_version_once_and_skip_the_quarantined_one
     assert all(torch.equal(want[name], got[name]) for name in want), "each example trained exactly once"
     report_crashed = json.loads((crashed / "_runs" / resumed.run_id / "distill.json").read_text())
     assert report_crashed["rows"] == report["rows"]
+
+    release(str(straight), "examples", 2, "checked by hand")
+    assert _distill(straight).versions == [], "released, but the teacher has not consumed it yet"
+    run_once(*trainer_args(_config(straight)))
+    late = _distill(straight)
+    # The teacher predicted version 2 after training on version 3: those predictions would leak the future.
+    assert [(v["version"], v["quality"], v["rows"]) for v in late.versions] == [(2, "released", 90)]
+    assert late.versions[0]["counts"] == {"with_teacher": 0, "label_only": 90, "dropped_quarantined": 0,
+                                          "dropped_nonfinite": 0, "dropped_future": 90}
+    assert late.report is not None and late.report["rows"] == report["rows"], "a released version is not evaluated"
+    assert _distill(straight).versions == []
 
 
 def test_cli_distill_once_prints_one_json_line(tmp_path, capsys):
