@@ -64,6 +64,12 @@ class GemlineConfig:
                 shown = redact({key: value})[key]
                 raise BadConfigError(f"lake_storage_options.{key}: expected a string (quote it: \"{shown}\"), "
                                      f"got {shown!r}")
+        # The trainer judges a click label final by this window: one shorter than the build's would call open clicks final.
+        domains = {entry.split(":", 1)[0] for entry in self.build.window_overrides}
+        window = max([self.build.click_window_ms, *(self.build.window_ms(d, "click") for d in domains)])
+        if self.trainer.final_labels and self.trainer.click_window_ms is not None and self.trainer.click_window_ms < window:
+            raise BadConfigError(f"trainer.click_window_ms={self.trainer.click_window_ms} is shorter than the build's longest "
+                                 f"click window ({window} ms): set trainer.click_window_ms={window}")
 
     def __repr__(self) -> str:
         """The dataclass repr with the values of secret storage options hidden (gemline.lake.redact)."""

@@ -51,7 +51,8 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
             raise BadConfigError(f"{key}: expected one of {args}, got {value!r}")
         return value
     if origin is tuple:
-        items = value.split(",") if isinstance(value, str) else list(value)
+        # "" is the empty tuple (how config_overrides writes one that differs from its default).
+        items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
         return tuple(coerce(v, args[0], key) for v in items)
     if annotation is bool:
         if isinstance(value, bool):

@@ -67,10 +67,18 @@ MODELS: tuple[str, ...] = ("gem", "dlrm", "lr")
 ABLATIONS: dict[str, dict[str, str]] = {
     "collisions": {"trainer.ids.mapping": "hash"},
     "sequence_len": {"trainer.gem.max_sequence_len": "32"},
+    "time_delta_buckets": {"trainer.gem.time_delta_buckets": "0"},
+    "same_domain_stream": {"trainer.gem.same_domain_stream": "false"},
+    "recency_branches": {"trainer.gem.recency_branches": "", "trainer.gem.same_domain_stream": "false"},
+    "interformer_cross": {"trainer.gem.interformer_cross": "false"},
+    "personalized_ffn": {"trainer.gem.personalized_ffn_rank": "0"},
+    "fmb_mlp_layers": {"trainer.gem.fmb_mlp_layers": "1"},
+    "task_towers": {"trainer.gem.task_towers": "false"},
+    "final_labels": {"trainer.final_labels": "false"},
 }
 """Ablation name -> ``--set`` overrides (full keys, string values as on the command line) that switch one change of
-the full model off. The ``gem`` issue's switches (interformer_cross, recency_branches, same_domain_stream,
-time_delta_buckets, final_labels) join this dict once their config keys exist."""
+the full model off (issue 18's switches at their gem_small values; ``recency_branches`` off is gem_small's pyramid,
+which reads one stream)."""
 
 
 def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:
@@ -278,6 +286,12 @@ def row_weighted_mean(values: Sequence[float | None], weights: Sequence[int]) ->
     return sum(v * w for v, w in pairs) / total if pairs and total > 0 else None
 
 
+def _final_rows(predictions: Any, task: int) -> np.ndarray:
+    """(N,) bool: the rows of ``predictions`` (a ProgressivePredictions) whose label of task ``task`` is final."""
+    final = getattr(predictions, "final", None)
+    return np.ones(len(predictions.labels), dtype=bool) if final is None else np.asarray(final[:, task], dtype=bool)
+
+
 def progressive_summary(predictions: dict[str, dict[int, Any]], *, resamples: int = 1000, seed: int = 0,
                         confidence: float = 0.95) -> tuple[list[int], list[dict], list[dict], dict]:
     """Per-model means and paired bootstrap intervals of progressive predictions (module docstring).
@@ -317,9 +331,11 @@ def progressive_summary(predictions: dict[str, dict[int, Any]], *, resamples: in
     differences: list[dict] = []
     per_version: dict[str, dict[str, list[dict]]] = {m: {} for m in models}
     for j, task in enumerate(TASKS):
-        labels = [predictions[first][v].labels[:, j] for v in versions]
+        # Each task judged on its final labels only (trainer.labels); the same rows for every model.
+        judged = [_final_rows(predictions[first][v], j) for v in versions]
+        labels = [predictions[first][v].labels[keep, j] for v, keep in zip(versions, judged, strict=True)]
         sizes = [len(y) for y in labels]
-        scores = {m: [predictions[m][v].probs[:, j] for v in versions] for m in models}
+        scores = {m: [predictions[m][v].probs[keep, j] for v, keep in zip(versions, judged, strict=True)] for m in models}
         for model in models:
             aucs = [auc(y, s) for y, s in zip(labels, scores[model], strict=True)]
             nes = [normalized_entropy(y, s) for y, s in zip(labels, scores[model], strict=True)]

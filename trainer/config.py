@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from gemline.errors import BadConfigError
 
@@ -76,46 +76,131 @@ class DistributedConfig:
         return "gloo" if self.device == "cpu" else "nccl"
 
 
+GemPresetName = Literal["gem_small", "gem_cpu", "gem"]
+"""``trainer.gem.preset``: the shape every unset ``trainer.gem.*`` key takes (:data:`GEM_PRESETS`)."""
+
+GEM_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    # The model before issue 18: 32 newest events, a pyramid, sigmoid-gated FFN, [target attention, newest] summary.
+    "gem_small": MappingProxyType({
+        "layers": 2, "heads": 2, "pyramid_ratio": 0.5, "max_sequence_len": 32, "dense_tokens": 2, "fm_outputs": 8,
+        "lcb_outputs": 8, "fm_rank": 8, "time_delta_buckets": 0, "same_domain_stream": False, "recency_branches": (),
+        "attention_len": 32, "interformer_cross": False, "cls_tokens": 0, "pma_tokens": 0, "recent_tokens": 0,
+        "personalized_ffn_rank": 0, "fmb_mlp_layers": 1, "task_towers": False,
+    }),
+    # The published shape at a CPU's budget: the whole stored history (256) in branches of the newest 16 events
+    # (self-attention), the newest 64 and all of it (pooled only: self-attending the 64 doubled the step time), the
+    # same-domain stream, InterFormer's Cross Arch. A B=512 train step: 1.2 s vs gem_small's 0.6 s (README).
+    "gem_cpu": MappingProxyType({
+        "layers": 2, "heads": 2, "pyramid_ratio": 1.0, "max_sequence_len": 256, "dense_tokens": 2, "fm_outputs": 8,
+        "lcb_outputs": 8, "fm_rank": 8, "time_delta_buckets": 32, "same_domain_stream": True,
+        "recency_branches": (16, 64, 0), "attention_len": 16, "interformer_cross": True, "cls_tokens": 2,
+        "pma_tokens": 2, "recent_tokens": 4, "personalized_ffn_rank": 4, "fmb_mlp_layers": 2, "task_towers": True,
+    }),
+    # GPU-sized: thousands of events, every branch self-attends (Triton jagged kernels), deeper and wider.
+    "gem": MappingProxyType({
+        "layers": 4, "heads": 2, "pyramid_ratio": 1.0, "max_sequence_len": 4096, "dense_tokens": 4, "fm_outputs": 16,
+        "lcb_outputs": 16, "fm_rank": 16, "time_delta_buckets": 32, "same_domain_stream": True,
+        "recency_branches": (64, 512, 0), "attention_len": 4096, "interformer_cross": True, "cls_tokens": 4,
+        "pma_tokens": 4, "recent_tokens": 8, "personalized_ffn_rank": 16, "fmb_mlp_layers": 3, "task_towers": True,
+    }),
+})
+"""The values of the ``trainer.gem.*`` keys a preset sets (a key set in the TOML or by --set wins)."""
+
+_PRESET: Any = None
+"""Default of a preset-controlled key: unset, :meth:`GemConfig.resolved` takes the preset's value."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GemConfig:
     """The GEM model's architecture (trainer/models/gem.py), ``[trainer.gem]`` in the TOML.
 
-    The sizes it shares with the other models (``trainer.embedding_dim``, ``num_embeddings``,
-    ``hidden_dims``, ``tower_hidden``) stay in :class:`TrainerConfig`; ``embedding_dim`` must be
-    divisible by ``heads``, which TrainerConfig checks.
+    Every key but ``preset`` and ``kernel_backend`` defaults to the preset's value (:data:`GEM_PRESETS`); the
+    model reads :meth:`resolved`. The boolean and integer switches (``time_delta_buckets``,
+    ``same_domain_stream``, ``recency_branches``, ``interformer_cross``, ``personalized_ffn_rank``,
+    ``fmb_mlp_layers``, ``task_towers``) each turn one change of issue 18 off at its gem_small value, for
+    ablations. The sizes it shares with the other models (``trainer.embedding_dim``, ``num_embeddings``,
+    ``hidden_dims``, ``tower_hidden``) stay in :class:`TrainerConfig`; ``embedding_dim`` must be divisible by
+    ``heads``, which TrainerConfig checks.
     """
 
-    layers: int = 2
+    preset: GemPresetName = "gem_cpu"
+    """gem_small (the model before issue 18), gem_cpu (the published shape at a CPU's budget, the default) or
+    gem (GPU-sized)."""
+    layers: int = _PRESET
     """Interleaved InterFormer layers (each one Wukong layer and one sequence layer)."""
-    heads: int = 2
+    heads: int = _PRESET
     """Attention heads of the sequence arch; must divide trainer.embedding_dim."""
-    pyramid_ratio: float = 0.5
-    """Pyramid ratio r in (0, 1]: sequence layer l keeps the newest ceil(L_i * r**l) tokens."""
-    max_sequence_len: int = 32
-    """Newest history tokens fed to the first sequence layer (bounds the CPU cost of attention)."""
-    dense_tokens: int = 2
+    pyramid_ratio: float = _PRESET
+    """Pyramid ratio r in (0, 1]: sequence layer l keeps the newest ceil(L_i * r**l) tokens (without recency branches)."""
+    max_sequence_len: int = _PRESET
+    """Newest history events the model reads (the build stores ``build.max_seq_len``, 256 by default)."""
+    dense_tokens: int = _PRESET
     """Embeddings of width trainer.embedding_dim that the dense features become (Wukong inputs)."""
-    fm_outputs: int = 8
+    fm_outputs: int = _PRESET
     """n_F: embeddings out of each Wukong FM block."""
-    lcb_outputs: int = 8
+    lcb_outputs: int = _PRESET
     """n_L: embeddings out of each Wukong linear compression block (0: none)."""
-    fm_rank: int = 8
+    fm_rank: int = _PRESET
     """k: rank of Wukong's optimized FM, X·(Xᵀ·Y)."""
+    time_delta_buckets: int = _PRESET
+    """Rows of the embedding of ``seq_time_delta_ms`` in log2-second buckets added to each event's token (0: none)."""
+    same_domain_stream: bool = _PRESET
+    """Read ``seq_same_domain_*`` as a second sequence stream (its own branches and summaries)."""
+    recency_branches: tuple[int, ...] = _PRESET
+    """Parallel branches over the newest N events of the history (0: all ``max_sequence_len``), each summarized
+    every layer, summaries combined; empty: the pyramid of ``pyramid_ratio`` (gem_small)."""
+    attention_len: int = _PRESET
+    """Branches over at most this many events self-attend; longer ones are pooled only (cost O(L) not O(L²))."""
+    interformer_cross: bool = _PRESET
+    """InterFormer's Cross Arch (§3.4): CLS, PMA and the newest tokens, gated; False: [target attention, newest]."""
+    cls_tokens: int = _PRESET
+    """CLS tokens appended to every self-attending branch (its learned summary), with interformer_cross."""
+    pma_tokens: int = _PRESET
+    """Pooling-by-multihead-attention seeds per branch (Lee et al. 2019, Set Transformer §3.2), with interformer_cross."""
+    recent_tokens: int = _PRESET
+    """K newest events taken into the summary as they are, with interformer_cross."""
+    personalized_ffn_rank: int = _PRESET
+    """Rank r of InterFormer's personalized FFN, a per-example (D, r)(r, D) projection from the non-sequence
+    summary (§3.3); 0: the sigmoid gate of gem_small."""
+    fmb_mlp_layers: int = _PRESET
+    """Hidden layers of the MLP in each Wukong FM block (§3.2); 1: gem_small's."""
+    task_towers: bool = _PRESET
+    """A tower per task (click, conversion) on the shared backbone; False: one tower with two outputs."""
     kernel_backend: KernelBackendName = "reference"
     """Jagged kernels of the sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError (a ValueError) naming the ``trainer.gem.*`` key of a bad value."""
-        for name in ("layers", "heads", "max_sequence_len", "dense_tokens", "fm_outputs", "fm_rank"):
-            if getattr(self, name) < 1:
-                raise BadConfigError(f"trainer.gem.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lcb_outputs < 0:
-            raise BadConfigError(f"trainer.gem.lcb_outputs must be >= 0, got {self.lcb_outputs}")
-        if not 0 < self.pyramid_ratio <= 1:
-            raise BadConfigError(f"trainer.gem.pyramid_ratio must be in (0, 1], got {self.pyramid_ratio}")
+        if self.preset not in GEM_PRESETS:
+            raise BadConfigError(f"trainer.gem.preset must be one of {tuple(GEM_PRESETS)}, got {self.preset!r}")
+        v = self._values()
+        for name in ("layers", "heads", "max_sequence_len", "dense_tokens", "fm_outputs", "fm_rank", "attention_len",
+                     "fmb_mlp_layers"):
+            if v[name] < 1:
+                raise BadConfigError(f"trainer.gem.{name} must be >= 1, got {v[name]}")
+        for name in ("lcb_outputs", "time_delta_buckets", "cls_tokens", "pma_tokens", "recent_tokens",
+                     "personalized_ffn_rank"):
+            if v[name] < 0:
+                raise BadConfigError(f"trainer.gem.{name} must be >= 0, got {v[name]}")
+        if not 0 < v["pyramid_ratio"] <= 1:
+            raise BadConfigError(f"trainer.gem.pyramid_ratio must be in (0, 1], got {v['pyramid_ratio']}")
+        if any(n < 0 for n in v["recency_branches"]) or len(set(v["recency_branches"])) != len(v["recency_branches"]):
+            raise BadConfigError(f"trainer.gem.recency_branches must be distinct lengths >= 0 (0: all), got {v['recency_branches']}")
+        if v["same_domain_stream"] and not v["recency_branches"]:
+            raise BadConfigError("trainer.gem.same_domain_stream needs trainer.gem.recency_branches (the pyramid reads one stream)")
         if self.kernel_backend not in get_args(KernelBackendName):
             raise BadConfigError(f"trainer.gem.kernel_backend must be one of {get_args(KernelBackendName)}, "
                                  f"got {self.kernel_backend!r}")
+
+    def _values(self) -> dict[str, Any]:
+        preset = GEM_PRESETS[self.preset]
+        return {name: preset[name] if getattr(self, name) is None else getattr(self, name) for name in preset}
+
+    def resolved(self) -> GemConfig:
+        """This config with every unset key at its preset's value (what the model is built from)."""
+        values = self._values()
+        values["recency_branches"] = tuple(int(n) for n in values["recency_branches"])
+        return replace(self, **values)
 
 
 IdMappingName = Literal["hash", "managed"]
@@ -207,6 +292,20 @@ class TrainerConfig:
     def logs_teacher_predictions(self) -> bool:
         """``log_teacher_predictions`` with its default resolved (on for gem)."""
         return self.model == "gem" if self.log_teacher_predictions is None else self.log_teacher_predictions
+    final_labels: bool = True
+    """Train and evaluate on a label only once its attribution window has closed (trainer.labels); False: every
+    label as published (open conversions count as negatives)."""
+    click_window_ms: int | None = 86_400_000
+    """The click attribution window (ms) that decides whether a click label is final: at least the build's longest
+    (``build.click_window_ms`` and its overrides; the application checks); None: ``label_window_closed`` alone."""
+    task_weights: tuple[float, float] = (1.0, 1.0)
+    """Loss weight of the click and the conversion task (>= 0; 0 trains that head not at all)."""
+
+    @property
+    def reads_sequence_extras(self) -> bool:
+        """Whether the model reads the time deltas or the same-domain sequence (trainer.data.SEQUENCE_EXTRA_KEYS)."""
+        gem = self.gem.resolved()
+        return self.model == "gem" and (gem.time_delta_buckets > 0 or gem.same_domain_stream)
 
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "gem_layers": "gem.layers", "gem_heads": "gem.heads", "gem_pyramid_ratio": "gem.pyramid_ratio",
@@ -233,12 +332,17 @@ class TrainerConfig:
             raise BadConfigError(f"trainer.checkpoint_every_steps must be >= 1 or none, got {self.checkpoint_every_steps}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise BadConfigError(f"trainer.torch_threads must be >= 1 or none, got {self.torch_threads}")
+        if len(self.task_weights) != 2 or any(not w >= 0 for w in self.task_weights):
+            raise BadConfigError(f"trainer.task_weights must be two weights >= 0 (click, conversion), got {self.task_weights}")
+        if self.click_window_ms is not None and self.click_window_ms < 0:
+            raise BadConfigError(f"trainer.click_window_ms must be >= 0 or none, got {self.click_window_ms}")
         if self.tower_hidden < 1:
             raise BadConfigError(f"trainer.tower_hidden must be >= 1, got {self.tower_hidden}")
         # Checked for every model, not only gem: a config that names another model stays valid when
         # ``compare`` (or a later --set trainer.model=gem) trains GEM with it.
-        if self.embedding_dim % self.gem.heads:
-            raise BadConfigError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem.heads={self.gem.heads}")
+        heads = self.gem.resolved().heads
+        if self.embedding_dim % heads:
+            raise BadConfigError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem.heads={heads}")
         if self.model not in ("gem", "dlrm", "lr", "ranker"):
             raise BadConfigError(f"trainer.model must be one of gem, dlrm, lr, ranker; got {self.model!r}")
         if self.init_from not in ("scratch", "latest"):

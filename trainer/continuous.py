@@ -60,7 +60,7 @@ from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
-from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_examples, fit_normalizer, pointer_history
+from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_for, fit_normalizer, pointer_history
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
 from trainer.loop import Engine, EngineFactory, GlobalBatch, LocalEngine, Progress, local_engine, train_loop
@@ -232,7 +232,8 @@ class ProgressivePredictions:
     ``labels`` (N, 2) 0/1 and ``probs`` (N, 2) float64 probabilities, columns ``trainer.metrics.TASKS``;
     ``domains`` (N,) object; ``example_ids`` (N,) object (empty when not collected). ``trainer.compare`` pairs
     these rows across models for its bootstrap; ``benchmarks.label_modes`` joins them with the final labels.
-    Correction rows (:mod:`trainer.delayed`) are not evaluated: each impression once.
+    Correction rows (:mod:`trainer.delayed`) are not evaluated: each impression once. ``final`` (N, 2) bool marks
+    the labels whose window had closed (:mod:`trainer.labels`); only those are judged. None: every label.
     """
 
     version: int
@@ -240,6 +241,7 @@ class ProgressivePredictions:
     probs: np.ndarray
     domains: np.ndarray
     example_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    final: np.ndarray | None = None
 
 
 PredictionsHook = Callable[[ProgressivePredictions], None]
@@ -257,13 +259,14 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
 
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
     ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
-    labels, probs, domains, ids = [], [], [], []
+    labels, probs, domains, ids, final = [], [], [], [], []
     for batch in _version_batches(lake, tc, start, version):
         table = first_publications(pa.Table.from_batches([batch]))
         if table.num_rows == 0:
             continue
-        data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table), ids=mapping)
+        data = encode_for(table, tc, normalizer, pointer_history(lake, table), ids=mapping)
         labels.append(data.labels)
+        final.append(data.final if data.final is not None else np.ones(data.labels.shape, dtype=bool))
         part: np.ndarray | None
         if capture is not None and isinstance(engine, LocalEngine):
             with capture.recording(engine.model):
@@ -279,10 +282,10 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
     if not probs:  # not rank 0
         return {}
     predictions = ProgressivePredictions(version, np.concatenate(labels), np.concatenate(probs), np.concatenate(domains),
-                                         np.concatenate(ids))
+                                         np.concatenate(ids), np.concatenate(final))
     if on_predictions is not None:
         on_predictions(predictions)
-    return evaluate(predictions.labels, predictions.probs, predictions.domains)
+    return evaluate(predictions.labels, predictions.probs, predictions.domains, predictions.final)
 
 
 def _log_teacher(lake: Lake, run_id: str, sequence: int, step: int, saved_ms: int, trained_until_ms: int,
@@ -537,10 +540,10 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             # version at AUC 0.30 where DLRM and LR reached 0.70: not understood yet, so not done.
             domains = tuple(sorted(set(first["domain"].to_pylist()) - {None}))
             ids = start_mapping(tc, _sizing_sample(lake, upto) if tc.ids.mapping == "managed" else first, None)
+            first_data = encode_for(first, tc, normalizer, pointer_history(lake, first), ids=ids)
             torch.manual_seed(tc.seed)
             engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains,
-                                 prior_rates(encode_examples(first, tc.num_embeddings, normalizer,
-                                                             pointer_history(lake, first), ids=ids).labels))
+                                 prior_rates(first_data.labels, first_data.final))
         assert engine is not None and normalizer is not None and ids is not None
         evaluated = False
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
@@ -582,7 +585,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                  version, unread)
                     noted = noted or bool(unread)
                     ids.observe(first_publications(table))  # each impression counted once, as evaluation does
-                    data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table), ids=ids)
+                    data = encode_for(table, tc, normalizer, pointer_history(lake, table), ids=ids)
                     reading.update(data=data, event_ms=table["event_time_ms"].to_numpy(),
                                    corrected=is_correction(table))
                     position = cursor if version == cursor.version else start

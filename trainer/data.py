@@ -35,7 +35,9 @@ from gemline.lake import Lake, StorageOptions, commit_metadata, open_table, read
 from gemline.tables import Table
 from sequences.materialize import read_history, sequence_index
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
+from trainer.config import TrainerConfig
 from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
+from trainer.labels import final_labels as labels_final
 
 if TYPE_CHECKING:
     from trainer.id_mapping import IdMapping
@@ -52,11 +54,26 @@ HASH_NAMESPACE: dict[str, str] = {
     "seq_item_ids": "item",
     "seq_categories": "category",
     "seq_event_types": "event_type",
+    "seq_same_domain_item_ids": "item",
+    "seq_same_domain_categories": "category",
+    "seq_same_domain_event_types": "event_type",
 }
 """Hash namespace per column: a candidate and its history share ids (the target-aware attention needs it)."""
 
 NULL_ID = 0
 """Embedding row of a null (or empty-string) id."""
+
+TIME_BUCKETS_KEY = "seq_time_buckets"
+"""Extra sequence key: log2-second bucket of each history event's ``seq_time_delta_ms`` (:func:`time_buckets`)."""
+
+SAME_DOMAIN_KEYS: tuple[str, ...] = ("seq_same_domain_item_ids", "seq_same_domain_categories",
+                                     "seq_same_domain_event_types", "seq_same_domain_time_buckets")
+"""Extra sequence keys of the same-domain history (own lengths ``seq_same_domain_length``), ids hashed as the
+main history's (same namespaces), the last one its time buckets."""
+
+SEQUENCE_EXTRA_KEYS: tuple[str, ...] = (TIME_BUCKETS_KEY, *SAME_DOMAIN_KEYS)
+"""Keys after SEQUENCE_KEYS in ``Batch.sequence`` when the examples were encoded with ``sequence_extras`` and
+have the build's columns (sequences.schema.BUILD_EXTRA_SCHEMA)."""
 
 
 def hash_ids(values: pa.Array | pa.ChunkedArray, num_embeddings: int, namespace: str) -> np.ndarray:
@@ -98,6 +115,21 @@ def hash_ids(values: pa.Array | pa.ChunkedArray, num_embeddings: int, namespace:
     out = np.full(len(values), NULL_ID, dtype=np.int64)
     valid = ~np.asarray(encoded.indices.is_null().to_numpy(zero_copy_only=False), dtype=bool)
     out[valid] = rows[indices[valid].astype(np.int64)]
+    return out
+
+
+def time_buckets(delta_ms: np.ndarray) -> np.ndarray:
+    """Log2-second buckets of time deltas: ``1 + floor(log2(1 + delta_ms / 1000))`` for ``delta_ms >= 0`` (1: under
+    a second, 2: 1-3 s, ..., 27: ~2 years), 0 for a negative or missing (NaN) delta; (T,) any numeric -> (T,) int64.
+
+    Log buckets as in the time-interval embeddings of sequential recommenders (e.g. TiSASRec, Li et al. WSDM 2020,
+    clips intervals; Meta's HSTU, arXiv 2402.17152, buckets them by log): recent events need fine resolution,
+    old ones coarse.
+    """
+    delta = np.asarray(delta_ms, dtype=np.float64)
+    valid = np.isfinite(delta) & (delta >= 0)
+    out = np.zeros(delta.shape, dtype=np.int64)
+    out[valid] = 1 + np.floor(np.log2(1 + delta[valid] / 1000.0)).astype(np.int64)
     return out
 
 
@@ -157,6 +189,7 @@ class Batch:
         domains: (B,) domain strings, for per-domain metrics.
         delayed: the rows' late-label weighting inputs as tensors (:mod:`trainer.delayed`); None: every
             label final, plain BCE.
+        final: (B, 2) bool, the labels the loss may use (:func:`trainer.labels.final_labels`); None: all.
     """
 
     sparse: KeyedJaggedTensor
@@ -165,6 +198,7 @@ class Batch:
     labels: torch.Tensor
     domains: list[str]
     delayed: DelayedBatch | None = None
+    final: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -184,13 +218,17 @@ def validate_batch(batch: Batch, num_dense: int) -> None:
         raise ValueError(f"sparse keys must be {list(SPARSE_FEATURES)}, got {batch.sparse.keys()}")
     if batch.sparse.lengths().numel() != len(SPARSE_FEATURES) * num_rows or bool(torch.any(batch.sparse.lengths() != 1)):
         raise ValueError(f"sparse features need exactly one id per example for B={num_rows}, got lengths {batch.sparse.lengths().tolist()}")
-    if batch.sequence.keys() != list(SEQUENCE_KEYS):
-        raise ValueError(f"sequence keys must be {list(SEQUENCE_KEYS)}, got {batch.sequence.keys()}")
+    if batch.sequence.keys() not in (list(SEQUENCE_KEYS), [*SEQUENCE_KEYS, *SEQUENCE_EXTRA_KEYS]):
+        raise ValueError(f"sequence keys must be {list(SEQUENCE_KEYS)} (then optionally {list(SEQUENCE_EXTRA_KEYS)}), "
+                         f"got {batch.sequence.keys()}")
+    keys = len(batch.sequence.keys())
     lengths = batch.sequence.lengths()
-    if lengths.numel() != len(SEQUENCE_KEYS) * num_rows:
-        raise ValueError(f"sequence lengths must have {len(SEQUENCE_KEYS)}*B={len(SEQUENCE_KEYS) * num_rows} entries, got {lengths.numel()}")
-    per_key = lengths.view(len(SEQUENCE_KEYS), num_rows)
-    if bool(torch.any(per_key != per_key[0])):
+    if lengths.numel() != keys * num_rows:
+        raise ValueError(f"sequence lengths must have {keys}*B={keys * num_rows} entries, got {lengths.numel()}")
+    per_key = lengths.view(keys, num_rows)
+    main = per_key[: len(SEQUENCE_KEYS) + (keys > len(SEQUENCE_KEYS))]  # the history keys and its time buckets
+    same = per_key[len(SEQUENCE_KEYS) + 1:]
+    if bool(torch.any(main != main[0])) or (same.numel() and bool(torch.any(same != same[0]))):
         raise ValueError("sequence keys must share one length per example (aligned histories), got different lengths")
     if tuple(batch.dense.shape) != (num_rows, num_dense) or batch.dense.dtype != torch.float32:
         raise ValueError(f"dense must be ({num_rows}, {num_dense}) float32, got {tuple(batch.dense.shape)} {batch.dense.dtype}")
@@ -206,12 +244,14 @@ class EncodedExamples:
 
     Attributes:
         sparse_ids: (N, S) int64.
-        seq_values: SEQUENCE_KEYS -> (sum L_i,) int64, row i at ``seq_offsets[i]:seq_offsets[i+1]``.
+        seq_values: SEQUENCE_KEYS -> (sum L_i,) int64, row i at ``seq_offsets[i]:seq_offsets[i+1]``; with
+            sequence extras also TIME_BUCKETS_KEY (aligned with them) and SAME_DOMAIN_KEYS (at ``same_domain_offsets``).
         seq_offsets: (N+1,) int64.
         dense: (N, F) float32.
         labels: (N, 2) float32.
         domains: (N,) object array of str.
         delayed: late-label weighting inputs (:func:`trainer.delayed.delayed_labels`); None: all final.
+        final: (N, 2) bool, labels whose window has closed (:func:`trainer.labels.final_labels`); None: all.
     """
 
     sparse_ids: np.ndarray
@@ -221,6 +261,9 @@ class EncodedExamples:
     labels: np.ndarray
     domains: np.ndarray
     delayed: DelayedLabels | None = None
+    final: np.ndarray | None = None
+    same_domain_offsets: np.ndarray | None = None
+    """(N+1,) int64 offsets of the same-domain keys; None: encoded without sequence extras."""
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -361,11 +404,21 @@ def _pointer_sequences(table: pa.Table, pointers: PointerHistory, rows: RowsOf) 
     return {key: rows(index.events.column(columns[key]).cast(pa.string()), key)[index.index] for key in SEQUENCE_KEYS}
 
 
+def encode_for(table: pa.Table, tc: TrainerConfig, normalizer: DenseNormalizer, pointers: PointerHistory | None = None, *,
+               ids: IdMapping | None = None) -> EncodedExamples:
+    """:func:`encode_examples` as the trainer ``tc`` reads examples (final labels, the sequence extras its model needs)."""
+    return encode_examples(table, tc.num_embeddings, normalizer, pointers, ids=ids, final_labels=tc.final_labels,
+                           click_window_ms=tc.click_window_ms, sequence_extras=tc.reads_sequence_extras)
+
+
 def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer,
-                    pointers: PointerHistory | None = None, *, ids: IdMapping | None = None) -> EncodedExamples:
+                    pointers: PointerHistory | None = None, *, ids: IdMapping | None = None, final_labels: bool = False,
+                    click_window_ms: int | None = None, sequence_extras: bool = False) -> EncodedExamples:
     """Hash (or map with ``ids``, trainer.id_mapping, which counts nothing here), flatten and normalize a split;
     pointer-layout rows take their sequences from ``pointers`` (:attr:`ExamplesSplit.pointers`), fat rows from
-    their list columns.
+    their list columns. With ``final_labels``, mark the labels whose window has closed
+    (:func:`trainer.labels.final_labels` with ``click_window_ms``); with ``sequence_extras`` and the build's
+    columns (``seq_time_delta_ms``, ``seq_same_domain_*``; fat rows only), also the :data:`SEQUENCE_EXTRA_KEYS`.
 
     Raises:
         ValueError: a sequence column's list lengths disagree with ``seq_length`` (or, for pointer
@@ -405,6 +458,9 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
                 "sequence columns must be aligned with seq_length (sequences/schema.py)"
             )
         seq_values[key] = rows(pc.list_flatten(column), key)
+    same_offsets = None
+    if sequence_extras and n and {"seq_time_delta_ms", *SAME_DOMAIN_KEYS[:3]} <= set(table.schema.names):
+        same_offsets = _encode_extras(table, rows, seq_length, seq_values)
     labels = np.stack(
         [table[c].to_numpy(zero_copy_only=False).astype(np.float32) for c in ("label_click", "label_conversion")], axis=1
     ) if n else np.zeros((0, 2), dtype=np.float32)
@@ -416,16 +472,57 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
         labels=labels,
         domains=np.asarray(table["domain"].to_pylist(), dtype=object),
         delayed=delayed_labels(table),
+        final=labels_final(table, click_window_ms) if final_labels else None,
+        same_domain_offsets=same_offsets,
     )
+
+
+def _encode_extras(table: pa.Table, rows: RowsOf, seq_length: np.ndarray, seq_values: dict[str, np.ndarray]) -> np.ndarray:
+    """Add the :data:`SEQUENCE_EXTRA_KEYS` of ``table`` to ``seq_values``; returns the same-domain offsets (N+1,).
+
+    Raises:
+        ValueError: a time-delta or same-domain list whose length disagrees with its sequence.
+    """
+    def flat(name: str, expected: np.ndarray) -> pa.Array:
+        column = table[name].combine_chunks()
+        lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        if not np.array_equal(lengths, expected):
+            bad = int(np.flatnonzero(lengths != expected)[0])
+            raise ValueError(f"{name} row {bad} has {lengths[bad]} elements, expected {expected[bad]} (sequences/schema.py)")
+        return pc.list_flatten(column)
+
+    seq_values[TIME_BUCKETS_KEY] = time_buckets(flat("seq_time_delta_ms", seq_length).to_numpy(zero_copy_only=False))
+    same_length = pc.list_value_length(table[SAME_DOMAIN_KEYS[0]].combine_chunks()).fill_null(0).to_numpy(
+        zero_copy_only=False).astype(np.int64)
+    for key in SAME_DOMAIN_KEYS[:3]:
+        seq_values[key] = rows(flat(key, same_length), key)
+    deltas = (flat("seq_same_domain_time_delta_ms", same_length).to_numpy(zero_copy_only=False)
+              if "seq_same_domain_time_delta_ms" in table.schema.names else np.full(int(same_length.sum()), np.nan))
+    seq_values[SAME_DOMAIN_KEYS[3]] = time_buckets(deltas)
+    offsets = np.zeros(len(same_length) + 1, dtype=np.int64)
+    np.cumsum(same_length, out=offsets[1:])
+    return offsets
+
+
+def _gather_index(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions of ``rows``' elements in the flat values, in row order; (B,) lengths) for jagged ``offsets``."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    # Element j of the gathered values comes from position starts[row] + (j - first j of that row).
+    gather = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
+    return gather, lengths
 
 
 def make_batch(data: EncodedExamples, rows: np.ndarray) -> Batch:
     """Gather ``rows`` (B,) int64 of ``data`` into a :class:`Batch` without padding."""
     rows = np.asarray(rows, dtype=np.int64)
-    starts = data.seq_offsets[rows]
-    lengths = data.seq_offsets[rows + 1] - starts
-    # Element j of the gathered values comes from position starts[row] + (j - first j of that row).
-    gather = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
+    gather, lengths = _gather_index(data.seq_offsets, rows)
+    keys, values, all_lengths = list(SEQUENCE_KEYS), [data.seq_values[k][gather] for k in SEQUENCE_KEYS], [lengths] * len(SEQUENCE_KEYS)
+    if data.same_domain_offsets is not None:
+        same_gather, same_lengths = _gather_index(data.same_domain_offsets, rows)
+        keys += SEQUENCE_EXTRA_KEYS
+        values += [data.seq_values[TIME_BUCKETS_KEY][gather], *(data.seq_values[k][same_gather] for k in SAME_DOMAIN_KEYS)]
+        all_lengths += [lengths] + [same_lengths] * len(SAME_DOMAIN_KEYS)
     sparse_ids = data.sparse_ids[rows]
     sparse = KeyedJaggedTensor(
         keys=list(SPARSE_FEATURES),
@@ -433,9 +530,7 @@ def make_batch(data: EncodedExamples, rows: np.ndarray) -> Batch:
         lengths=torch.ones(len(SPARSE_FEATURES) * len(rows), dtype=torch.int64),
     )
     sequence = KeyedJaggedTensor(
-        keys=list(SEQUENCE_KEYS),
-        values=torch.from_numpy(np.concatenate([data.seq_values[k][gather] for k in SEQUENCE_KEYS])),
-        lengths=torch.from_numpy(np.tile(lengths, len(SEQUENCE_KEYS))),
+        keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(all_lengths)),
     )
     return Batch(
         sparse=sparse,
@@ -444,6 +539,7 @@ def make_batch(data: EncodedExamples, rows: np.ndarray) -> Batch:
         labels=torch.from_numpy(data.labels[rows]),
         domains=[str(d) for d in data.domains[rows]],
         delayed=None if data.delayed is None else to_torch(data.delayed.take(rows)),
+        final=None if data.final is None else torch.from_numpy(data.final[rows]),
     )
 
 

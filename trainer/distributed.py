@@ -42,6 +42,7 @@ Shape letters: B global batch, b local slice, S sparse features, D embedding dim
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -63,8 +64,8 @@ from trainer.config import (
     TrainerConfig,
 )
 from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
-from trainer.delayed import bce_terms
 from trainer.id_mapping import table_rows
+from trainer.labels import loss_terms
 from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
 
 if TYPE_CHECKING:
@@ -395,7 +396,8 @@ def compile_dense(model: nn.Module) -> None:
         getattr(model, name).compile()
 
 
-def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_size: int, *, weight: float = 1.0) -> float | None:
+def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_size: int, *, weight: float = 1.0,
+                           task_weights: Sequence[float] = (1.0, 1.0)) -> float | None:
     """One step on this rank's slice of a global batch; returns the global mean loss (same on every rank).
 
     The loss is the sum over both heads of BCE-with-logits, averaged over the global batch, as
@@ -412,7 +414,7 @@ def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_si
     """
     validate_batch(local, sharded.num_dense)
     logits = sharded.forward(local)
-    loss = weight * bce_terms(logits, local.labels, local.delayed).sum() / global_batch_size
+    loss = weight * loss_terms(logits, local.labels, local.delayed, local.final, task_weights).sum() / global_batch_size
     total = loss.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     sharded.dense_optimizer.zero_grad()

@@ -29,7 +29,7 @@ Shape letters: B global batch, N rows of an encoded read batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -42,7 +42,7 @@ from gemline.lake import StorageOptions
 from trainer.checkpoint import TrainState, load_checkpoint, load_weights, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import Batch, EncodedExamples, iter_batches, make_batch, validate_batch
-from trainer.delayed import bce_terms
+from trainer.labels import loss_terms
 from trainer.models import build_model, encode_domains
 from trainer.models.towers import RankingModel
 
@@ -57,8 +57,10 @@ def domain_ids(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return encode_domains(getattr(getattr(model, "module", model), "domains", ()), batch.domains)
 
 
-def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], batch: Batch) -> float | None:
-    """One optimiser step on BCE-with-logits of both heads (summed); returns the loss.
+def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], batch: Batch,
+               task_weights: Sequence[float] = (1.0, 1.0)) -> float | None:
+    """One optimiser step on BCE-with-logits of both heads (weighted by ``task_weights``, summed, final
+    labels only: :func:`trainer.labels.loss_terms`); returns the loss.
 
     Returns None, leaving parameters and optimiser state untouched, when the loss is NaN or inf.
 
@@ -68,7 +70,7 @@ def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], b
     validate_batch(batch, model.num_dense)
     logits = model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))
     # Importance-weighted for rows published before their labels were final (trainer.delayed).
-    loss = bce_terms(logits, batch.labels, batch.delayed).mean(dim=0).sum()
+    loss = loss_terms(logits, batch.labels, batch.delayed, batch.final, task_weights).mean(dim=0).sum()
     for opt in optimizers.values():
         opt.zero_grad()
     if not torch.isfinite(loss):
@@ -129,10 +131,11 @@ class LocalEngine:
     optimizers: dict[str, torch.optim.Optimizer]
     rank: int = 0
     world_size: int = 1
+    task_weights: tuple[float, float] = (1.0, 1.0)
 
     def train_step(self, data: EncodedExamples, rows: np.ndarray) -> float | None:
         """See :meth:`Engine.train_step` (the module-level :func:`train_step` on the whole batch)."""
-        return train_step(self.model, self.optimizers, make_batch(data, rows))
+        return train_step(self.model, self.optimizers, make_batch(data, rows), self.task_weights)
 
     def predict(self, data: EncodedExamples, batch_size: int) -> np.ndarray:
         """See :meth:`Engine.predict`."""
@@ -167,7 +170,7 @@ def local_engine(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...], ba
         "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
     }
-    return LocalEngine(model, optimizers)
+    return LocalEngine(model, optimizers, task_weights=tc.task_weights)
 
 
 @dataclass

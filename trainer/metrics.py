@@ -189,13 +189,14 @@ def nan_to_none(value):
     return value
 
 
-def evaluate(labels: np.ndarray, probs: np.ndarray, domains: np.ndarray | list[str]) -> dict:
-    """Metrics of both tasks, overall and per domain.
+def evaluate(labels: np.ndarray, probs: np.ndarray, domains: np.ndarray | list[str], final: np.ndarray | None = None) -> dict:
+    """Metrics of both tasks, overall and per domain, each task on its final labels only.
 
     Args:
         labels: (N, 2) 0/1, columns TASKS.
         probs: (N, 2) probabilities, columns TASKS.
         domains: (N,) domain names.
+        final: (N, 2) bool, the labels to judge (trainer.labels.final_labels); None: every label.
 
     Returns:
         ``{task: {"overall": metrics, "by_domain": {domain: metrics}}}`` with metrics as in
@@ -211,12 +212,16 @@ def evaluate(labels: np.ndarray, probs: np.ndarray, domains: np.ndarray | list[s
         raise ValueError(f"labels and probs must both be (N, {len(TASKS)}), got {labels.shape} and {probs.shape}")
     if domains.shape != (labels.shape[0],):
         raise ValueError(f"domains must be ({labels.shape[0]},), got {domains.shape}")
+    final = np.ones(labels.shape, dtype=bool) if final is None else np.asarray(final, dtype=bool)
+    if final.shape != labels.shape:
+        raise ValueError(f"final must be {labels.shape} like labels, got {final.shape}")
     out: dict = {}
     for j, task in enumerate(TASKS):
+        y, p, d_of, keep = labels[:, j], probs[:, j], domains, final[:, j]
         out[task] = {
-            "overall": binary_metrics(labels[:, j], probs[:, j]),
+            "overall": binary_metrics(y[keep], p[keep]),
             "by_domain": {
-                str(d): binary_metrics(labels[domains == d, j], probs[domains == d, j]) for d in sorted(set(domains.tolist()))
+                str(d): binary_metrics(y[keep & (d_of == d)], p[keep & (d_of == d)]) for d in sorted(set(domains.tolist()))
             },
         }
     return out

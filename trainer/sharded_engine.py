@@ -59,8 +59,9 @@ class ShardedEngine:
         """
         mine = np.array_split(rows, self.world_size)[self.rank]
         if len(mine):
-            return distributed_train_step(self.sharded, make_batch(data, mine), len(rows))
-        return distributed_train_step(self.sharded, make_batch(data, rows[:1]), len(rows), weight=0.0)
+            return distributed_train_step(self.sharded, make_batch(data, mine), len(rows), task_weights=self.tc.task_weights)
+        return distributed_train_step(self.sharded, make_batch(data, rows[:1]), len(rows), weight=0.0,
+                                      task_weights=self.tc.task_weights)
 
     def predict(self, data: EncodedExamples, batch_size: int) -> np.ndarray | None:
         """(N, 2) float64 probabilities on rank 0 (None elsewhere); collective over every rank.

@@ -30,13 +30,14 @@ from trainer.checkpoint import TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
 from trainer.data import (
     DenseNormalizer,
-    encode_examples,
+    encode_for,
     fit_normalizer,
     latest_examples_version,
     load_split,
     num_batches,
 )
 from trainer.id_mapping import MAPPING_FILE, start_mapping, stats_rows, with_rows
+from trainer.labels import masked_rate
 from trainer.loop import EngineFactory, GlobalBatch, Progress, local_engine, predict, train_loop, train_step
 from trainer.metrics import evaluate, nan_to_none
 
@@ -193,11 +194,11 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
     for row in stats_rows(ids):
         log.info("ids %(namespace)s (%(mode)s): %(distinct_ids)d distinct, %(rows)d rows, collision share "
                  "%(collision_share).4f, OOV share %(oov_share).4f", row)
-    train = encode_examples(split.train, tc.num_embeddings, normalizer, split.pointers, ids=ids)
-    evaluation = encode_examples(split.eval, tc.num_embeddings, normalizer, split.pointers, ids=ids)
+    train = encode_for(split.train, tc, normalizer, split.pointers, ids=ids)
+    evaluation = encode_for(split.eval, tc, normalizer, split.pointers, ids=ids)
     domains = training_domains(split.train, resume_from)
     torch.manual_seed(tc.seed)
-    engine = make_engine(tc, len(normalizer.names), domains, prior_rates(train.labels) if resumed is None else None)
+    engine = make_engine(tc, len(normalizer.names), domains, prior_rates(train.labels, train.final) if resumed is None else None)
     counters, start = Progress(), _Position(0, 0)
     if resume_from is not None and resumed is not None:
         engine.load(resume_from, resumed)
@@ -231,7 +232,7 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
         train_loop(engine, counters, batches(), checkpoint_every_steps=tc.checkpoint_every_steps, checkpoint=checkpoint, bar=bar)
 
     probs = engine.predict(evaluation, tc.batch_size)
-    metrics = evaluate(evaluation.labels, probs, evaluation.domains) if probs is not None else {}  # rank 0
+    metrics = evaluate(evaluation.labels, probs, evaluation.domains, evaluation.final) if probs is not None else {}  # rank 0
     if probs is not None:
         log.info("eval %s: %s", split.eval_date, {task: metrics[task]["overall"] for task in metrics})
     path = checkpoint(
@@ -247,10 +248,11 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
     )
 
 
-def prior_rates(labels: np.ndarray) -> torch.Tensor:
-    """(2,) float64 label rates (click, conversion) of ``labels`` (N, 2), clipped into [1e-4, 1 - 1e-4]
-    so an all-0 or all-1 column gives a finite log-odds."""
-    rates = labels.mean(axis=0) if len(labels) else np.full(2, 0.5)
+def prior_rates(labels: np.ndarray, final: np.ndarray | None = None) -> torch.Tensor:
+    """(2,) float64 label rates (click, conversion) of ``labels`` (N, 2) over the ``final`` (N, 2) bool ones
+    (None: all), clipped into [1e-4, 1 - 1e-4] so an all-0 or all-1 column gives a finite log-odds; 0.5 for a
+    task without labels."""
+    rates = np.nan_to_num(masked_rate(labels, final), nan=0.5) if len(labels) else np.full(2, 0.5)
     return torch.from_numpy(np.clip(rates.astype(np.float64), 1e-4, 1 - 1e-4))
 
 

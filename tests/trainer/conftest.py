@@ -17,6 +17,21 @@ CATEGORIES = [f"c{i}" for i in range(8)]
 DOMAINS = ["feed", "reels", "marketplace"]
 
 
+def with_build_columns(table: pa.Table) -> pa.Table:
+    """``table`` plus the incremental build's time deltas and same-domain history (sequences.schema.BUILD_EXTRA_SCHEMA):
+    the same-domain history is the events at even positions; deltas 0.5 s, 2 s, 8 s, ... from the newest event back."""
+    lengths = table["seq_length"].to_pylist()
+    deltas = [[int(1000 * 4.0 ** (n - 1 - j)) // 2 for j in range(n)] for n in lengths]
+    cols = {"seq_time_delta_ms": pa.array(deltas, pa.list_(pa.int64()))}
+    for key, source in (("seq_same_domain_item_ids", "seq_item_ids"), ("seq_same_domain_categories", "seq_categories"),
+                        ("seq_same_domain_event_types", "seq_event_types")):
+        cols[key] = pa.array([v[::2] for v in table[source].to_pylist()], pa.list_(pa.string()))
+    cols["seq_same_domain_time_delta_ms"] = pa.array([d[::2] for d in deltas], pa.list_(pa.int64()))
+    for name, column in cols.items():
+        table = table.append_column(name, column)
+    return table
+
+
 def synthetic_examples(dates: list[str], rows_per_date: int, seed: int) -> pa.Table:
     """Examples where click odds rise with f_user_ctr_7d and with the candidate's category appearing in the history."""
     rng = np.random.default_rng(seed)

@@ -75,10 +75,11 @@ def test_build_model_rejects_bad_config():
 FINGERPRINT = Path(__file__).parent / "data" / "gem_param_fingerprint.json"
 FINGERPRINT_TRAINER = TrainerConfig(
     embedding_dim=12, num_embeddings=101, hidden_dims=(20, 10), tower_hidden=7,
-    gem=GemConfig(layers=3, heads=3, pyramid_ratio=0.6, max_sequence_len=10, dense_tokens=3, fm_outputs=5, lcb_outputs=6,
+    gem=GemConfig(preset="gem_small", layers=3, heads=3, pyramid_ratio=0.6, max_sequence_len=10, dense_tokens=3, fm_outputs=5, lcb_outputs=6,
                   fm_rank=4),
 )
-"""Every [trainer.gem] knob off its default (and distinct), so a knob wired to the wrong argument changes a shape."""
+"""Every [trainer.gem] knob of the gem_small preset (the model before issue 18) off its default (and distinct), so a
+knob wired to the wrong argument changes a shape."""
 
 
 def test_gem_config_builds_the_model_of_the_flat_fields():
@@ -193,12 +194,13 @@ def test_gem_target_and_history_share_the_item_and_category_tables(splits):
     torch.manual_seed(0)
     model = build_model(replace(SMALL, model="gem"), 3, ("feed", "reels"))
     batch = make_batch(train, np.arange(16))
-    pooled, values, offsets, target = model.sparse_arch(batch.sparse, batch.sequence)
+    pooled, values, offsets, target = model.sparse_arch(batch.sparse, batch.sequence)[:4]
     tables = model.sparse_arch.sequence.embeddings
     expected = tables["t_item"].weight[batch.sparse["item_id"].values()] + tables["t_category"].weight[batch.sparse["category"].values()]
     torch.testing.assert_close(target, expected)
     history = sum(tables[t].weight[batch.sequence[k].values()] for k, t in (("seq_item_ids", "t_item"), ("seq_categories", "t_category"), ("seq_event_types", "t_event_type")))
-    torch.testing.assert_close(values, history)
+    # These synthetic examples have no seq_time_delta_ms: every event gets the unknown time bucket, row 0.
+    torch.testing.assert_close(values, history + tables["t_time_delta"].weight[0])
     assert torch.equal(offsets, batch.sequence["seq_item_ids"].offsets()) and pooled.shape == (16, len(batch.sparse.keys()), SMALL.embedding_dim)
 
 

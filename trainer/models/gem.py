@@ -1,23 +1,31 @@
-"""The GEM-style ranking model: TorchRec embeddings -> InterFormer(Wukong, pyramid sequence) -> per-domain towers.
+"""The GEM-style ranking model: TorchRec embeddings -> InterFormer(Wukong, sequence streams) -> task and domain towers.
 
 Architecture after Meta's GEM (engineering blog "Generative Ads Model", Nov 2025; summary in
 /work/shared/GEM.md): non-sequence interactions by Wukong (arXiv 2403.02545 §3), long sequences by
-a pyramid of causal attention layers, sequence x non-sequence by InterFormer (arXiv 2411.09852 §3),
-shared backbone with domain-specific towers.
+parallel branches over recency windows (GEM's pyramid-parallel structure), sequence x non-sequence by
+InterFormer (arXiv 2411.09852 §3), shared backbone with task- and domain-specific towers.
 
 Shape letters: B batch, S sparse features, D embedding dim, F dense features, T history tokens,
 K known domains, n_d dense tokens.
 
     sparse KJT ── EmbeddingBagCollection ─> (B, S, D) ─────────────┐
     dense (B, F) ─ MLP ─> (B, n_d, D) ─────────────────────────────┤ X_0 (B, S + n_d, D)
-    sequence KJT + candidate ids ─ EmbeddingCollection (one call) ─┬─ history: sum of keys (T, D) + recency ─ newest max_len
+    sequence KJT + candidate ids ─ EmbeddingCollection (one call) ─┬─ history: sum of keys + time bucket (T, D) + recency ─ newest max_len
+                                                                   ├─ same-domain history, the same way (T', D)
                                                                    └─ target: candidate item + category rows (B, D)
-                   ─> InterFormer(X_0, tokens, target) ─> flatten [X_L ; S_L] ─ MLP ─ DomainTowers ─> (B, 2)
+      ─> BranchedInterFormer(X_0, [history, same-domain], target): per layer, each stream's branches (newest 16 / 64 /
+         all) summarized by the Cross Arch (target attention, PMA, CLS, K newest; gated) and fed to a Wukong layer
+      ─> flatten [X_L ; summaries] ─ MLP ─ per task: MLP ─ DomainTowers ─> (B, 2)
+
+The ``gem_small`` preset (trainer.config.GEM_PRESETS) is the model before issue 18: 32 newest events, one
+stream through a pyramid of causal attention layers (:class:`trainer.models.interformer.InterFormer`), summary
+[target attention, newest token], one tower with two outputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,13 +35,30 @@ from kernels.segments import token_rows
 from kernels.types import Jagged
 from sequences.schema import SPARSE_FEATURES
 from trainer.config import GemConfig
-from trainer.data import SEQUENCE_KEYS
-from trainer.models.interformer import InterFormer
-from trainer.models.sequence import SequenceSummary, keep_newest
+from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_KEYS, TIME_BUCKETS_KEY
+from trainer.models.interformer import BranchedInterFormer, InterFormer
+from trainer.models.sequence import SequenceStream, SequenceSummary, keep_newest
 from trainer.models.towers import DomainTowers, RankingModel, TableRows, mlp, sequence_tables, sparse_bags
 
 CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
 """History key -> the sparse feature whose id is the candidate's entry in that key's table."""
+
+
+class Lookups(NamedTuple):
+    """What :class:`SparseArch` looks up for one batch."""
+
+    pooled: torch.Tensor
+    """(B, S, D) one row per sparse feature."""
+    values: torch.Tensor
+    """(T, D) history tokens: the sum over SEQUENCE_KEYS (and the time bucket) of each event's rows."""
+    offsets: torch.Tensor
+    """(B+1,) int64 offsets of ``values``."""
+    target: torch.Tensor
+    """(B, D) the candidate's item + category rows of the history tables."""
+    same_values: torch.Tensor | None
+    """(T', D) same-domain history tokens; None without the same-domain stream."""
+    same_offsets: torch.Tensor | None
+    """(B+1,) int64 offsets of ``same_values``."""
 
 
 class SparseArch(nn.Module):
@@ -44,34 +69,57 @@ class SparseArch(nn.Module):
     tokens live in one embedding space (DIN, Zhou et al. 2018, §4.3: the candidate ad and the
     behaviours share the goods / category embeddings). With separate tables the model must
     learn to align two random spaces before "this item is in the history" can show in an
-    attention score, which ~75k examples of rarely repeated items do not teach.
+    attention score, which ~75k examples of rarely repeated items do not teach. The same-domain
+    history shares those tables, and the time-delta buckets of both histories share one table.
 
     One call also keeps the model shardable: TorchRec's fused optimiser steps once per lookup
     backward, so a second lookup of the same table would update a row twice where the
     one-process trainer updates it once (see trainer.distributed). Pooled outputs are read by
     key, since a sharded EmbeddingBagCollection orders them by shard.
+
+    Args:
+        num_embeddings: rows of every id table; dim: D.
+        time_buckets: rows of the time-delta table (0: none); same_domain: read the same-domain history.
     """
 
-    def __init__(self, *, num_embeddings: TableRows, dim: int) -> None:
+    def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False) -> None:
         super().__init__()
+        self.time_buckets, self.same_domain = time_buckets, same_domain
+        self.keys = [*SEQUENCE_KEYS, *([TIME_BUCKETS_KEY] if time_buckets else [])]
         self.bags = sparse_bags(num_embeddings, dim)
-        self.sequence = sequence_tables(num_embeddings, dim)
+        self.sequence = sequence_tables(num_embeddings, dim, time_buckets=time_buckets, time_keys=[TIME_BUCKETS_KEY])
 
-    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (pooled (B, S, D), history tokens (T, D) summed over SEQUENCE_KEYS, offsets (B+1,) int64, target (B, D)).
-
-        ``target`` is the candidate's item + category rows of the history tables.
-        """
+    def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> Lookups:
+        """The batch's :class:`Lookups`; the keys of SEQUENCE_EXTRA_KEYS a batch lacks read as unknown time buckets
+        and empty same-domain histories."""
         kt = self.bags(sparse)
         pooled = torch.stack([kt[name] for name in SPARSE_FEATURES], dim=1)
-        jagged, total = self.sequence(with_candidate(sparse, sequence)), int(sequence[SEQUENCE_KEYS[0]].offsets()[-1])
-        values = sum(jagged[key].values()[:total] for key in SEQUENCE_KEYS)
-        target = sum(jagged[key].values()[total:] for key in CANDIDATE_KEYS)
-        return pooled, values, sequence[SEQUENCE_KEYS[0]].offsets(), target
+        batch, main = sequence.stride(), sequence[SEQUENCE_KEYS[0]]
+        jagged = self.sequence(with_candidate(sparse, sequence, self.keys, self.time_buckets, same_domain=self.same_domain))
+        total = int(main.offsets()[-1])
+        values = sum(jagged[key].values()[:total] for key in self.keys)
+        target = sum(jagged[key].values()[total: total + batch] for key in CANDIDATE_KEYS)
+        if not self.same_domain:
+            return Lookups(pooled, values, main.offsets(), target, None, None)
+        # Rows 2B..3B-1 of every key: the same-domain history, after each key's candidate rows.
+        first = jagged[SEQUENCE_KEYS[0]].offsets()
+        same_offsets = first[2 * batch:] - first[2 * batch]
+        start = {key: total + (batch if key in CANDIDATE_KEYS else 0) for key in self.keys}
+        same_values = sum(jagged[key].values()[start[key]:] for key in self.keys)
+        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets)
 
 
-def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """The history KJT with the candidate appended as B more rows per key (stride 2B).
+SAME_DOMAIN_OF = dict(zip((*SEQUENCE_KEYS, TIME_BUCKETS_KEY), SAME_DOMAIN_KEYS, strict=True))
+"""History key -> its same-domain twin (looked up as more rows of the history key: same table, one lookup)."""
+
+TIME_KEYS = (TIME_BUCKETS_KEY, SAME_DOMAIN_KEYS[3])
+"""The time-bucket keys (of the history and of the same-domain history)."""
+
+
+def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, keys: Sequence[str] = SEQUENCE_KEYS,
+                   time_buckets: int = 0, *, same_domain: bool = False) -> KeyedJaggedTensor:
+    """The history KJT with the candidate appended as B more rows per key (stride 2B), and with ``same_domain`` the
+    same-domain history as B more after them (stride 3B).
 
     Rows 0..B-1 of each key are the histories, rows B..2B-1 the candidate: one id (its item or
     category, :data:`CANDIDATE_KEYS`) for the keys that have one, no id for the others, so in
@@ -80,25 +128,54 @@ def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> Ke
         seq_item_ids  lengths [L_0 .. L_B-1 | 1 .. 1]   values [history ids | item_id of each row]
         seq_event_types       [L_0 .. L_B-1 | 0 .. 0]          [history ids]
 
+    ``keys`` may add the time-bucket key: absent from ``sequence`` it gets bucket 0 (unknown) for every event;
+    buckets are clipped to ``time_buckets - 1``. A same-domain key absent from ``sequence`` gives empty rows.
+    Riding in the history key's rows, the same-domain ids are looked up in the same table by the same call (one
+    fused-optimiser update per row, as for the candidate; a second feature on the table was updated twice when
+    sharded).
+
     Raises:
         ValueError: the two KJTs disagree on the batch size.
     """
     batch = sequence.stride()
     if sparse.stride() != batch:
         raise ValueError(f"sparse has B={sparse.stride()} rows but sequence has B={batch}; pass one batch's KJTs")
+    present = set(sequence.keys())
+    main = sequence[SEQUENCE_KEYS[0]]
+    none = torch.zeros(batch, dtype=torch.int64)
+
+    def rows(key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if key in present:
+            values, lengths = sequence[key].values(), sequence[key].lengths()
+        elif key == TIME_BUCKETS_KEY:  # the unknown bucket for every event
+            values, lengths = torch.zeros_like(main.values()), main.lengths()
+        elif key == SAME_DOMAIN_KEYS[3] and SAME_DOMAIN_KEYS[0] in present:
+            same = sequence[SAME_DOMAIN_KEYS[0]]
+            values, lengths = torch.zeros_like(same.values()), same.lengths()
+        else:
+            values, lengths = main.values()[:0], none
+        return (values.clamp(max=time_buckets - 1) if key in TIME_KEYS else values), lengths
+
     values, lengths = [], []
-    for key in SEQUENCE_KEYS:
-        history = sequence[key]
+    for key in keys:
         feature = CANDIDATE_KEYS.get(key)
-        values += [history.values(), sparse[feature].values() if feature else history.values()[:0]]
-        lengths += [history.lengths(), torch.full((batch,), 1 if feature else 0, dtype=torch.int64)]
-    return KeyedJaggedTensor.from_lengths_sync(keys=list(SEQUENCE_KEYS), values=torch.cat(values), lengths=torch.cat(lengths))
+        history_values, history_lengths = rows(key)
+        values += [history_values, sparse[feature].values() if feature else history_values[:0]]
+        lengths += [history_lengths, torch.full((batch,), 1, dtype=torch.int64) if feature else none]
+        if same_domain:
+            same_values, same_lengths = rows(SAME_DOMAIN_OF[key])
+            values.append(same_values)
+            lengths.append(same_lengths)
+    return KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=torch.cat(values), lengths=torch.cat(lengths))
 
 
 class GemDenseArch(nn.Module):
     """Everything of :class:`GemModel` but the tables (wrapped by FSDP2 in distributed training).
 
-    Args: as :class:`GemModel` (``dim`` is its ``embedding_dim``, ``num_domains`` K = len(domains)).
+    Two sequence archs: with ``config.recency_branches`` the published shape (:class:`BranchedInterFormer` over
+    :class:`SequenceStream` branches, the history and optionally the same-domain history); without, gem_small's
+    pyramid (:class:`InterFormer`). Args: as :class:`GemModel` (``config`` resolved, ``dim`` is its
+    ``embedding_dim``, ``num_domains`` K = len(domains)).
     """
 
     def __init__(
@@ -110,44 +187,87 @@ class GemDenseArch(nn.Module):
         self.dense_embed = mlp([max(num_dense, 1), 4 * dim, config.dense_tokens * dim])
         self.recency = nn.Embedding(config.max_sequence_len, dim)
         nn.init.normal_(self.recency.weight, std=0.02)
-        self.interformer = InterFormer(
-            num_inputs=len(SPARSE_FEATURES) + config.dense_tokens, dim=dim, num_layers=config.layers,
-            heads=config.heads, pyramid_ratio=config.pyramid_ratio, num_fm_outputs=config.fm_outputs,
-            num_lcb_outputs=config.lcb_outputs, fm_rank=config.fm_rank, mlp_hidden=hidden_dims[0],
-            backend=config.kernel_backend,
-        )
-        width = (self.interformer.num_outputs + SequenceSummary.num_tokens) * dim
+        num_inputs = len(SPARSE_FEATURES) + config.dense_tokens
+        self.interformer: InterFormer | BranchedInterFormer
+        if config.recency_branches:
+            streams = [
+                SequenceStream(dim=dim, heads=config.heads, num_layers=config.layers, windows=config.recency_branches,
+                               max_len=config.max_sequence_len, attention_len=config.attention_len,
+                               cross=config.interformer_cross, cls=config.cls_tokens, pma=config.pma_tokens,
+                               recent=config.recent_tokens, pffn_rank=config.personalized_ffn_rank,
+                               backend=config.kernel_backend)
+                for _ in range(1 + config.same_domain_stream)
+            ]
+            self.interformer = BranchedInterFormer(
+                num_inputs=num_inputs, dim=dim, streams=streams, num_layers=config.layers,
+                num_fm_outputs=config.fm_outputs, num_lcb_outputs=config.lcb_outputs, fm_rank=config.fm_rank,
+                mlp_hidden=hidden_dims[0], mlp_layers=config.fmb_mlp_layers,
+            )
+            summary_tokens = self.interformer.num_summary_tokens
+        else:
+            self.interformer = InterFormer(
+                num_inputs=num_inputs, dim=dim, num_layers=config.layers,
+                heads=config.heads, pyramid_ratio=config.pyramid_ratio, num_fm_outputs=config.fm_outputs,
+                num_lcb_outputs=config.lcb_outputs, fm_rank=config.fm_rank, mlp_hidden=hidden_dims[0],
+                backend=config.kernel_backend, pffn_rank=config.personalized_ffn_rank, mlp_layers=config.fmb_mlp_layers,
+            )
+            summary_tokens = SequenceSummary.num_tokens
+        width = (self.interformer.num_outputs + summary_tokens) * dim
         self.backbone = mlp([width, *hidden_dims])
-        self.towers = DomainTowers(hidden_dims[-1], tower_hidden, num_domains)
+        self.towers: nn.Module
+        if config.task_towers:
+            # A tower per task on the shared backbone: conversion and click stop competing for one tower's units.
+            self.task_layers = nn.ModuleList(mlp([hidden_dims[-1], hidden_dims[-1]]) for _ in range(2))
+            self.towers = nn.ModuleList(DomainTowers(hidden_dims[-1], tower_hidden, num_domains, outputs=1) for _ in range(2))
+        else:
+            self.towers = DomainTowers(hidden_dims[-1], tower_hidden, num_domains)
         self.num_dense = num_dense
+
+    def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
+        """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
+        batch = offsets.shape[0] - 1
+        tokens = keep_newest(Jagged(values, offsets), torch.full((batch,), self.max_sequence_len, dtype=torch.int64))
+        rows = token_rows(tokens.offsets, tokens.num_tokens)
+        recency = tokens.offsets[1:][rows] - 1 - torch.arange(tokens.num_tokens, device=rows.device)
+        return tokens.with_values(tokens.values + self.recency(recency))
 
     def forward(
         self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, target: torch.Tensor,
-        dense: torch.Tensor, domain_ids: torch.Tensor,
+        dense: torch.Tensor, domain_ids: torch.Tensor, same_values: torch.Tensor | None = None,
+        same_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,) -> logits (B, 2)."""
+        """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,),
+        same-domain same_values (T', D) and same_offsets (B+1,) (with the same-domain stream) -> logits (B, 2)."""
         batch = pooled.shape[0]
         if self.num_dense == 0:
             dense = dense.new_zeros((batch, 1))
         dense_tok = self.dense_embed(dense).view(batch, self.dense_tokens, self.dim)
-        tokens = keep_newest(Jagged(seq_values, seq_offsets), torch.full((batch,), self.max_sequence_len, dtype=torch.int64))
-        rows = token_rows(tokens.offsets, tokens.num_tokens)
-        # Recency: 0 for the newest token of a row, counting back.
-        recency = tokens.offsets[1:][rows] - 1 - torch.arange(tokens.num_tokens, device=rows.device)
-        tokens = tokens.with_values(tokens.values + self.recency(recency))
-        interaction, _, summary = self.interformer(torch.cat([pooled, dense_tok], dim=1), tokens, target)
+        interaction_in = torch.cat([pooled, dense_tok], dim=1)
+        tokens = self._tokens(seq_values, seq_offsets)
+        if isinstance(self.interformer, BranchedInterFormer):
+            streams = [tokens]
+            if len(self.interformer.streams) > 1:
+                if same_values is None or same_offsets is None:
+                    raise ValueError("this GEM reads the same-domain history: pass same_values and same_offsets")
+                streams.append(self._tokens(same_values, same_offsets))
+            interaction, summary = self.interformer(interaction_in, streams, target)
+        else:
+            interaction, _, summary = self.interformer(interaction_in, tokens, target)
         hidden = self.backbone(torch.cat([interaction, summary], dim=1).flatten(1))
+        if isinstance(self.towers, nn.ModuleList):
+            return torch.cat([tower(layer(hidden), domain_ids) for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
         return self.towers(hidden, domain_ids)
 
 
 class GemModel(RankingModel):
     """Click and conversion logits of the GEM-style model (data flow in the module docstring).
 
-    The architecture comes from ``config`` (``[trainer.gem]``); the arguments after it are the
-    sizes GEM shares with the other models of trainer/models (``trainer.*``) and those of the data.
+    The architecture comes from ``config`` (``[trainer.gem]``, its preset filling unset keys); the arguments
+    after it are the sizes GEM shares with the other models of trainer/models (``trainer.*``) and those of the
+    data.
 
     Args:
-        config: layers, heads, pyramid ratio, sequence length, dense tokens, Wukong widths, kernels.
+        config: preset, layers, heads, sequence length and branches, streams, Cross Arch, Wukong widths, kernels.
         num_embeddings: rows of the id tables (one count, or per feature).
         embedding_dim: D (also the width of every interaction and sequence embedding); a multiple of ``config.heads``.
         num_dense: F, dense features per example (from the data).
@@ -164,8 +284,10 @@ class GemModel(RankingModel):
         hidden_dims: Sequence[int], tower_hidden: int,
     ) -> None:
         super().__init__()
+        config = config.resolved()
         self.num_dense, self.domains = num_dense, tuple(domains)
-        self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim)
+        self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim, time_buckets=config.time_delta_buckets,
+                                      same_domain=config.same_domain_stream)
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
@@ -176,7 +298,7 @@ class GemModel(RankingModel):
 
         Args:
             sparse: keys SPARSE_FEATURES, one id per example per key.
-            sequence: keys SEQUENCE_KEYS, jagged histories, oldest first.
+            sequence: keys SEQUENCE_KEYS (then optionally SEQUENCE_EXTRA_KEYS), jagged histories, oldest first.
             dense: (B, F) float32.
             domain_ids: (B,) int64 in [0, K], see :func:`trainer.models.encode_domains`.
 
@@ -184,5 +306,6 @@ class GemModel(RankingModel):
             ValueError: dense or domain_ids has the wrong shape.
         """
         self.check_inputs(dense, domain_ids)
-        pooled, values, offsets, target = self.sparse_arch(sparse, sequence)
-        return self.dense_arch(pooled, values, offsets, target, dense, domain_ids)
+        found = self.sparse_arch(sparse, sequence)
+        return self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
+                               found.same_values, found.same_offsets)

@@ -21,6 +21,8 @@ over the row (kernels.target_attention, DIN, Zhou et al. 2018, §4.3) and the ne
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -82,23 +84,34 @@ def newest_token(x: Jagged) -> torch.Tensor:
 class SequenceLayer(nn.Module):
     """Causal self-attention + personalized FFN over jagged tokens (InterFormer §3.3).
 
+    The personalized FFN is, with ``pffn_rank`` r = 0, a sigmoid gate on the FFN's input from the non-sequence
+    summary (gem_small); with r > 0 InterFormer's per-example projection (§3.3: the FFN's weights are a function
+    of the non-sequence summary), kept low-rank: token h of example b gets ``FFN(n) + (n U_b) V_b`` with
+    n = LayerNorm(h) and U_b (D, r), V_b (r, D) linear in the summary (V's map starts at zero, so the layer
+    starts as a plain FFN).
+
     Args:
         dim: D.
         heads: H (must divide D).
         backend: jagged kernel backend ("reference" on CPU).
+        pffn_rank: r (0: the gate).
     """
 
-    def __init__(self, *, dim: int, heads: int, backend: Backend = "reference") -> None:
+    def __init__(self, *, dim: int, heads: int, backend: Backend = "reference", pffn_rank: int = 0) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"model width {dim} must be divisible by heads={heads}")
-        self.dim, self.heads, self.backend = dim, heads, backend
+        self.dim, self.heads, self.backend, self.pffn_rank = dim, heads, backend, pffn_rank
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.attn_out = nn.Linear(dim, dim)
         self.ffn_norm = nn.LayerNorm(dim)
-        self.condition = nn.Linear(dim, dim)
+        self.condition = nn.Linear(dim, dim) if pffn_rank == 0 else nn.Linear(dim, dim * pffn_rank)
         self.ffn = nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+        if pffn_rank > 0:
+            self.condition_out = nn.Linear(dim, pffn_rank * dim)
+            nn.init.zeros_(self.condition_out.weight)
+            nn.init.zeros_(self.condition_out.bias)
 
     def forward(self, x: Jagged, condition: torch.Tensor) -> Jagged:
         """x.values (T, D), condition (B, D) float32 -> Jagged (T, D) with x's offsets.
@@ -112,9 +125,16 @@ class SequenceLayer(nn.Module):
         q, k, v = self.qkv(self.attn_norm(x.values)).view(num_tokens, 3, self.heads, head_dim).unbind(1)
         attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v), backend=self.backend)
         h = x.values + self.attn_out(attended.values.reshape(num_tokens, self.dim))
-        # Personalized FFN: the non-sequence summary of each example scales the FFN's input features.
-        gate = torch.sigmoid(self.condition(condition))[token_rows(x.offsets, num_tokens)]
-        return x.with_values(h + self.ffn(self.ffn_norm(h) * gate))
+        rows = token_rows(x.offsets, num_tokens)
+        if self.pffn_rank == 0:
+            # Personalized FFN: the non-sequence summary of each example scales the FFN's input features.
+            gate = torch.sigmoid(self.condition(condition))[rows]
+            return x.with_values(h + self.ffn(self.ffn_norm(h) * gate))
+        n = self.ffn_norm(h)
+        u = self.condition(condition).view(-1, self.dim, self.pffn_rank)  # (B, D, r)
+        v = self.condition_out(condition).view(-1, self.pffn_rank, self.dim)  # (B, r, D)
+        personal = torch.einsum("tr,trd->td", torch.einsum("td,tdr->tr", n, u[rows]), v[rows])
+        return x.with_values(h + self.ffn(n) + personal)
 
 
 class SequenceSummary(nn.Module):
@@ -153,15 +173,17 @@ class PyramidSequenceEncoder(nn.Module):
         num_layers: number of layers.
         ratio: r; layer l keeps the newest ceil(L_i * r**l) tokens of row i.
         backend: jagged kernel backend.
+        pffn_rank: the layers' personalized FFN rank (:class:`SequenceLayer`).
     """
 
-    def __init__(self, *, dim: int, heads: int, num_layers: int, ratio: float, backend: Backend = "reference") -> None:
+    def __init__(self, *, dim: int, heads: int, num_layers: int, ratio: float, backend: Backend = "reference",
+                 pffn_rank: int = 0) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         pyramid_lengths(torch.zeros(0, dtype=torch.int64), ratio, 0)  # validates ratio
         self.ratio = ratio
-        self.layers = nn.ModuleList(SequenceLayer(dim=dim, heads=heads, backend=backend) for _ in range(num_layers))
+        self.layers = nn.ModuleList(SequenceLayer(dim=dim, heads=heads, backend=backend, pffn_rank=pffn_rank) for _ in range(num_layers))
         self.summaries = nn.ModuleList(SequenceSummary(dim=dim, heads=heads, backend=backend) for _ in range(num_layers))
 
     def step(self, layer: int, x: Jagged, full_lengths: torch.Tensor, condition: torch.Tensor, target: torch.Tensor) -> tuple[Jagged, torch.Tensor]:
@@ -189,3 +211,169 @@ class PyramidSequenceEncoder(nn.Module):
             x, summary = self.step(layer, x, full_lengths, condition, target)
             out.append(summary)
         return out
+
+
+def newest_tokens(x: Jagged, count: int) -> torch.Tensor:
+    """(B, count, *F): slot 0 the newest token of each row, slot j the (j+1)-th newest; zeros past a row's length."""
+    kept = keep_newest(x, torch.full((x.batch_size,), count, dtype=torch.int64, device=x.offsets.device))
+    rows = token_rows(kept.offsets, kept.num_tokens)
+    slot = kept.offsets[1:][rows] - 1 - torch.arange(kept.num_tokens, device=rows.device)
+    out = x.values.new_zeros((x.batch_size, count, *x.values.shape[1:]))
+    return out.index_put((rows, slot), kept.values)
+
+
+def append_tokens(x: Jagged, tokens: torch.Tensor) -> Jagged:
+    """Row i of ``x`` followed by the same ``tokens`` (c, *F): values (T + B c, *F), lengths L_i + c."""
+    count, batch = tokens.shape[0], x.batch_size
+    lengths = x.lengths + count
+    offsets = torch.zeros_like(x.offsets)
+    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    rows = token_rows(x.offsets, x.num_tokens)
+    old_at = offsets[:-1][rows] + torch.arange(x.num_tokens, device=rows.device) - x.offsets[:-1][rows]
+    new_at = (offsets[1:] - count).unsqueeze(1) + torch.arange(count, device=rows.device)  # (B, c)
+    values = x.values.new_empty((int(offsets[-1]), *x.values.shape[1:]))
+    values = values.index_copy(0, old_at, x.values)
+    values = values.index_copy(0, new_at.reshape(-1), tokens.unsqueeze(0).expand(batch, *tokens.shape).reshape(-1, *tokens.shape[1:]))
+    return Jagged(values=values, offsets=offsets)
+
+
+def split_tail(x: Jagged, count: int) -> tuple[Jagged, torch.Tensor]:
+    """Undo :func:`append_tokens`: (rows without their last ``count`` tokens, those tokens (B, count, *F)).
+
+    Raises:
+        ValueError: a row shorter than ``count``.
+    """
+    if x.batch_size and int(x.lengths.min()) < count:
+        raise ValueError(f"every row needs >= {count} tokens to split them off, got lengths {x.lengths.tolist()[:10]}")
+    tail_at = (x.offsets[1:] - count).unsqueeze(1) + torch.arange(count, device=x.offsets.device)
+    tail = x.values.index_select(0, tail_at.reshape(-1)).view(x.batch_size, count, *x.values.shape[1:])
+    lengths = x.lengths - count
+    offsets = torch.zeros_like(x.offsets)
+    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    rows = token_rows(offsets, int(offsets[-1]))
+    index = x.offsets[:-1][rows] + torch.arange(int(offsets[-1]), device=rows.device) - offsets[:-1][rows]
+    return Jagged(values=x.values.index_select(0, index), offsets=offsets), tail
+
+
+class CrossSummary(nn.Module):
+    """InterFormer's Cross Arch (§3.4) over one branch: [target attention, PMA tokens, CLS tokens], gated.
+
+    - target attention: the candidate's attention over the row (DIN, Zhou et al. 2018, §4.3), as gem_small;
+    - PMA: ``pma`` learned seeds each attend over the row (pooling by multihead attention, Lee et al. 2019,
+      "Set Transformer", §3.2);
+    - CLS: the outputs of the ``cls`` learned tokens the branch appended to every row (none for a branch that
+      does not self-attend);
+    - gating: each summary token s becomes s * sigmoid(W s + b) (InterFormer's selective summarization).
+
+    An empty row gives zeros for its attention tokens. Args: dim D, heads H, pma, cls, backend.
+    """
+
+    def __init__(self, *, dim: int, heads: int, pma: int, cls: int, backend: Backend = "reference") -> None:
+        super().__init__()
+        self.dim, self.heads, self.pma, self.cls, self.backend = dim, heads, pma, cls, backend
+        self.query = nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim)
+        self.seeds = nn.Parameter(torch.randn(pma, dim) * 0.02)
+        self.gate = nn.Linear(dim, dim)
+
+    @property
+    def num_tokens(self) -> int:
+        """1 + pma + cls summary tokens."""
+        return 1 + self.pma + self.cls
+
+    def forward(self, x: Jagged, target: torch.Tensor, cls: torch.Tensor | None) -> torch.Tensor:
+        """x.values (T, D), target (B, D), cls (B, cls, D) or None -> (B, 1 + pma + cls, D) float32."""
+        head_dim = self.dim // self.heads
+        keys = x.with_values(self.key(x.values).view(-1, self.heads, head_dim))
+        values = x.with_values(x.values.view(-1, self.heads, head_dim))
+        queries = [self.query(target)] + [self.seeds[i].expand(x.batch_size, self.dim) for i in range(self.pma)]
+        pooled = [target_attention(q.reshape(-1, self.heads, head_dim), keys, values, backend=self.backend).reshape(-1, self.dim)
+                  for q in queries]
+        tokens = torch.stack(pooled, dim=1)
+        if self.cls:
+            if cls is None or cls.shape[1] != self.cls:
+                raise ValueError(f"CrossSummary expects {self.cls} CLS outputs per row, got {None if cls is None else tuple(cls.shape)}")
+            tokens = torch.cat([tokens, cls], dim=1)
+        return tokens * torch.sigmoid(self.gate(tokens))
+
+
+class SequenceStream(nn.Module):
+    """One history as parallel branches over recency windows, each summarized every layer (GEM's pyramid-parallel
+    long-sequence structure; Meta engineering blog, Nov 2025).
+
+    Branch b reads the newest ``windows[b]`` tokens of each row (0: all of the stream's tokens). A branch of at
+    most ``attention_len`` tokens runs a :class:`SequenceLayer` per layer (causal self-attention and the
+    personalized FFN), with ``cls`` learned CLS tokens appended to every row; a longer one keeps its input
+    tokens and is pooled only (target attention and PMA cost O(L), self-attention O(L²)), so old history is
+    summarized rather than dropped. Layer l's summary of the stream is the concatenation of every branch's
+    summary and, with ``recent`` > 0, the K newest tokens of the shortest branch after layer l.
+
+    Args:
+        dim, heads, num_layers, backend: as :class:`SequenceLayer`; pffn_rank: its personalized FFN.
+        windows: branch lengths (0: all, i.e. ``max_len``).
+        max_len: the longest row the stream is given.
+        attention_len: longest branch that self-attends.
+        cross: InterFormer's Cross Arch (:class:`CrossSummary`) per branch; False: :class:`SequenceSummary`
+            (target attention, newest token) and no CLS or recent tokens.
+        cls, pma, recent: CLS tokens, PMA seeds, K newest tokens (used with ``cross``).
+
+    Raises:
+        ValueError: no window.
+    """
+
+    def __init__(self, *, dim: int, heads: int, num_layers: int, windows: tuple[int, ...], max_len: int, attention_len: int,
+                 cross: bool, cls: int, pma: int, recent: int, pffn_rank: int, backend: Backend = "reference") -> None:
+        super().__init__()
+        if not windows:
+            raise ValueError("SequenceStream needs at least one recency window")
+        self.windows = tuple(min(w, max_len) if w > 0 else max_len for w in windows)
+        self.attends = tuple(w <= attention_len for w in self.windows)
+        self.cls_count = cls if cross else 0
+        self.recent = recent if cross else 0
+        self.layers = nn.ModuleList(
+            nn.ModuleList(SequenceLayer(dim=dim, heads=heads, backend=backend, pffn_rank=pffn_rank) for _ in range(num_layers))
+            if attends else nn.ModuleList() for attends in self.attends
+        )
+        self.cls = nn.Parameter(torch.randn(max(self.cls_count, 1), dim) * 0.02)
+        summaries: list[nn.Module] = []
+        for attends in self.attends:
+            for _ in range(num_layers):
+                summaries.append(CrossSummary(dim=dim, heads=heads, pma=pma, cls=self.cls_count if attends else 0, backend=backend)
+                                 if cross else SequenceSummary(dim=dim, heads=heads, backend=backend))
+        self.summaries = nn.ModuleList(summaries)
+        self.num_layers = num_layers
+        self.shortest = min(range(len(self.windows)), key=lambda b: self.windows[b])
+
+    @property
+    def num_tokens(self) -> int:
+        """Summary tokens per layer."""
+        total = self.recent
+        for b in range(len(self.windows)):
+            summary = self.summaries[b * self.num_layers]
+            total += summary.num_tokens if isinstance(summary, CrossSummary) else SequenceSummary.num_tokens
+        return total
+
+    def start(self, x: Jagged) -> list[Jagged]:
+        """The branches' input tokens: the newest ``windows[b]`` of each row, CLS tokens appended where attending."""
+        branches = []
+        for window, attends in zip(self.windows, self.attends, strict=True):
+            tokens = keep_newest(x, torch.full((x.batch_size,), window, dtype=torch.int64, device=x.offsets.device))
+            branches.append(append_tokens(tokens, self.cls[: self.cls_count]) if attends and self.cls_count else tokens)
+        return branches
+
+    def step(self, layer: int, branches: list[Jagged], condition: torch.Tensor, target: torch.Tensor) -> tuple[list[Jagged], torch.Tensor]:
+        """Layer ``layer`` on every branch: (the branches' tokens after it, the stream's summary (B, num_tokens, D))."""
+        out, summaries, shortest_body = [], [], None
+        for b, (x, attends) in enumerate(zip(branches, self.attends, strict=True)):
+            if attends:
+                x = cast(nn.ModuleList, self.layers[b])[layer](x, condition)
+            body, cls = split_tail(x, self.cls_count) if attends and self.cls_count else (x, None)
+            summary = self.summaries[b * self.num_layers + layer]
+            summaries.append(summary(body, target, cls) if isinstance(summary, CrossSummary) else summary(body, target))
+            if b == self.shortest:
+                shortest_body = body
+            out.append(x)
+        if self.recent:
+            assert shortest_body is not None
+            summaries.append(newest_tokens(shortest_body, self.recent))
+        return out, torch.cat(summaries, dim=1)

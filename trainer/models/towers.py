@@ -27,6 +27,9 @@ INIT_RANGE = 0.05
 SEQUENCE_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "seq_event_types": "t_event_type"}
 """Sequence key -> table name; the candidate's item and category are looked up in the same tables."""
 
+TIME_TABLE = "t_time_delta"
+"""Table of the time-delta buckets (trainer.data.time_buckets) of both histories, ``time_buckets`` rows."""
+
 
 TableRows: TypeAlias = int | Mapping[str, int]
 """Rows of the id tables: one count for every table, or feature name -> rows (trainer.id_mapping.table_rows)."""
@@ -61,14 +64,15 @@ def sparse_bags(num_embeddings: TableRows, dim: int, *, sequence_pooling: Poolin
     return EmbeddingBagCollection(tables=tables)
 
 
-def sequence_tables(num_embeddings: TableRows, dim: int) -> EmbeddingCollection:
-    """Unpooled tables of the history keys: each gives jagged (T, dim) token embeddings."""
-    return EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(name=table, embedding_dim=dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], **_init())
-            for key, table in SEQUENCE_TABLES.items()
-        ]
-    )
+def sequence_tables(num_embeddings: TableRows, dim: int, *, time_buckets: int = 0, time_keys: Sequence[str] = ()) -> EmbeddingCollection:
+    """Unpooled tables of the history keys: each gives jagged (T, dim) token embeddings; with ``time_buckets`` > 0
+    also a table of that many rows for the ``time_keys`` (time-delta bucket ids)."""
+    tables = [EmbeddingConfig(name=table, embedding_dim=dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], **_init())
+              for key, table in SEQUENCE_TABLES.items()]
+    if time_buckets > 0:
+        tables.append(EmbeddingConfig(name=TIME_TABLE, embedding_dim=dim, num_embeddings=time_buckets,
+                                      feature_names=list(time_keys), **_init()))
+    return EmbeddingCollection(tables=tables)
 
 
 def merge_sequence_kjt(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -80,10 +84,13 @@ def merge_sequence_kjt(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -
     num_rows = sparse.stride()
     if sequence.stride() != num_rows:
         raise ValueError(f"sparse has B={num_rows} rows but sequence has B={sequence.stride()}; pass one batch's KJTs")
+    # Only the history keys, which come first: extra keys (time buckets, same-domain history) are GEM's alone.
+    keys = sequence.keys()[: len(SEQUENCE_TABLES)]
+    lengths = sequence.lengths()[: len(keys) * num_rows]
     return KeyedJaggedTensor(
-        keys=[*sparse.keys(), *sequence.keys()],
-        values=torch.cat([sparse.values(), sequence.values()]),
-        lengths=torch.cat([sparse.lengths(), sequence.lengths()]),
+        keys=[*sparse.keys(), *keys],
+        values=torch.cat([sparse.values(), sequence.values()[: int(lengths.sum())]]),
+        lengths=torch.cat([sparse.lengths(), lengths]),
         stride=num_rows,
     )
 
@@ -115,21 +122,22 @@ class DomainTowers(nn.Module):
         in_dim: H.
         hidden: tower width.
         num_domains: K known domains.
+        outputs: logits per row (2: click and conversion; 1: one task's tower, see GEM's task towers).
     """
 
-    def __init__(self, in_dim: int, hidden: int, num_domains: int) -> None:
+    def __init__(self, in_dim: int, hidden: int, num_domains: int, outputs: int = 2) -> None:
         super().__init__()
         self.num_domains = num_domains
-        self.shared = mlp([in_dim, hidden, 2], last_activation=False)
+        self.shared = mlp([in_dim, hidden, outputs], last_activation=False)
         bound1 = 1 / in_dim**0.5
         self.w1 = nn.Parameter(torch.empty(num_domains, in_dim, hidden).uniform_(-bound1, bound1))
         self.b1 = nn.Parameter(torch.zeros(num_domains, hidden))
         # Zero output weights: every domain starts as the shared tower and learns its residual.
-        self.w2 = nn.Parameter(torch.zeros(num_domains, hidden, 2))
-        self.b2 = nn.Parameter(torch.zeros(num_domains, 2))
+        self.w2 = nn.Parameter(torch.zeros(num_domains, hidden, outputs))
+        self.b2 = nn.Parameter(torch.zeros(num_domains, outputs))
 
     def forward(self, x: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
-        """x (B, H) float32, domain_ids (B,) int64 in [0, K] -> logits (B, 2) float32.
+        """x (B, H) float32, domain_ids (B,) int64 in [0, K] -> logits (B, outputs) float32.
 
         Raises:
             ValueError: a domain id outside [0, K].
@@ -146,7 +154,7 @@ class DomainTowers(nn.Module):
         # on CPU than gathering a (B, H, hidden) weight per row for a batched matmul.
         batch, k = x.shape[0], self.num_domains
         hidden = torch.relu(torch.einsum("bh,khd->bkd", x, self.w1) + self.b1)  # (B, K, hidden)
-        all_towers = torch.einsum("bkd,kdo->bko", hidden, self.w2) + self.b2  # (B, K, 2)
+        all_towers = torch.einsum("bkd,kdo->bko", hidden, self.w2) + self.b2  # (B, K, outputs)
         ids = domain_ids.clamp(max=k - 1)
         residual = all_towers[torch.arange(batch, device=x.device), ids]
         return out + residual * known.unsqueeze(1).to(residual.dtype)

@@ -48,11 +48,14 @@ class WukongLayer(nn.Module):
         num_lcb_outputs: n_L.
         rank: k of the optimized FM.
         mlp_hidden: width of the FMB's MLP.
+        mlp_layers: hidden layers of the FMB's MLP (§3.2 has an MLP; 1 is gem_small's single layer).
     """
 
-    def __init__(self, *, num_inputs: int, dim: int, num_fm_outputs: int, num_lcb_outputs: int, rank: int, mlp_hidden: int) -> None:
+    def __init__(self, *, num_inputs: int, dim: int, num_fm_outputs: int, num_lcb_outputs: int, rank: int, mlp_hidden: int,
+                 mlp_layers: int = 1) -> None:
         super().__init__()
-        for name, value in (("num_inputs", num_inputs), ("dim", dim), ("num_fm_outputs", num_fm_outputs), ("rank", rank), ("mlp_hidden", mlp_hidden)):
+        for name, value in (("num_inputs", num_inputs), ("dim", dim), ("num_fm_outputs", num_fm_outputs), ("rank", rank),
+                            ("mlp_hidden", mlp_hidden), ("mlp_layers", mlp_layers)):
             if value < 1:
                 raise ValueError(f"WukongLayer {name} must be >= 1, got {value}")
         if num_lcb_outputs < 0:
@@ -61,7 +64,7 @@ class WukongLayer(nn.Module):
         self.num_fm_outputs, self.num_lcb_outputs = num_fm_outputs, num_lcb_outputs
         self.projection = nn.Parameter(torch.randn(num_inputs, rank) / num_inputs**0.5)
         self.fm_norm = nn.LayerNorm(num_inputs * rank)
-        self.fm_mlp = nn.Sequential(mlp([num_inputs * rank, mlp_hidden]), nn.Linear(mlp_hidden, num_fm_outputs * dim))
+        self.fm_mlp = nn.Sequential(mlp([num_inputs * rank] + [mlp_hidden] * mlp_layers), nn.Linear(mlp_hidden, num_fm_outputs * dim))
         self.lcb = nn.Linear(num_inputs, num_lcb_outputs, bias=False)
         num_outputs = num_fm_outputs + num_lcb_outputs
         self.residual = None if num_outputs == num_inputs else nn.Linear(num_inputs, num_outputs, bias=False)
