@@ -54,9 +54,6 @@ HASH_NAMESPACE: dict[str, str] = {
     "seq_item_ids": "item",
     "seq_categories": "category",
     "seq_event_types": "event_type",
-    "seq_same_domain_item_ids": "item",
-    "seq_same_domain_categories": "category",
-    "seq_same_domain_event_types": "event_type",
 }
 """Hash namespace per column: a candidate and its history share ids (the target-aware attention needs it)."""
 
@@ -68,8 +65,8 @@ TIME_BUCKETS_KEY = "seq_time_buckets"
 
 SAME_DOMAIN_KEYS: tuple[str, ...] = ("seq_same_domain_item_ids", "seq_same_domain_categories",
                                      "seq_same_domain_event_types", "seq_same_domain_time_buckets")
-"""Extra sequence keys of the same-domain history (own lengths ``seq_same_domain_length``), ids hashed as the
-main history's (same namespaces), the last one its time buckets."""
+"""Extra sequence keys of the same-domain history (own lengths ``seq_same_domain_length``), ids mapped as the
+main history's columns (SEQUENCE_KEYS, same order), the last one its time buckets."""
 
 SEQUENCE_EXTRA_KEYS: tuple[str, ...] = (TIME_BUCKETS_KEY, *SAME_DOMAIN_KEYS)
 """Keys after SEQUENCE_KEYS in ``Batch.sequence`` when the examples were encoded with ``sequence_extras`` and
@@ -494,8 +491,8 @@ def _encode_extras(table: pa.Table, rows: RowsOf, seq_length: np.ndarray, seq_va
     seq_values[TIME_BUCKETS_KEY] = time_buckets(flat("seq_time_delta_ms", seq_length).to_numpy(zero_copy_only=False))
     same_length = pc.list_value_length(table[SAME_DOMAIN_KEYS[0]].combine_chunks()).fill_null(0).to_numpy(
         zero_copy_only=False).astype(np.int64)
-    for key in SAME_DOMAIN_KEYS[:3]:
-        seq_values[key] = rows(flat(key, same_length), key)
+    for key, history_key in zip(SAME_DOMAIN_KEYS[:3], SEQUENCE_KEYS, strict=True):
+        seq_values[key] = rows(flat(key, same_length), history_key)  # the history's id column: same rows
     deltas = (flat("seq_same_domain_time_delta_ms", same_length).to_numpy(zero_copy_only=False)
               if "seq_same_domain_time_delta_ms" in table.schema.names else np.full(int(same_length.sum()), np.nan))
     seq_values[SAME_DOMAIN_KEYS[3]] = time_buckets(deltas)
