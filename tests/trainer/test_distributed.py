@@ -61,7 +61,7 @@ MANAGED_IDS = {"gem_managed_ids_tw_1x2"}
 # streams, Cross Arch, task towers), small enough for seconds.
 # Without the same-domain stream: with it, one row of t_item ends 0.84 lr away from the one-process run after 3 steps
 # (losses equal to 1e-5); not understood yet (issue 18 report).
-GEM = {"same_domain_stream": False, "layers": 2, "heads": 2, "max_sequence_len": 8, "dense_tokens": 1, "fm_outputs": 2, "lcb_outputs": 2, "fm_rank": 2}
+GEM = {"preset": "gem_cpu", "same_domain_stream": False, "layers": 2, "heads": 2, "max_sequence_len": 8, "dense_tokens": 1, "fm_outputs": 2, "lcb_outputs": 2, "fm_rank": 2}
 """trainer.gem of the GEM cases (trainer.tower_hidden is 4 for every model)."""
 # GEM and DLRM (measured over 3 steps): losses within 4e-7 (GEM) / 9e-8 (DLRM) relative; 99.8% of
 # GEM's 4,996 parameter elements and all of DLRM's within 1e-4 (median 0). The rest are weights

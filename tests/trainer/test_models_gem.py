@@ -22,7 +22,7 @@ from trainer.train import predict, train_step
 
 SMALL = TrainerConfig(
     embedding_dim=8, num_embeddings=1000, batch_size=64, epochs=3, learning_rate=0.01, hidden_dims=(32, 16),
-    tower_hidden=8, gem=GemConfig(fm_outputs=4, lcb_outputs=4, fm_rank=4, max_sequence_len=8),
+    tower_hidden=8, gem=GemConfig(preset="gem_cpu", fm_outputs=4, lcb_outputs=4, fm_rank=4, max_sequence_len=8),
 )
 MODELS = ("gem", "dlrm", "lr", "ranker")
 LEARNING_RATE = {"lr": 0.05}

@@ -32,7 +32,7 @@ from trainer.models.sequence import (
 from trainer.models.wukong import WukongLayer
 
 SMALL = TrainerConfig(embedding_dim=8, num_embeddings=1000, hidden_dims=(16, 8), tower_hidden=4,
-                      gem=GemConfig(recency_branches=(2, 3, 0), max_sequence_len=4, attention_len=3))
+                      gem=GemConfig(preset="gem_cpu", recency_branches=(2, 3, 0), max_sequence_len=4, attention_len=3))
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,9 @@ def test_extras_ride_in_the_sequence_kjt(encoded):
     # Without the flag (or for another model) the batch is what it was.
     plain = encode_examples(table, SMALL.num_embeddings, fit_normalizer(table))
     assert make_batch(plain, rows).sequence.keys() == list(SEQUENCE_KEYS)
-    assert TrainerConfig().reads_sequence_extras and not TrainerConfig(model="dlrm").reads_sequence_extras
-    assert not TrainerConfig(gem=GemConfig(preset="gem_small")).reads_sequence_extras
+    cpu = GemConfig(preset="gem_cpu")
+    assert TrainerConfig(gem=cpu).reads_sequence_extras and not TrainerConfig(model="dlrm", gem=cpu).reads_sequence_extras
+    assert not TrainerConfig().reads_sequence_extras  # gem_small, the default
 
 
 def test_with_candidate_fills_missing_extras():
@@ -197,15 +198,16 @@ def test_full_model_forward_backward_with_each_switch_off(switch, encoded):
 def test_presets_resolve_and_explicit_keys_win():
     small = GemConfig(preset="gem_small").resolved()
     assert (small.max_sequence_len, small.recency_branches, small.personalized_ffn_rank) == (32, (), 0)
-    cpu = GemConfig().resolved()
-    assert cpu.preset == "gem_cpu" and cpu.max_sequence_len == 256 and cpu.recency_branches == (16, 64, 0)
+    assert GemConfig().preset == "gem_small"
+    cpu = GemConfig(preset="gem_cpu").resolved()
+    assert cpu.max_sequence_len == 256 and cpu.recency_branches == (16, 64, 0)
     assert GemConfig(preset="gem", max_sequence_len=100).resolved().max_sequence_len == 100
     assert GemConfig().layers is None  # unset keys stay unset: config_overrides sends only what was set
     assert set(GEM_PRESETS["gem"]) == set(GEM_PRESETS["gem_small"]) == set(GEM_PRESETS["gem_cpu"])
     with pytest.raises(ValueError, match="trainer.gem.preset must be one of"):
         GemConfig(preset="huge")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="same_domain_stream needs trainer.gem.recency_branches"):
-        GemConfig(recency_branches=())
+        GemConfig(preset="gem_cpu", recency_branches=())
     with pytest.raises(ValueError, match="recency_branches must be distinct lengths"):
         GemConfig(recency_branches=(4, 4))
     # The gem_small preset builds exactly the model before issue 18 (its fingerprint: test_models_gem).
@@ -217,12 +219,13 @@ def test_each_issue_18_switch_is_an_ablation_of_compare():
     """``compare --ablate NAME`` turns one change of gem_cpu off (recency_branches needs one stream: the pyramid)."""
     from trainer.compare import ABLATIONS, ablated_config
 
-    full = TrainerConfig().gem.resolved()
+    gem_cpu = TrainerConfig(gem=GemConfig(preset="gem_cpu"))
+    full = gem_cpu.gem.resolved()
     expected = {"time_delta_buckets": {"time_delta_buckets": 0}, "same_domain_stream": {"same_domain_stream": False},
                 "recency_branches": {"recency_branches": (), "same_domain_stream": False},
                 "interformer_cross": {"interformer_cross": False}, "personalized_ffn": {"personalized_ffn_rank": 0},
                 "fmb_mlp_layers": {"fmb_mlp_layers": 1}, "task_towers": {"task_towers": False}}
     for name, changed in expected.items():
-        ablated = ablated_config(TrainerConfig(), name).gem.resolved()
+        ablated = ablated_config(gem_cpu, name).gem.resolved()
         assert ablated == replace(full, **changed), name
     assert not ablated_config(TrainerConfig(), "final_labels").final_labels and "final_labels" in ABLATIONS
