@@ -274,6 +274,8 @@ class PointerHistory:
 
     history: pa.Table
     max_seq_len: int
+    same_domain_seq_len: int | None = None
+    """The build's ``same_domain_seq_len``; None (a lake built before it was recorded): no same-domain stream."""
 
 
 @dataclass(frozen=True)
@@ -362,8 +364,9 @@ def pointer_history(lake: Lake | str | Path, table: pa.Table, *,
     if "max_seq_len" not in meta:
         raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout) but the "
                                "build's commit metadata has no max_seq_len to rebuild them with; rebuild the lake")
+    same = meta.get("same_domain_seq_len")
     return PointerHistory(read_history(lake, table.column("user_id"), storage_options=storage_options),
-                          int(meta["max_seq_len"]))
+                          int(meta["max_seq_len"]), None if same is None else int(same))
 
 
 def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
@@ -401,6 +404,27 @@ def _pointer_sequences(table: pa.Table, pointers: PointerHistory, rows: RowsOf) 
     return {key: rows(index.events.column(columns[key]).cast(pa.string()), key)[index.index] for key in SEQUENCE_KEYS}
 
 
+def _with_pointer_extras(table: pa.Table, pointers: PointerHistory) -> pa.Table:
+    """``table`` (pointer-layout rows) with the build's extra list columns rebuilt from history as the fat build
+    writes them (``seq_time_delta_ms`` and the ``seq_same_domain_*`` lists), so the sequence extras encode the
+    same on both layouts; unchanged when ``pointers`` does not know the same-domain length."""
+    if pointers.same_domain_seq_len is None:
+        return table
+    whole = sequence_index(table, pointers.history, pointers.max_seq_len)
+    same = sequence_index(table, pointers.history, pointers.same_domain_seq_len, same_domain=True)
+    columns = {
+        "seq_time_delta_ms": whole.time_deltas(),
+        "seq_same_domain_item_ids": same.lists("item_id", pa.string()),
+        "seq_same_domain_categories": same.lists("category", pa.string()),
+        "seq_same_domain_event_types": same.lists("event_type", pa.string()),
+        "seq_same_domain_time_delta_ms": same.time_deltas(),
+    }
+    for name, column in columns.items():
+        index = table.schema.get_field_index(name)
+        table = table.append_column(name, column) if index < 0 else table.set_column(index, name, column)
+    return table
+
+
 def encode_for(table: pa.Table, tc: TrainerConfig, normalizer: DenseNormalizer, pointers: PointerHistory | None = None, *,
                ids: IdMapping | None = None) -> EncodedExamples:
     """:func:`encode_examples` as the trainer ``tc`` reads examples (final labels, the sequence extras its model needs)."""
@@ -415,7 +439,7 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
     pointer-layout rows take their sequences from ``pointers`` (:attr:`ExamplesSplit.pointers`), fat rows from
     their list columns. With ``final_labels``, mark the labels whose window has closed
     (:func:`trainer.labels.final_labels` with ``click_window_ms``); with ``sequence_extras`` and the build's
-    columns (``seq_time_delta_ms``, ``seq_same_domain_*``; fat rows only), also the :data:`SEQUENCE_EXTRA_KEYS`.
+    columns (``seq_time_delta_ms``, ``seq_same_domain_*``; pointer rows rebuild them from history), also the :data:`SEQUENCE_EXTRA_KEYS`.
 
     Raises:
         ValueError: a sequence column's list lengths disagree with ``seq_length`` (or, for pointer
@@ -440,6 +464,8 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
     seq_values: dict[str, np.ndarray] = {}
     if pointers is not None and n:
         seq_values = _pointer_sequences(table, pointers, rows)
+        if sequence_extras:
+            table = _with_pointer_extras(table, pointers)
     elif any(key not in table.schema.names for key in SEQUENCE_KEYS) and n:
         raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout): pass "
                                "the PointerHistory of load_split / pointer_history")

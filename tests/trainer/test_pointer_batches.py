@@ -55,21 +55,29 @@ def lakes(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _batches(lake: str, layout: str):
+def _batches(lake: str, layout: str, *, sequence_extras: bool = False):
     split = load_split(lake, 2)  # examples@0 is the CREATE TABLE commit, @1 and @2 the builds
     assert (split.pointers is None) == (layout == "fat")
     normalizer = fit_normalizer(split.train)
     out = []
     for table in (split.train, split.eval):
-        data = encode_examples(table, 1_000, normalizer, split.pointers)
+        data = encode_examples(table, 1_000, normalizer, split.pointers, sequence_extras=sequence_extras)
         out.append(make_batch(data, np.arange(len(data))))
     return out, split
 
 
 @pytest.mark.slow
-def test_pointer_batches_equal_fat_batches(lakes):
-    fat, fat_split = _batches(lakes["fat"], "fat")
-    pointer, split = _batches(lakes["pointer"], "pointer")
+@pytest.mark.parametrize("sequence_extras", [False, True], ids=["sequence", "with_extras"])
+def test_pointer_batches_equal_fat_batches(lakes, sequence_extras):
+    """With ``sequence_extras`` (GEM's time-delta buckets and same-domain stream) the pointer rows rebuild
+    those lists from history too."""
+    fat, fat_split = _batches(lakes["fat"], "fat", sequence_extras=sequence_extras)
+    pointer, split = _batches(lakes["pointer"], "pointer", sequence_extras=sequence_extras)
+    if sequence_extras:
+        assert "seq_same_domain_item_ids" in fat[0].sequence.keys()
+        assert split.pointers.same_domain_seq_len == 2
+        same = fat[0].sequence["seq_same_domain_item_ids"]
+        assert same.lengths().sum().item() > 0  # the same-domain histories are not all empty
     assert "seq_item_ids" not in split.train.column_names
     assert sum(b.sequence.lengths().sum().item() for b in fat) > 0  # the sequences are not all empty
     for want, got in zip(fat, pointer, strict=True):
