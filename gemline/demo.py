@@ -160,7 +160,7 @@ def run_demo(
                                   f"before training on it: click AUC {_fmt(row['auc'])}, NE {_fmt(row['ne'])}")
                 summary["continuous_report"] = consumed.report_path
         assert built is not None and events_quality is not None
-    if len(parts) > 1 and summary.get("continuous_report"):
+    if len(parts) > 1 and summary.get("continuous_report") and _teacher_logged(config):
         summary["distill"] = _distill(lake, config, console)
     summary["examples"] = built.num_examples
     summary["seq_len_p50"] = built.seq_length_p50
@@ -217,6 +217,14 @@ def _distill(lake: Lake, config: GemlineConfig, console: Console) -> dict[str, A
     assert result.report is not None
     click = [r for r in result.report["summary"] if r["task"] == "click"]
     return {"report": result.report_path, "click": click, "versions": result.versions}
+
+
+def _teacher_logged(config: GemlineConfig) -> bool:
+    """Whether the continuous teacher logged predictions (``teacher_predictions`` exists): students need them,
+    and a teacher that is not GEM or has ``trainer.log_teacher_predictions`` off logs none."""
+    from gemline.lake import open_table
+
+    return open_table(config.lake, LakeTable.TEACHER_PREDICTIONS, storage_options=config.lake_storage_options) is not None
 
 
 def _has_offsets(config: GemlineConfig) -> bool:
