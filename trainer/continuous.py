@@ -56,6 +56,7 @@ from gemline.gate import gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
 from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table, read_table
 from gemline.locks import holding
+from gemline.polling import poll
 from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
@@ -692,28 +693,8 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
     Raises:
         ValueError: ``poll_interval_s < 0``; and what :func:`run_once` raises.
     """
-    if poll_interval_s < 0:
-        raise ValueError(f"follow: expected poll_interval_s >= 0, got {poll_interval_s}")
-    calls, started, waiting = 0, False, False
-    while max_polls is None or calls < max_polls:
-        try:
-            result = run_once(lake, tc, from_scratch=from_scratch and not started, nproc=nproc)
-        except MissingInputError as exc:  # no examples table yet
-            if not waiting:
-                log.warning("train waits: %s", exc)
-            waiting = True
-        else:
-            started, waiting = True, False
-            if on_result is not None:
-                on_result(result)
-        calls += 1
-        if max_polls is not None and calls >= max_polls:
-            break
-        try:
-            time.sleep(poll_interval_s)
-        except KeyboardInterrupt:
-            break
-    return calls
+    return poll(lambda first: run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc), name="train",
+                interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls)
 
 
 def lineage(lake: Lake, *, checkpoint: str | None = None) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from gemline.gate import gate_decisions
 from gemline.increments import Cursor, latest_version, read_from, table_id
 from gemline.lake import Lake, is_remote, lake_fs
 from gemline.locks import holding
+from gemline.polling import poll
 from gemline.tables import Table
 from trainer import continuous
 from trainer.checkpoint import (
@@ -456,7 +457,6 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         is_released = version < cursor
         if not is_released and version >= teacher_cursor:
             result.waiting_for = version
-            log.info("distill waits for the teacher to consume examples@%d", version)
             break
         if not allowed(version):  # the teacher passed it: quarantined, or never validated and without rows
             quality = "quarantined" if decisions[version].validated else "not validated"
@@ -579,22 +579,9 @@ def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s:
            max_polls: int | None = None) -> int:
     """:func:`run_distill_once` again every ``poll_interval_s`` seconds until interrupted (``gemline distill
     --follow``); returns the calls made. Raises ValueError for ``poll_interval_s < 0``."""
-    if poll_interval_s < 0:
-        raise ValueError(f"distill follow: expected poll_interval_s >= 0, got {poll_interval_s}")
-    calls = 0
-    while max_polls is None or calls < max_polls:
-        try:
-            result = run_distill_once(lake, tc, dc, from_scratch=from_scratch and calls == 0)
-        except MissingInputError as exc:
-            log.warning("distill waits: %s", exc)
-        else:
-            if on_result is not None:
-                on_result(result)
-        calls += 1
-        if max_polls is not None and calls >= max_polls:
-            break
-        try:
-            time.sleep(poll_interval_s)
-        except KeyboardInterrupt:
-            break
-    return calls
+    return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first), name="distill",
+                interval_s=poll_interval_s, on_result=on_result, waiting=_waiting, max_polls=max_polls)
+
+
+def _waiting(result: DistillResult) -> str:
+    return "" if result.waiting_for is None else f"the teacher has not consumed examples@{result.waiting_for} yet"

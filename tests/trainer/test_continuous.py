@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
+import gemline.polling as polling
 import trainer.continuous as continuous
 import trainer.loop as loop
 from gemline.config import load_config
@@ -325,7 +326,7 @@ def test_follow_waits_for_the_first_examples_version(tmp_path, monkeypatch, capl
         if len(naps) == 2:
             _add(lake, 1)
 
-    monkeypatch.setattr(continuous, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=nap))
+    monkeypatch.setattr(polling, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=nap))
     calls = continuous.follow(*trainer_args(_config(lake)), poll_interval_s=5, on_result=lambda r: seen.append(r.versions),
                               max_polls=4)
     assert calls == 4 and naps == [5, 5, 5]

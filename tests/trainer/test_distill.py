@@ -62,6 +62,21 @@ def test_students_wait_for_the_teacher_and_need_an_examples_table(tmp_path, caps
     assert out.versions == [] and out.waiting_for == 0 and out.cursor == 0
 
 
+def test_follow_says_once_that_it_waits(tmp_path, caplog):
+    config = _config(tmp_path / "lake")
+    lake = trainer_args(config)[0]
+    results = []
+    assert distill.follow(lake, config.trainer, config.distill, poll_interval_s=0, max_polls=2,
+                          on_result=results.append) == 2
+    _lake(tmp_path / "lake")  # the examples arrive; the teacher has not consumed any
+    assert distill.follow(lake, config.trainer, config.distill, poll_interval_s=0, max_polls=3,
+                          on_result=results.append) == 3
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("distill waits")]
+    assert said == [f"distill waits: no examples table in {lake.root}: run `gemline build` first",
+                    "distill waits: the teacher has not consumed examples@0 yet"], "each reason once, not per poll"
+    assert [r.waiting_for for r in results] == [0, 0, 0]
+
+
 def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_released(tmp_path, monkeypatch):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     _lake(straight, quarantined=2)
