@@ -28,7 +28,9 @@ adapter's gain, to ``LAKE/_runs/<run_id>/distill.json`` and ``distill.html``.
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 import json
 import logging
 import math
@@ -321,13 +323,16 @@ def _distill_version(students: _Students, version: int, table: pa.Table, data: E
         eval_teacher = _take(joined.inputs, evaluated)
         sub = eval_teacher.has.numpy()
         eval_labels = data.labels[evaluated].astype(np.float64)
+        # Judged on final labels only, as the teacher's progressive evaluation (trainer.labels).
+        judged = np.ones(eval_labels.shape, dtype=bool) if data.final is None else data.final[evaluated]
         if evaluate and not new and len(evaluated):
             base = {"examples_version": version, "domain": domain}
             probs = eval_teacher.probs.numpy().astype(np.float64)
             lag = event_ms[evaluated][sub] - joined.data_ms[evaluated][sub]
             for j, task in enumerate(TASKS):
+                mine = sub & judged[:, j]
                 history.append({**base, "variant": TEACHER, "task": task, "all": None,
-                                "teacher_rows": _scores(eval_labels[sub, j], probs[sub, j]),
+                                "teacher_rows": _scores(eval_labels[mine, j], probs[mine, j]),
                                 "staleness_ms_p50": float(np.median(lag)) if lag.size else None})
         for variant in dc.variants:
             student = students.student(domain, variant)
@@ -337,9 +342,10 @@ def _distill_version(students: _Students, version: int, table: pa.Table, data: E
             if evaluate and not new and len(evaluated):
                 probs = predict(student, ids[evaluated], dense[evaluated], eval_teacher, dc.batch_size)
                 for j, task in enumerate(TASKS):
+                    final, mine = judged[:, j], sub & judged[:, j]
                     history.append({"examples_version": version, "domain": domain, "variant": variant, "task": task,
-                                    "all": _scores(eval_labels[:, j], probs[:, j]),
-                                    "teacher_rows": _scores(eval_labels[sub, j], probs[sub, j])})
+                                    "all": _scores(eval_labels[final, j], probs[final, j]),
+                                    "teacher_rows": _scores(eval_labels[mine, j], probs[mine, j])})
             _train(students, domain, variant, version, rows, ids, dense, labels, teacher, data)
 
 
@@ -356,11 +362,12 @@ def _train(students: _Students, domain: str, variant: VariantName, version: int,
         local = order[i: i + dc.batch_size]
         batch = rows[local]
         part = _take(teacher, local)
+        final = None if data.final is None else torch.from_numpy(data.final[batch])
         if adapter is not None:  # the adapter first, on the freshest labels, then the student (ExFM Algorithm 1)
-            adapter_step(adapter[0], adapter[1], part, labels[batch])
+            adapter_step(adapter[0], adapter[1], part, labels[batch], final)
         delayed = None if data.delayed is None else to_torch(data.delayed.take(batch))
         loss = student_loss(student, ids[batch], dense[batch], labels[batch], part, dc,
-                            adapter=None if adapter is None else adapter[0], delayed=delayed)
+                            adapter=None if adapter is None else adapter[0], delayed=delayed, final=final)
         for optimizer in optimizers:
             optimizer.zero_grad()
         if not torch.isfinite(loss):
@@ -474,9 +481,9 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
                 logged = logged.filter(pc.equal(logged["run_id"], teacher_run))
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
-                _distill_version(students, version, table, encode_examples(table, tc.num_embeddings, normalizer,
-                                                                pointer_history(lake, table)),
-                                 joined, history, evaluate=not is_released)
+                data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table),
+                                       final_labels=tc.final_labels, click_window_ms=tc.click_window_ms)
+                _distill_version(students, version, table, data, joined, history, evaluate=not is_released)
                 counts = joined.counts
             else:
                 counts = {}
@@ -536,9 +543,38 @@ def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
     return {"rows": rows, "summary": summary, "staleness": staleness, "versions": versions}
 
 
+def staleness_plot_png(staleness: list[dict[str, Any]]) -> bytes | None:
+    """PNG bytes: the teacher's median staleness at prediction time (days, x) against the adapter's click NE gain
+    over aux_head (y; above 0: the adapter helped), one point per (examples version, domain) of the report's
+    ``staleness`` rows, one colour per domain; None when no row has both numbers."""
+    points = [(s["domain"], s["staleness_ms_p50"] / 86_400_000, s["adapter_ne_gain"]) for s in staleness
+              if s["staleness_ms_p50"] is not None and s["adapter_ne_gain"] is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot(1, 1, 1)
+    for domain in sorted({d for d, _, _ in points}):
+        mine = [(x, y) for d, x, y in points if d == domain]
+        ax.scatter([x for x, _ in mine], [y for _, y in mine], label=domain)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="teacher staleness at prediction time, median (days)", ylabel="click NE gain of the adapter",
+           title="Student Adapter gain over aux_head against teacher staleness")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return buf.getvalue()
+
+
 def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
     """Write ``LAKE/_runs/<run_id>/distill.json`` (the whole report; its ``rows`` are the per-increment metrics)
-    and ``distill.html`` (the summary and staleness tables); return the HTML's path."""
+    and ``distill.html`` (the summary and staleness tables, the staleness plot of :func:`staleness_plot_png`);
+    return the HTML's path."""
     fs, base = lake_fs(lake.root, lake.storage_options)
     folder = f"{base}/_runs/{run_id}"
     fs.create_dir(folder, recursive=True)
@@ -553,6 +589,7 @@ def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
         body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
         return f"<table border=1 cellpadding=3><tr>{head}</tr>{body}</table>"
 
+    png = staleness_plot_png(report["staleness"])
     page = (f"<html><head><meta charset='utf-8'><title>distill {html.escape(run_id)}</title></head><body>"
             f"<h1>Distillation run {html.escape(run_id)}</h1><p>Written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}. "
             "Progressive evaluation: each student predicts a version's rows before training on them. Pooled over "
@@ -561,6 +598,8 @@ def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
             + table(report["summary"], ["domain", "task", "variant", "rows", "ne", "auc", "calibration", "transfer_ratio",
                                         "ne_all_rows", "rows_all"])
             + "<h2>Teacher staleness and the adapter's gain (click NE of aux_head minus adapter)</h2>"
+            + ("" if png is None else "<img alt='staleness against the adapter gain' "
+               f"src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'><br>")
             + table(report["staleness"], ["examples_version", "domain", "staleness_ms_p50", "adapter_ne_gain"])
             + "<h2>Per increment (all rows; the teacher on its rows)</h2>"
             + table(report["rows"], ["examples_version", "domain", "variant", "task", "rows", "ne", "auc", "calibration"])

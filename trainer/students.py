@@ -37,7 +37,8 @@ from torch import nn
 
 from gemline.errors import BadConfigError
 from sequences.schema import SPARSE_FEATURES
-from trainer.delayed import DelayedBatch, bce_terms
+from trainer.delayed import DelayedBatch
+from trainer.labels import loss_terms
 
 VariantName = Literal["alone", "aux_head", "adapter", "representation"]
 """The four students of each domain, each adding one mechanism to the one before."""
@@ -237,13 +238,18 @@ def teacher_logits(probs: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_step(adapter: StudentAdapter, optimizer: torch.optim.Optimizer, teacher: TeacherInputs,
-                 labels: torch.Tensor) -> float | None:
+                 labels: torch.Tensor, final: torch.Tensor | None = None) -> float | None:
     """One step of the adapter on the rows with a teacher prediction: BCE of adapter(teacher logit) on the
-    labels (B, 2) 0/1; None (nothing changed) when no row has one."""
-    if not bool(teacher.has.any()):
+    labels (B, 2) 0/1 that are final (``final`` (B, 2) bool, :func:`trainer.labels.final_labels`; None: all),
+    averaged over those labels; None (nothing changed) when no final label has a teacher prediction."""
+    use = teacher.has.unsqueeze(1).expand_as(labels)
+    if final is not None:
+        use = use & final
+    if not bool(use.any()):
         return None
-    out = adapter(teacher_logits(teacher.probs[teacher.has]))
-    loss = F.binary_cross_entropy_with_logits(out, labels[teacher.has])
+    out = adapter(teacher_logits(teacher.probs))
+    terms = F.binary_cross_entropy_with_logits(out, labels, reduction="none")
+    loss = torch.where(use, terms, torch.zeros_like(terms)).sum() / use.sum()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -252,13 +258,15 @@ def adapter_step(adapter: StudentAdapter, optimizer: torch.optim.Optimizer, teac
 
 def student_loss(student: Student, ids: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor,
                  teacher: TeacherInputs, dc: DistillConfig, *, adapter: StudentAdapter | None = None,
-                 delayed: DelayedBatch | None = None) -> torch.Tensor:
+                 delayed: DelayedBatch | None = None, final: torch.Tensor | None = None) -> torch.Tensor:
     """The student's loss on one batch: the labels' BCE on the serving head (importance-weighted for delayed
-    labels, as the teacher's) plus, for the distilling variants, ``aux_loss_weight`` x BCE of the auxiliary head
-    on the teacher's probabilities (and on the adapter's corrected ones, without gradient), averaged over the B
-    rows, rows without a teacher prediction contributing 0."""
+    labels, as the teacher's; a label whose window is still open, ``final`` (B, 2) bool False, contributes 0, as
+    in the teacher's loss, :func:`trainer.labels.loss_terms`; None: every label final) plus, for the distilling
+    variants, ``aux_loss_weight`` x BCE of the auxiliary head on the teacher's probabilities (and on the adapter's
+    corrected ones, without gradient), averaged over the B rows, rows without a teacher prediction contributing
+    0. The teacher's prediction is no label, so it supervises a row whose label is still open too."""
     serving, aux = student(ids, dense, teacher, dc.aux_gradient_scale)
-    loss = bce_terms(serving, labels, delayed).mean(dim=0).sum()
+    loss = loss_terms(serving, labels, delayed, final, (1.0, 1.0)).mean(dim=0).sum()
     if aux is None or not bool(teacher.has.any()):
         return loss
     mask = teacher.has.to(aux.dtype).unsqueeze(1)

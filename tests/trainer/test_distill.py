@@ -4,6 +4,7 @@ and variant to LAKE/_runs/<run_id>/distill.json."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -91,7 +92,10 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
     assert out.versions[0]["counts"]["label_only"] == 90
 
     report = json.loads((straight / "_runs" / out.run_id / "distill.json").read_text())
-    assert (straight / "_runs" / out.run_id / "distill.html").is_file()
+    page = (straight / "_runs" / out.run_id / "distill.html").read_text()
+    png = base64.b64decode(page.split("src='data:image/png;base64,")[1].split("'")[0])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n"), "the staleness plot is inlined"
+    assert distill.staleness_plot_png([{"domain": "feed", "staleness_ms_p50": 5.0, "adapter_ne_gain": None}]) is None
     click = [r for r in report["rows"] if r["task"] == "click"]
     # Versions 1 and 3 evaluated (0 trained the new students first), 3 domains, 4 variants and the teacher.
     assert len(click) == 2 * 3 * (len(VARIANTS) + 1)

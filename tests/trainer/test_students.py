@@ -88,6 +88,46 @@ def test_without_a_teacher_prediction_the_loss_is_the_labels_alone():
     assert torch.allclose(student_loss(student, ids, dense, labels, half, dc), reference + 2.0 * distill)
 
 
+def test_a_student_and_its_adapter_learn_a_label_only_once_its_window_closed():
+    """Hand case (trainer.labels, as the teacher): row 0's conversion and row 1's click and conversion are still open;
+    they add nothing to the label loss, while the teacher's prediction still supervises every row."""
+    student = _student()
+    ids, dense = torch.randint(0, 8, (3, S)), torch.randn(3, 2)
+    labels = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    final = torch.tensor([[True, False], [False, False], [True, True]])
+    none = _teacher([[0.0, 0.0]] * 3, [False] * 3)
+    serving, _ = student(ids, dense, none)
+    bce = F.binary_cross_entropy_with_logits(serving, labels, reduction="none")
+    # Per task: the closed labels' BCE summed over the batch of 3: click rows 0 and 2, conversion row 2 alone.
+    reference = (bce[0, 0] + bce[2, 0]) / 3 + bce[2, 1] / 3
+    got = student_loss(student, ids, dense, labels, none, DistillConfig(), final=final)
+    assert torch.allclose(got, reference)
+    flipped = labels.clone()
+    flipped[1] = 1.0  # an open label turning positive later changes nothing now
+    flipped[0, 1] = 1.0
+    assert torch.allclose(student_loss(student, ids, dense, flipped, none, DistillConfig(), final=final), reference)
+    everything = student_loss(student, ids, dense, labels, none, DistillConfig())
+    assert torch.allclose(everything, bce.mean(dim=0).sum()) and not torch.allclose(everything, reference)
+
+    teacher = _teacher([[0.3, 0.1], [0.6, 0.4], [0.2, 0.7]], [True] * 3)
+    _, aux = student(ids, dense, teacher)
+    assert aux is not None
+    distill = F.binary_cross_entropy_with_logits(aux, teacher.probs, reduction="none").mean(dim=0).sum()
+    assert torch.allclose(student_loss(student, ids, dense, labels, teacher, DistillConfig(), final=final),
+                          reference + distill), "the teacher's target on every row, open labels included"
+
+    adapter = StudentAdapter(4)
+    optimizer = torch.optim.SGD(adapter.parameters(), lr=0.1)
+    open_only = torch.tensor([[False, False], [False, False], [False, False]])
+    before = [p.detach().clone() for p in adapter.parameters()]
+    assert adapter_step(adapter, optimizer, teacher, labels, open_only) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, adapter.parameters())), "no closed label: no step"
+    logits = teacher_logits(teacher.probs)  # the adapter starts as the identity
+    terms = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+    expected = float((terms[0, 0] + terms[2, 0] + terms[2, 1]) / 3)
+    assert adapter_step(adapter, optimizer, teacher, labels, final) == pytest.approx(expected, rel=1e-6)
+
+
 def _predictions(rows: list[dict]) -> pa.Table:
     base = {"run_id": "r", "teacher_step": 1, "teacher_checkpoint_ms": 5, "domain": "feed", "user_vector": [0.5] * 2,
             "candidate_vector": [0.25] * 2, "representation": [1.0] * 3}
