@@ -1,7 +1,10 @@
 """``gemline run``: every stage of the pipeline kept running on one machine, each in its own process.
 
     broker (embedded, when no --bootstrap) -> [generate --rate R] -> ingest --streaming -> validate --follow
-    (events, examples) -> build --follow -> train --follow
+    (events, examples) -> build --follow -> train --follow -> [distill --follow]
+
+``distill --follow`` (the per-domain students, trainer.distill) runs with the trainer when it logs teacher
+predictions (:func:`runs_distill`).
 
 A :class:`gemline.supervisor.Supervisor` starts them, restarts a crashed stage with backoff and stops them all
 on Ctrl-C or SIGTERM. Each stage is the same command a person would run alone (a deployment runs them on
@@ -85,8 +88,16 @@ def config_flags(config: GemlineConfig, private_config: Path | None) -> list[str
     return flags
 
 
-def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[StageCommand]:
-    """The stages for ``plan`` (the embedded broker not included), in start order."""
+def runs_distill(config: GemlineConfig) -> bool:
+    """Whether ``gemline run`` starts ``distill --follow`` (with the trainer): ``distill.follow_in_run``, by
+    default whether the teacher logs predictions (the students' supervision)."""
+    chosen = config.distill.follow_in_run
+    return config.trainer.logs_teacher_predictions if chosen is None else chosen
+
+
+def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str], *, distill: bool = False) -> list[StageCommand]:
+    """The stages for ``plan`` (the embedded broker not included), in start order; with ``distill`` (and
+    ``plan.train``) ``distill --follow`` last, polling as often as the trainer."""
     kafka = ["--bootstrap", bootstrap]
     stages = []
     if plan.generate_rate is not None:
@@ -104,6 +115,9 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str]) -> list[Stag
     if plan.train:
         stages.append(StageCommand("train", (*GEMLINE, "train", "--follow", "--poll-interval-s",
                                              str(plan.poll_interval_s), *flags)))
+        if distill:
+            stages.append(StageCommand("distill", (*GEMLINE, "distill", "--follow", "--poll-interval-s",
+                                                   str(plan.poll_interval_s), *flags)))
     return stages
 
 
@@ -199,7 +213,8 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
             port = plan.broker_port or free_port()
             bootstrap = f"127.0.0.1:{port}"
             broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)), stop_last=True)]
-        sup = Supervisor([*broker, *stage_commands(plan, bootstrap, flags)], log_dir=logs, on_event=say)
+        stages = stage_commands(plan, bootstrap, flags, distill=runs_distill(config))
+        sup = Supervisor([*broker, *stages], log_dir=logs, on_event=say)
         if broker:
             sup.start(["broker"])
             if not wait_for_port("127.0.0.1", port, 60.0):

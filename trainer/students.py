@@ -73,6 +73,9 @@ class DistillConfig:
     """Adam learning rate of the Student Adapter."""
     seed: int = 0
     """Seed of the students' init and data order."""
+    follow_in_run: bool | None = None
+    """``gemline run`` supervises a ``distill --follow`` stage beside ``train --follow``; None: when the teacher
+    logs predictions (``trainer.log_teacher_predictions``, on for ``trainer.model=gem``)."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError naming the ``distill.*`` key of a bad value."""

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
 
+import gemline.run
 from gemline.config import load_config
 from gemline.increments import latest_version
 from gemline.lake import commit_metadata, read_table
-from gemline.run import RunPlan, config_flags, run_pipeline, stage_commands
+from gemline.run import RunPlan, config_flags, run_pipeline, runs_distill, stage_commands
 from sequences.pipeline import APP_ID
 
 INGESTED = ("events", "dead_letter", "late_events")
@@ -36,6 +38,39 @@ def test_stage_commands_carry_the_config_but_never_a_secret(tmp_path):
     assert [s.name for s in plain] == ["ingest", "validate", "build"]
     # Without a plan interval the build keeps build.interval_s (carried in the flags), validation runs every 10 s.
     assert "--interval-s" not in plain[2].argv and "--interval-s 10.0" in " ".join(plain[1].argv)
+
+
+def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_path, monkeypatch):
+    assert runs_distill(load_config()), "the default teacher is GEM, which logs its predictions"
+    assert not runs_distill(load_config(overrides={"trainer.model": "dlrm"})), "no teacher predictions: no students"
+    assert not runs_distill(load_config(overrides={"distill.follow_in_run": "false"}))
+    assert runs_distill(load_config(overrides={"trainer.model": "dlrm", "distill.follow_in_run": "true"}))
+    stages = stage_commands(RunPlan(poll_interval_s=7.0), "h:1", ["--set", "lake=L"], distill=True)
+    assert [s.name for s in stages] == ["ingest", "validate", "build", "train", "distill"]
+    assert " ".join(stages[-1].argv).endswith("gemline.cli distill --follow --poll-interval-s 7.0 --set lake=L")
+    assert [s.name for s in stage_commands(RunPlan(train=False), "h:1", [], distill=True)] == ["ingest", "validate",
+                                                                                               "build"]
+
+    # Every stage a sleeper that prints its command line: the supervisor starts distill with the others, then
+    # stops them all.
+    sleeper = (sys.executable, "-c", "import sys, time; print(*sys.argv[1:], flush=True); time.sleep(600)")
+    monkeypatch.setattr(gemline.run, "GEMLINE", sleeper)
+    config = load_config(overrides={"lake": str(tmp_path / "lake")})
+    seen: dict[str, int | None] = {}
+
+    def all_up(sup) -> bool:
+        seen.update({s.command.name: s.pid for s in sup.stages})
+        return all(s.process is not None and s.last_log_line() for s in sup.stages)
+
+    said: list[str] = []
+    assert run_pipeline(config, RunPlan(bootstrap="127.0.0.1:1"), log_dir=tmp_path / "logs", say=said.append,
+                        live=False, until=all_up) == 0
+    assert list(seen) == ["ingest", "validate", "build", "train", "distill"] and all(seen.values())
+    assert (tmp_path / "logs" / "distill.log").read_text().startswith("distill --follow --poll-interval-s 10.0")
+    for name, pid in seen.items():
+        assert pid is not None
+        with pytest.raises(ProcessLookupError):  # stopped and reaped with the others
+            os.kill(pid, 0)
 
 
 @pytest.mark.slow
