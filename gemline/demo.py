@@ -90,6 +90,7 @@ def run_demo(
                     "(else its events would be dead-lettered as too_early_event_time)",
                     config.ingest.min_event_time_ms, floor, dataset)
         config = dataclasses.replace(config, ingest=dataclasses.replace(config.ingest, min_event_time_ms=floor))
+    config = _dataset_windows(config, dataset)
     remote = is_remote(config.lake)
     if not remote:
         Path(config.lake).mkdir(parents=True, exist_ok=True)
@@ -193,6 +194,27 @@ def run_demo(
     else:
         console.print(f"[red]examples@{built.examples_version} quarantined: not trained on[/]")
     return _finish(config, console, run_id, summary, started)
+
+
+SHORT_WINDOWS_MS = {"openbandit": 3_600_000}
+"""Attribution windows (ms) of the datasets whose labels are known at the impression: the Open Bandit Dataset logs
+its click with its round and has no conversion, and spans 7 days, so the default 7-day conversion window would
+hold every example back to the last increment, leaving the continuous run (and its students) nothing to
+evaluate."""
+
+
+def _dataset_windows(config: GemlineConfig, dataset: str) -> GemlineConfig:
+    """``config`` with the build's attribution windows of :data:`SHORT_WINDOWS_MS` for ``dataset``, where it keeps
+    the default windows (a window set in the file or by --set stays)."""
+    window = SHORT_WINDOWS_MS.get(dataset)
+    defaults = type(config.build)()
+    if window is None or (config.build.click_window_ms, config.build.conversion_window_ms) != (
+            defaults.click_window_ms, defaults.conversion_window_ms):
+        return config
+    log.warning("demo: %s labels are known at the impression: build.click_window_ms and build.conversion_window_ms "
+                "are %d ms here (set either to keep your own)", dataset, window)
+    return dataclasses.replace(config, build=dataclasses.replace(config.build, click_window_ms=window,
+                                                                 conversion_window_ms=window))
 
 
 def _increments(n: int, parts: int) -> list[tuple[int, int]]:
