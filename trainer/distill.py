@@ -80,6 +80,7 @@ from trainer.students import (
     student_optimizers,
 )
 from trainer.teacher_log import read_predictions
+from trainer.train import prior_rates
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +242,10 @@ class _Students:
         """(D, H) of the teacher's vectors: trainer.embedding_dim and trainer.hidden_dims[-1]."""
         return self.tc.embedding_dim, self.tc.hidden_dims[-1]
 
-    def add(self, domain: str) -> None:
-        """Fresh students (and adapters) of ``domain``, seeded by (distill.seed, domain number)."""
+    def add(self, domain: str, base_rates: torch.Tensor | None = None) -> None:
+        """Fresh students (and adapters) of ``domain``, seeded by (distill.seed, domain number); their output
+        intercepts at ``base_rates`` (2,) (:meth:`Student.init_output_bias`; None: left at 0, as before a
+        checkpoint is loaded)."""
         d = len(self.domains)
         self.domains.append(domain)
         torch.manual_seed(self.dc.seed * 1009 + d)
@@ -250,6 +253,8 @@ class _Students:
         for variant in self.dc.variants:
             student = Student(variant=variant, num_embeddings=self.dc.num_embeddings, dim=dim, num_dense=self.num_dense,
                               teacher_width=2 * dim + hidden, hidden_dims=self.dc.hidden_dims)
+            if base_rates is not None:
+                student.init_output_bias(base_rates)
             self.modules[f"d{d}_{variant}"] = student
             self.optimizers[f"d{d}_{variant}"], self.optimizers[f"d{d}_{variant}_tables"] = student_optimizers(
                 student, self.dc.learning_rate)
@@ -315,9 +320,9 @@ def _distill_version(students: _Students, version: int, table: pa.Table, data: E
     dim, _ = students.teacher_dims
     for domain in sorted(set(data.domains.tolist()) - {None}):
         new = domain not in students.domains
-        if new:
-            students.add(domain)
         rows = np.flatnonzero(data.domains == domain)
+        if new:  # intercepts at the domain's first (final) label rates, as the teacher's
+            students.add(domain, prior_rates(data.labels[rows], None if data.final is None else data.final[rows]))
         teacher = _take(joined.inputs, rows)
         evaluated = rows[first[rows]]
         eval_teacher = _take(joined.inputs, evaluated)

@@ -20,6 +20,7 @@ from trainer.students import (
     StudentAdapter,
     TeacherInputs,
     adapter_step,
+    predict,
     scale_gradient,
     student_loss,
     student_optimizers,
@@ -126,6 +127,21 @@ def test_a_student_and_its_adapter_learn_a_label_only_once_its_window_closed():
     terms = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
     expected = float((terms[0, 0] + terms[2, 0] + terms[2, 1]) / 3)
     assert adapter_step(adapter, optimizer, teacher, labels, final) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_new_students_heads_start_at_the_domains_label_rates():
+    student = _student()
+    rates = torch.tensor([0.004, 0.25], dtype=torch.float64)
+    student.init_output_bias(rates)
+    assert student.aux is not None
+    for head in (student.serving, student.aux):
+        assert torch.allclose(torch.sigmoid(head.bias.double()), rates, rtol=1e-5)
+    with torch.no_grad():
+        student.serving.weight.zero_()
+    probs = predict(student, torch.randint(0, 8, (3, S)), torch.randn(3, 2), _teacher([[0.0, 0.0]] * 3, [False] * 3), 2)
+    assert np.allclose(probs, np.tile(rates.numpy(), (3, 1)), rtol=1e-5), "a student without signal predicts the prior"
+    with pytest.raises(ValueError, match="rates in"):
+        student.init_output_bias(torch.tensor([0.0, 0.5]))
 
 
 def _predictions(rows: list[dict]) -> pa.Table:
