@@ -323,13 +323,15 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
         console.print(prog)
         console.print(f"continuous run report: {summary.get('continuous_report')}")
     if summary.get("distill"):
-        students = Table(title="distillation (click, rows with a teacher prediction, progressive, pooled over versions)")
+        students = Table(title="distillation (click, rows with a teacher prediction, progressive, pooled over versions)",
+                         caption="transfer ratio = (NE alone - NE variant) / (NE alone - NE teacher); undefined where "
+                                 "the teacher's NE is not below the student alone's")
         for column in ("domain", "variant", "rows", "NE", "AUC", "calibration", "transfer ratio"):
-            students.add_column(column, justify="right")
+            students.add_column(column, justify="right", no_wrap=column in ("domain", "variant"))
         for row in summary["distill"]["click"]:
             students.add_row(row["domain"], row["variant"], str(row["rows"]), _fmt(row["ne"]), _fmt(row["auc"]),
                              _fmt(row["calibration"]),
-                             "teacher not better" if row["transfer_ratio"] is None else _fmt(row["transfer_ratio"]))
+                             "undefined" if row["transfer_ratio"] is None else _fmt(row["transfer_ratio"]))
         console.print(students)
         console.print(f"distill report: {summary['distill']['report']}")
     for name, report in summary["quality_reports"].items():
