@@ -621,8 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also produce synthetic traffic at this many events/s ([generate] settings)")
     p.add_argument("--interval-s", type=float, default=None,
                    help="seconds between build/validate passes (default: build.interval_s, validation every 10 s)")
-    p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training runs")
-    p.add_argument("--no-train", action="store_true", help="run every stage but the trainer")
+    p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training (and distill) runs")
+    p.add_argument("--no-train", action="store_true", help="run every stage but the trainer (and its students, distill --follow)")
     _metrics_flag(p, "")
     p.set_defaults(func=cmd_run, passthrough=False)
 
