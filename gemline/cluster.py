@@ -32,15 +32,18 @@ Select it with ``--runner=gemline.cluster.GemlineDaskRunner --dask_client_addres
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import signal
 import threading
+import time
 import typing as t
 from dataclasses import dataclass
 
 import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.coders import coders
+from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pipeline import AppliedPTransform, PipelineVisitor
 from apache_beam.runners.common import DoFnContext, DoFnInvoker, DoFnSignature, Receiver, _OutputHandler
 from apache_beam.runners.dask.dask_runner import DaskOptions, DaskRunner
@@ -51,7 +54,7 @@ from apache_beam.transforms.window import GlobalWindow, GlobalWindows
 from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from apache_beam.utils.windowed_value import WindowedValue
 
-from gemline.errors import BadConfigError
+from gemline.errors import BadConfigError, ClusterJobTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,16 @@ PARTITIONS_PER_WORKER = 2
 
 Each partition is a Beam bundle and a Dask task per step; a task-based shuffle costs
 O(partitions_in x partitions_out) tasks, so more partitions than workers can use only add overhead."""
+
+JOB_TIMEOUT_S = 6 * 3600.0
+"""Default ``--dask_job_timeout`` (s): the longest a job may run before it is cancelled and fails."""
+
+NO_WORKER_TIMEOUT_S = 120.0
+"""Default ``--dask_no_worker_timeout`` (s): how long a job waits on a scheduler with no worker at all
+(a nanny restarts a killed worker within seconds; minutes without one means none is coming)."""
+
+POLL_S = 0.5
+"""How often (s) a waiting job looks at its sinks' futures; the worker count is read every 10 polls."""
 
 Tagged = tuple[str | None, WindowedValue]
 """One bag element: (output tag or None for the main output, the windowed value)."""
@@ -325,40 +338,101 @@ def _key_type(element_type: t.Any) -> t.Any:
     return key_type
 
 
-class GemlineDaskRunnerResult(PipelineResult):
-    """Waits on the sinks' futures; closes the Dask client when done (or failed)."""
+class GemlineDaskOptions(PipelineOptions):
+    """The bounds of :class:`GemlineDaskRunner`'s wait on a job (Beam flags, beside Beam's ``DaskOptions``)."""
 
-    def __init__(self, client: t.Any, futures: list[t.Any]) -> None:
+    @classmethod
+    def _add_argparse_args(cls, parser: t.Any) -> None:
+        parser.add_argument("--dask_job_timeout", type=float, default=JOB_TIMEOUT_S,
+                            help="seconds a Dask job may run before its tasks are cancelled and it fails "
+                                 f"(ClusterJobTimeoutError); default {JOB_TIMEOUT_S:.0f}")
+        parser.add_argument("--dask_no_worker_timeout", type=float, default=NO_WORKER_TIMEOUT_S,
+                            help="seconds a Dask job waits while the scheduler has no worker before it fails; "
+                                 f"default {NO_WORKER_TIMEOUT_S:.0f}")
+
+
+class GemlineDaskRunnerResult(PipelineResult):
+    """Waits on the sinks' futures, within bounds; closes the Dask client when done (or failed).
+
+    Args:
+        client: the job's ``distributed.Client``.
+        futures: one future per sink.
+        job_timeout_s: the longest :meth:`wait_until_finish` waits in all (s, > 0).
+        no_worker_timeout_s: the longest it waits while the scheduler has no worker (s, > 0).
+    """
+
+    def __init__(self, client: t.Any, futures: list[t.Any], *, job_timeout_s: float = JOB_TIMEOUT_S,
+                 no_worker_timeout_s: float = NO_WORKER_TIMEOUT_S) -> None:
         super().__init__(PipelineState.RUNNING)
+        if job_timeout_s <= 0 or no_worker_timeout_s <= 0:
+            raise BadConfigError(f"--dask_job_timeout and --dask_no_worker_timeout must be > 0 s, got "
+                                 f"{job_timeout_s}, {no_worker_timeout_s}")
         self._client = client
         self._futures = futures
+        self._job_timeout_s = job_timeout_s
+        self._no_worker_timeout_s = no_worker_timeout_s
+        self._started = time.monotonic()
 
     def wait_until_finish(self, duration: int | None = None) -> str:
-        """Block until every sink is computed (``duration`` in ms, None waits forever).
+        """Block until every sink is computed, at most ``duration`` ms (None: the job timeout) and at most
+        until the job timeout counted from submission.
+
+        A lost worker's tasks are rerun by Dask on the other workers (up to
+        ``distributed.scheduler.allowed-failures`` deaths per task, then the task errs with KilledWorker);
+        the bounds here end the waits where that never happens.
 
         Raises:
-            Exception: the first task error, as raised by Dask (the pipeline state becomes FAILED).
+            ClusterJobTimeoutError: the bound passed with sinks unfinished, or the scheduler had no worker for
+                ``--dask_no_worker_timeout``; the job's tasks are cancelled (the state becomes FAILED).
+            Exception: the first task error, as raised by Dask (the state becomes FAILED).
         """
-        from distributed import as_completed
-
         if self._state in (PipelineState.DONE, PipelineState.FAILED, PipelineState.CANCELLED):
             return self._state  # TestPipeline and Pipeline.__exit__ both wait; the client is closed by then
+        deadline = self._started + self._job_timeout_s
+        if duration is not None:
+            deadline = min(deadline, time.monotonic() + duration / 1000)
         try:
-            for _ in as_completed(self._futures, timeout=None if duration is None else duration / 1000,
-                                  with_results=True):
-                pass
+            self._wait(deadline)
             self._state = PipelineState.DONE
         except BaseException:
             self._state = PipelineState.FAILED
+            # Cancelled so that a rerun of the same graph (the same keys) does not attach to stuck tasks.
+            self._client.cancel(self._futures)
             raise
         finally:
-            self._client.close()
+            self._client.close(timeout=30)
         return self._state
+
+    def _wait(self, deadline: float) -> None:
+        no_worker_since: float | None = None
+        for polls in itertools.count():
+            if all(f.status == "finished" for f in self._futures):
+                return
+            for future in self._futures:
+                if future.status in ("error", "cancelled"):
+                    future.result()  # raises the task's error (CancelledError when cancelled)
+            now = time.monotonic()
+            unfinished = sum(f.status != "finished" for f in self._futures)
+            if now >= deadline:
+                raise ClusterJobTimeoutError(
+                    f"the Dask job did not finish in {now - self._started:.0f} s ({unfinished} of "
+                    f"{len(self._futures)} sinks unfinished) on {self._client.scheduler.address}; its tasks are "
+                    "cancelled. Rerun the command (it resumes where it stopped); raise --dask_job_timeout for "
+                    "a longer job")
+            if polls % 10 == 0:
+                workers = len(self._client.nthreads())
+                no_worker_since = None if workers else (no_worker_since or now)
+            if no_worker_since is not None and now - no_worker_since >= self._no_worker_timeout_s:
+                raise ClusterJobTimeoutError(
+                    f"the Dask scheduler at {self._client.scheduler.address} has had no worker for "
+                    f"{now - no_worker_since:.0f} s ({unfinished} of {len(self._futures)} sinks unfinished); "
+                    "its tasks are cancelled. Start workers (`gemline cluster up`) and rerun the command")
+            time.sleep(min(POLL_S, max(0.0, deadline - now)))
 
     def cancel(self) -> str:
         """Cancel outstanding tasks and close the client."""
         self._client.cancel(self._futures)
-        self._client.close()
+        self._client.close(timeout=30)
         self._state = PipelineState.CANCELLED
         return self._state
 
@@ -367,7 +441,8 @@ class GemlineDaskRunner(DaskRunner):
     """Beam's DaskRunner with the translation fixes listed in the module docstring.
 
     Options are Beam's ``DaskOptions`` (``--dask_client_address``, ``--dask_npartitions``,
-    ``--dask_partition_size``, ``--dask_connection_timeout``...). Runs bounded, globally windowed
+    ``--dask_partition_size``, ``--dask_connection_timeout``...) and :class:`GemlineDaskOptions`
+    (``--dask_job_timeout``, ``--dask_no_worker_timeout``: the bounds of the wait on the job). Runs bounded, globally windowed
     pipelines; raises NotImplementedError at submission for primitives it cannot run.
     """
 
@@ -391,8 +466,10 @@ class GemlineDaskRunner(DaskRunner):
             client.close()
             raise
         log.info("GemlineDaskRunner: %d sinks on %s", len(sinks), client.scheduler.address)
+        bounds = options.view_as(GemlineDaskOptions)
         futures = client.compute(list(graphs))
-        return GemlineDaskRunnerResult(client, futures)
+        return GemlineDaskRunnerResult(client, futures, job_timeout_s=bounds.dask_job_timeout,
+                                       no_worker_timeout_s=bounds.dask_no_worker_timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,5 +517,5 @@ def cluster_up(workers: int = 2, *, host: str = "127.0.0.1", port: int = 0, thre
     return 0
 
 
-__all__ = ["RUNNER", "GemlineDaskRunner", "GemlineDaskRunnerResult", "cluster_up", "dask_beam_args",
+__all__ = ["RUNNER", "GemlineDaskOptions", "GemlineDaskRunner", "GemlineDaskRunnerResult", "cluster_up", "dask_beam_args",
            "group_partition", "run_dofn_bundle", "select_tag", "stable_key_hash"]

@@ -15,6 +15,7 @@ its traceback. So raise one of these only where the message tells the user what 
     2     gemline.lake.CommitConflictError    another writer committed the same batch first
     2     TableSpecError             a write names a table the registry lacks, or breaks its spec
     2     ingest.kafka_source.TopicChangedError   the topic is not the one the lake read
+    2     ClusterJobTimeoutError     a Dask job did not finish in time, or its cluster had no worker
     3     gemline.gate.GateClosedError     the quality gate refuses a version a stage would read
     3     trainer.train.QuarantinedError      the quality gate refuses the examples version to train on
     4     RetentionGapError          Kafka retention deleted records before ingest read them
@@ -86,3 +87,11 @@ class TableSpecError(GemlineError, ValueError):
     """A write that does not fit the table registry (``gemline.tables``): a table it does not list,
     data without the spec's partition columns, or a table in the lake partitioned otherwise than
     its spec (exit 2). The message names the table, what the spec says and what came."""
+
+
+class ClusterJobTimeoutError(GemlineError, TimeoutError):
+    """A Beam job on a Dask cluster (gemline.cluster) did not finish within ``--dask_job_timeout``, or the
+    scheduler had no worker for ``--dask_no_worker_timeout`` (exit 2). The job's tasks are cancelled; every
+    stage is restartable, so rerunning the command (on a healthy cluster) finishes it. A lost worker's tasks
+    are rerun by Dask on the others; this bounds the cases where that never happens (a scheduler stuck on a
+    dead worker's task, dask/distributed#3196, #6263)."""

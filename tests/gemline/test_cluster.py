@@ -24,14 +24,25 @@ from apache_beam.transforms.window import GlobalWindows
 from apache_beam.utils.windowed_value import WindowedValue
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from gemline.cluster import RUNNER, dask_beam_args, group_partition, run_dofn_bundle, select_tag, stable_key_hash
+from gemline import cluster as gemline_cluster
+from gemline.cluster import (
+    RUNNER,
+    GemlineDaskRunnerResult,
+    dask_beam_args,
+    group_partition,
+    run_dofn_bundle,
+    select_tag,
+    stable_key_hash,
+)
 from gemline.config import GemlineConfig
+from gemline.errors import ClusterJobTimeoutError
 from gemline.lake import read_table
 from tests.conftest import build_args, ingest_args
 
 NOW_MS = 1_800_000_000_000  # fixed ingest clock, later than every generated event
 TOPIC = "cluster-events"
 PARTITIONS = 3
+JOB_BOUND_S = 240  # a clean ingest job of this module takes seconds; under load 8 on 2 cores, under a minute
 
 
 # --- pure pieces ---------------------------------------------------------------------------------
@@ -143,6 +154,76 @@ class _UnboundedFn(beam.DoFn):
 def test_run_dofn_bundle_refuses_an_unbounded_restriction():
     with pytest.raises(ValueError, match="runs bounded pipelines only"):
         run_dofn_bundle([(None, _wv(3))], None, _UnboundedFn(), [], {}, "Unbounded", None, [])
+
+
+# --- the bounded wait on a job (fake client and futures: no cluster) -----------------------------------
+
+class _FakeFuture:
+    def __init__(self, status, error=None):
+        self.status, self.error = status, error
+
+    def result(self):
+        raise self.error
+
+
+class _FakeClient:
+    def __init__(self, workers):
+        self.workers, self.cancelled, self.closed = workers, None, False
+        self.scheduler = type("Rpc", (), {"address": "tcp://fake:1"})()
+
+    def nthreads(self):
+        return {f"w{i}": 1 for i in range(self.workers)}
+
+    def cancel(self, futures):
+        self.cancelled = list(futures)
+
+    def close(self, timeout=None):
+        self.closed = True
+
+
+@pytest.fixture
+def fast_polls(monkeypatch):
+    monkeypatch.setattr(gemline_cluster, "POLL_S", 0.01)
+
+
+def test_a_job_that_never_finishes_fails_at_its_timeout_and_is_cancelled(fast_polls):
+    client, futures = _FakeClient(workers=2), [_FakeFuture("finished"), _FakeFuture("pending")]
+    result = GemlineDaskRunnerResult(client, futures, job_timeout_s=0.05)
+    with pytest.raises(ClusterJobTimeoutError, match=r"did not finish in \d+ s \(1 of 2 sinks unfinished\).*--dask_job_timeout"):
+        result.wait_until_finish()
+    assert result.state == "FAILED" and client.cancelled == futures and client.closed
+    assert result.wait_until_finish() == "FAILED"  # a second wait returns at once
+
+
+def test_a_scheduler_without_workers_fails_the_job_before_its_timeout(fast_polls):
+    client = _FakeClient(workers=0)
+    result = GemlineDaskRunnerResult(client, [_FakeFuture("pending")], job_timeout_s=3600, no_worker_timeout_s=0.05)
+    with pytest.raises(ClusterJobTimeoutError, match="has had no worker for .*gemline cluster up"):
+        result.wait_until_finish()
+    assert client.cancelled and client.closed
+
+
+def test_a_task_error_is_raised_and_a_finished_job_is_done(fast_polls):
+    client = _FakeClient(workers=1)
+    failed = GemlineDaskRunnerResult(client, [_FakeFuture("pending"), _FakeFuture("error", KeyError("boom"))])
+    with pytest.raises(KeyError, match="boom"):
+        failed.wait_until_finish()
+    assert failed.state == "FAILED" and client.closed
+    done = GemlineDaskRunnerResult(_FakeClient(workers=1), [_FakeFuture("finished")] * 3, job_timeout_s=0.05)
+    assert done.wait_until_finish() == "DONE"
+
+
+def test_the_wait_bounds_are_beam_flags():
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from gemline.cluster import GemlineDaskOptions
+
+    bounds = PipelineOptions(["--dask_job_timeout=90", "--dask_no_worker_timeout=7.5"]).view_as(GemlineDaskOptions)
+    assert (bounds.dask_job_timeout, bounds.dask_no_worker_timeout) == (90.0, 7.5)
+    defaults = PipelineOptions([]).view_as(GemlineDaskOptions)
+    assert (defaults.dask_job_timeout, defaults.dask_no_worker_timeout) == (6 * 3600.0, 120.0)
+    with pytest.raises(ValueError, match="must be > 0 s"):
+        GemlineDaskRunnerResult(_FakeClient(workers=1), [], job_timeout_s=0)
 
 
 # --- on a LocalCluster -----------------------------------------------------------------------------
@@ -290,18 +371,19 @@ def test_worker_killed_mid_job_leaves_the_lake_of_a_clean_run(produced, ingested
 
     bootstrap, _ = produced
     marker = tmp_path / "killed"
+    # Bounded: a job stuck on the dead worker's task fails within JOB_BOUND_S (ClusterJobTimeoutError,
+    # caught below like any failure of the first run), so the test ends even when Dask never reruns it.
+    beam_args = [*dask_beam_args(cluster.scheduler_address), f"--dask_job_timeout={JOB_BOUND_S}"]
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     lake = tmp_path / "lake"
     with Client(cluster.scheduler_address) as client:
         client.register_plugin(_DieOnceInParse(str(marker)), name="die-once")
         try:
             try:
-                first = run_ingest(*ingest_args(_config(lake)), bootstrap=bootstrap,
-                                   beam_args=dask_beam_args(cluster.scheduler_address), now_ms=NOW_MS)
+                first = run_ingest(*ingest_args(_config(lake)), bootstrap=bootstrap, beam_args=beam_args, now_ms=NOW_MS)
             except Exception:  # noqa: BLE001 - the job may fail with the worker; the rerun must finish it
                 first = None
-            rerun = run_ingest(*ingest_args(_config(lake)), bootstrap=bootstrap,
-                               beam_args=dask_beam_args(cluster.scheduler_address), now_ms=NOW_MS)
+            rerun = run_ingest(*ingest_args(_config(lake)), bootstrap=bootstrap, beam_args=beam_args, now_ms=NOW_MS)
         finally:
             client.unregister_worker_plugin("die-once")
             cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
