@@ -21,6 +21,14 @@ Every ~30 s it samples each stage's backlog:
 A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
 shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope).
 
+CPU budget: every ~5 s it reads the CPU time (user + system, ``psutil``) of every process under ``gemline run``,
+each counted to its stage (the ``gemline.cli`` subcommand in its command line, or its nearest such ancestor's:
+the embedded broker's ``tansu`` child counts as ``broker``; the supervisor itself as ``run``), and of this
+benchmark process (``benchmark``: its backlog sampling). After the run it prints, per stage, over the last
+window and the whole run: cores used (CPU-s per wall s) and CPU-s per 1,000 events the generator produced
+(Kafka high watermarks). On the 2-core machine the total must stay well under 2 cores (~1.7) for the
+pipeline to keep up; wall-clock freshness is noisy on a shared machine, CPU-s per event much less so.
+
 After the run it prints the ``freshness`` table (trainer.freshness) per examples version and, last, one line:
 
     freshness impression->trained p50=X p95=Y p99=Z s; backlog growing: yes|no
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil  # type: ignore[import-untyped]  # pinned in requirements.lock
 from scipy import stats  # type: ignore[import-untyped]  # pinned in requirements.lock
 
 from gemline.config import GemlineConfig, load_config
@@ -61,6 +70,8 @@ from trainer.freshness import HOPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_EVERY_S = 30.0
+CPU_EVERY_S = 5.0
+"""How often the process tree's CPU times are read: a process that exits between reads loses at most this much."""
 EVENTS_PER_SESSION = 8.1
 """Mean events of a generated session: 5 ads + 3 organic events + the clicks and conversions (ingest.generate)."""
 USERS = 10_000
@@ -74,9 +85,87 @@ class Sample:
     ingest: int | None
     build: int | None
     trainer: int | None
+    generated: int | None = None
+    """Messages in the topic (sum of the Kafka high watermarks): the events generated so far."""
+    cpu_s: dict[str, float] | None = None
+    """CPU-seconds each stage used since the run began (:class:`CpuMeter`)."""
 
 
 STAGES = ("ingest", "build", "trainer")
+CPU_ORDER = ("broker", "generate", "ingest", "validate", "build", "train", "run", "benchmark")
+
+
+def stage_of(cmdline: Sequence[str]) -> str | None:
+    """The gemline subcommand a command line runs (``python -m gemline.cli build ...`` -> ``build``), None for
+    any other program."""
+    for i, arg in enumerate(cmdline[:-1]):
+        if arg == "gemline.cli" or arg.endswith("/gemline/cli.py"):
+            return cmdline[i + 1]
+    return None
+
+
+class CpuMeter:
+    """CPU-seconds (user + system) per stage of the process tree under ``root_pid``, plus this process as
+    ``benchmark``. Each process is counted to its own stage (:func:`stage_of`) or its nearest ancestor's, and
+    its last reading is kept after it exits, so a restarted stage's earlier processes still count (up to the
+    last read before they exited)."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root = psutil.Process(root_pid)
+        self.me = psutil.Process()
+        self.seen: dict[tuple[int, float], tuple[str, float]] = {}
+        """(pid, create time) -> (stage, CPU-s at the last read)."""
+
+    def read(self) -> dict[str, float]:
+        """Read every live process of the tree now; return the CPU-seconds of each stage so far."""
+        self._walk(self.root, "run")
+        times = self.me.cpu_times()
+        totals = {"benchmark": times.user + times.system}
+        for stage, cpu_s in self.seen.values():
+            totals[stage] = totals.get(stage, 0.0) + cpu_s
+        return totals
+
+    def _walk(self, proc: psutil.Process, inherited: str) -> None:
+        try:
+            with proc.oneshot():
+                stage = stage_of(proc.cmdline()) or inherited
+                times = proc.cpu_times()
+                self.seen[(proc.pid, proc.create_time())] = (stage, times.user + times.system)
+            children = proc.children()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            return
+        for child in children:
+            self._walk(child, stage)
+
+
+def cpu_budget(first: Sample, last: Sample) -> list[tuple[str, float, float | None]]:
+    """(stage, cores used, CPU-s per 1,000 generated events) per stage between two samples, then ``total``;
+    the per-event figure is None when no event was generated in between.
+
+    Raises:
+        ValueError: a sample without CPU times, or ``last`` not after ``first``.
+    """
+    if first.cpu_s is None or last.cpu_s is None or last.t_s <= first.t_s:
+        raise ValueError("cpu_budget: needs two samples with CPU times, the second later")
+    wall_s = last.t_s - first.t_s
+    events = None if first.generated is None or last.generated is None else last.generated - first.generated
+    stages = sorted(set(first.cpu_s) | set(last.cpu_s),
+                    key=lambda n: (CPU_ORDER.index(n) if n in CPU_ORDER else len(CPU_ORDER), n))
+    used = {n: last.cpu_s.get(n, 0.0) - first.cpu_s.get(n, 0.0) for n in stages}
+    used["total"] = sum(used.values())
+    return [(n, cpu / wall_s, cpu / events * 1000 if events else None) for n, cpu in used.items()]
+
+
+def budget_lines(first: Sample, last: Sample, title: str) -> list[str]:
+    """The printed CPU budget between two samples (:func:`cpu_budget`)."""
+    events = None if first.generated is None or last.generated is None else last.generated - first.generated
+    rate = "" if events is None else f", {events:,} events generated = {events / (last.t_s - first.t_s):.0f} events/s"
+    lines = [f"CPU budget {title} (t={first.t_s:.0f}-{last.t_s:.0f} s{rate}; {psutil.cpu_count()} cores here, "
+             f"keeping up needs a total well under that):",
+             f"  {'stage':<10} {'cores':>6} {'CPU-s per 1k events':>20}"]
+    for name, cores, per_k in cpu_budget(first, last):
+        lines.append(f"  {name:<10} {cores:6.2f} {'-' if per_k is None else f'{per_k:.3f}':>20}")
+    return lines
 
 
 def backlog_growing(t_s: Sequence[float], backlog: Sequence[float], *, alpha: float = 0.05) -> bool:
@@ -138,8 +227,8 @@ def generator_settings(rate: float, minutes: float) -> dict[str, str]:
     return {"generate.wall_clock": "true", "generate.num_users": str(USERS), "generate.days": f"{days:.4f}"}
 
 
-def sample(config: GemlineConfig, bootstrap: str, t_s: float) -> Sample:
-    """Each stage's backlog now (module docstring)."""
+def sample(config: GemlineConfig, bootstrap: str, t_s: float, cpu_s: dict[str, float] | None = None) -> Sample:
+    """Each stage's backlog now (module docstring), the events generated so far and ``cpu_s``."""
     lake = Lake.for_config(config)
     try:
         high = make_client(config.kafka.client, bootstrap, timeout_s=10).end_offsets(config.kafka.topic)
@@ -153,7 +242,8 @@ def sample(config: GemlineConfig, bootstrap: str, t_s: float) -> Sample:
     trained = _trained_version(lake)
     # Before the trainer's first checkpoint every examples version waits for it.
     trainer = None if examples is None else examples - (-1 if trained is None else trained)
-    return Sample(t_s, ingest, build, trainer)
+    generated = sum(h for _, h in high.values()) if high else None
+    return Sample(t_s, ingest, build, trainer, generated, cpu_s)
 
 
 def _trained_version(lake: Lake) -> int | None:
@@ -209,10 +299,15 @@ def main(argv: list[str] | None = None) -> None:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         began = time.monotonic()
+        meter = CpuMeter(proc.pid)
+        samples.append(Sample(0.0, None, None, None, 0, meter.read()))
         try:
             while (elapsed := time.monotonic() - began) < run_s and proc.poll() is None:
-                time.sleep(min(SAMPLE_EVERY_S, max(0.0, run_s - elapsed)))
-                s = sample(config, bootstrap, time.monotonic() - began)
+                until = time.monotonic() + min(SAMPLE_EVERY_S, max(0.0, run_s - elapsed))
+                while (left := until - time.monotonic()) > 0 and proc.poll() is None:
+                    time.sleep(min(CPU_EVERY_S, left))
+                    cpu_s = meter.read()
+                s = sample(config, bootstrap, time.monotonic() - began, cpu_s)
                 samples.append(s)
                 trained = read_table(lake, Table.FRESHNESS)
                 print(f"t={s.t_s:5.0f} s backlog: ingest {s.ingest} messages, build {s.build} events versions, "
@@ -228,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"examples@{r['examples_version']} {r['hop']:>22}: {r['rows']:7d} rows p50 {r['p50_s']:7.1f} "
               f"p95 {r['p95_s']:7.1f} p99 {r['p99_s']:7.1f} s (steps {r['step_first']}-{r['step_last']})")
     window = last_window(samples, run_s)
+    measured = [s for s in samples if s.cpu_s is not None]
+    if len(window) >= 2:
+        print("\n".join(budget_lines(window[0], window[-1], "over the backlog window")))
+    if len(measured) >= 2:
+        print("\n".join(budget_lines(measured[0], measured[-1], "over the whole run")))
     growing = growing_stages(window)
     print(f"backlog over the last {len(window)} samples: growing in {', '.join(growing) or 'no stage'}")
     total = pooled(rows, "impression->trained")

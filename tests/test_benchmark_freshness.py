@@ -57,3 +57,55 @@ def test_the_generator_is_sized_by_its_measured_events_per_session():
     assert settings["generate.wall_clock"] == "true"
     assert days * int(settings["generate.num_users"]) * 2.0 * bench.EVENTS_PER_SESSION == pytest.approx(
         1.1 * 2000 * 600, rel=1e-4)
+
+
+def test_stage_of_names_the_gemline_subcommand():
+    assert bench.stage_of(["/venv/bin/python", "-m", "gemline.cli", "build", "--follow"]) == "build"
+    assert bench.stage_of(["python", "/repo/gemline/cli.py", "train"]) == "train"
+    assert bench.stage_of(["tansu", "broker", "--listener-url", "tcp://x"]) is None
+    assert bench.stage_of(["python", "-m", "gemline.cli"]) is None, "no subcommand"
+
+
+def test_the_cpu_budget_is_cores_and_cpu_seconds_per_thousand_events_between_two_samples():
+    first = Sample(30.0, 0, 0, 0, generated=10_000, cpu_s={"build": 5.0, "train": 20.0})
+    last = Sample(130.0, 0, 0, 0, generated=210_000, cpu_s={"build": 45.0, "train": 80.0, "generate": 10.0})
+    budget = {name: (cores, per_k) for name, cores, per_k in bench.cpu_budget(first, last)}
+    # 100 s and 200,000 events: build 40 CPU-s = 0.4 cores = 0.2 CPU-s per 1k events.
+    assert budget["build"] == pytest.approx((0.4, 0.2))
+    assert budget["train"] == pytest.approx((0.6, 0.3))
+    assert budget["generate"] == pytest.approx((0.1, 0.05)), "a stage seen only later starts from 0"
+    assert budget["total"] == pytest.approx((1.1, 0.55))
+    assert [name for name, _, _ in bench.cpu_budget(first, last)] == ["generate", "build", "train", "total"]
+    no_events = Sample(130.0, 0, 0, 0, generated=10_000, cpu_s={"build": 6.0})
+    assert dict((n, p) for n, _, p in bench.cpu_budget(first, no_events))["build"] is None
+    with pytest.raises(ValueError, match="two samples"):
+        bench.cpu_budget(first, Sample(130.0, 0, 0, 0))
+    lines = bench.budget_lines(first, last, "test")
+    assert "200,000 events generated = 2000 events/s" in lines[0]
+    assert any(line.split()[:3] == ["build", "0.40", "0.200"] for line in lines)
+
+
+def test_the_cpu_meter_counts_a_grandchild_to_its_gemline_ancestor_and_keeps_an_exited_ones_time():
+    import subprocess
+    import sys
+
+    # A stand-in "gemline.cli build" whose child burns 0.3 CPU-s, says so, then waits for the end of stdin.
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "print('burnt', flush=True)\nsys.stdin.read()")
+    parent = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", parent, "gemline.cli", "build"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "burnt"
+        meter = bench.CpuMeter(proc.pid)
+        alive = meter.read()
+        proc.stdin.close()  # the child, then the parent, exit
+        proc.wait(timeout=60)
+        after = meter.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert set(alive) == {"build", "benchmark"} and len(meter.seen) == 2
+    assert alive["build"] >= 0.3, "the grandchild's burn counts to its gemline ancestor's stage"
+    assert after["build"] == pytest.approx(alive["build"]), "the exited processes keep their last reading"
