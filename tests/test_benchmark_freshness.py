@@ -55,6 +55,8 @@ def test_the_generator_is_sized_by_its_measured_events_per_session():
     settings = bench.generator_settings(2000.0, 10.0)
     days = float(settings["generate.days"])
     assert settings["generate.wall_clock"] == "true"
+    assert settings["kafka.producer_batch_messages"] == "1"
+    assert bench.generator_settings(2000.0, 10.0, 500)["kafka.producer_batch_messages"] == "500"
     assert days * int(settings["generate.num_users"]) * 2.0 * bench.EVENTS_PER_SESSION == pytest.approx(
         1.1 * 2000 * 600, rel=1e-4)
 
