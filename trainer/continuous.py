@@ -367,8 +367,16 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
 
         return run_once_with_torchrun(lake, tc, nproc, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
                                       max_versions=max_versions)
-    result = consume(lake, tc, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
-                     max_versions=max_versions, root=root, on_predictions=on_predictions)
+    # trainer.torch_threads, as one-shot training (trainer.train) and the torchrun ranks use it: torch's default
+    # of a thread per core oversubscribes the cores `gemline run` shares with the other stages.
+    previous_threads = torch.get_num_threads()
+    if tc.torch_threads is not None:
+        torch.set_num_threads(tc.torch_threads)
+    try:
+        result = consume(lake, tc, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
+                         max_versions=max_versions, root=root, on_predictions=on_predictions)
+    finally:
+        torch.set_num_threads(previous_threads)
     assert result is not None, "one process is rank 0"
     return result
 

@@ -5,6 +5,7 @@ parameters of an uninterrupted run; the same lake and seed give the same checkpo
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +18,7 @@ import trainer.continuous as continuous
 import trainer.loop as loop
 from gemline.config import load_config
 from gemline.increments import CursorError
-from gemline.lake import read_table
+from gemline.lake import Lake, read_table
 from tests.conftest import trainer_args
 from trainer.continuous import lineage, run_once
 
@@ -347,3 +348,23 @@ def test_resuming_with_another_model_or_without_a_run_is_one_line(tmp_path, caps
     assert main(["train", "--once", "--lake", str(lake), *sets, "--set", "trainer.model=lr"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trains trainer.model='dlrm', not 'lr'" in err[0] and "--from-scratch" in err[0]
+
+
+def test_run_once_trains_with_trainer_torch_threads_and_restores_torch_s_setting(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_consume(lake, tc, make_engine, **kwargs):
+        seen.append(torch.get_num_threads())
+        return continuous.ContinuousResult("r", 0, 0, None)
+
+    monkeypatch.setattr(continuous, "consume", fake_consume)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        cfg = load_config(overrides={"lake": str(tmp_path)})
+        run_once(Lake.for_config(cfg), replace(cfg.trainer, torch_threads=1))
+        assert (seen, torch.get_num_threads()) == ([1], 3)
+        run_once(Lake.for_config(cfg), replace(cfg.trainer, torch_threads=None))
+        assert (seen, torch.get_num_threads()) == ([1, 3], 3), "None keeps torch's setting"
+    finally:
+        torch.set_num_threads(previous)
