@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -244,3 +245,24 @@ def test_unique_event_id_agrees_with_the_ingest_dedup_window(events_table, bound
     assert dropped == 1  # the dedup drops exactly the pair the check flags, and keeps rows 0 and 1
     results = {r.name: r for r in validate_events(kept, **bounds, dedup_window_ms=hour)}
     assert results["unique:event_id"].success
+
+
+def test_unique_within_flags_exactly_the_rows_of_too_close_pairs_of_a_reference_scan():
+    from validation.suites import check_unique_within
+
+    rng = np.random.default_rng(7)
+    n = 2_000
+    keys = [None if rng.random() < 0.05 else f"e{rng.integers(0, 600)}" for _ in range(n)]
+    times = [None if rng.random() < 0.05 else int(rng.integers(0, 50)) * 1000 for _ in range(n)]
+    table = pa.table({"event_id": pa.array(keys, pa.string()), "event_time_ms": pa.array(times, pa.int64())})
+    window = 3000
+    # Reference: every pair of rows with one id at most `window` ms apart (ties and chains included).
+    expected = {i for i in range(n) for j in range(n) if i != j and keys[i] is not None and keys[i] == keys[j]
+                and times[i] is not None and times[j] is not None and abs(times[i] - times[j]) <= window}
+    result = check_unique_within(table, "event_id", "event_time_ms", window)
+    assert 0 < len(expected) < n
+    assert (result["success"], result["unexpected_count"]) == (False, len(expected))
+    assert check_unique_within(table.slice(0, 1), "event_id", "event_time_ms", window)["success"]
+    assert check_unique_within(table.slice(0, 0), "event_id", "event_time_ms", window)["unexpected_count"] == 0
+    nulls = pa.table({"event_id": pa.array([None, None], pa.string()), "event_time_ms": pa.array([1, 1], pa.int64())})
+    assert check_unique_within(nulls, "event_id", "event_time_ms", window)["success"]
