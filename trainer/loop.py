@@ -161,11 +161,32 @@ EngineFactory = Callable[[TrainerConfig, int, tuple[str, ...], "torch.Tensor | N
 ``base_rates`` (2,) float64 start the output intercepts (``init_output_bias``), None leaves them."""
 
 
+def sparse_table_gradients(model: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> int:
+    """Make every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` whose weight is in ``params`` (the tables
+    Adagrad optimises) produce sparse gradients (``sparse=True``); return how many.
+
+    Why: a dense gradient is the size of the whole table, so each step zeroed, filled and Adagrad-updated
+    every row (19.2M parameters of the default GEM), whatever the batch touched; with sparse gradients
+    ``torch.optim.Adagrad`` updates only the rows the batch looked up (its sparse path), and rows with a zero
+    gradient are left as the dense update leaves them. Measured on 20k examples of the freshness benchmark's
+    lake, GEM, one thread: 0.40 -> 0.23-0.28 CPU-s per 1,000 examples, the same losses to 6 decimals.
+    Adam (the dense part) takes no sparse gradients, so only ``params``' tables are switched.
+    """
+    ids = {id(p) for p in params}
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and id(module.weight) in ids:
+            module.sparse = True
+            switched += 1
+    return switched
+
+
 def local_engine(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...], base_rates: torch.Tensor | None) -> LocalEngine:
     """:data:`EngineFactory` of one process: ``build_model`` with Adam (dense) and Adagrad (tables)."""
     model = build_model(tc, num_dense, domains)
     if base_rates is not None and isinstance(model, RankingModel):  # the "ranker" has no intercepts to set
         model.init_output_bias(base_rates)
+    sparse_table_gradients(model, model.embedding_parameters())
     optimizers = {
         "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
         "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),

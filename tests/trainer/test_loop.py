@@ -62,3 +62,45 @@ def test_local_engine_steps_as_train_step():
     expected = [train_step(twin.model, twin.optimizers, make_batch(data, r)) for r in rows]
     assert progress.losses == expected and (progress.step, progress.examples_seen) == (3, 40)
     assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), twin.model.state_dict().values()))
+
+
+@pytest.mark.parametrize("model", ["gem", "dlrm"])
+def test_sparse_table_gradients_update_only_the_rows_looked_up_and_match_dense_adagrad(model):
+    from trainer.loop import sparse_table_gradients
+
+    table = synthetic_examples(["2026-01-01"], 48, seed=2)
+    data = encode_examples(table, 997, fit_normalizer(table))
+    tc = TrainerConfig(model=model, num_embeddings=997, embedding_dim=8, hidden_dims=(8,), batch_size=16)
+    domains = ("feed", "marketplace", "reels")
+    torch.manual_seed(0)
+    sparse = local_engine(tc, data.dense.shape[1], domains, None)
+    torch.manual_seed(0)
+    dense = local_engine(tc, data.dense.shape[1], domains, None)
+    for module in dense.model.modules():  # the same engine with the tables' gradients dense, as before
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            module.sparse = False
+    tables = {id(p) for p in sparse.model.embedding_parameters()}
+    switched = [m for m in sparse.model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                and m.sparse]
+    assert switched and all(id(m.weight) in tables for m in switched), "only Adagrad's tables turn sparse"
+    assert sparse_table_gradients(sparse.model, []) == 0
+    before = {k: v.clone() for k, v in sparse.model.state_dict().items()}
+    for rows in (np.arange(0, 16), np.arange(16, 32), np.arange(32, 48)):
+        got = train_step(sparse.model, sparse.optimizers, make_batch(data, rows))
+        want = train_step(dense.model, dense.optimizers, make_batch(data, rows))
+        assert got == pytest.approx(want, rel=1e-5)
+        for module in switched:
+            assert module.weight.grad is None or module.weight.grad.is_sparse
+    after, reference = sparse.model.state_dict(), dense.model.state_dict()
+    table_names = {name for name, p in sparse.model.named_parameters() if id(p) in tables}
+    for name, value in after.items():
+        # Adam turns float noise in a gradient that is 0 in exact arithmetic (an attention key bias) into
+        # lr-sized steps of either sign, so the dense part agrees to 1e-4 (lr 3e-3); the tables closely.
+        tol = dict(rtol=1e-5, atol=1e-6) if name in table_names else dict(rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(value, reference[name], **tol, msg=name)
+    untouched = [(name, (after[name] == before[name]).all(dim=1)) for name in after
+                 if after[name].dim() == 2 and any(after[name] is m.weight.data or after[name].data_ptr()
+                                                   == m.weight.data_ptr() for m in switched)]
+    assert untouched and all(rows.any() for _, rows in untouched), "rows no batch looked up keep their values"
+    for name, rows in untouched:
+        assert torch.equal(after[name][rows], reference[name][rows]), name
