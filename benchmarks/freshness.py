@@ -173,6 +173,8 @@ def budget_lines(first: Sample, last: Sample, title: str) -> list[str]:
              f"  {'stage':<10} {'cores':>6} {'CPU-s per 1k events':>20}"]
     for name, cores, per_k in cpu_budget(first, last):
         lines.append(f"  {name:<10} {cores:6.2f} {'-' if per_k is None else f'{per_k:.3f}':>20}")
+    lines.append("  (CPU the stages spent; a stage whose backlog grew did less than its share of the work, so it "
+                 "needs more than this: read it with the backlog line below and `uptime`)")
     return lines
 
 
