@@ -100,7 +100,7 @@ class Sample:
 
 
 STAGES = ("ingest", "build", "trainer")
-CPU_ORDER = ("broker", "generate", "ingest", "validate", "build", "train", "run", "benchmark")
+CPU_ORDER = ("broker", "generate", "ingest", "validate", "build", "train", "distill", "run", "benchmark")
 
 
 def stage_of(cmdline: Sequence[str]) -> str | None:
