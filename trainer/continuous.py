@@ -476,16 +476,20 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             raise BadConfigError(f"the continuous run {run_id} trains trainer.model={state.extra.get('model')!r}, not "
                                  f"{tc.model!r}: pass --set trainer.model={state.extra.get('model')}, or start a new run "
                                  "with --from-scratch")
-        normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
-        domains = tuple(state.extra["domains"])
-        ids = start_mapping(tc, pa.table({}), resume)
-        torch.manual_seed(tc.seed)
-        engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains, None)
-        engine.load(resume, state)
+        # Nothing to consume or release (a follow poll between builds): the model is not built, the checkpoint not
+        # loaded and the report not rewritten; GEM's 19M-parameter tables made that most of an idle poll's cost.
+        idle = not any(d.allowed and (v >= cursor.version or v in skipped) for v, d in plan["decisions"].items())
+        if not idle:
+            normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
+            domains = tuple(state.extra["domains"])
+            ids = start_mapping(tc, pa.table({}), resume)
+            torch.manual_seed(tc.seed)
+            engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains, None)
+            engine.load(resume, state)
         counters.step, counters.examples_seen = state.step, state.examples_seen
         log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, counters.step, cursor)
     else:
-        run_id, cursor = plan["run_id"], Cursor(tid, 0)
+        run_id, cursor, idle = plan["run_id"], Cursor(tid, 0), False
         skipped, lineage, evaluations, measured = [], [], 0, 0
         saved_ms, trained_until_ms = 0, teacher_log.NO_DATA_MS
     logs_teacher = tc.logs_teacher_predictions and world == 1
@@ -643,7 +647,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     result.step, result.rows_trained_total, result.cursor = counters.step, counters.examples_seen, cursor
     if rank != 0:
         return None
-    if lineage:
+    if lineage and not idle:
         result.report_path = write_run_report(lake, run_id, lineage=lineage, step=counters.step,
                                               rows_trained_total=counters.examples_seen, checkpoint=result.checkpoint_path)
     return result

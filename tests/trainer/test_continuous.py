@@ -368,3 +368,27 @@ def test_run_once_trains_with_trainer_torch_threads_and_restores_torch_s_setting
         assert (seen, torch.get_num_threads()) == ([1, 3], 3), "None keeps torch's setting"
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_poll_with_nothing_new_builds_no_model_and_the_next_version_trains_as_before(tmp_path, monkeypatch):
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    built = []
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return loop.local_engine(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, "local_engine", counting)
+    first = run_once(*trainer_args(_config(lake)))
+    assert len(built) == 1 and first.report_path is not None
+    idle = run_once(*trainer_args(_config(lake)))
+    _add(lake, 2, passed=None)  # published, not validated yet: still nothing to consume
+    waiting = run_once(*trainer_args(_config(lake)))
+    assert len(built) == 1, "no model built for a poll with nothing to consume"
+    assert (idle.versions, idle.step, idle.cursor, idle.checkpoint_path, idle.report_path) == (
+        [], first.step, first.cursor, None, None)
+    assert (waiting.versions, waiting.step, waiting.waiting_for) == ([], first.step, 1)
+    mark_quality(lake, 1, passed=True)
+    after = run_once(*trainer_args(_config(lake)))
+    assert len(built) == 2 and [v["version"] for v in after.versions] == [1] and after.step > first.step
