@@ -222,3 +222,29 @@ def test_intercept_init_rejects_bad_rates(rates):
     model = build_model(replace(SMALL, model="lr"), 3, ("feed",))
     with pytest.raises(ValueError, match=r"base_rates must be \(2,\) rates in \(0, 1\)"):
         model.init_output_bias(rates)
+
+
+@pytest.mark.parametrize(("name", "task_towers"), [("gem", True), ("gem", False), ("dlrm", None)])
+def test_gem_and_dlrm_start_predicting_the_base_rates(name, task_towers, splits):
+    """With the towers' inputs silenced (last backbone layer zero), the logits are the base rates' log-odds."""
+    train, _ = splits
+    config = replace(SMALL, model=name)
+    if task_towers is not None:
+        config = replace(config, gem=replace(SMALL.gem, task_towers=task_towers))
+    model = build_model(config, 3, ("feed", "reels"))
+    model.init_output_bias(torch.tensor([0.2, 0.05]))
+    backbone = model.dense_arch.backbone if name == "gem" else model.dense_arch.top
+    with torch.no_grad():
+        backbone[-2].weight.zero_()  # the last Linear before the ReLU: towers see zeros + ReLU(bias)
+        backbone[-2].bias.fill_(-1.0)  # ReLU(-1) = 0
+        if name == "gem" and task_towers:
+            for layer in model.dense_arch.task_layers:
+                layer[0].bias.fill_(-1.0)
+        towers = [m for m in model.modules() if isinstance(m, DomainTowers)]
+        assert len(towers) == (2 if task_towers else 1)
+        for tower in towers:  # a zero input leaves the shared tower's ReLU(b1): silence it too
+            tower.shared[0].bias.fill_(-1.0)
+    batch = make_batch(train, np.arange(12))
+    logits = model(batch.sparse, batch.sequence, batch.dense, encode_domains(model.domains, batch.domains))
+    expected = torch.tensor([np.log(0.2 / 0.8), np.log(0.05 / 0.95)], dtype=torch.float32).expand(12, 2)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

@@ -26,7 +26,15 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from sequences.schema import SPARSE_FEATURES
 from trainer.data import SEQUENCE_KEYS
-from trainer.models.towers import DomainTowers, RankingModel, TableRows, merge_sequence_kjt, mlp, sparse_bags
+from trainer.models.towers import (
+    DomainTowers,
+    RankingModel,
+    TableRows,
+    base_logits,
+    merge_sequence_kjt,
+    mlp,
+    sparse_bags,
+)
 
 
 class LogisticRegression(RankingModel):
@@ -69,12 +77,10 @@ class LogisticRegression(RankingModel):
         Raises:
             ValueError: a rate outside (0, 1) or not of shape (2,).
         """
-        rates = torch.as_tensor(base_rates, dtype=torch.float64)
-        if rates.shape != (2,) or not bool(((rates > 0) & (rates < 1)).all()):
-            raise ValueError(f"base_rates must be (2,) rates in (0, 1) (click, conversion), got {rates.tolist()}")
+        logits = base_logits(base_rates)
         weight = cast(nn.Embedding, self.dense_arch["domain_bias"]).weight
         with torch.no_grad():
-            weight.copy_(torch.logit(rates).to(torch.float32).expand_as(weight))
+            weight.copy_(logits.expand_as(weight))
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, 2) float32 (click, conversion); inputs as :class:`trainer.models.gem.GemModel`.
@@ -150,3 +156,7 @@ class DLRM(RankingModel):
         # By key: a sharded EmbeddingBagCollection orders its output by shard, not by feature.
         pooled = torch.stack([kt[key] for key in (*SPARSE_FEATURES, *SEQUENCE_KEYS)], dim=1)
         return self.dense_arch(pooled, dense, domain_ids)
+
+    def init_output_bias(self, base_rates: torch.Tensor) -> None:
+        """The towers' output bias starts at the log-odds of ``base_rates`` (2,) (:func:`base_logits`, which raises)."""
+        self.dense_arch.towers.init_output_bias(base_logits(base_rates))

@@ -38,7 +38,7 @@ from trainer.config import GemConfig
 from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_KEYS, TIME_BUCKETS_KEY
 from trainer.models.interformer import BranchedInterFormer, InterFormer
 from trainer.models.sequence import SequenceStream, SequenceSummary, keep_newest
-from trainer.models.towers import DomainTowers, RankingModel, TableRows, mlp, sequence_tables, sparse_bags
+from trainer.models.towers import DomainTowers, RankingModel, TableRows, base_logits, mlp, sequence_tables, sparse_bags
 
 CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
 """History key -> the sparse feature whose id is the candidate's entry in that key's table."""
@@ -309,3 +309,13 @@ class GemModel(RankingModel):
         found = self.sparse_arch(sparse, sequence)
         return self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
                                found.same_values, found.same_offsets)
+
+    def init_output_bias(self, base_rates: torch.Tensor) -> None:
+        """Every output (one tower's two, or each task tower's one) starts at the log-odds of ``base_rates`` (2,)
+        (:func:`trainer.models.towers.base_logits`, which raises ValueError on a bad rate)."""
+        logits = base_logits(base_rates)
+        towers = self.dense_arch.towers
+        pairs = zip(towers, logits.split(1), strict=True) if isinstance(towers, nn.ModuleList) else [(towers, logits)]
+        for tower, tower_logits in pairs:
+            assert isinstance(tower, DomainTowers)
+            tower.init_output_bias(tower_logits)

@@ -111,6 +111,23 @@ def mlp(widths: Sequence[int], *, last_activation: bool = True) -> nn.Sequential
     return nn.Sequential(*layers)
 
 
+def base_logits(base_rates: torch.Tensor) -> torch.Tensor:
+    """(2,) float32 log-odds of ``base_rates`` (click, conversion).
+
+    Why models start their output bias there: from a zero bias (p = 0.5) Adam walks a logit at about
+    lr per step, so a 5% base rate (logit -2.9) takes ~1,000 steps at lr 3e-3, longer than the first
+    increments of a continuous run; until then the loss gradient is dominated by calibration, not
+    ranking ("init the final layer bias", Karpathy 2019, "A Recipe for Training Neural Networks").
+
+    Raises:
+        ValueError: a rate outside (0, 1) or not of shape (2,).
+    """
+    rates = torch.as_tensor(base_rates, dtype=torch.float64)
+    if rates.shape != (2,) or not bool(((rates > 0) & (rates < 1)).all()):
+        raise ValueError(f"base_rates must be (2,) rates in (0, 1) (click, conversion), got {rates.tolist()}")
+    return torch.logit(rates).to(torch.float32)
+
+
 class DomainTowers(nn.Module):
     """Per-domain click and conversion heads over a shared representation.
 
@@ -158,6 +175,19 @@ class DomainTowers(nn.Module):
         ids = domain_ids.clamp(max=k - 1)
         residual = all_towers[torch.arange(batch, device=x.device), ids]
         return out + residual * known.unsqueeze(1).to(residual.dtype)
+
+    def init_output_bias(self, logits: torch.Tensor) -> None:
+        """Start the shared tower's output bias at ``logits`` (outputs,) float (the base rates' log-odds).
+
+        The domain residuals start at zero (zero ``w2``, ``b2``), so every domain starts predicting the base
+        rate. Raises ValueError when ``logits`` is not of shape (outputs,).
+        """
+        last = self.shared[-1]
+        assert isinstance(last, nn.Linear)
+        if logits.shape != last.bias.shape:
+            raise ValueError(f"logits must be {tuple(last.bias.shape)}, got {tuple(logits.shape)}")
+        with torch.no_grad():
+            last.bias.copy_(logits.to(last.bias.dtype))
 
 
 class RankingModel(nn.Module):
