@@ -207,6 +207,9 @@ class GemConfig:
 IdMappingName = Literal["hash", "managed"]
 """``trainer.ids.mapping``: ids hashed into shared rows, or each frequent id its own row (trainer.id_mapping)."""
 
+WidthRuleName = Literal["fixed", "cardinality"]
+"""``trainer.ids.widths``: every table trainer.embedding_dim wide, or each namespace's width from its cardinality."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class IdsConfig:
@@ -222,6 +225,16 @@ class IdsConfig:
     """Managed: fewest rows of a namespace's tables."""
     table_rows: tuple[str, ...] | None = None
     """Managed: ``namespace=rows`` entries (``item=200000,category=8000``) pinning those namespaces' rows; None: the rule above."""
+    widths: WidthRuleName = "fixed"
+    """fixed: every id table is trainer.embedding_dim wide; cardinality: a namespace of U distinct ids (seen min_count
+    times in managed mode) gets ``clip(round(width_factor * U ** 0.25), min_width, trainer.embedding_dim)``
+    (trainer.id_mapping.cardinality_width)."""
+    width_factor: float = 6.0
+    """Cardinality widths: the factor of U ** 0.25 (6: Wang et al. 2017, Deep & Cross Network, §4.2)."""
+    min_width: int = 2
+    """Cardinality widths: the narrowest table."""
+    table_widths: tuple[str, ...] | None = None
+    """``namespace=width`` entries pinning those namespaces' widths (the trainer pins every one from its run's mapping)."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError naming the ``trainer.ids.*`` key of a bad value."""
@@ -231,7 +244,12 @@ class IdsConfig:
             raise BadConfigError(f"trainer.ids.min_count must be >= 1 and min_rows >= 3, got {self.min_count}, {self.min_rows}")
         if not self.headroom >= 1:
             raise BadConfigError(f"trainer.ids.headroom must be >= 1, got {self.headroom}")
+        if self.widths not in get_args(WidthRuleName):
+            raise BadConfigError(f"trainer.ids.widths must be one of {get_args(WidthRuleName)}, got {self.widths!r}")
+        if not self.width_factor > 0 or self.min_width < 1:
+            raise BadConfigError(f"trainer.ids.width_factor must be > 0 and min_width >= 1, got {self.width_factor}, {self.min_width}")
         self.pinned_rows()
+        self.pinned_widths()
 
     def pinned_rows(self) -> dict[str, int]:
         """``table_rows`` as namespace -> rows; raises BadConfigError on an entry that is not ``name=rows`` (rows >= 3)."""
@@ -241,6 +259,16 @@ class IdsConfig:
             if not name or not rows.isdigit() or int(rows) < 3:
                 raise BadConfigError(f"trainer.ids.table_rows entries must be namespace=rows with rows >= 3, got {entry!r}")
             out[name] = int(rows)
+        return out
+
+    def pinned_widths(self) -> dict[str, int]:
+        """``table_widths`` as namespace -> width; raises BadConfigError on an entry that is not ``name=width`` (>= 1)."""
+        out = {}
+        for entry in self.table_widths or ():
+            name, _, width = entry.partition("=")
+            if not name or not width.isdigit() or int(width) < 1:
+                raise BadConfigError(f"trainer.ids.table_widths entries must be namespace=width with width >= 1, got {entry!r}")
+            out[name] = int(width)
         return out
 
 
@@ -341,6 +369,9 @@ class TrainerConfig:
             raise BadConfigError(f"trainer.tower_hidden must be >= 1, got {self.tower_hidden}")
         # Checked for every model, not only gem: a config that names another model stays valid when
         # ``compare`` (or a later --set trainer.model=gem) trains GEM with it.
+        wide = {ns: w for ns, w in self.ids.pinned_widths().items() if w > self.embedding_dim}
+        if wide:
+            raise BadConfigError(f"trainer.ids.table_widths {wide} exceed trainer.embedding_dim={self.embedding_dim}")
         heads = self.gem.resolved().heads
         if self.embedding_dim % heads:
             raise BadConfigError(f"trainer.embedding_dim={self.embedding_dim} must be divisible by trainer.gem.heads={heads}")

@@ -33,6 +33,17 @@ starts: its first version alone can be a handful of rows), so a small namespace
 (gender, event type) gets a small table and a large one room to grow by ``headroom``, never more
 than the hashed table it replaces. ``trainer.ids.table_rows`` pins R per namespace instead.
 
+Widths per namespace (``trainer.ids.widths = "cardinality"``, both modes), fixed when a run starts too::
+
+    W = clip(round(width_factor * U ** 0.25), min_width, trainer.embedding_dim)
+
+with U the namespace's distinct ids in the data the run is sized by (managed: those seen ``min_count`` times;
+hash: all), the rule of the Deep & Cross Network (Wang et al. 2017, arXiv 1708.05123, §4.2: "6 x (category
+cardinality)^1/4"), capped at the models' common width D: the models zero-pad a narrower row to D
+(trainer.models.towers.pad_width), a fixed projection of Ginart et al.'s mixed-dimension embeddings (arXiv
+1909.11810, §3), so the interactions still see D-wide vectors. ``trainer.ids.table_widths`` pins W per
+namespace. With ``widths = "fixed"`` every table is D wide (width 0 in the stats: "the config's D").
+
 Only the training data is counted (:meth:`IdMapping.observe`); evaluation looks ids up without
 counting them (:meth:`IdMapping.lookup`), so a progressive evaluation sees the mapping the model was
 trained with. Pending counts are kept exactly (a dict) where Monolith uses a counting Bloom filter:
@@ -81,6 +92,7 @@ class Vocabulary:
 
     Attributes:
         rows: R, table rows (rows 0 and 1 reserved, see the module docstring).
+        width: W, table width (0: trainer.embedding_dim, the fixed rule).
         assigned: id -> row; managed: admitted ids, rows 2.. in order of admission; hash: every id
             observed with its hashed row (kept to count collisions).
         pending: managed: id -> times seen, for ids observed but without their own row; hash: empty.
@@ -88,18 +100,19 @@ class Vocabulary:
     """
 
     rows: int
+    width: int = 0
     assigned: dict[str, int] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)
     full_warned: bool = False
 
     def stats(self) -> dict[str, float | int]:
-        """``distinct_ids``, ``rows`` (R), ``rows_used``, ``colliding_ids``, ``collision_share``, ``oov_ids``,
+        """``distinct_ids``, ``rows`` (R), ``width`` (W, 0: the config's D), ``rows_used``, ``colliding_ids``, ``collision_share``, ``oov_ids``,
         ``oov_share`` (shares of distinct ids, 0.0 when none was seen)."""
         per_row = Counter(self.assigned.values())
         oov = len(self.pending)
         colliding = sum(n for n in per_row.values() if n > 1) + (oov if oov > 1 else 0)
         distinct = len(self.assigned) + oov
-        return {"distinct_ids": distinct, "rows": self.rows, "rows_used": len(per_row) + (1 if oov else 0),
+        return {"distinct_ids": distinct, "rows": self.rows, "width": self.width, "rows_used": len(per_row) + (1 if oov else 0),
                 "colliding_ids": colliding, "collision_share": colliding / distinct if distinct else 0.0,
                 "oov_ids": oov, "oov_share": oov / distinct if distinct else 0.0}
 
@@ -123,12 +136,14 @@ class IdMapping:
         rows: namespace -> R (table rows).
         min_count: managed: occurrences an id needs for its own row (>= 1).
         columns: column -> namespace of every id column mapped (:data:`trainer.data.HASH_NAMESPACE`).
+        widths: namespace -> W (table width); a namespace left out: 0, the config's D.
 
     Raises:
         BadConfigError: a column whose namespace has no rows, R < 2 (managed: < 3), or ``min_count`` < 1.
     """
 
-    def __init__(self, mode: Mode, rows: Mapping[str, int], *, min_count: int, columns: Mapping[str, str]) -> None:
+    def __init__(self, mode: Mode, rows: Mapping[str, int], *, min_count: int, columns: Mapping[str, str],
+                 widths: Mapping[str, int] | None = None) -> None:
         if mode not in ("hash", "managed"):
             raise BadConfigError(f"trainer.ids.mapping must be 'hash' or 'managed', got {mode!r}")
         if min_count < 1:
@@ -141,30 +156,48 @@ class IdMapping:
         self.mode: Mode = mode
         self.min_count = min_count
         self.columns = dict(columns)
-        self.vocabularies = {ns: Vocabulary(int(r)) for ns, r in rows.items()}
+        self.vocabularies = {ns: Vocabulary(int(r), int((widths or {}).get(ns, 0))) for ns, r in rows.items()}
 
     @classmethod
-    def sized(cls, config: IdsConfig, num_embeddings: int, first: pa.Table, columns: Mapping[str, str]) -> IdMapping:
-        """A fresh mapping whose rows follow the rule of the module docstring on ``first`` (the first training
-        data), or ``config.table_rows`` where it names a namespace; hash mode: ``num_embeddings`` everywhere.
+    def sized(cls, config: IdsConfig, num_embeddings: int, first: pa.Table, columns: Mapping[str, str],
+              embedding_dim: int = 0) -> IdMapping:
+        """A fresh mapping whose rows (managed) and widths (``config.widths = "cardinality"``, capped at
+        ``embedding_dim``) follow the rules of the module docstring on ``first`` (the data the run is sized by),
+        or ``config.table_rows`` / ``table_widths`` where they name a namespace; hash mode: ``num_embeddings``
+        rows everywhere.
 
         Raises:
-            BadConfigError: ``config.table_rows`` names a namespace no column has; as :class:`IdMapping`.
+            BadConfigError: ``config.table_rows`` or ``table_widths`` names a namespace no column has; cardinality
+                widths without ``embedding_dim``; as :class:`IdMapping`.
         """
         namespaces = sorted(set(columns.values()))
-        if config.mapping == "hash":
-            return cls("hash", dict.fromkeys(namespaces, num_embeddings), min_count=config.min_count, columns=columns)
-        pinned = config.pinned_rows()
-        unknown = sorted(set(pinned) - set(namespaces))
+        pinned, pinned_widths = config.pinned_rows(), config.pinned_widths()
+        unknown = sorted((set(pinned) | set(pinned_widths)) - set(namespaces))
         if unknown:
-            raise BadConfigError(f"trainer.ids.table_rows names namespaces {unknown}; known: {namespaces}")
-        counts = _count(first, columns)
+            raise BadConfigError(f"trainer.ids.table_rows / table_widths name namespaces {unknown}; known: {namespaces}")
+        counted = config.mapping == "managed" or config.widths == "cardinality"
+        counts = _count(first, columns) if counted else {}
+        least = config.min_count if config.mapping == "managed" else 1
+        distinct = {ns: sum(1 for n in counts.get(ns, {}).values() if n >= least) for ns in namespaces}
+        widths = dict(pinned_widths)
+        if config.widths == "cardinality":
+            if embedding_dim < 1:
+                raise BadConfigError("cardinality widths need the models' embedding_dim (trainer.embedding_dim)")
+            for ns in namespaces:
+                widths.setdefault(ns, cardinality_width(distinct[ns], factor=config.width_factor,
+                                                        least=config.min_width, most=embedding_dim))
+        if config.mapping == "hash":
+            return cls("hash", dict.fromkeys(namespaces, num_embeddings), min_count=config.min_count, columns=columns,
+                       widths=widths)
         rows = {}
         for ns in namespaces:
-            frequent = sum(1 for n in counts.get(ns, {}).values() if n >= config.min_count)
-            rule = max(config.min_rows, FIRST_ID_ROW + math.ceil(config.headroom * frequent))
+            rule = max(config.min_rows, FIRST_ID_ROW + math.ceil(config.headroom * distinct[ns]))
             rows[ns] = pinned.get(ns, min(num_embeddings, rule))
-        return cls("managed", rows, min_count=config.min_count, columns=columns)
+        return cls("managed", rows, min_count=config.min_count, columns=columns, widths=widths)
+
+    def table_widths(self) -> dict[str, int]:
+        """Column -> W of its namespace (0: the config's D)."""
+        return {column: self.vocabularies[ns].width for column, ns in self.columns.items()}
 
     def table_rows(self) -> dict[str, int]:
         """Column -> R of its namespace: the rows of each embedding table (trainer.models.towers)."""
@@ -229,7 +262,7 @@ class IdMapping:
     def to_bytes(self) -> bytes:
         """JSON of the whole state (mode, min_count, columns, every vocabulary), saved with checkpoints."""
         state = {"mode": self.mode, "min_count": self.min_count, "columns": self.columns,
-                 "vocabularies": {ns: {"rows": v.rows, "assigned": v.assigned, "pending": v.pending}
+                 "vocabularies": {ns: {"rows": v.rows, "width": v.width, "assigned": v.assigned, "pending": v.pending}
                                   for ns, v in self.vocabularies.items()}}
         return json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
 
@@ -238,8 +271,10 @@ class IdMapping:
         """Inverse of :meth:`to_bytes`. Raises ValueError on a payload that is not one."""
         try:
             state: dict[str, Any] = json.loads(payload)
+            # "width" is absent from mappings saved before trainer.ids.widths: those tables were D wide.
             mapping = cls(state["mode"], {ns: v["rows"] for ns, v in state["vocabularies"].items()},
-                          min_count=state["min_count"], columns=state["columns"])
+                          min_count=state["min_count"], columns=state["columns"],
+                          widths={ns: v.get("width", 0) for ns, v in state["vocabularies"].items()})
             for ns, v in state["vocabularies"].items():
                 mapping.vocabularies[ns].assigned = {str(k): int(r) for k, r in v["assigned"].items()}
                 mapping.vocabularies[ns].pending = {str(k): int(n) for k, n in v["pending"].items()}
@@ -262,6 +297,27 @@ def _count(table: pa.Table, columns: Mapping[str, str]) -> dict[str, dict[str, i
     return out
 
 
+def cardinality_width(distinct: int, *, factor: float = 6.0, least: int = 2, most: int) -> int:
+    """Embedding width of a namespace of ``distinct`` ids: ``round(factor * distinct ** 0.25)`` clipped to
+    [least, most] (Wang et al. 2017, "Deep & Cross Network for Ad Click Predictions", arXiv 1708.05123, §4.2).
+
+    E.g. 2 ids -> 7, 19 genres -> 13, 1,682 movies -> 38 (before the clip). Raises ValueError when least > most.
+    """
+    if least > most:
+        raise ValueError(f"min width {least} > max width {most}")
+    return min(most, max(least, round(factor * max(distinct, 0) ** 0.25)))
+
+
+def table_widths(tc: TrainerConfig) -> int | dict[str, int]:
+    """Widths of the id tables of a model built from ``tc`` (trainer.models.towers.TableWidths): fixed,
+    ``trainer.embedding_dim`` for every table; else per id column, its namespace's pinned width
+    (``trainer.ids.table_widths``, which the trainer sets from the run's mapping) or ``embedding_dim``."""
+    pinned = tc.ids.pinned_widths()
+    if not pinned:
+        return tc.embedding_dim
+    return {column: pinned.get(ns, tc.embedding_dim) or tc.embedding_dim for column, ns in HASH_NAMESPACE.items()}
+
+
 def table_rows(tc: TrainerConfig) -> int | dict[str, int]:
     """Rows of the id tables of a model built from ``tc`` (trainer.models.towers.TableRows): hash mode
     ``trainer.num_embeddings`` for every table; managed, per id column, its namespace's pinned rows
@@ -273,13 +329,18 @@ def table_rows(tc: TrainerConfig) -> int | dict[str, int]:
 
 
 def with_rows(tc: TrainerConfig, mapping: IdMapping) -> TrainerConfig:
-    """``tc`` whose models get ``mapping``'s table rows (a copy; managed mode pins every namespace's rows)."""
+    """``tc`` whose models get ``mapping``'s table rows and widths (a copy; managed mode pins every namespace's
+    rows, a mapping with widths every namespace's width)."""
     if mapping.mode != tc.ids.mapping:
         raise BadConfigError(f"the run's id mapping is {mapping.mode!r} but trainer.ids.mapping={tc.ids.mapping!r}: "
                              "resume with the same mapping, or start a new run")
+    vocabularies = sorted(mapping.vocabularies.items())
+    if any(v.width for _, v in vocabularies):
+        widths = tuple(f"{ns}={v.width or tc.embedding_dim}" for ns, v in vocabularies)
+        tc = replace(tc, ids=replace(tc.ids, table_widths=widths))
     if mapping.mode == "hash":
         return tc
-    pinned = tuple(f"{ns}={v.rows}" for ns, v in sorted(mapping.vocabularies.items()))
+    pinned = tuple(f"{ns}={v.rows}" for ns, v in vocabularies)
     return replace(tc, ids=replace(tc.ids, table_rows=pinned))
 
 
@@ -305,7 +366,7 @@ def start_mapping(tc: TrainerConfig, first: pa.Table, resume_from: str | Path | 
             raise BadConfigError(f"checkpoint {resume_from} has no {MAPPING_FILE} (its ids were hashed): resume with "
                                  "trainer.ids.mapping=hash, or start a new run")
         log.info("checkpoint %s has no %s: collision counts start at this run", resume_from, MAPPING_FILE)
-    return IdMapping.sized(tc.ids, tc.num_embeddings, first, HASH_NAMESPACE)
+    return IdMapping.sized(tc.ids, tc.num_embeddings, first, HASH_NAMESPACE, tc.embedding_dim)
 
 
 def stats_rows(mapping: IdMapping) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 It shows what a person checks after a daily run: the progressive AUC and NE per domain over examples
 versions (each measured before the model trained on that version, from the ``training_metrics`` table), the
-id collisions per id namespace after the newest version (its ``task = "ids"`` rows: trainer.id_mapping),
+id collisions, table rows and widths per id namespace after the newest version (its ``task = "ids"`` rows:
+trainer.id_mapping),
 the rows trained per version with its quality verdict (passed, released, quarantined and skipped), the mean
 training loss per version, the freshness of the trained rows per version (p50/p95/p99 of impression ->
 published -> trained, from the ``freshness`` table: trainer.freshness) and the lineage table. Plots are matplotlib (Agg) PNGs inlined as base64, as
@@ -142,11 +143,15 @@ def _id_table(metrics: list[dict[str, Any]], run_id: str) -> str:
         value = r.get(key)
         return "" if value is None else (f"{100 * value:.2f}%" if share else f"{int(value)}")
 
+    def width(r: dict[str, Any]) -> str:  # 0: every table trainer.embedding_dim wide (trainer.ids.widths=fixed)
+        value = r.get("width")
+        return "" if value is None else ("D" if not value else f"{int(value)}")
+
     body = "".join(f"<tr><td>{html.escape(r['namespace'])}</td><td>{cell(r, 'distinct_ids', False)}</td>"
-                   f"<td>{cell(r, 'rows', False)}</td><td>{cell(r, 'collision_share', True)}</td>"
+                   f"<td>{cell(r, 'rows', False)}</td><td>{width(r)}</td><td>{cell(r, 'collision_share', True)}</td>"
                    f"<td>{cell(r, 'oov_share', True)}</td></tr>" for r in rows)
     return (f"<p>after training on examples version {version}; shares of the distinct ids seen in training</p>"
-            "<table><tr><th>id namespace</th><th>distinct ids</th><th>table rows</th><th>sharing a row</th>"
+            "<table><tr><th>id namespace</th><th>distinct ids</th><th>table rows</th><th>width</th><th>sharing a row</th>"
             f"<th>on the OOV row</th></tr>{body}</table>")
 
 

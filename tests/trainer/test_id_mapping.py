@@ -5,11 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from gemline.errors import BadConfigError
 from trainer.config import IdsConfig, TrainerConfig
 from trainer.data import HASH_NAMESPACE, hash_ids
-from trainer.id_mapping import FIRST_ID_ROW, NULL_ROW, OOV_ROW, IdMapping, table_rows, with_rows
+from trainer.id_mapping import (
+    FIRST_ID_ROW,
+    NULL_ROW,
+    OOV_ROW,
+    IdMapping,
+    cardinality_width,
+    table_rows,
+    table_widths,
+    with_rows,
+)
 
 COLUMNS = {"item_id": "item", "seq_item_ids": "item"}
 
@@ -32,7 +42,7 @@ def test_managed_hand_case_rows_oov_and_collision_counts():
     assert mapping.lookup(pa.array([["b", "a"], []], pa.list_(pa.string())), "seq_item_ids").tolist() == [3, 2]
     stats = mapping.stats()["item"]
     # 4 distinct ids: a, b alone on their rows; c, d share the OOV row.
-    assert stats == {"distinct_ids": 4, "rows": 10, "rows_used": 3, "colliding_ids": 2, "collision_share": 0.5,
+    assert stats == {"distinct_ids": 4, "rows": 10, "width": 0, "rows_used": 3, "colliding_ids": 2, "collision_share": 0.5,
                      "oov_ids": 2, "oov_share": 0.5}
 
 
@@ -113,8 +123,74 @@ def test_models_get_the_mapping_rows_per_table():
             assert shapes["t_item"][0] == 11 and shapes["t_category"][0] == 5
 
 
+def test_cardinality_width_rule_on_hand_cases():
+    # round(6 * U ** 0.25): 2 ids -> 6 * 1.189 = 7.1; 19 genres -> 6 * 2.088 = 12.5; 1,682 movies -> 6 * 6.404 = 38.4.
+    assert [cardinality_width(u, least=1, most=64) for u in (0, 1, 2, 19, 1682)] == [1, 6, 7, 13, 38]
+    assert cardinality_width(1682, least=2, most=16) == 16 and cardinality_width(0, least=4, most=16) == 4
+    assert cardinality_width(16, factor=3.0, least=1, most=64) == 6  # 3 * 2
+    with pytest.raises(ValueError, match="min width 8 > max width 4"):
+        cardinality_width(10, least=8, most=4)
+
+
+@pytest.mark.parametrize("mode", ["hash", "managed"])
+def test_cardinality_widths_per_namespace_reach_the_models(mode):
+    from trainer.models import build_model
+
+    # item: 4 distinct ids (3 seen twice); category: 2; event_type: none seen.
+    first = pa.table({"item_id": pa.array(["a", "a", "b", "b", "c", "c", "d"]),
+                      "category": pa.array(["x", "x", "y", "y", "x", "y", "x"])})
+    config = IdsConfig(mapping=mode, min_count=2, min_rows=3, widths="cardinality", min_width=2,
+                       table_widths=("user_id=3",))
+    mapping = IdMapping.sized(config, 1000, first, HASH_NAMESPACE, embedding_dim=8)
+    widths = {ns: v.width for ns, v in mapping.vocabularies.items()}
+    # hash counts every distinct id (4 items: 6 * 1.414 = 8.5 -> capped at 8); managed those seen twice (3: 7.9 -> 8)
+    assert widths["item"] == 8 and widths["category"] == 7  # 6 * 2 ** 0.25 = 7.1
+    assert widths["event_type"] == 2 and widths["user_id"] == 3  # nothing seen: min_width; pinned
+    assert mapping.stats()["category"]["width"] == 7
+    assert IdMapping.from_bytes(mapping.to_bytes()).vocabularies["category"].width == 7  # resumes keep widths
+    tc = with_rows(TrainerConfig(ids=config, embedding_dim=8, num_embeddings=50, hidden_dims=(8,), tower_hidden=2), mapping)
+    per_table = table_widths(tc)
+    assert isinstance(per_table, dict)
+    assert per_table["item_id"] == per_table["seq_item_ids"] == 8 and per_table["seq_categories"] == 7
+    for model_name in ("gem", "dlrm"):
+        model = build_model(TrainerConfig(**{**tc.__dict__, "model": model_name}), 3, ("feed",))
+        bags = {name.split(".")[-2]: p.shape[1] for name, p in model.sparse_arch.named_parameters() if "bags" in name or model_name == "dlrm"}
+        assert bags["t_user_id"] == 3 and bags["t_category"] == 7, model_name
+        assert bags["t_item_id"] == 8 and bags["t_age"] == 2, model_name  # age: no id seen, min_width
+        if model_name == "dlrm":
+            assert bags["t_seq_categories"] == 7 and bags["t_seq_event_types"] == 2
+        else:  # GEM's history tables are one EmbeddingCollection: one width, D
+            assert {p.shape[1] for p in model.sparse_arch.sequence.parameters()} == {8}
+        batch = _tiny_batch()
+        logits = model(*batch, torch.zeros((2, 3)), torch.zeros(2, dtype=torch.int64))
+        assert logits.shape == (2, 2) and bool(torch.isfinite(logits).all())
+    assert table_widths(TrainerConfig()) == TrainerConfig().embedding_dim
+
+
+def _tiny_batch():
+    """(sparse, sequence) KJTs of 2 examples, row 1 everywhere, histories of 2 and 0 events."""
+    from torchrec import KeyedJaggedTensor
+
+    from sequences.schema import SPARSE_FEATURES
+    from trainer.data import SEQUENCE_KEYS
+
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=list(SPARSE_FEATURES), values=torch.ones(2 * len(SPARSE_FEATURES), dtype=torch.int64),
+                                                 lengths=torch.ones(2 * len(SPARSE_FEATURES), dtype=torch.int64))
+    sequence = KeyedJaggedTensor.from_lengths_sync(keys=list(SEQUENCE_KEYS), values=torch.ones(2 * len(SEQUENCE_KEYS), dtype=torch.int64),
+                                                   lengths=torch.tensor([2, 0] * len(SEQUENCE_KEYS)))
+    return sparse, sequence
+
+
+def test_widths_wider_than_the_models_are_refused():
+    with pytest.raises(BadConfigError, match="exceed trainer.embedding_dim=8"):
+        TrainerConfig(embedding_dim=8, ids=IdsConfig(table_widths=("item=9",)))
+
+
 BAD = [
     ({"mapping": "zch"}, "trainer.ids.mapping"),
+    ({"widths": "auto"}, "trainer.ids.widths"),
+    ({"table_widths": ("item=0",)}, "namespace=width"),
+    ({"width_factor": 0.0}, "width_factor must be > 0"),
     ({"min_count": 0}, "min_count must be >= 1"),
     ({"headroom": 0.5}, "headroom must be >= 1"),
     ({"table_rows": ("item",)}, "namespace=rows"),
@@ -151,6 +227,9 @@ def test_run_report_shows_the_newest_collision_counts_of_the_run():
     other_run = _id_metric_rows("r2", 9, 7, mapping, 3)
     version, rows = id_collision_rows(older + newer + other_run, "r1")
     assert version == 1 and rows == [{"namespace": "item", "collision_share": 2 / 3, "oov_share": 2 / 3,
-                                      "distinct_ids": 3.0, "rows": 10.0}]
+                                      "distinct_ids": 3.0, "rows": 10.0, "width": 0.0}]
     page = render_run_report("r1", [], older + newer, step=5, rows_trained_total=3, checkpoint=None)
-    assert "<td>item</td><td>3</td><td>10</td><td>66.67%</td><td>66.67%</td>" in page
+    assert "<td>item</td><td>3</td><td>10</td><td>D</td><td>66.67%</td><td>66.67%</td>" in page  # D: fixed widths
+    mapping.vocabularies["item"].width = 12
+    page = render_run_report("r1", [], _id_metric_rows("r1", 5, 1, mapping, 2), step=5, rows_trained_total=3, checkpoint=None)
+    assert "<td>item</td><td>3</td><td>10</td><td>12</td><td>66.67%</td>" in page

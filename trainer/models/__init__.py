@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainer.config import TrainerConfig
-from trainer.id_mapping import table_rows
+from trainer.id_mapping import table_rows, table_widths
 from trainer.models.baselines import DLRM, LogisticRegression
 from trainer.models.gem import GemModel
 from trainer.models.towers import RankingModel, encode_domains
@@ -32,7 +32,8 @@ def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -
     """The model ``config.model`` names, sized by ``config``.
 
     Args:
-        config: the trainer section (model, embedding_dim, num_embeddings, hidden_dims, tower_hidden; gem for GEM).
+        config: the trainer section (model, embedding_dim, num_embeddings, hidden_dims, tower_hidden; gem for GEM;
+            ids.table_rows / table_widths for per-feature tables: LR's tables are 2 wide whatever the widths).
         num_dense: F, dense features per example.
         domains: K domain names of the training data (their order fixes the domain ids).
 
@@ -42,9 +43,11 @@ def build_model(config: TrainerConfig, num_dense: int, domains: Sequence[str]) -
     common: dict[str, Any] = {"num_embeddings": table_rows(config), "num_dense": num_dense}
     if config.model == "gem":
         return GemModel(config.gem, **common, embedding_dim=config.embedding_dim, domains=domains,
-                        hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden)
+                        hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden,
+                        embedding_widths=table_widths(config))
     if config.model == "dlrm":
-        return DLRM(**common, embedding_dim=config.embedding_dim, domains=domains, hidden_dims=config.hidden_dims, tower_hidden=config.tower_hidden)
+        return DLRM(**common, embedding_dim=config.embedding_dim, domains=domains, hidden_dims=config.hidden_dims,
+                    tower_hidden=config.tower_hidden, embedding_widths=table_widths(config))
     if config.model == "lr":
         return LogisticRegression(**common, domains=domains)
     if config.model == "ranker":

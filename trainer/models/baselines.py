@@ -30,9 +30,11 @@ from trainer.models.towers import (
     DomainTowers,
     RankingModel,
     TableRows,
+    TableWidths,
     base_logits,
     merge_sequence_kjt,
     mlp,
+    pad_width,
     sparse_bags,
 )
 
@@ -127,6 +129,8 @@ class DLRM(RankingModel):
     Args:
         num_embeddings: rows of the id tables (one count, or per feature).
         embedding_dim: D.
+        embedding_widths: widths of the id tables (one, or per feature; at most D, narrower ones zero-padded to D
+            before the dot interaction, :func:`trainer.models.towers.pad_width`); None: D.
         num_dense: F.
         domains: K known domain names.
         hidden_dims: top MLP widths.
@@ -135,11 +139,12 @@ class DLRM(RankingModel):
 
     def __init__(
         self, *, num_embeddings: TableRows, embedding_dim: int, num_dense: int, domains: Sequence[str],
-        hidden_dims: Sequence[int] = (64, 32), tower_hidden: int = 16,
+        hidden_dims: Sequence[int] = (64, 32), tower_hidden: int = 16, embedding_widths: TableWidths | None = None,
     ) -> None:
         super().__init__()
-        self.num_dense, self.domains = num_dense, tuple(domains)
-        self.sparse_arch = sparse_bags(num_embeddings, embedding_dim, sequence_pooling=PoolingType.MEAN)
+        self.num_dense, self.domains, self.dim = num_dense, tuple(domains), embedding_dim
+        self.sparse_arch = sparse_bags(num_embeddings, embedding_dim if embedding_widths is None else embedding_widths,
+                                       sequence_pooling=PoolingType.MEAN)
         self.dense_arch = DLRMDenseArch(
             dim=embedding_dim, num_dense=num_dense, num_sparse=len(SPARSE_FEATURES) + len(SEQUENCE_KEYS),
             num_domains=len(self.domains), hidden_dims=hidden_dims, tower_hidden=tower_hidden,
@@ -154,7 +159,7 @@ class DLRM(RankingModel):
         self.check_inputs(dense, domain_ids)
         kt = self.sparse_arch(merge_sequence_kjt(sparse, sequence))
         # By key: a sharded EmbeddingBagCollection orders its output by shard, not by feature.
-        pooled = torch.stack([kt[key] for key in (*SPARSE_FEATURES, *SEQUENCE_KEYS)], dim=1)
+        pooled = torch.stack([pad_width(kt[key], self.dim) for key in (*SPARSE_FEATURES, *SEQUENCE_KEYS)], dim=1)
         return self.dense_arch(pooled, dense, domain_ids)
 
     def init_output_bias(self, base_rates: torch.Tensor) -> None:

@@ -38,7 +38,17 @@ from trainer.config import GemConfig
 from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_KEYS, TIME_BUCKETS_KEY
 from trainer.models.interformer import BranchedInterFormer, InterFormer
 from trainer.models.sequence import SequenceStream, SequenceSummary, keep_newest
-from trainer.models.towers import DomainTowers, RankingModel, TableRows, base_logits, mlp, sequence_tables, sparse_bags
+from trainer.models.towers import (
+    DomainTowers,
+    RankingModel,
+    TableRows,
+    TableWidths,
+    base_logits,
+    mlp,
+    pad_width,
+    sequence_tables,
+    sparse_bags,
+)
 
 CANDIDATE_KEYS = {SEQUENCE_KEYS[0]: "item_id", SEQUENCE_KEYS[1]: "category"}
 """History key -> the sparse feature whose id is the candidate's entry in that key's table."""
@@ -77,36 +87,52 @@ class SparseArch(nn.Module):
     one-process trainer updates it once (see trainer.distributed). Pooled outputs are read by
     key, since a sharded EmbeddingBagCollection orders them by shard.
 
+    The pooled tables may be narrower than D (``widths``, trainer.id_mapping's cardinality rule): they are
+    zero-padded to D (:func:`trainer.models.towers.pad_width`) before they are stacked. The history tables stay D
+    wide: TorchRec's EmbeddingCollection takes one width for all its tables.
+
     Args:
         num_embeddings: rows of every id table; dim: D.
         time_buckets: rows of the time-delta table (0: none); same_domain: read the same-domain history.
+        widths: width of each pooled id table (at most D); None: D.
     """
 
-    def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False) -> None:
+    def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False,
+                 widths: TableWidths | None = None) -> None:
         super().__init__()
-        self.time_buckets, self.same_domain = time_buckets, same_domain
+        self.dim, self.time_buckets, self.same_domain = dim, time_buckets, same_domain
         self.keys = [*SEQUENCE_KEYS, *([TIME_BUCKETS_KEY] if time_buckets else [])]
-        self.bags = sparse_bags(num_embeddings, dim)
+        self.bags = sparse_bags(num_embeddings, dim if widths is None else widths)
+        # TorchRec's EmbeddingCollection needs one width for all its tables: the history tables stay D wide.
         self.sequence = sequence_tables(num_embeddings, dim, time_buckets=time_buckets, time_keys=[TIME_BUCKETS_KEY])
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> Lookups:
         """The batch's :class:`Lookups`; the keys of SEQUENCE_EXTRA_KEYS a batch lacks read as unknown time buckets
         and empty same-domain histories."""
         kt = self.bags(sparse)
-        pooled = torch.stack([kt[name] for name in SPARSE_FEATURES], dim=1)
+        pooled = torch.stack([pad_width(kt[name], self.dim) for name in SPARSE_FEATURES], dim=1)
         batch, main = sequence.stride(), sequence[SEQUENCE_KEYS[0]]
-        jagged = self.sequence(with_candidate(sparse, sequence, self.keys, self.time_buckets, same_domain=self.same_domain))
+        found = self.sequence(with_candidate(sparse, sequence, self.keys, self.time_buckets, same_domain=self.same_domain))
+        jagged = {key: found[key].values() for key in self.keys}
         total = int(main.offsets()[-1])
-        values = sum(jagged[key].values()[:total] for key in self.keys)
-        target = sum(jagged[key].values()[total: total + batch] for key in CANDIDATE_KEYS)
+        values = _total([jagged[key][:total] for key in self.keys])
+        target = _total([jagged[key][total: total + batch] for key in CANDIDATE_KEYS])
         if not self.same_domain:
             return Lookups(pooled, values, main.offsets(), target, None, None)
         # Rows 2B..3B-1 of every key: the same-domain history, after each key's candidate rows.
-        first = jagged[SEQUENCE_KEYS[0]].offsets()
+        first = found[SEQUENCE_KEYS[0]].offsets()
         same_offsets = first[2 * batch:] - first[2 * batch]
         start = {key: total + (batch if key in CANDIDATE_KEYS else 0) for key in self.keys}
-        same_values = sum(jagged[key].values()[start[key]:] for key in self.keys)
+        same_values = _total([jagged[key][start[key]:] for key in self.keys])
         return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets)
+
+
+def _total(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The element-wise sum of one or more tensors of one shape."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out
 
 
 SAME_DOMAIN_OF = dict(zip((*SEQUENCE_KEYS, TIME_BUCKETS_KEY), SAME_DOMAIN_KEYS, strict=True))
@@ -269,6 +295,8 @@ class GemModel(RankingModel):
     Args:
         config: preset, layers, heads, sequence length and branches, streams, Cross Arch, Wukong widths, kernels.
         num_embeddings: rows of the id tables (one count, or per feature).
+        embedding_widths: widths of the id tables (one, or per feature; at most D, narrower ones zero-padded to D);
+            None: D.
         embedding_dim: D (also the width of every interaction and sequence embedding); a multiple of ``config.heads``.
         num_dense: F, dense features per example (from the data).
         domains: K known domain names (from the data); index i is domain id i, K means unknown.
@@ -281,13 +309,13 @@ class GemModel(RankingModel):
 
     def __init__(
         self, config: GemConfig, *, num_embeddings: TableRows, embedding_dim: int, num_dense: int, domains: Sequence[str],
-        hidden_dims: Sequence[int], tower_hidden: int,
+        hidden_dims: Sequence[int], tower_hidden: int, embedding_widths: TableWidths | None = None,
     ) -> None:
         super().__init__()
         config = config.resolved()
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim, time_buckets=config.time_delta_buckets,
-                                      same_domain=config.same_domain_stream)
+                                      same_domain=config.same_domain_stream, widths=embedding_widths)
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,

@@ -35,29 +35,45 @@ TableRows: TypeAlias = int | Mapping[str, int]
 """Rows of the id tables: one count for every table, or feature name -> rows (trainer.id_mapping.table_rows)."""
 
 
+TableWidths: TypeAlias = int | Mapping[str, int]
+"""Widths of the id tables: one width for every table, or feature name -> width (trainer.id_mapping.table_widths)."""
+
+
 def rows_of(num_embeddings: TableRows, feature: str) -> int:
     """Rows of ``feature``'s table; raises KeyError for a feature a mapping does not size."""
     return num_embeddings if isinstance(num_embeddings, int) else num_embeddings[feature]
+
+
+def pad_width(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` (..., W) zero-padded on the right to (..., dim): a table narrower than the models' width D read as
+    D wide, the fixed projection [I; 0] of mixed-dimension embeddings (Ginart et al. 2021, arXiv 1909.11810, §3),
+    so dot products and sums with other D-wide rows are those of the W-dim rows. Raises ValueError when W > dim."""
+    width = x.shape[-1]
+    if width > dim:
+        raise ValueError(f"a table {width} wide is wider than the models' width {dim}")
+    return x if width == dim else nn.functional.pad(x, (0, dim - width))
 
 
 def _init() -> dict:
     return {"weight_init_min": -INIT_RANGE, "weight_init_max": INIT_RANGE}
 
 
-def sparse_bags(num_embeddings: TableRows, dim: int, *, sequence_pooling: PoolingType | None = None) -> EmbeddingBagCollection:
-    """One pooled table per sparse feature (S tables of (rows of the feature, dim)).
+def sparse_bags(num_embeddings: TableRows, dim: TableWidths, *, sequence_pooling: PoolingType | None = None) -> EmbeddingBagCollection:
+    """One pooled table per sparse feature (S tables of (rows of the feature, width of the feature)).
 
     With ``sequence_pooling`` set, also one pooled table per sequence key (DLRM's and LR's view of
     the history as a bag of ids).
     """
     tables = [
-        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=rows_of(num_embeddings, name), feature_names=[name], **_init())
+        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=rows_of(dim, name), num_embeddings=rows_of(num_embeddings, name),
+                           feature_names=[name], **_init())
         for name in SPARSE_FEATURES
     ]
     if sequence_pooling is not None:
         tables += [
             EmbeddingBagConfig(
-                name=f"t_{key}", embedding_dim=dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], pooling=sequence_pooling, **_init()
+                name=f"t_{key}", embedding_dim=rows_of(dim, key), num_embeddings=rows_of(num_embeddings, key), feature_names=[key],
+                pooling=sequence_pooling, **_init()
             )
             for key in SEQUENCE_TABLES
         ]
@@ -66,7 +82,8 @@ def sparse_bags(num_embeddings: TableRows, dim: int, *, sequence_pooling: Poolin
 
 def sequence_tables(num_embeddings: TableRows, dim: int, *, time_buckets: int = 0, time_keys: Sequence[str] = ()) -> EmbeddingCollection:
     """Unpooled tables of the history keys: each gives jagged (T, dim) token embeddings; with ``time_buckets`` > 0
-    also a table of that many rows for the ``time_keys`` (time-delta bucket ids)."""
+    also a table of that many rows for the ``time_keys`` (time-delta bucket ids). One ``dim`` for all: TorchRec's
+    EmbeddingCollection requires it."""
     tables = [EmbeddingConfig(name=table, embedding_dim=dim, num_embeddings=rows_of(num_embeddings, key), feature_names=[key], **_init())
               for key, table in SEQUENCE_TABLES.items()]
     if time_buckets > 0:
