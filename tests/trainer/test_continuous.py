@@ -60,9 +60,9 @@ def test_each_version_once_with_progressive_metrics(tmp_path):
     assert all(0.0 <= p["auc"] <= 1.0 and p["rows"] == 200 for p in first.progressive)
     metrics = read_table(str(lake), "training_metrics")
     # 2 evaluations x 2 tasks x (overall + 3 domains) x 5 metrics, and after each of the 3 versions trained the
-    # id mapping's counts: 10 namespaces (trainer.id_mapping) x 4 metrics
+    # id mapping's counts: 10 namespaces (trainer.id_mapping) x 5 metrics
     ids = metrics.filter(pc.equal(metrics["task"], "ids"))
-    assert metrics.num_rows - ids.num_rows == 2 * 2 * 4 * 5 and ids.num_rows == 3 * 10 * 4
+    assert metrics.num_rows - ids.num_rows == 2 * 2 * 4 * 5 and ids.num_rows == 3 * 10 * 5
     items = {r["examples_version"]: r["value"] for r in ids.to_pylist() if r["domain"] == "item" and r["metric"] == "distinct_ids"}
     assert sorted(items) == [0, 1, 2] and items[0] <= items[1] <= items[2] <= 40  # synthetic items i0..i39
     counts = {(r["examples_version"], r["domain"]): r["value"] for r in metrics.to_pylist()
@@ -145,7 +145,7 @@ def test_resume_and_crash_give_the_parameters_of_an_uninterrupted_run(tmp_path, 
     assert sorted({r["examples_version"] for r in metrics.to_pylist() if r["task"] != "ids"}) == [1, 2]
     ids = metrics.filter(pc.equal(metrics["task"], "ids"))
     assert metrics.num_rows - ids.num_rows == 2 * 2 * 4 * 5, "the evaluation of version 1 is written once"
-    assert ids.num_rows == 3 * 10 * 4, "the id counts of each version are written once"
+    assert ids.num_rows == 3 * 10 * 5, "the id counts of each version are written once"
 
 
 def test_a_managed_id_mapping_resumes_exactly(tmp_path):
