@@ -75,10 +75,11 @@ ABLATIONS: dict[str, dict[str, str]] = {
     "fmb_mlp_layers": {"trainer.gem.fmb_mlp_layers": "1"},
     "task_towers": {"trainer.gem.task_towers": "false"},
     "final_labels": {"trainer.final_labels": "false"},
+    "widths": {"trainer.ids.widths": "fixed"},
 }
 """Ablation name -> ``--set`` overrides (full keys, string values as on the command line) that switch one change of
 the full model off (issue 18's switches at their gem_small values; ``recency_branches`` off is gem_small's pyramid,
-which reads one stream)."""
+which reads one stream; ``widths`` off: every table trainer.embedding_dim wide)."""
 
 
 def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,10 +66,14 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
     assert no_collisions.ids == IdsConfig(mapping="hash", min_count=3)
     assert no_collisions.gem == full.gem and no_collisions.learning_rate == 0.02
     assert ablated_config(full, "sequence_len").gem.max_sequence_len == int(ABLATIONS["sequence_len"]["trainer.gem.max_sequence_len"])
+    narrow = replace(full, ids=replace(full.ids, widths="cardinality"))
+    assert ablated_config(narrow, "widths").ids == full.ids
+    with pytest.raises(BadConfigError, match="ablation 'widths'.*changes nothing"):
+        ablated_config(full, "widths")
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("interformer", "unknown ablation 'interformer'; known: collisions, final_labels, fmb_mlp_layers, interformer_cross, personalized_ffn, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets"),
+    ("interformer", "unknown ablation 'interformer'; known: collisions, final_labels, fmb_mlp_layers, interformer_cross, personalized_ffn, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, widths"),
     ("collisions", "ablation 'collisions' \\(trainer.ids.mapping=hash\\) changes nothing"),
 ])
 def test_an_unknown_or_empty_ablation_is_refused_before_training(tmp_path, name, message):
@@ -85,7 +90,7 @@ def test_cli_reports_an_unknown_ablation_in_one_line(tmp_path, capsys):
 
     assert main(["compare", "--set", f"lake={tmp_path}", "--ablate", "nope", "--json"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: unknown ablation 'nope'; known: collisions, final_labels, fmb_mlp_layers, interformer_cross, personalized_ffn, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets"]
+    assert err == ["error: unknown ablation 'nope'; known: collisions, final_labels, fmb_mlp_layers, interformer_cross, personalized_ffn, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, widths"]
 
 
 def test_compare_json_of_a_tiny_run_with_an_ablation(tmp_path):
