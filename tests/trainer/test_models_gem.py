@@ -248,3 +248,16 @@ def test_gem_and_dlrm_start_predicting_the_base_rates(name, task_towers, splits)
     logits = model(batch.sparse, batch.sequence, batch.dense, encode_domains(model.domains, batch.domains))
     expected = torch.tensor([np.log(0.2 / 0.8), np.log(0.05 / 0.95)], dtype=torch.float32).expand(12, 2)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_narrow_table_reads_as_its_rows_zero_padded_to_the_model_width():
+    from trainer.models.towers import pad_width
+
+    narrow = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    padded = pad_width(narrow, 4)
+    assert padded.tolist() == [[1.0, 2.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0]]
+    wide = torch.tensor([[0.5, -1.0, 7.0, 9.0]])
+    assert (padded @ wide.T).tolist() == (narrow @ wide[:, :2].T).tolist()  # dot products see the narrow rows only
+    assert pad_width(wide, 4) is wide
+    with pytest.raises(ValueError, match="a table 4 wide is wider than the models' width 3"):
+        pad_width(wide, 3)
