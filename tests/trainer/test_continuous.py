@@ -176,6 +176,32 @@ def test_a_managed_id_mapping_resumes_exactly(tmp_path):
     assert next(v for k, v in params.items() if k.endswith("t_item_id.weight")).shape[0] == final.rows
 
 
+def test_cardinality_widths_are_fixed_at_the_start_and_kept_by_a_resume(tmp_path):
+    """trainer.ids.widths=cardinality (hashed ids): the widths come from the ids of every version the run may
+    consume when it starts, are saved with the mapping, and a resumed run keeps them (its parameters are the
+    uninterrupted run's)."""
+    from trainer.id_mapping import MAPPING_FILE, IdMapping, cardinality_width
+
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    _three_versions(straight)
+    shutil.copytree(straight, resumed)
+
+    def config(lake):
+        return load_config(overrides={"lake": str(lake), **SMALL, "trainer.embedding_dim": "16",
+                                      "trainer.ids.widths": "cardinality"})
+
+    reference = run_once(*trainer_args(config(straight))).checkpoint_path
+    run_once(*trainer_args(config(resumed)), max_versions=1)
+    out = run_once(*trainer_args(config(resumed)))
+    vocabularies = IdMapping.from_bytes((Path(out.checkpoint_path) / MAPPING_FILE).read_bytes()).vocabularies
+    examples = read_table(str(straight), "examples")
+    domains = len(set(examples["domain"].to_pylist()))
+    assert domains == 3 and vocabularies["domain"].width == cardinality_width(domains, most=16) == 8  # 6 * 3 ** 0.25 = 7.9
+    params = _params(out.checkpoint_path)
+    assert all(torch.equal(_params(reference)[k], v) for k, v in params.items())
+    assert next(v for k, v in params.items() if k.endswith("t_domain.weight")).shape[1] == vocabularies["domain"].width
+
+
 def test_same_lake_and_seed_give_the_same_checkpoint_bit_for_bit(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     _three_versions(a)
