@@ -100,7 +100,8 @@ def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:
             raise BadConfigError(f"ablation {name!r}: {key!r} is not a trainer.* key; compare varies the trainer only")
         set_dotted(tree, key.removeprefix("trainer."), value)
     ablated = build(TrainerConfig, tree, "trainer.")
-    if ablated == tc:
+    # Resolved: a switch set by hand to its preset's value (time_delta_buckets=0 on gem_small) changes nothing either.
+    if replace(ablated, gem=ablated.gem.resolved()) == replace(tc, gem=tc.gem.resolved()):
         sets = ", ".join(f"{k}={v}" for k, v in ABLATIONS[name].items())
         raise BadConfigError(f"ablation {name!r} ({sets}) changes nothing: this config has it already; switch the "
                              "change on in the config (the full model) to measure what it brings")

@@ -66,6 +66,10 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
     assert no_collisions.ids == IdsConfig(mapping="hash", min_count=3)
     assert no_collisions.gem == full.gem and no_collisions.learning_rate == 0.02
     assert ablated_config(full, "sequence_len").gem.max_sequence_len == int(ABLATIONS["sequence_len"]["trainer.gem.max_sequence_len"])
+    for name in ("time_delta_buckets", "recency_branches", "sequence_len", "task_towers"):  # gem_small's values already
+        with pytest.raises(BadConfigError, match=f"ablation '{name}'.*changes nothing"):
+            ablated_config(TrainerConfig(), name)
+    assert ablated_config(TrainerConfig(), "final_labels").final_labels is False
     narrow = replace(full, ids=replace(full.ids, widths="cardinality"))
     assert ablated_config(narrow, "widths").ids == full.ids
     with pytest.raises(BadConfigError, match="ablation 'widths'.*changes nothing"):
