@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from features.vectorized import EVENT_ORDER, grouped
-from gemline.lake import Lake, StorageOptions, open_table
+from gemline.lake import Lake, StorageOptions, commit_metadata, open_table
 from gemline.tables import Table
 from sequences.config import BuildConfig
 from sequences.schema import HISTORY_BUCKETS, HISTORY_SCHEMA, LIST_COLUMNS
@@ -133,10 +133,25 @@ class SequenceIndex:
                                         type=pa.list_(pa.int64()))
 
 
-def _index(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len: int
-           ) -> tuple[pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
-    """(candidates sorted by group, index, offsets, visible): per query row, the newest ``max_len``
-    of its pair's candidates with time < the query's and append time <= the query's."""
+@dataclass(frozen=True)
+class _Bounds:
+    """Where each query's sequence lies in the candidates sorted by (group, event order): a query
+    whose whole prefix was appended before it ("fast", the usual case) takes the contiguous rows
+    ``[start, end)``; the others (``slow``: query row -> kept candidate rows) a mask."""
+
+    cands: pl.DataFrame
+    first: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    fast: np.ndarray
+    slow: dict[int, np.ndarray]
+    lengths: np.ndarray
+    visible: np.ndarray
+
+
+def _bounds(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len: int) -> _Bounds:
+    """Per query row, the newest ``max_len`` of its pair's candidates with time < the query's and
+    append time <= the query's, as bounds (one ``searchsorted`` per query, no gathered lists)."""
     cands, groups, q_codes, q_times = grouped(cands, queries, [*keys, "_k"])
     created = cands.get_column("created_ts_ms").to_numpy()
     q_created = queries.get_column("created_ts_ms").to_numpy()
@@ -152,17 +167,24 @@ def _index(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len:
     start = np.maximum(first, end - max_len)
     lengths = np.where(fast, end - start, 0).astype(np.int64)
     visible = np.where(fast, end - first, 0).astype(np.int64)
-    slow_index: dict[int, np.ndarray] = {}
+    slow: dict[int, np.ndarray] = {}
     for i in np.flatnonzero(~fast):
         hits = first[i] + np.flatnonzero(created[first[i]:end[i]] <= q_created[i])
-        slow_index[int(i)] = hits[-max_len:]
+        slow[int(i)] = hits[-max_len:]
         visible[i] = hits.size
-        lengths[i] = slow_index[int(i)].size
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    index = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
-    for row, kept in slow_index.items():
+        lengths[i] = slow[int(i)].size
+    return _Bounds(cands, first, start, end, fast, slow, lengths, visible)
+
+
+def _index(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len: int
+           ) -> tuple[pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
+    """(candidates sorted by group, index, offsets, visible): :func:`_bounds` as one flat index."""
+    b = _bounds(cands, queries, keys, max_len)
+    offsets = np.concatenate([[0], np.cumsum(b.lengths)]).astype(np.int64)
+    index = np.repeat(b.start - offsets[:-1], b.lengths) + np.arange(offsets[-1], dtype=np.int64)
+    for row, kept in b.slow.items():
         index[offsets[row]:offsets[row + 1]] = kept
-    return cands, index, offsets, visible
+    return b.cands, index, offsets, b.visible
 
 
 def _queries(pointer_rows: pa.Table, history: pa.Table) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -222,6 +244,65 @@ def sequence_index(pointer_rows: pa.Table, history: pa.Table, max_len: int, *, s
                          queries.get_column("event_time_ms").to_numpy())
 
 
+@dataclass(frozen=True)
+class SequenceSummary:
+    """What the quality checks read of n pointer rows' sequences (one kind), without their lists.
+
+    Attributes (all (n,), in row order):
+        lengths, truncated: int64, the rebuilt length L and ``*_truncated`` count.
+        newest_ms: int64 event time of the newest element kept (ms since epoch UTC; int64 min when L = 0).
+        newest_created_ms: int64, at or after the latest append time among the elements kept (exact
+            for the rows whose visible prefix was appended out of order, else that prefix's
+            running maximum, which is <= the row's append time whenever no element kept is later).
+        unordered: bool, the elements kept are not time-ascending.
+    """
+
+    lengths: np.ndarray
+    truncated: np.ndarray
+    newest_ms: np.ndarray
+    newest_created_ms: np.ndarray
+    unordered: np.ndarray
+
+
+def sequence_summary(pointer_rows: pa.Table, history: pa.Table, max_len: int, *,
+                     same_domain: bool = False) -> SequenceSummary:
+    """:class:`SequenceSummary` of the cross-domain (or ``same_domain``) sequence of each pointer row:
+    one sorted join of the rows' (user, build) pairs with ``history`` and one ``searchsorted`` per row
+    (:func:`_bounds`); cost O(H log H + n log H) for H history rows, not O(n * max_len).
+
+    Raises:
+        ValueError: an example's impression is not in ``history`` (as :func:`materialize_examples`).
+    """
+    n = pointer_rows.num_rows
+    lowest = np.iinfo(np.int64).min
+    if n == 0:
+        empty = np.zeros(0, np.int64)
+        return SequenceSummary(empty, empty, empty, empty, np.zeros(0, bool))
+    keys = ["user_id", "domain"] if same_domain else ["user_id"]
+    queries, hist = _queries(pointer_rows, history)
+    cands, prior = _candidates(hist, queries.select(*keys, "_k").unique(), keys, max_len)
+    b = _bounds(cands, queries, keys, max_len)
+    times = b.cands.get_column("event_time_ms").to_numpy()
+    created = b.cands.get_column("created_ts_ms").to_numpy()
+    codes = b.cands.get_column("_g").to_numpy()
+    cut = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
+           .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
+    # Descents inside a group, as prefix counts: a contiguous range [start, end) is ordered iff it has none.
+    descents = np.concatenate([[0, 0], np.cumsum((codes[1:] == codes[:-1]) & (times[1:] < times[:-1]))])
+    running = (pl.DataFrame({"g": codes, "c": created}).select(pl.col("c").cum_max().over("g"))
+               .get_column("c").to_numpy()) if created.size else np.zeros(1, np.int64)
+    last = np.maximum(b.end - 1, 0)
+    nonempty = b.lengths > 0
+    newest = np.where(nonempty, times[last] if times.size else lowest, lowest)
+    newest_created = np.where(nonempty, running[last], lowest)
+    unordered = nonempty & (descents[b.end] - descents[np.minimum(b.start + 1, b.end)] > 0)
+    for row, kept in b.slow.items():
+        if kept.size:
+            newest[row], newest_created[row] = times[kept].max(), created[kept].max()
+            unordered[row] = bool(np.any(np.diff(times[kept]) < 0))
+    return SequenceSummary(b.lengths, cut + b.visible - b.lengths, newest, newest_created, unordered)
+
+
 def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildConfig,
                          schema: pa.Schema | None = None) -> pa.Table:
     """Fat ``examples`` rows from pointer-layout rows and the ``history`` table (rules: module docstring).
@@ -279,6 +360,44 @@ def read_history(lake: Lake | str | Path, user_ids: pa.Array | pa.ChunkedArray, 
     return dataset.to_table(filter=wanted).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA)
 
 
+def layout_config(lake: Lake | str | Path, examples_schema: pa.Schema, *,
+                  storage_options: StorageOptions | None = None) -> BuildConfig | None:
+    """The build config that pointer-layout ``examples`` (no ``seq_event_time_ms`` in
+    ``examples_schema``) are materialized with (``max_seq_len`` and ``same_domain_seq_len`` from the
+    build's commit metadata); None for fat rows.
+
+    Raises:
+        ValueError: pointer rows without the build's metadata.
+    """
+    if "seq_event_time_ms" in examples_schema.names:
+        return None
+    meta = commit_metadata(lake, Table.EXAMPLES, "build", storage_options=storage_options) or {}
+    if "max_seq_len" not in meta:
+        raise ValueError("pointer-layout examples without the build's max_seq_len in their commit metadata")
+    return BuildConfig(max_seq_len=int(meta["max_seq_len"]), max_same_domain_seq_len=int(meta["same_domain_seq_len"]))
+
+
+def read_examples(lake: Lake | str | Path, version: int | None = None, *,
+                  storage_options: StorageOptions | None = None) -> pa.Table | None:
+    """``examples@version`` (latest when None) as fat rows whatever the lake's layout: pointer rows
+    are materialized with their users' history (:func:`materialize_examples`); None without the table.
+
+    For small reads (tests, inspection); large ones go through :func:`export_examples` in chunks.
+
+    Raises:
+        ValueError: as :func:`materialize_examples` and :func:`layout_config`.
+    """
+    dt = open_table(lake, Table.EXAMPLES, version, storage_options=storage_options)
+    if dt is None:
+        return None
+    rows = dt.to_pyarrow_dataset().to_table()
+    cfg = layout_config(lake, rows.schema, storage_options=storage_options)
+    if cfg is None:
+        return rows
+    history = read_history(lake, rows.column("user_id"), version=None, storage_options=storage_options)
+    return materialize_examples(rows, history, cfg)
+
+
 def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: int | None = None,
                     materialize: bool = True, chunk_rows: int = 100_000,
                     storage_options: StorageOptions | None = None) -> dict[str, Any]:
@@ -299,8 +418,6 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
     """
     import pyarrow.parquet as pq
 
-    from gemline.lake import commit_metadata
-
     dt = open_table(lake, Table.EXAMPLES, version, storage_options=storage_options)
     if dt is None:
         raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
@@ -309,13 +426,7 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
         raise FileExistsError(f"{out} already holds Parquet files; export into an empty directory")
     out.mkdir(parents=True, exist_ok=True)
     dataset = dt.to_pyarrow_dataset()
-    pointer = "seq_event_time_ms" not in dataset.schema.names
-    cfg = None
-    if pointer and materialize:
-        meta = commit_metadata(lake, Table.EXAMPLES, "build", storage_options=storage_options) or {}
-        if "max_seq_len" not in meta:
-            raise ValueError("pointer-layout examples without the build's max_seq_len in their commit metadata")
-        cfg = BuildConfig(max_seq_len=int(meta["max_seq_len"]), max_same_domain_seq_len=int(meta["same_domain_seq_len"]))
+    cfg = layout_config(lake, dataset.schema, storage_options=storage_options) if materialize else None
     rows = files = 0
     for batch in dataset.to_batches(batch_size=chunk_rows):
         table = pa.Table.from_batches([batch])
@@ -329,4 +440,5 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
             "out_dir": str(out)}
 
 
-__all__ = ["SequenceIndex", "export_examples", "history_bucket", "sequence_index", "history_rows", "materialize_examples", "read_history", "to_pointers"]
+__all__ = ["SequenceIndex", "SequenceSummary", "sequence_summary", "export_examples", "history_bucket", "history_rows", "layout_config", "materialize_examples",
+           "read_examples", "read_history", "sequence_index", "to_pointers"]

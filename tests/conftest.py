@@ -7,6 +7,8 @@ collects them, before ``tests/kernels/conftest.py`` is read.
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -36,3 +38,21 @@ def trainer_args(config):
 def quality_sections(config):
     """The config sections ``validate_table`` takes by keyword, from a root ``GemlineConfig``."""
     return {"validation": config.validation, "ingest": config.ingest, "build": config.build}
+
+
+EXAMPLES_LAYOUTS = ("fat", "pointer")
+"""``build.examples_layout`` values the build-level tests run on (issue 15: every build test passes on both)."""
+
+
+@pytest.fixture(params=EXAMPLES_LAYOUTS)
+def examples_layout(request):
+    """A build-level test runs once per layout; it reads examples back fat with
+    ``sequences.materialize.read_examples`` so its assertions hold on both."""
+    return request.param
+
+
+def with_layout(build, layout):
+    """``build`` (a ``BuildConfig``) with ``examples_layout = layout``."""
+    import dataclasses
+
+    return dataclasses.replace(build, examples_layout=layout)

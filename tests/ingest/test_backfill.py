@@ -191,13 +191,15 @@ def test_cli_backfill_needs_the_late_events_flag(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_build_sees_a_readmitted_event_only_after_its_backfill(tmp_path):
+def test_the_build_sees_a_readmitted_event_only_after_its_backfill(tmp_path, examples_layout):
     from sequences.config import BuildConfig
+    from sequences.materialize import read_examples
     from sequences.pipeline import run_build
     from validation.run import validate_table
 
     config = GemlineConfig(lake=str(tmp_path / "lake"),
-                           build=BuildConfig(max_seq_len=5, click_window_ms=100, conversion_window_ms=1_000))
+                           build=BuildConfig(max_seq_len=5, click_window_ms=100, conversion_window_ms=1_000,
+                                             examples_layout=examples_layout))
     ev = dict(domain="facebook")
     imp1 = {**_row("imp1", T + 1_000, 0, created=T + 1_001, event_type="impression"), **ev}
     view = {**_row("view", T + 1_500, 1, created=T + 1_501), **ev}
@@ -210,7 +212,7 @@ def test_the_build_sees_a_readmitted_event_only_after_its_backfill(tmp_path):
     assert validate_table(Lake.for_config(config), "events", now_ms=T + 6_000, **quality_sections(config)).passed
     run_build(*build_args(config), final=True)
 
-    examples = {r["example_id"]: r for r in read_table(config.lake, "examples").to_pylist()}
+    examples = {r["example_id"]: r for r in read_examples(config.lake).to_pylist()}
     # imp2 reached Kafka at T + 2_001, before the backfill at T + 5_000: its history is what was known
     # then. (Had the backfill kept the Kafka append time T + 1_800, late_view would have leaked into it.)
     assert examples["imp2"]["seq_event_time_ms"] == [T + 1_000, T + 1_500]

@@ -11,8 +11,9 @@ from gemline.lake import commit_once, committed_version, open_table, read_table
 from ingest.schema import EVENTS_TABLE_SCHEMA
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA
+from sequences.materialize import read_examples
 from sequences.pipeline import run_build
-from tests.conftest import build_args
+from tests.conftest import build_args, with_layout
 
 # These tests are about the build on a raw lake, not the quality gate (tests/sequences/test_events_gate.py).
 CONFIG = BuildConfig(max_seq_len=3, click_window_ms=100, conversion_window_ms=1_000, events_gate="off")
@@ -45,16 +46,16 @@ def _ids(lake):
 
 
 @pytest.mark.slow
-def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
+def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event, examples_layout):
     lake = str(tmp_path / "lake")
-    config = GemlineConfig(lake=lake, build=CONFIG)
+    config = GemlineConfig(lake=lake, build=with_layout(CONFIG, examples_layout))
     write_events(lake, _events(make_event), version=0)
     first = run_build(*build_args(config))
     # Watermark 2_300: a_imp1 (1_000 + 1_000) and b_imp1 (2_020) closed; a_imp2 (2_200) closed too.
     # examples@0 is the empty CREATE TABLE commit, examples@1 the first build's files.
     assert (first.events_version, first.examples_version, first.skipped, first.watermark_ms) == (0, 1, False, 2_300)
     assert _ids(lake) == ["a_imp1", "a_imp2", "b_imp1"] and first.num_pending == 0
-    examples = read_table(lake, "examples")
+    examples = read_examples(lake)
     assert {f.name: f.type for f in examples.schema} == {f.name: f.type for f in EXAMPLES_SCHEMA}
     by_id = {r["example_id"]: r for r in examples.to_pylist()}
     assert by_id["a_imp2"]["seq_event_time_ms"] == [1_000, 1_050]
@@ -71,7 +72,7 @@ def test_publish_when_windows_close_then_final_then_skip(tmp_path, make_event):
     assert second.num_examples == 3  # b_imp2's conversion window is open at watermark 2_500
     third = run_build(*build_args(config), final=True)
     assert (third.num_published, third.num_pending, third.num_examples) == (1, 0, 4)
-    row = [r for r in read_table(lake, "examples").to_pylist() if r["example_id"] == "b_imp2"][0]
+    row = [r for r in read_examples(lake).to_pylist() if r["example_id"] == "b_imp2"][0]
     assert row["label_window_closed"] is False and row["seq_item_ids"] == ["i1"]
     assert _ids(lake) == ["a_imp1", "a_imp2", "b_imp1", "b_imp2"]  # each impression exactly once
     # Nothing new and nothing pending: another final build is a no-op, not an empty examples version.
@@ -95,12 +96,12 @@ def test_run_build_rejects_events_without_required_columns(tmp_path, make_event)
 
 
 @pytest.mark.slow
-def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, make_event):
+def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, make_event, examples_layout):
     lake = str(tmp_path / "lake")
     write_events(lake, [make_event("c", 5, "click"), make_event("v", 9, "engagement", user="u2")], version=0)
-    result = run_build(*build_args(GemlineConfig(lake=lake, build=CONFIG)))
+    result = run_build(*build_args(GemlineConfig(lake=lake, build=with_layout(CONFIG, examples_layout))))
     assert (result.num_examples, result.num_sequences, result.seq_length_p50) == (0, 2, None)
-    examples = read_table(lake, "examples")
+    examples = read_examples(lake)
     assert examples.num_rows == 0
     assert {f.name: f.type for f in examples.schema} == {f.name: f.type for f in EXAMPLES_SCHEMA}
     sequences = {r["user_id"]: r for r in read_table(lake, "sequences").to_pylist()}
@@ -181,7 +182,7 @@ TAOBAO = "/work/shared/data/taobao_userbehavior/UserBehavior_sample.csv"
 
 
 @pytest.mark.slow
-def test_taobao_conversion_labels_match_polars(tmp_path):
+def test_taobao_conversion_labels_match_polars(tmp_path, examples_layout):
     """On the real Taobao sample (first 15K rows): examples with label_conversion == 1 equal a polars
     count of pv rows followed by a buy of the same user and item within the 7-day window."""
     import os
@@ -197,9 +198,9 @@ def test_taobao_conversion_labels_match_polars(tmp_path):
     rows = [{**event_to_row(r), "created_ts_ms": r.event_time_ms} for r in records]
     lake = str(tmp_path / "lake")
     write_events(lake, rows, version=0)
-    result = run_build(*build_args(GemlineConfig(lake=lake, build=UNGATED)), final=True)
-    examples = read_table(lake, "examples", columns=["example_id", "label_conversion", "event_time_ms",
-                                                     "seq_event_time_ms", "seq_same_domain_event_time_ms"])
+    result = run_build(*build_args(GemlineConfig(lake=lake, build=with_layout(UNGATED, examples_layout))), final=True)
+    examples = read_examples(lake).select(["example_id", "label_conversion", "event_time_ms", "seq_event_time_ms",
+                                           "seq_same_domain_event_time_ms"])
     for row in examples.to_pylist():  # leakage: nothing at or after the example's time
         assert all(t < row["event_time_ms"] for t in row["seq_event_time_ms"] + row["seq_same_domain_event_time_ms"])
     frame = pl.DataFrame(rows).select("event_id", "user_id", "item_id", "event_type", "event_time_ms")
@@ -217,19 +218,20 @@ def test_taobao_conversion_labels_match_polars(tmp_path):
 
 
 @pytest.mark.slow
-def test_defer_publishes_early_then_corrects_and_counts_orphans(tmp_path, make_event):
+def test_defer_publishes_early_then_corrects_and_counts_orphans(tmp_path, make_event, examples_layout):
     """defer, waiting window 30 ms (click window 100, conversion 1_000): a_imp1 is published at 1_030 without
     its click (at 1_050), corrected by a late-positive row, and closed by a real-negative conversion row; a
     click without impression goes to orphan_labels. A rerun changes nothing."""
     import dataclasses
 
     lake = str(tmp_path / "lake")
-    config = GemlineConfig(lake=lake, build=dataclasses.replace(CONFIG, label_mode="defer", publish_delay_ms=30))
+    config = GemlineConfig(lake=lake, build=dataclasses.replace(CONFIG, label_mode="defer", publish_delay_ms=30,
+                                                                      examples_layout=examples_layout))
     write_events(lake, [make_event("a_imp1", 1_000, "impression", item="i1"),
                         make_event("x_click", 1_010, "click", item="nowhere"),
                         make_event("a_tick", 1_040, "engagement", item="i9")], version=0)
     first = run_build(*build_args(config))
-    rows = {r["example_id"]: r for r in read_table(lake, "examples").to_pylist()}
+    rows = {r["example_id"]: r for r in read_examples(lake).to_pylist()}
     assert list(rows) == ["a_imp1"] and first.num_pending == 1
     assert (rows["a_imp1"]["label_click"], rows["a_imp1"]["click_open"], rows["a_imp1"]["label_mode"]) == (0, True,
                                                                                                            "defer")
@@ -239,7 +241,7 @@ def test_defer_publishes_early_then_corrects_and_counts_orphans(tmp_path, make_e
     write_events(lake, [make_event("a_click1", 1_050, "click", item="i1"),
                         make_event("a_view", 2_300, "engagement", item="i3")], version=1)
     second = run_build(*build_args(config))
-    rows = {r["example_id"]: r for r in read_table(lake, "examples").to_pylist()}
+    rows = {r["example_id"]: r for r in read_examples(lake).to_pylist()}
     assert sorted(rows) == ["a_imp1", "a_imp1#click", "a_imp1#conversion"] and second.num_pending == 0
     late, negative = rows["a_imp1#click"], rows["a_imp1#conversion"]
     assert (late["label_click"], late["click_latency_ms"], late["corrects_example_id"]) == (1, 50, "a_imp1")

@@ -14,7 +14,7 @@ from gemline.cli import main
 from gemline.config import GemlineConfig
 from gemline.lake import open_table, read_table
 from sequences.pipeline import _OUTPUTS, APP_ID, run_build
-from tests.conftest import build_args
+from tests.conftest import build_args, with_layout
 
 from .conftest import event
 from .test_pipeline import CONFIG, _events, write_events
@@ -35,24 +35,35 @@ def _snapshot(lake: str) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory) -> dict[str, list[str]]:
-    """The tables after two clean builds (the second closes every window)."""
-    lake = str(tmp_path_factory.mktemp("clean") / "lake")
-    write_events(lake, _events(event), version=0)
-    run_build(*build_args(GemlineConfig(lake=lake, build=CONFIG)))
-    write_events(lake, _second_batch(event), version=1)
-    run_build(*build_args(GemlineConfig(lake=lake, build=CONFIG)), final=True)
-    return _snapshot(lake)
+def clean(tmp_path_factory):
+    """``clean(layout)``: the tables after two clean builds (the second closes every window) of that
+    ``build.examples_layout``, built on first use."""
+    runs: dict[str, dict[str, list[str]]] = {}
+
+    def snapshot(layout: str = "fat") -> dict[str, list[str]]:
+        if layout not in runs:
+            lake = str(tmp_path_factory.mktemp(f"clean-{layout}") / "lake")
+            config = GemlineConfig(lake=lake, build=with_layout(CONFIG, layout))
+            write_events(lake, _events(event), version=0)
+            run_build(*build_args(config))
+            write_events(lake, _second_batch(event), version=1)
+            run_build(*build_args(config), final=True)
+            runs[layout] = _snapshot(lake)
+        return runs[layout]
+
+    return snapshot
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("build", "where", "at"), [
-    (0, "commit", 4), (1, "commit", 0), (1, "commit", 8), (0, "write", 3), (1, "write", 5)])
-def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, clean, build, where, at):
+@pytest.mark.parametrize(("build", "where", "at", "layout"), [
+    (0, "commit", 4, "fat"), (1, "commit", 0, "fat"), (1, "commit", 8, "fat"), (0, "write", 3, "fat"),
+    (1, "write", 5, "fat"), (1, "commit", 0, "pointer"), (0, "write", 3, "pointer")])
+def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, clean, build, where, at, layout):
     """Crash build ``build`` at the ``at``-th table commit (0: first, 8: examples, the last) or while
-    writing its ``at``-th data-file part inside the Beam pipeline, then rerun it."""
+    writing its ``at``-th data-file part inside the Beam pipeline, then rerun it (two of the cases on
+    the pointer layout too; its history-then-examples crash has its own test below)."""
     lake = str(tmp_path / "crashed")
-    config = GemlineConfig(lake=lake, build=CONFIG)
+    config = GemlineConfig(lake=lake, build=with_layout(CONFIG, layout))
     batches = [_events(make_event), _second_batch(make_event)]
     real = {"commit": lake_mod.commit_files_once, "write": lake_mod.write_data_file}[where]
     calls = []
@@ -75,7 +86,7 @@ def test_crash_then_rerun_equals_a_clean_run(tmp_path, make_event, monkeypatch, 
                 examples = open_table(lake, "examples")
                 assert examples is None or build == 1  # the crashed first build committed no examples
         run_build(*build_args(config), final=final)
-    assert _snapshot(lake) == clean
+    assert _snapshot(lake) == clean(layout)
     ids = read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist()
     assert len(ids) == len(set(ids)) == 5  # every impression once; final closes the last windows
 
@@ -126,7 +137,7 @@ def test_ctrl_c_between_two_table_commits_then_the_next_build_finishes_it(tmp_pa
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
     assert {t: _commits_of_build(lake, t, build) for t in _OUTPUTS} == dict.fromkeys(_OUTPUTS, 1)
-    assert _snapshot(lake) == clean
+    assert _snapshot(lake) == clean()
     ids = read_table(lake, "examples", columns=["example_id"]).column("example_id").to_pylist()
     assert len(ids) == len(set(ids)) == 5
 
@@ -165,4 +176,4 @@ def test_pointer_build_crashed_between_history_and_examples_reruns_to_a_clean_ru
     ids = history.column("event_id").to_pylist()
     assert len(ids) == len(set(ids)) == len({e["event_id"] for b in batches for e in b})
     rows = materialize_examples(pointers, history, CONFIG).to_pylist()
-    assert sorted(json.dumps(r, sort_keys=True, default=str) for r in rows) == clean["examples"]
+    assert sorted(json.dumps(r, sort_keys=True, default=str) for r in rows) == clean()["examples"]
