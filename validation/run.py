@@ -33,10 +33,11 @@ from gemline.lake import Lake, lake_fs, open_table, read_table
 from gemline.tables import Table
 from ingest.config import IngestConfig
 from sequences.config import BuildConfig
-from sequences.materialize import materialize_examples, read_history
+from sequences.materialize import read_history
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.config import ValidationConfig
 from validation.dead_letter import dead_letter_checks, in_ranges
+from validation.pointer_checks import pointer_sequence_checks
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
 from validation.suites import SEQUENCE_TIME_COLUMN, CheckResult, validate_events, validate_examples
@@ -62,7 +63,7 @@ class QualityResult:
 
 
 def _run_suite(validation: ValidationConfig, ingest: IngestConfig, build: BuildConfig, table: str, data,
-               now_ms: int) -> list[CheckResult]:
+               now_ms: int, sequence_checks: dict | None = None) -> list[CheckResult]:
     bounds: dict[str, Any] = dict(
         domains=ingest.domains,
         min_time_ms=validation.min_event_time_ms,
@@ -84,6 +85,7 @@ def _run_suite(validation: ValidationConfig, ingest: IngestConfig, build: BuildC
         max_label_rate=validation.max_label_rate,
         sample_rows=sample_rows,
         empty_severity="warning" if table in INCREMENTAL else "critical",
+        sequence_checks=sequence_checks,
     )
 
 
@@ -103,18 +105,14 @@ def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
     return batch, checks
 
 
-def _pointer_rows(lake: Lake, build: BuildConfig, table: str, data: pa.Table) -> tuple[pa.Table, list[CheckResult]]:
-    """Pointer-layout ``examples`` rows (no list columns, ``build.examples_layout = "pointer"``) rebuilt
-    from ``history`` so the suite checks leakage, order and lengths on exactly what readers get; a
-    rebuild that fails (a history that disagrees with the rows) is a failed critical check."""
-    if table != Table.EXAMPLES or SEQUENCE_TIME_COLUMN in data.column_names or data.num_rows == 0:
-        return data, []
-    try:
-        history = read_history(lake.root, data.column("user_id"), storage_options=lake.delta_options)
-        return materialize_examples(data, history, build), []
-    except ValueError as exc:
-        return data, [CheckResult("pointers_materialize", "critical", False, f"error: {exc}", "custom",
-                                  {"exception_message": str(exc)})]
+def _pointer_checks(lake: Lake, build: BuildConfig, table: str, data: pa.Table) -> tuple[dict | None, list[CheckResult]]:
+    """For pointer-layout ``examples`` rows (no list columns, ``build.examples_layout = "pointer"``): the
+    suite's sequence checks computed exactly on the pointers and ``history`` without materializing the
+    lists (:mod:`validation.pointer_checks`), and the ``pointers_materialize`` result; (None, []) otherwise."""
+    if table != Table.EXAMPLES or SEQUENCE_TIME_COLUMN in data.column_names:
+        return None, []
+    history = read_history(lake.root, data.column("user_id"), storage_options=lake.delta_options)
+    return pointer_sequence_checks(data, history, build)
 
 
 INCREMENTAL = (Table.EXAMPLES,)
@@ -173,8 +171,8 @@ def validate_table(
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(root, table, table_version, storage_options=opts)
     steps.update()
-    data, rebuilt = _pointer_rows(lake, build, table, data)
-    results = rebuilt + _run_suite(validation, ingest, build, table, data, ts)
+    sequence_checks, pointer_results = _pointer_checks(lake, build, table, data)
+    results = pointer_results + _run_suite(validation, ingest, build, table, data, ts, sequence_checks)
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)
     profile = profile_batch(batch)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.schema import EVENT_TYPES, EVENTS_TABLE_SCHEMA
-from sequences.schema import EXAMPLES_BASE_SCHEMA, LABELS, SEQUENCE_FEATURES, dense_feature_names
+from sequences.schema import EXAMPLES_BASE_SCHEMA, LABELS, SEQUENCE_FEATURES, dense_feature_names, pointer_schema
 
 Severity = Literal["critical", "warning"]
 SEVERITIES: tuple[str, ...] = ("critical", "warning")
@@ -465,6 +465,7 @@ def validate_examples(
     max_label_rate: float,
     sample_rows: int | None = None,
     empty_severity: Severity = "critical",
+    sequence_checks: Mapping[str, Callable[[pa.Table], dict[str, Any]]] | None = None,
 ) -> list[CheckResult]:
     """Run the examples suite on a batch of the ``examples`` table (contract in ``sequences/schema.py``).
 
@@ -478,11 +479,20 @@ def validate_examples(
     finite or null. ``sample_rows`` as in :func:`validate_events` (the label rate is then the
     sample's: an estimate).
 
+    ``sequence_checks``: for rows without list columns (the pointer layout,
+    :mod:`validation.pointer_checks`), the functions computing ``seq_length_matches_lists``,
+    ``leakage`` and ``seq_time_ascending`` (table -> GX-shaped dict with ``success``); the
+    contract's list columns are then not expected. None: computed from the lists.
+
     Returns:
         One result per check, in suite order. Never raises for bad data.
     """
     gxe = _gxe()
-    specs = _common(EXAMPLES_BASE_SCHEMA, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
+    base = EXAMPLES_BASE_SCHEMA if sequence_checks is None else pointer_schema(EXAMPLES_BASE_SCHEMA)
+    checks: Mapping[str, Callable[[pa.Table], dict[str, Any]]] = sequence_checks or {
+        "seq_length_matches_lists": check_seq_lengths, "leakage": check_leakage,
+        "seq_time_ascending": check_seq_ascending}
+    specs = _common(base, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
                     max_time_ms=max_time_ms, empty_severity=empty_severity)
     specs.append(_unique(["example_id"]))
     for label in LABELS:
@@ -511,10 +521,9 @@ def validate_examples(
             )
         )
     specs += [
-        _Custom("schema_types", "critical", lambda t: check_schema_types(t, EXAMPLES_BASE_SCHEMA)),
-        _Custom("seq_length_matches_lists", "critical", check_seq_lengths),
-        _Custom("leakage", "critical", check_leakage),
-        _Custom("seq_time_ascending", "critical", check_seq_ascending),
+        _Custom("schema_types", "critical", lambda t: check_schema_types(t, base)),
+        *[_Custom(name, "critical", checks[name]) for name in ("seq_length_matches_lists", "leakage",
+                                                                 "seq_time_ascending")],
         *[_Custom(f"seq_length_p99:{d}", "warning",
                   functools.partial(check_seq_length_p99, domain=d, max_seq_len=max_seq_len)) for d in present],
         *[_Custom(f"finite:{c}", "critical", functools.partial(check_finite, column=c)) for c in dense_feature_names(table.schema)],

@@ -32,10 +32,11 @@ def _write(lake: str, rows: list[dict], version: int) -> None:
                 metadata={"offset_ranges": [[0, first, first + len(rows)]]})
 
 
-def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path):
+def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path, examples_layout):
     lake = str(tmp_path / "lake")
     config = GemlineConfig(lake=lake, ingest=IngestConfig(domains=("facebook",)),
-                           build=BuildConfig(max_seq_len=4, click_window_ms=10_000, conversion_window_ms=20_000),
+                           build=BuildConfig(max_seq_len=4, click_window_ms=10_000, conversion_window_ms=20_000,
+                                             examples_layout=examples_layout),
                            validation=ValidationConfig(min_event_time_ms=T0_MS - 1000, dead_letter_min_records=0))
     _write(lake, [_event("a1", 0, "impression", "u1", "i1"), _event("a2", 1, "click", "u1", "i1")], 0)
 
