@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -356,14 +357,47 @@ def new_event_rows(
     append (a compaction rewrites files), falls back to Kafka coordinates: rows whose
     (topic, partition, offset) is past the old version's last offset per partition.
     """
+    source = _new_events_source(lake, old_version, version, columns, storage_options)
+    return source if isinstance(source, pa.Table) else source.to_table(columns=columns or list(_EVENT_COLUMNS))
+
+
+def new_event_chunks(lake: str, old_version: int | None, version: int, *, chunk_rows: int,
+                     storage_options: StorageOptions | None = None) -> Iterator[pa.Table]:
+    """:func:`new_event_rows` (all columns) in tables of ``chunk_rows`` rows (the last one fewer), read
+    one after the other, so a reader holds one chunk rather than the whole
+    increment (the build's peak memory at a million users, issue 15). The Kafka-coordinates fallback
+    reads its rows whole, then slices them."""
+    source = _new_events_source(lake, old_version, version, None, storage_options)
+    if isinstance(source, pa.Table):
+        for start in range(0, source.num_rows, chunk_rows):
+            yield source.slice(start, chunk_rows)
+        return
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    for batch in source.to_batches(columns=list(_EVENT_COLUMNS)):
+        while batch.num_rows:
+            take = min(batch.num_rows, chunk_rows - rows)
+            pending.append(batch.slice(0, take))
+            rows, batch = rows + take, batch.slice(take)
+            if rows == chunk_rows:
+                yield pa.Table.from_batches(pending)
+                pending, rows = [], 0
+    if rows:
+        yield pa.Table.from_batches(pending)
+
+
+def _new_events_source(lake: str, old_version: int | None, version: int, columns: list[str] | None,
+                       opts: StorageOptions | None) -> ds.Dataset | pa.Table:
+    """The rows of :func:`new_event_rows` as a dataset to scan (plain appends), or as a table (the
+    Kafka-coordinates fallback, or no new file)."""
     columns = list(_EVENT_COLUMNS) if columns is None else columns
     schema = pa.schema([EVENT_SCHEMA.field(name) for name in columns])
-    opts = storage_options
     new = open_table(lake, Table.EVENTS, version, storage_options=opts)
+    assert new is not None, "the events versions a build names exist"
     if old_version is None:
-        return read_table(lake, Table.EVENTS, version, columns=columns, storage_options=opts)
+        return new.to_pyarrow_dataset()
     old = open_table(lake, Table.EVENTS, old_version, storage_options=opts)
-    assert new is not None and old is not None, "the events versions a build names exist"
+    assert old is not None, "the events versions a build names exist"
     appends_only = all(
         entry.get("operation") in ("WRITE", "CREATE TABLE")
         and entry.get("operationParameters", {}).get("mode", "Append") == "Append"
@@ -375,9 +409,8 @@ def new_event_rows(
             return schema.empty_table()
         if is_remote(lake):
             fs, _ = lake_fs(lake, opts)
-            return ds.dataset([f.split("://", 1)[1] for f in files], format="parquet",
-                              filesystem=fs).to_table(columns=columns)
-        return ds.dataset(files, format="parquet").to_table(columns=columns)
+            return ds.dataset([f.split("://", 1)[1] for f in files], format="parquet", filesystem=fs)
+        return ds.dataset(files, format="parquet")
     coords = ["kafka_topic", "kafka_partition", "kafka_offset"]
     seen = old.to_pyarrow_dataset().to_table(columns=coords).group_by(coords[:2]).aggregate([("kafka_offset", "max")])
     rows = new.to_pyarrow_dataset().to_table(columns=[*columns, *[c for c in coords if c not in columns]])
@@ -396,7 +429,20 @@ def _load(spec: tuple) -> pa.Table | None:
     return None if b is None else read_table(lake, a, b, storage_options=opts)
 
 
+NEW_EVENTS_CHUNK_ROWS = 500_000
+"""New events enter the build in tables of about this many rows (:func:`new_event_chunks`): each is split
+into its shards' pieces and spilled before the next is read, so the whole increment is never held at
+once (at ~150 bytes per event in Arrow, a chunk is ~75 MB)."""
+
+
 def _emit_table(_: Any, spec: tuple):
+    if spec[0] == "new":
+        _, lake, old_version, version, opts = spec
+        for chunk in new_event_chunks(lake, old_version, version, chunk_rows=NEW_EVENTS_CHUNK_ROWS,
+                                      storage_options=opts):
+            if chunk.num_rows:
+                yield chunk
+        return
     table = _load(spec)
     if table is not None and table.num_rows:
         yield table

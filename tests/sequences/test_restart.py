@@ -7,6 +7,7 @@ import json
 import os
 import signal
 
+import pyarrow as pa
 import pytest
 
 import gemline.lake as lake_mod
@@ -177,3 +178,24 @@ def test_pointer_build_crashed_between_history_and_examples_reruns_to_a_clean_ru
     assert len(ids) == len(set(ids)) == len({e["event_id"] for b in batches for e in b})
     rows = materialize_examples(pointers, history, CONFIG).to_pylist()
     assert sorted(json.dumps(r, sort_keys=True, default=str) for r in rows) == clean()["examples"]
+
+
+@pytest.mark.slow
+def test_new_events_read_in_chunks_build_what_one_read_builds(tmp_path, make_event, monkeypatch, clean):
+    """New events enter the build in chunks (sequences.pipeline.NEW_EVENTS_CHUNK_ROWS, the build's memory
+    at a million users); at 2 rows a chunk, both builds, first and incremental, leave a clean run's lake."""
+    import sequences.pipeline as pipeline
+    from sequences.pipeline import new_event_chunks, new_event_rows
+
+    monkeypatch.setattr(pipeline, "NEW_EVENTS_CHUNK_ROWS", 2)
+    lake = str(tmp_path / "chunked")
+    config = GemlineConfig(lake=lake, build=CONFIG)
+    for n, batch in enumerate([_events(make_event), _second_batch(make_event)]):
+        write_events(lake, batch, version=n)
+        old = None if n == 0 else n - 1
+        chunks = list(new_event_chunks(lake, old, n, chunk_rows=2))
+        assert len(chunks) >= 2 and all(c.num_rows >= 1 for c in chunks)
+        assert sorted(pa.concat_tables(chunks).to_pylist(), key=str) == sorted(
+            new_event_rows(lake, old, n).to_pylist(), key=str)
+        run_build(*build_args(config), final=n == 1)
+    assert _snapshot(lake) == clean()
