@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -144,27 +145,47 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-def _build_layout(lake: str, events: pa.Table, batches: int, build, beam_args: list[str]) -> dict[str, float]:
-    """One layout's build in this (child) process: seconds, examples, bytes, peak RSS (MiB)."""
+def _commit_batches(lake: str, events: pa.Table, batches: int) -> int:
+    """Commit ``events`` in event-time order as ``batches`` versions of LAKE/events (0, 1, ...); the count."""
+    from gemline.lake import commit_once
+
+    order = np.argsort(events.column("event_time_ms").to_numpy(), kind="stable")
+    parts = np.array_split(order, batches)
+    for k, part in enumerate(parts):
+        commit_once(lake, "events", events.take(pa.array(part)), app_id="bench", version=k, partition_by=["event_date"])
+    return len(parts)
+
+
+def _build_committed(lake: str, versions: int, build, beam_args: list[str]) -> dict[str, Any]:
+    """One layout's build in this (child) process, of events already committed (:func:`_commit_batches`):
+    ``events@0`` .. ``events@versions-1`` one after the other, so its peak RSS is the build's alone,
+    not also the events table a harness would hand it. Returns wall seconds, CPU seconds of this
+    process (user + system: the DirectRunner runs in it; less sensitive than wall time to other jobs
+    on the machine), examples, bytes, peak RSS (MiB) and the peak per build phase
+    (:class:`benchmarks.rss.RssPhases`, key ``phases``)."""
+    import sequences.pipeline as pipeline
+    from benchmarks.rss import RssPhases
     from gemline.lake import Lake, commit_once
     from sequences.pipeline import run_build
 
+    phases = RssPhases()
+    for name in ("_emit_table", "_shard_pieces", "_item_shard_step", "_user_shard_step", "_write_part",
+                 "commit_files", "tidy", "_result_from_lake"):
+        phases.watch(pipeline, name)
     with tempfile.TemporaryDirectory() as tmp:  # warm-up, as main's
         warm = str(Path(tmp) / "lake")
         commit_once(warm, "events", synthetic_events(5, 4, seed=1), app_id="bench", version=0,
                     partition_by=["event_date"])
         run_build(Lake(warm), build, final=True)
-    order = np.argsort(events.column("event_time_ms").to_numpy(), kind="stable")
-    seconds = 0.0
-    parts = np.array_split(order, batches)
-    for k, part in enumerate(parts):
-        commit_once(lake, "events", events.take(pa.array(part)), app_id="bench", version=k, partition_by=["event_date"])
-        start = time.perf_counter()
-        result = run_build(Lake(lake), build, final=k == len(parts) - 1, beam_args=beam_args)
+    seconds = cpu = 0.0
+    for k in range(versions):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = run_build(Lake(lake), build, events_version=k, final=k == versions - 1, beam_args=beam_args)
         seconds += time.perf_counter() - start
-    return {"seconds": seconds, "examples": result.num_examples, "examples_bytes": _dir_bytes(Path(lake) / "examples"),
+        cpu += time.process_time() - start_cpu
+    return {"seconds": seconds, "cpu_seconds": cpu, "examples": result.num_examples, "examples_bytes": _dir_bytes(Path(lake) / "examples"),
             "history_bytes": _dir_bytes(Path(lake) / "history"),
-            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "phases": phases.stop()}
 
 
 def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int, float, float]:
@@ -191,38 +212,55 @@ def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int,
 
 
 def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, beam_args: list[str],
-                    gem_batch: int = 256, gem_steps: int = 6, layouts: tuple[str, ...] = ("fat", "pointer")) -> None:
-    """Print the fat/pointer comparison of ``--compare-layouts`` at each max length (module docstring)."""
+                    gem_batch: int = 256, gem_steps: int = 6, layouts: tuple[str, ...] = ("fat", "pointer"),
+                    repeats: int = 1, feed: bool = True) -> None:
+    """Print the fat/pointer comparison of ``--compare-layouts`` at each max length (module docstring).
+
+    With ``repeats`` > 1 every (length, layout) build runs that many times, interleaved (round r builds
+    every length and layout before round r + 1), so a change of the machine's load hits all of them
+    alike; the table shows the median seconds and the throughput ratios are given per round.
+    """
     import dataclasses
     import multiprocessing
+    import os
+    import statistics
     from concurrent.futures import ProcessPoolExecutor
 
     n = events.num_rows
-    stats: dict[tuple[str, int], dict[str, float]] = {}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     feeds = {}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        for length in lengths:
-            for layout in layouts:
-                config = dataclasses.replace(build, examples_layout=layout, max_seq_len=length)
-                lake = str(Path(tmp) / f"{layout}-{length}")
-                # A fresh (spawned, not forked) process per build: each peak RSS is that build's own.
-                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                    stats[layout, length] = pool.submit(_build_layout, lake, events, batches, config,
-                                                        beam_args).result()
-                if layout == "pointer":
+        for round_ in range(repeats):
+            for length in lengths:
+                for layout in layouts:
+                    config = dataclasses.replace(build, examples_layout=layout, max_seq_len=length)
+                    lake = str(Path(tmp) / f"{layout}-{length}")
+                    versions = _commit_batches(lake, events, batches)
+                    # A fresh (spawned, not forked) process per build: each peak RSS is that build's own.
                     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                        feeds[length] = pool.submit(_materialize_vs_gem, lake, gem_batch, gem_steps).result()
-                shutil.rmtree(lake, ignore_errors=True)
-    print(f"events: {n}, examples: {stats[next(iter(stats))]['examples']:.0f}")
-    print(f"{'layout':8s} {'max len':>7s} {'events/s':>10s} {'examples B/example':>19s} {'history MiB':>12s} "
-          f"{'peak RSS MiB':>13s}")
+                        runs.setdefault((layout, length), []).append(
+                            pool.submit(_build_committed, lake, versions, config, beam_args).result())
+                    if layout == "pointer" and feed and round_ == 0:
+                        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                            feeds[length] = pool.submit(_materialize_vs_gem, lake, gem_batch, gem_steps).result()
+                    shutil.rmtree(lake, ignore_errors=True)
+    stats: dict[tuple[str, int], dict] = {key: {**done[0], "seconds": statistics.median(r["seconds"] for r in done),
+                                                "cpu_seconds": statistics.median(r["cpu_seconds"] for r in done),
+                   "rss_mib": max(r["rss_mib"] for r in done)} for key, done in runs.items()}
+    print(f"events: {n}, examples: {stats[next(iter(stats))]['examples']:.0f}, rounds: {repeats}, "
+          f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} (cores: {os.cpu_count()})")
+    print(f"{'layout':8s} {'max len':>7s} {'events/s':>10s} {'events/CPU-s':>12s} {'examples B/example':>19s} "
+          f"{'history MiB':>12s} {'peak RSS MiB':>13s}")
     for (layout, length), st in stats.items():
-        print(f"{layout:8s} {length:7d} {n / st['seconds']:10,.0f} {st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
+        print(f"{layout:8s} {length:7d} {n / st['seconds']:10,.0f} {n / st['cpu_seconds']:12,.0f} "
+              f"{st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
               f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
+        print(f"  peak RSS MiB by phase: {', '.join(f'{k} {v:,.0f}' for k, v in st['phases'].items())}")
     for length in lengths:
-        rows, rate, gem_rate = feeds[length]
         if length not in feeds:
             continue
+        rows, rate, gem_rate = feeds[length]
         both = ("fat", length) in stats and ("pointer", length) in stats
         ratio = f"{stats['fat', length]['seconds'] / stats['pointer', length]['seconds']:.2f}" if both else "-"
         print(f"max len {length}: pointer/fat build throughput {ratio}; "
@@ -231,8 +269,11 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
     if len(lengths) > 1:
         lo, hi = min(lengths), max(lengths)
         for layout in layouts:
-            speed = stats[layout, lo]["seconds"] / stats[layout, hi]["seconds"]
-            print(f"{layout}: build throughput at {hi} / at {lo}: {speed:.2f} (goal >= 0.8)")
+            for clock in ("seconds", "cpu_seconds"):
+                per_round = [a[clock] / b[clock] for a, b in zip(runs[layout, lo], runs[layout, hi], strict=True)]
+                speed = stats[layout, lo][clock] / stats[layout, hi][clock]
+                print(f"{layout}: build throughput ({'wall' if clock == 'seconds' else 'CPU'} time) at {hi} / at {lo}: "
+                      f"{speed:.2f} of the medians, per round {', '.join(f'{x:.2f}' for x in per_round)} (goal >= 0.8)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seq-lens", default=None,
                         help="--compare-layouts: comma-separated max lengths built on the same events (e.g. 128,2048)")
     parser.add_argument("--layouts", default="fat,pointer", help="--compare-layouts: the layouts built")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="--compare-layouts: interleaved rounds of every build (medians and per-round ratios)")
+    parser.add_argument("--no-feed", action="store_true",
+                        help="--compare-layouts: skip the materialization vs GEM training measurement")
     parser.add_argument("--compare-layouts", action="store_true",
                         help="build with examples_layout fat and pointer, and time the pointer materialization vs GEM")
     args = parser.parse_args(argv)
@@ -263,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare_layouts:
         lengths = [int(x) for x in args.max_seq_lens.split(",")] if args.max_seq_lens else [args.max_seq_len]
         compare_layouts(events, build, lengths, args.batches, args.beam_args.split(),
-                        layouts=tuple(args.layouts.split(",")))
+                        layouts=tuple(args.layouts.split(",")), repeats=args.repeats, feed=not args.no_feed)
         return
     # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
     # start-up); build a tiny lake once so the timed runs measure the build, not the imports.
