@@ -24,7 +24,10 @@ layout: build events/s, bytes of ``examples`` per example, bytes of ``history``,
 on the pointer lake, the batch-time materialization rate (examples/s of reading the users'
 history and encoding the rows' sequences, :func:`trainer.data.encode_examples`) against GEM's
 training rate (examples/s of forward + backward + optimiser, :func:`benchmarks.train.examples_per_second`)
-on batches of those very rows, and the ratio (goal >= 5). ``--pareto ALPHA`` draws events per user from a Pareto law capped at
+on batches of those very rows, and the ratio (goal >= 5). Each build also reports its CPU seconds
+(events per CPU-second: the share of a shared machine a build gets moves its wall time, not its CPU time)
+and its peak RSS per build phase (:class:`benchmarks.rss.RssPhases`); ``--repeats R`` builds everything R
+times, interleaved, and prints medians and per-round ratios; ``--no-feed`` skips the GEM comparison. ``--pareto ALPHA`` draws events per user from a Pareto law capped at
 ``--max-events-per-user`` instead (the one-million-user run:
 ``--users 1000000 --pareto 1.5 --max-events-per-user 1000``), and the peak RSS (``ru_maxrss`` of
 this process, MiB) and the Delta size of the lake (bytes on disk) are printed with the rates.
