@@ -167,7 +167,7 @@ def _build_committed(lake: str, versions: int, build, beam_args: list[str]) -> d
     on the machine), examples, bytes, peak RSS (MiB) and the peak per build phase
     (:class:`benchmarks.rss.RssPhases`, key ``phases``)."""
     import sequences.pipeline as pipeline
-    from benchmarks.rss import RssPhases
+    from benchmarks.rss import RssPhases, high_water_mib
     from gemline.lake import Lake, commit_once
     from sequences.pipeline import run_build
 
@@ -188,7 +188,7 @@ def _build_committed(lake: str, versions: int, build, beam_args: list[str]) -> d
         cpu += time.process_time() - start_cpu
     return {"seconds": seconds, "cpu_seconds": cpu, "examples": result.num_examples, "examples_bytes": _dir_bytes(Path(lake) / "examples"),
             "history_bytes": _dir_bytes(Path(lake) / "history"),
-            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "phases": phases.stop()}
+            "rss_mib": high_water_mib(), "phases": phases.stop()}
 
 
 def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int, float, float]:
@@ -259,7 +259,8 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
         print(f"{layout:8s} {length:7d} {n / st['seconds']:10,.0f} {n / st['cpu_seconds']:12,.0f} "
               f"{st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
               f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
-        print(f"  peak RSS MiB by phase: {', '.join(f'{k} {v:,.0f}' for k, v in st['phases'].items())}")
+        for kind, peaks in st["phases"].items():
+            print(f"  {kind} peak RSS MiB by phase: {', '.join(f'{k} {v:,.0f}' for k, v in peaks.items())}")
     for length in lengths:
         if length not in feeds:
             continue

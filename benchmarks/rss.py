@@ -4,6 +4,35 @@ from __future__ import annotations
 
 _PHASE = ["setup"]
 """The build phase :class:`RssPhases` attributes samples to (set by its wrappers)."""
+_HIGH: dict[str, float] = {}
+"""Phase -> the process's high-water RSS (:func:`high_water_mib`) when it last rose during that phase."""
+_LAST = [0.0]
+
+
+def high_water_mib() -> float:
+    """This process's peak resident memory (MiB): ``VmHWM`` of ``/proc/self/status``, the kernel's
+    high-water mark of the current address space.
+
+    Not ``ru_maxrss``: on Linux ``execve`` keeps the old address space's high-water mark in it
+    (``signal->maxrss``), so a child started by ``spawn`` (fork + exec) reports at least its parent's
+    resident memory at the fork, the benchmark's events table included.
+    """
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _enter(name: str) -> None:
+    """Credit a rise of the high-water mark since the last phase change to the phase being left, then
+    enter ``name``: the kernel's mark misses no spike, unlike sampling (a sampler thread needs the GIL,
+    which a long call may hold)."""
+    high = high_water_mib()
+    if high > _LAST[0]:
+        _HIGH[_PHASE[0]] = high
+        _LAST[0] = high
+    _PHASE[0] = name
 
 
 class RssPhases:
@@ -17,7 +46,8 @@ class RssPhases:
         import os
         import threading
 
-        _PHASE[0] = "setup"
+        _PHASE[0], _LAST[0] = "setup", 0.0
+        _HIGH.clear()
         self.peaks: dict[str, float] = {}
         self._page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
         self._stop = threading.Event()
@@ -32,6 +62,7 @@ class RssPhases:
         while not self._stop.wait(every_s):
             rss, phase = self._rss_mib(), _PHASE[0]
             self.peaks[phase] = max(self.peaks.get(phase, 0.0), rss)
+            _enter(phase)
 
     def watch(self, module, name: str) -> None:
         """Make ``module.name`` (a function or generator function) set the phase to ``name`` when called."""
@@ -45,18 +76,21 @@ class RssPhases:
             def wrapped(*args, **kwargs):
                 import benchmarks.rss as bench
 
-                bench._PHASE[0] = name
+                bench._enter(name)
                 yield from original(*args, **kwargs)
         else:
             def wrapped(*args, **kwargs):
                 import benchmarks.rss as bench
 
-                bench._PHASE[0] = name
+                bench._enter(name)
                 return original(*args, **kwargs)
         setattr(module, name, wrapped)
 
-    def stop(self) -> dict[str, float]:
-        """Stop sampling; the peaks by phase, highest first."""
+    def stop(self) -> dict[str, dict[str, float]]:
+        """Stop sampling; ``{"sampled": peak by phase, "high_water": ru_maxrss by the phase it rose in}``
+        (MiB, highest first)."""
         self._stop.set()
         self._thread.join()
-        return dict(sorted(self.peaks.items(), key=lambda kv: -kv[1]))
+        _enter("stopped")
+        return {"sampled": dict(sorted(self.peaks.items(), key=lambda kv: -kv[1])),
+                "high_water": dict(sorted(_HIGH.items(), key=lambda kv: -kv[1]))}
