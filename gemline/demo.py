@@ -238,7 +238,8 @@ def _distill(lake: Lake, config: GemlineConfig, console: Console) -> dict[str, A
     result = run_distill_once(lake, config.trainer, config.distill, from_scratch=True)
     assert result.report is not None
     click = [r for r in result.report["summary"] if r["task"] == "click"]
-    return {"report": result.report_path, "click": click, "versions": result.versions}
+    return {"report": result.report_path, "click": click, "versions": result.versions,
+            "inference": result.report.get("inference")}
 
 
 def _teacher_logged(config: GemlineConfig) -> bool:
@@ -333,6 +334,11 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
                              _fmt(row["calibration"]),
                              "undefined" if row["transfer_ratio"] is None else _fmt(row["transfer_ratio"]))
         console.print(students)
+        rates = summary["distill"].get("inference")
+        if rates:
+            per_student = ", ".join(f"{v} {r:,.0f}" for v, r in rates["students"].items())
+            console.print(f"CPU inference, examples/s: teacher ({rates['teacher_model']}) {rates['teacher']:,.0f}; "
+                          f"students {per_student}")
         console.print(f"distill report: {summary['distill']['report']}")
     for name, report in summary["quality_reports"].items():
         console.print(f"quality report {name}@{report['version']}: {report['report_html']}")

@@ -65,9 +65,11 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import TrainerConfig
-from trainer.data import DenseNormalizer, EncodedExamples, encode_examples, fit_normalizer, pointer_history
+from trainer.data import DenseNormalizer, EncodedExamples, encode_for, fit_normalizer, make_batch, pointer_history
 from trainer.delayed import is_correction, to_torch
+from trainer.loop import domain_ids
 from trainer.metrics import TASKS, auc
+from trainer.models import build_model
 from trainer.students import (
     DistillConfig,
     Student,
@@ -486,14 +488,13 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
                 logged = logged.filter(pc.equal(logged["run_id"], teacher_run))
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
-                data = encode_examples(table, tc.num_embeddings, normalizer, pointer_history(lake, table),
-                                       final_labels=tc.final_labels, click_window_ms=tc.click_window_ms)
+                data = encode_for(table, tc, normalizer, pointer_history(lake, table))
                 _distill_version(students, version, table, data, joined, history, evaluate=not is_released)
-                counts = joined.counts
+                counts, rates = joined.counts, inference_rates(students, tc, data, joined)
             else:
-                counts = {}
+                counts, rates = {}, None
             record = {"version": version, "quality": "released" if is_released else "passed", "rows": table.num_rows,
-                      "counts": counts}
+                      "counts": counts, "inference": rates}
             if is_released:
                 skipped.remove(version)
         passed.append(record)
@@ -506,6 +507,61 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
     result.report = summarize(history, passed, dc.variants)
     result.report_path = write_report(lake, run_id, result.report)
     return result
+
+
+INFERENCE_ROWS = 2048
+"""Rows of a version each model predicts for :func:`inference_rates` (the version's first rows)."""
+
+
+def _examples_per_s(predict_all: Callable[[], object], rows: int) -> float:
+    """Examples/s of ``predict_all`` (one pass over ``rows`` rows) after one warm-up pass, wall clock."""
+    with torch.no_grad():
+        predict_all()
+        start = time.perf_counter()
+        predict_all()
+        return rows / max(time.perf_counter() - start, 1e-9)
+
+
+def inference_rates(students: _Students, tc: TrainerConfig, data: EncodedExamples,
+                    joined: Joined) -> dict[str, Any] | None:
+    """CPU inference examples/s of each variant's student and of a teacher of ``tc``'s model, on the same rows.
+
+    Each model predicts up to :data:`INFERENCE_ROWS` of the version's rows in batches of ``distill.batch_size``,
+    once to warm up and once timed (wall clock, the process's torch threads). The teacher is a freshly built
+    model of the trainer config (:func:`trainer.models.build_model`): its forward cost does not depend on its
+    weights, and the distill process holds no teacher checkpoint in memory. A student reads the ids, the dense
+    features and the joined teacher inputs (a lookup, not model time); the teacher reads the whole batch, its
+    sequences included. A wall-clock figure of one pass: compare the models of one report, not reports.
+
+    Returns:
+        ``{"rows", "batch_size", "threads", "teacher_model", "teacher", "students": {variant: examples/s}}``
+        (examples/s as float); None when no row has a domain (no student predicts it).
+    """
+    dc = students.dc
+    domains = [d for d in data.domains.tolist() if d is not None]
+    if not domains:
+        return None
+    rows = np.arange(min(INFERENCE_ROWS, len(data.labels)))
+    ids = torch.from_numpy(data.sparse_ids[rows] % dc.num_embeddings)
+    dense, teacher_inputs = torch.from_numpy(data.dense[rows]), _take(joined.inputs, rows)
+    domain = domains[0]
+    rates: dict[str, float] = {}
+    for variant in dc.variants:
+        student = students.student(domain, variant)
+
+        def predict_all(s: Student = student) -> object:
+            return predict(s, ids, dense, teacher_inputs, dc.batch_size)
+
+        rates[variant] = _examples_per_s(predict_all, len(rows))
+    model = build_model(tc, students.num_dense, students.domains).eval()
+    batches = [make_batch(data, rows[i: i + dc.batch_size]) for i in range(0, len(rows), dc.batch_size)]
+
+    def teacher() -> None:
+        for batch in batches:
+            model(batch.sparse, batch.sequence, batch.dense, domain_ids(model, batch))
+
+    return {"rows": len(rows), "batch_size": dc.batch_size, "threads": torch.get_num_threads(),
+            "teacher_model": tc.model, "teacher": _examples_per_s(teacher, len(rows)), "students": rates}
 
 
 def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
@@ -545,7 +601,9 @@ def summarize(history: list[dict[str, Any]], versions: list[dict[str, Any]],
             gain = aux - adapted if aux is not None and adapted is not None else None
             staleness.append({"examples_version": key[0], "domain": key[1], "staleness_ms_p50": h["staleness_ms_p50"],
                               "adapter_ne_gain": gain})
-    return {"rows": rows, "summary": summary, "staleness": staleness, "versions": versions}
+    measured = [v["inference"] for v in versions if v.get("inference")]
+    return {"rows": rows, "summary": summary, "staleness": staleness, "versions": versions,
+            "inference": measured[-1] if measured else None}
 
 
 def staleness_plot_png(staleness: list[dict[str, Any]]) -> bytes | None:
@@ -574,6 +632,19 @@ def staleness_plot_png(staleness: list[dict[str, Any]]) -> bytes | None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     return buf.getvalue()
+
+
+def _inference_html(rates: dict[str, Any] | None) -> str:
+    """The report's inference section: examples/s of each student and of the teacher, and the ratio."""
+    if not rates:
+        return ""
+    lines = [(f"teacher ({html.escape(str(rates['teacher_model']))})", rates["teacher"])]
+    lines += [(f"student {html.escape(v)}", r) for v, r in rates["students"].items()]
+    body = "".join(f"<tr><td>{name}</td><td>{rate:,.0f}</td><td>x{rate / rates['teacher']:.1f}</td></tr>"
+                   for name, rate in lines)
+    return (f"<h2>CPU inference, examples/s</h2><p>{rates['rows']} rows of the newest version, batches of "
+            f"{rates['batch_size']}, {rates['threads']} torch thread(s), one timed pass after a warm-up.</p>"
+            f"<table border=1 cellpadding=3><tr><th>model</th><th>examples/s</th><th>of the teacher</th></tr>{body}</table>")
 
 
 def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
@@ -606,6 +677,7 @@ def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
             + ("" if png is None else "<img alt='staleness against the adapter gain' "
                f"src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'><br>")
             + table(report["staleness"], ["examples_version", "domain", "staleness_ms_p50", "adapter_ne_gain"])
+            + _inference_html(report.get("inference"))
             + "<h2>Per increment (all rows; the teacher on its rows)</h2>"
             + table(report["rows"], ["examples_version", "domain", "variant", "task", "rows", "ne", "auc", "calibration"])
             + "<h2>Versions and the teacher join</h2>"

@@ -132,3 +132,19 @@ def test_demo_increments_split_the_records_in_order_and_train_continuously(tmp_p
     assert summary["events_ingested"] == 9 and summary["auc"] == 0.7
     saved = json.loads(Path(summary["summary_path"]).read_text())
     assert saved["progressive"] == summary["progressive"]
+
+
+def test_demo_prints_the_students_and_the_teachers_inference_rates():
+    summary = {"run_id": "r", "dataset": "d", "events_in": 1, "events_ingested": 1, "dead_letter": 0, "examples": 1,
+               "seq_len_p50": 1, "seq_len_p99": 1, "quality_passed": True, "eval_date": None, "auc": None, "ne": None,
+               "calibration": None, "wall_seconds": 1.0, "quality_reports": {}, "summary_path": "s.json",
+               "distill": {"report": "distill.html", "versions": [], "click": [
+                   {"domain": "obd_men", "variant": "alone", "rows": 10, "ne": 1.0, "auc": 0.5, "calibration": 1.0,
+                    "transfer_ratio": None}],
+                   "inference": {"rows": 10, "batch_size": 4, "threads": 1, "teacher_model": "gem", "teacher": 7922.4,
+                                 "students": {"alone": 1_110_000.0, "aux_head": 1_412_345.6}}}}
+    console = Console(record=True, width=400)
+    demo._print_summary(console, summary)
+    text = console.export_text()
+    assert "CPU inference, examples/s: teacher (gem) 7,922; students alone 1,110,000, aux_head 1,412,346" in text
+    assert "undefined" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -113,6 +114,11 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
             got = summary[(domain, variant)]
             assert got["transfer_ratio"] == pytest.approx((alone["ne"] - got["ne"]) / (alone["ne"] - teacher["ne"]))
     assert any(summary[(d, "teacher")]["transfer_ratio"] is not None for d in DOMAINS), "a teacher that teaches"
+    rates = report["inference"]
+    assert rates == out.versions[-1]["inference"], "the newest version's rates"
+    assert rates["rows"] == 90 and rates["teacher_model"] == _config(straight).trainer.model and set(rates["students"]) == set(VARIANTS)
+    assert all(math.isfinite(r) and r > 0 for r in [rates["teacher"], *rates["students"].values()])
+    assert "CPU inference, examples/s" in page and f"{rates['teacher']:,.0f}" in page
 
     by_key = {(r["examples_version"], r["domain"], r["variant"]): r for r in click}
     staleness = report["staleness"]
