@@ -230,3 +230,23 @@ def test_cli_train_says_why_auc_is_undefined_on_an_eval_day_without_clicks(tmp_p
         "click auc is undefined on the eval day 2026-01-02: no positive labels among 120 examples; AUC ranks "
         "positives against negatives and needs both")
     assert len(result["undefined_metrics"]) == 6  # auc, ne, calibration of click and of conversion
+
+
+def test_the_held_out_day_is_judged_on_every_label_its_open_windows_included(tmp_path, make_examples):
+    from .conftest import mark_quality, write_examples
+
+    table = make_examples(["2026-01-01", "2026-01-02"], 120, 3)
+    is_eval = pc.equal(table["event_date"], "2026-01-02")
+    # A bounded snapshot's last day: its conversion windows are open, and the click window (1 day) too.
+    column = table.schema.get_field_index("label_window_closed")
+    table = table.set_column(column, "label_window_closed", pc.invert(is_eval))
+    lake = str(tmp_path / "lake")
+    version = write_examples(lake, table)
+    mark_quality(lake, version, passed=True)
+    result = _run(config(lake, **{"trainer.model": "lr"}), progress=False)
+    assert result.eval_examples == 120
+    for task, label in (("click", "label_click"), ("conversion", "label_conversion")):
+        overall = result.metrics[task]["overall"]
+        want = pc.mean(table.filter(is_eval)[label].cast(pa.float64())).as_py()
+        assert overall["num_examples"] == 120 and overall["base_rate"] == pytest.approx(want)
+        assert math.isfinite(overall["ne"]), overall
