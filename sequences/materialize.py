@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from features.vectorized import EVENT_ORDER, grouped
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.lake import Lake, StorageOptions, commit_metadata, open_table
 from gemline.tables import Table
 from sequences.config import BuildConfig
@@ -413,29 +414,46 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
         ``{"version", "rows", "files", "materialized", "out_dir"}``.
 
     Raises:
-        FileNotFoundError: no examples table; FileExistsError: ``out_dir`` holds Parquet files already.
+        gemline.errors.MissingInputError: no examples table, or no ``version`` of it.
+        gemline.errors.BadConfigError: ``out_dir`` holds Parquet files already.
         ValueError: as :func:`materialize_examples`, or pointer rows without the build's metadata.
     """
     import pyarrow.parquet as pq
 
-    dt = open_table(lake, Table.EXAMPLES, version, storage_options=storage_options)
-    if dt is None:
-        raise FileNotFoundError(f"no examples table under {str(lake)!r}; run the build stage first")
+    newest = open_table(lake, Table.EXAMPLES, storage_options=storage_options)
+    if newest is None:
+        raise MissingInputError(f"no examples table under {str(lake)!r}; run the build stage first")
+    if version is not None and not 0 <= version <= newest.version():
+        raise MissingInputError(f"examples has versions 0..{newest.version()}, not {version}")
+    dt = newest if version is None else open_table(lake, Table.EXAMPLES, version, storage_options=storage_options)
+    assert dt is not None
     out = Path(out_dir)
     if out.exists() and any(out.glob("*.parquet")):
-        raise FileExistsError(f"{out} already holds Parquet files; export into an empty directory")
+        raise BadConfigError(f"{out} already holds Parquet files; export into an empty directory")
     out.mkdir(parents=True, exist_ok=True)
     dataset = dt.to_pyarrow_dataset()
     cfg = layout_config(lake, dataset.schema, storage_options=storage_options) if materialize else None
     rows = files = 0
-    for batch in dataset.to_batches(batch_size=chunk_rows):
-        table = pa.Table.from_batches([batch])
+
+    def write(batches: list[pa.RecordBatch]) -> None:
+        nonlocal rows, files
+        table = pa.Table.from_batches(batches, schema=dataset.schema)
         if cfg is not None and table.num_rows:
             table = materialize_examples(table, read_history(lake, table.column("user_id"),
                                                              storage_options=storage_options), cfg)
         if table.num_rows:
             pq.write_table(table, out / f"part-{files:05d}.parquet")
             rows, files = rows + table.num_rows, files + 1
+
+    # Batches follow the table's files, often a few hundred rows each: gather them to chunk_rows per part.
+    pending: list[pa.RecordBatch] = []
+    for batch in dataset.to_batches(batch_size=chunk_rows):
+        pending.append(batch)
+        if sum(b.num_rows for b in pending) >= chunk_rows:
+            write(pending)
+            pending = []
+    if pending:
+        write(pending)
     return {"version": dt.version(), "rows": rows, "files": files, "materialized": cfg is not None,
             "out_dir": str(out)}
 

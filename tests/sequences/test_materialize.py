@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gemline.cli import main
 from gemline.config import GemlineConfig
-from gemline.errors import BadConfigError
+from gemline.errors import BadConfigError, MissingInputError
 from gemline.lake import Lake, read_table
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, pending_schema
@@ -223,5 +223,15 @@ def test_pointer_build_materializes_to_the_fat_build(tmp_path, make_event):
     assert main(["export", "examples", "--lake", str(tmp_path / "pointer"), "--out", str(out), "--materialize"]) == 0
     exported = pq.read_table(out).select(EXAMPLES_SCHEMA.names).sort_by("example_id")
     assert exported.to_pylist() == tables["fat"].select(EXAMPLES_SCHEMA.names).to_pylist()
-    with pytest.raises(FileExistsError):
+    assert len(list(out.glob("*.parquet"))) == 1, "the table's small files gathered into one part"
+    with pytest.raises(BadConfigError, match="already holds Parquet files"):
         export_examples(str(tmp_path / "pointer"), out)
+    with pytest.raises(MissingInputError, match=r"versions 0\.\.2, not 9"):
+        export_examples(str(tmp_path / "pointer"), tmp_path / "other", version=9)
+    with pytest.raises(MissingInputError, match="no examples table"):
+        export_examples(str(tmp_path / "nowhere"), tmp_path / "other")
+    # Two rows a part: the parts hold every row once.
+    parts = export_examples(str(tmp_path / "fat"), tmp_path / "small", materialize=False, chunk_rows=2)
+    assert parts["rows"] == 5 and parts["files"] == 3
+    assert pq.read_table(tmp_path / "small").sort_by("example_id").select(EXAMPLES_SCHEMA.names).to_pylist() == \
+        tables["fat"].select(EXAMPLES_SCHEMA.names).to_pylist()
