@@ -52,6 +52,8 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
         return value
     if origin is tuple:
         # "" is the empty tuple (how config_overrides writes one that differs from its default).
+        if not isinstance(value, (str, list, tuple)):
+            raise BadConfigError(f"{key}: expected a list, got {value!r}")
         items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
         return tuple(coerce(v, args[0], key) for v in items)
     if annotation is bool:
@@ -63,6 +65,9 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
             return False
         raise BadConfigError(f"{key}: expected a boolean, got {value!r}")
     if annotation in (int, float, str):
+        # TOML's true is a Python int too, and 5 would pass str(): a typed TOML value of the wrong kind is refused.
+        if isinstance(value, bool) or (annotation is str and isinstance(value, (int, float))):
+            raise BadConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
         try:
             if annotation is int and isinstance(value, float):
                 raise ValueError

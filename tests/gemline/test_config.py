@@ -104,3 +104,21 @@ def test_shard_step_is_checked_without_the_loader_too():
     with pytest.raises(ValueError, match=r"^build.shard_step must be one of \('vectorized', 'reference'\), got 'polars'$"):
         BuildConfig(shard_step="polars")
     assert BuildConfig().shard_step == "vectorized"
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[trainer]\ntask_weights = 1\n", "trainer.task_weights: expected a list, got 1"),
+        ("lake = 5\n", "lake: expected str, got 5"),
+        ("[trainer]\nseed = true\n", "trainer.seed: expected int, got True"),
+        ("[trainer]\nlearning_rate = false\n", "trainer.learning_rate: expected float, got False"),
+    ],
+)
+def test_a_toml_value_of_the_wrong_kind_names_the_key(tmp_path, toml, message):
+    from gemline.errors import BadConfigError
+
+    path = tmp_path / "gemline.toml"
+    path.write_text(toml)
+    with pytest.raises(BadConfigError, match=message):
+        load_config(path)
