@@ -269,7 +269,9 @@ def _finish(config: GemlineConfig, console: Console, run_id: str, summary: dict[
 
 def _write_summary(config: GemlineConfig, run_id: str, summary: dict[str, Any]) -> str:
     """Write ``LAKE/_runs/<run_id>/summary.json`` (through ``lake_fs`` on an object store); its path or URI."""
-    text = json.dumps(summary, indent=2, default=str)
+    from trainer.metrics import nan_to_none
+
+    text = json.dumps(nan_to_none(summary), indent=2, default=str, allow_nan=False)
     if is_remote(config.lake):
         fs, root = lake_fs(config.lake, config.lake_storage_options)
         with fs.open_output_stream(f"{root}/_runs/{run_id}/summary.json") as out:

@@ -81,7 +81,7 @@ def test_demo_names_an_undefined_auc_instead_of_printing_nan(tmp_path, monkeypat
         num_examples=40, seq_length_p50=3, seq_length_p99=9, examples_version=1))
     overall = {"auc": math.nan, "ne": math.nan, "calibration": math.nan, "base_rate": 0.0, "count": 40,
                "undefined": {"auc": "no positive labels among 40 examples"}}
-    metrics = {"click": {"overall": overall, "by_domain": {}}}
+    metrics = {"click": {"overall": overall, "by_domain": {"movielens": overall}}}
     monkeypatch.setattr(trainer.train, "run_training", lambda *a, **k: types.SimpleNamespace(
         metrics=metrics, eval_date="2026-01-02", train_examples=30, eval_examples=10, checkpoint_path="ck"))
     console = Console(record=True, width=400)
@@ -90,7 +90,9 @@ def test_demo_names_an_undefined_auc_instead_of_printing_nan(tmp_path, monkeypat
     text = console.export_text()
     assert "nan" not in text.lower().replace("nanoseconds", "")
     assert "click auc is undefined on the eval day 2026-01-02: no positive labels among 40 examples" in text
-    assert json.loads(Path(summary["summary_path"]).read_text())["auc"] is None
+    saved = Path(summary["summary_path"]).read_text()
+    assert json.loads(saved)["auc"] is None
+    assert "NaN" not in saved, "strict JSON: a NaN inside per_domain is written as null"
 
 
 def test_demo_increments_split_the_records_in_order_and_train_continuously(tmp_path, monkeypatch):
