@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gemline import tables
-from gemline.errors import BadConfigError, GemlineError
-from gemline.lake import Lake, StorageOptions, as_lake, read_table
+from gemline.errors import BadConfigError, GemlineError, MissingInputError
+from gemline.lake import Lake, StorageOptions, as_lake, open_table, read_table
 from gemline.tables import Table
 
 RELEASE = "__release__"
@@ -176,6 +176,7 @@ def require_allowed(lake: str | Path, table: str, version: int, *, since: int | 
     Raises:
         GateClosedError: ``version`` is quarantined or never validated, or a version in between is
             quarantined (the oldest such version is named).
+        MissingInputError: ``version`` does not exist (:func:`require_version`).
     """
     first = 0 if since is None else since + 1
     decisions = gate_decisions(lake, table, range(first, version + 1), storage_options=storage_options)
@@ -183,8 +184,23 @@ def require_allowed(lake: str | Path, table: str, version: int, *, since: int | 
         if decisions[v].validated and not decisions[v].allowed:
             raise GateClosedError(decisions[v], reader)
     if not decisions[version].allowed:
+        if not decisions[version].validated:
+            require_version(lake, table, version, storage_options=storage_options)
         raise GateClosedError(decisions[version], reader)
     return decisions[version]
+
+
+def require_version(lake: Lake | str | Path, table: str, version: int, *,
+                    storage_options: StorageOptions | None = None) -> None:
+    """Check that ``table@version`` exists where ``table`` does, so a version past its newest is not reported
+    as "never validated" (a table that does not exist yet has no version validated: the gate's own answer).
+
+    Raises:
+        MissingInputError: ``version`` outside the existing table's versions 0..newest.
+    """
+    newest = open_table(lake, table, storage_options=storage_options)
+    if newest is not None and not 0 <= version <= newest.version():
+        raise MissingInputError(f"{table} has versions 0..{newest.version()}, not {version}")
 
 
 def release(lake: str | Path, table: str, table_version: int, reason: str, *, now_ms: int | None = None,
@@ -194,10 +210,12 @@ def release(lake: str | Path, table: str, table_version: int, reason: str, *, no
     Raises:
         BadConfigError: ``reason`` is empty, or ``table@table_version`` was never validated (a release
             answers a verdict; there is none to answer).
+        MissingInputError: ``table@table_version`` does not exist.
     """
     if not reason.strip():
         raise BadConfigError("a release needs a non-empty --reason")
     if not gate_decision(lake, table, table_version, storage_options=storage_options).validated:
+        require_version(lake, table, table_version, storage_options=storage_options)
         raise BadConfigError(f"{table}@{table_version} was never validated; run `gemline validate --table {table} "
                              f"--version {table_version}` first")
     ts = int(time.time() * 1000) if now_ms is None else now_ms

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from gemline.errors import GemlineError
-from gemline.gate import gate_decision
+from gemline.gate import gate_decision, require_version
 from gemline.lake import Lake
 from gemline.tables import Table
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state
@@ -102,9 +102,11 @@ def _loss_curve_png(loss_curve: list[float]) -> bytes:
 
 def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:
     """Raise QuarantinedError unless the gate allows ``examples@examples_version`` (``lake``: a Lake,
-    or a root with its ``storage_options``)."""
+    or a root with its ``storage_options``); MissingInputError when that version does not exist."""
     decision = gate_decision(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
     if not decision.allowed:
+        if not decision.validated:  # a version past the newest is named as such (MissingInputError)
+            require_version(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
         log.error("refusing to train: %s", decision.reason)
         raise QuarantinedError(decision.reason)
     log.info("gate: %s", decision.reason)

@@ -75,11 +75,21 @@ def test_quality_release_lifts_a_quarantine(tmp_path, capsys):
 
 def test_release_of_a_never_validated_version_is_refused(tmp_path, capsys):
     from gemline.gate import gate_decision
+    from gemline.lake import commit_once
 
+    assert main(["quality", "release", "3", "--reason", "x", "--lake", str(tmp_path)]) == 2
+    assert "examples@3 was never validated" in capsys.readouterr().err
+    for version in range(4):
+        commit_once(tmp_path, "examples", pa.table({"x": [version]}), app_id="build", version=version)
     assert main(["quality", "release", "3", "--reason", "x", "--lake", str(tmp_path)]) == 2
     assert "examples@3 was never validated" in capsys.readouterr().err
     decision = gate_decision(tmp_path, "examples", 3)
     assert (decision.allowed, decision.validated) == (False, False)
+    # A version that does not exist is named as such, not as never validated.
+    for argv in (["quality", "release", "99", "--reason", "x"], ["train", "--version", "99"]):
+        assert main([*argv, "--lake", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: examples has versions 0..3, not 99") and "Traceback" not in err, err
 
 
 def test_train_on_a_quarantined_version_is_a_one_line_error(tmp_path, capsys):
