@@ -649,8 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="numpy seed of the bootstrap draws (default 0)")
     p.add_argument("--ablate", default="",
-                   help="comma-separated ablations (trainer.compare.ABLATIONS: collisions, sequence_len): the first "
-                        "model again without each change, reported as its difference from the full model")
+                   help="comma-separated ablations (trainer.compare.ABLATIONS, e.g. final_labels, sequence_len, "
+                        "interformer_cross; an unknown name lists them all): the first model again without each "
+                        "change, reported as its difference from the full model")
     p.add_argument("--json", action="store_true",
                    help='print only {"models": {m: {auc, ne, ...}}, "gem_minus_dlrm_auc": {mean, ci95}, ..., "ablations"}')
     p.add_argument("--holdout-last-day", action="store_true",
