@@ -133,7 +133,10 @@ class Supervisor:
     def _say(self, line: str) -> None:
         log.info("%s", line)
         if self.on_event is not None:
-            self.on_event(line)
+            try:
+                self.on_event(line)
+            except OSError:  # a closed terminal or pipe (`gemline run | head`) must not stop the supervision
+                pass
 
     def _spawn(self, stage: StageState) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

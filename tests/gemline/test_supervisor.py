@@ -133,3 +133,20 @@ def test_a_job_that_finishes_is_not_restarted_unless_it_failed(tmp_path):
     assert (done.last_exit_code, done.restarts, once.last_exit_code, once.restarts) == (0, 0, 5, 0)
     assert any("done: exited with exit 0" in e and "not restarted" in e for e in events)
     sup.stop(grace_s=5)
+
+
+def test_a_closed_pipe_under_the_status_view_still_stops_every_stage(tmp_path):
+    """`gemline run | head`: once head exits, writing the status raises BrokenPipeError; the stages run in their
+    own sessions, so the supervisor must still stop them, or they outlive it."""
+    def closed(line: str) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def render(sup: Supervisor) -> None:
+        if sup.stages[0].last_log_line() == "up":
+            raise BrokenPipeError(32, "Broken pipe")
+
+    sup = Supervisor([StageCommand("stage", _python("import time; print('up', flush=True); time.sleep(60)"))],
+                     log_dir=tmp_path / "logs", on_event=closed)
+    with pytest.raises(BrokenPipeError):
+        sup.run(poll_interval_s=0.02, render=render, grace_s=5.0)
+    assert sup.stages[0].process is None and sup.stages[0].last_exit_code == -signal.SIGTERM
