@@ -95,8 +95,8 @@ def test_a_sigkill_at_a_seeded_point_then_a_restart_trains_each_example_once(tmp
     assert all(torch.allclose(want[name], got[name], atol=1e-6, rtol=0) for name in want), f"k={k}"
     metrics = read_table(str(killed), "training_metrics").to_pylist()
     keys = [(r["examples_version"], r["task"], r["domain"], r["metric"]) for r in metrics]
-    # 2 evaluations x 2 tasks x (overall + 3 domains) x 5 metrics, and 3 versions' id counts (10 namespaces x 4)
-    assert len(keys) == len(set(keys)) == 2 * 2 * 4 * 5 + 3 * 10 * 4, "each evaluation and id count written once"
+    # 2 evaluations x 2 tasks x (overall + 3 domains) x 5 metrics, and 3 versions' id counts (10 namespaces x 5, the width included)
+    assert len(keys) == len(set(keys)) == 2 * 2 * 4 * 5 + 3 * 10 * 5, "each evaluation and id count written once"
     hops = [(r["examples_version"], r["hop"]) for r in read_table(str(killed), "freshness").to_pylist()]
     assert len(hops) == len(set(hops)) == 3 * 3, "each version's freshness written once"
 

@@ -58,10 +58,10 @@ def test_once_twice_on_two_ranks_trains_each_row_once_and_resumes(tmp_path, monk
     everything = read_table(str(sharded), "training_metrics").to_pylist()
     metrics = [r for r in everything if r["task"] != "ids"]
     # One evaluation (examples@1) x 2 tasks x (overall + 3 domains) x 5 metrics, written by rank 0 only; and the
-    # id mapping's counts after each of the 2 versions: 10 namespaces x 4 metrics.
+    # id mapping's counts after each of the 2 versions: 10 namespaces x 5 metrics.
     assert len(metrics) == 2 * 4 * 5
     assert sorted({r["examples_version"] for r in everything if r["task"] == "ids"}) == [0, 1]
-    assert len(everything) - len(metrics) == 2 * 10 * 4
+    assert len(everything) - len(metrics) == 2 * 10 * 5
     assert {(r["run_id"], r["examples_version"], r["step"]) for r in metrics} == {(first["run_id"], 1, 4)}
     meta = json.loads((Path(second.checkpoint_path) / "meta.json").read_text())
     assert Path(second.checkpoint_path).name == "step-8" and meta["extra"]["world_size"] == 2
@@ -164,5 +164,5 @@ def test_a_sigkill_of_a_sharded_run_then_a_restart_trains_each_row_once(tmp_path
     assert [v["mean_loss"] for v in lineage] == pytest.approx([v["mean_loss"] for v in reference], rel=1e-5)
     metrics = read_table(str(killed), "training_metrics").to_pylist()
     keys = [(r["examples_version"], r["task"], r["domain"], r["metric"]) for r in metrics]
-    # Versions 1-3 evaluated once each, and the id counts (10 namespaces x 4 metrics) of versions 0-3 once each.
-    assert len(keys) == len(set(keys)) == 3 * 2 * 4 * 5 + 4 * 10 * 4, "versions 1-3 evaluated once each"
+    # Versions 1-3 evaluated once each, and the id counts (10 namespaces x 5 metrics) of versions 0-3 once each.
+    assert len(keys) == len(set(keys)) == 3 * 2 * 4 * 5 + 4 * 10 * 5, "versions 1-3 evaluated once each"
