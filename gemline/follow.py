@@ -16,7 +16,6 @@ committed, and nothing is written twice. An interrupt while waiting between pass
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from gemline.config import GemlineConfig
 from gemline.gate import GateClosedError, gate_decisions
 from gemline.increments import latest_version
 from gemline.lake import Lake
+from gemline.polling import sleep_or_stop
 from gemline.tables import Table
 
 log = logging.getLogger(__name__)
@@ -41,15 +41,6 @@ class FollowState:
     """Why the newest version waited in the last pass (not validated yet, quarantined); '' when nothing waits."""
 
 
-def _sleep_or_stop(seconds: float) -> bool:
-    """Sleep; True when Ctrl-C or SIGTERM (a KeyboardInterrupt in gemline's CLI) came meanwhile."""
-    try:
-        time.sleep(seconds)
-    except KeyboardInterrupt:
-        return True
-    return False
-
-
 def _loop(one_pass: Callable[[FollowState], None], state: FollowState, interval_s: float,
           max_passes: int | None) -> FollowState:
     if interval_s < 0:
@@ -59,7 +50,7 @@ def _loop(one_pass: Callable[[FollowState], None], state: FollowState, interval_
         state.passes += 1
         if max_passes is not None and state.passes >= max_passes:
             break
-        if _sleep_or_stop(interval_s):
+        if sleep_or_stop(interval_s):
             break
     return state
 

@@ -74,13 +74,13 @@ def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path,
 
 
 def test_an_interrupt_while_waiting_ends_the_loop(monkeypatch):
-    import gemline.follow as follow
+    import gemline.polling as polling
 
     def interrupted(seconds):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(follow.time, "sleep", interrupted)
-    assert follow._sleep_or_stop(5.0) is True
+    monkeypatch.setattr(polling.time, "sleep", interrupted)
+    assert polling.sleep_or_stop(5.0) is True
 
 
 def test_the_cli_follow_loops_print_each_version_and_stop_cleanly_while_waiting(tmp_path, capsys, monkeypatch):
@@ -93,7 +93,7 @@ def test_the_cli_follow_loops_print_each_version_and_stop_cleanly_while_waiting(
     _write(lake, [_event("a1", 0, "impression", "u1", "i1"), _event("a2", 1, "click", "u1", "i1")], 0)
     sets = ["--lake", lake, "--set", "ingest.domains=facebook", "--set", f"validation.min_event_time_ms={T0_MS - 1000}"]
 
-    monkeypatch.setattr(follow, "_sleep_or_stop", lambda seconds: True)  # Ctrl-C or SIGTERM between two passes
+    monkeypatch.setattr(follow, "sleep_or_stop", lambda seconds: True)  # Ctrl-C or SIGTERM between two passes
     assert main(["validate", "--follow", "--table", "events,examples", "--interval-s", "0", *sets]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["table"], r["version"], r["passed"]) for r in lines] == [("events", 0, True)]
@@ -108,7 +108,7 @@ def test_build_follow_interval_is_the_config_key_and_the_flag_overrides_it(tmp_p
 
     slept: list[float] = []
     monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, ""))  # an empty lake: nothing to build
-    monkeypatch.setattr(follow, "_sleep_or_stop", lambda seconds: slept.append(seconds) or True)
+    monkeypatch.setattr(follow, "sleep_or_stop", lambda seconds: slept.append(seconds) or True)
     config = tmp_path / "gemline.toml"
     config.write_text("[build]\ninterval_s = 4.5\n")
     lake = ["--lake", str(tmp_path / "lake")]
