@@ -253,23 +253,22 @@ class IdsConfig:
 
     def pinned_rows(self) -> dict[str, int]:
         """``table_rows`` as namespace -> rows; raises BadConfigError on an entry that is not ``name=rows`` (rows >= 3)."""
-        out = {}
-        for entry in self.table_rows or ():
-            name, _, rows = entry.partition("=")
-            if not name or not rows.isdigit() or int(rows) < 3:
-                raise BadConfigError(f"trainer.ids.table_rows entries must be namespace=rows with rows >= 3, got {entry!r}")
-            out[name] = int(rows)
-        return out
+        return _pinned(self.table_rows, "table_rows", "rows", 3)
 
     def pinned_widths(self) -> dict[str, int]:
         """``table_widths`` as namespace -> width; raises BadConfigError on an entry that is not ``name=width`` (>= 1)."""
-        out = {}
-        for entry in self.table_widths or ():
-            name, _, width = entry.partition("=")
-            if not name or not width.isdigit() or int(width) < 1:
-                raise BadConfigError(f"trainer.ids.table_widths entries must be namespace=width with width >= 1, got {entry!r}")
-            out[name] = int(width)
-        return out
+        return _pinned(self.table_widths, "table_widths", "width", 1)
+
+
+def _pinned(entries: tuple[str, ...] | None, key: str, what: str, minimum: int) -> dict[str, int]:
+    """``name=N`` entries of ``trainer.ids.<key>`` as name -> N; BadConfigError unless N >= ``minimum``."""
+    out = {}
+    for entry in entries or ():
+        name, _, value = entry.partition("=")
+        if not name or not value.isdigit() or int(value) < minimum:
+            raise BadConfigError(f"trainer.ids.{key} entries must be namespace={what} with {what} >= {minimum}, got {entry!r}")
+        out[name] = int(value)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
