@@ -24,11 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from gemline.lake import Lake, lake_fs, read_table  # noqa: E402
 from gemline.tables import Table  # noqa: E402
@@ -37,10 +34,16 @@ from trainer.freshness import HOPS  # noqa: E402
 _COLOURS = {"passed": "#2b8a3e", "released": "#e67700", "quarantined": "#c92a2a"}
 
 
+def _subplots(*grid: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
+    """A (figure, axes) pair outside pyplot, which would keep every figure until closed (a plot that raises
+    half-way would leak it); a bare Figure is freed with its last reference."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*grid, **kwargs)
+
+
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -55,7 +58,7 @@ def progressive_series(metrics: list[dict[str, Any]], run_id: str, task: str, me
 
 
 def _line_plot(series: dict[str, list[tuple[int, float]]], title: str, ylabel: str) -> str:
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = _subplots(figsize=(6, 3))
     for domain, points in series.items():
         ax.plot([v for v, _ in points], [y for _, y in points], marker="o",
                 linewidth=2.5 if domain == "all" else 1, label=domain)
@@ -67,7 +70,7 @@ def _line_plot(series: dict[str, list[tuple[int, float]]], title: str, ylabel: s
 
 
 def _rows_plot(lineage: Sequence[dict[str, Any]]) -> str:
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = _subplots(figsize=(6, 3))
     ax.bar([r["version"] for r in lineage], [r["rows_trained"] for r in lineage],
            color=[_COLOURS.get(r["quality"], "grey") for r in lineage])
     skipped = [r["version"] for r in lineage if r["quality"] == "quarantined"]
@@ -81,7 +84,7 @@ def _rows_plot(lineage: Sequence[dict[str, Any]]) -> str:
 
 
 def _loss_plot(lineage: Sequence[dict[str, Any]]) -> str:
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = _subplots(figsize=(6, 3))
     points = [(r["version"], r["mean_loss"]) for r in lineage if r.get("mean_loss") is not None]
     ax.plot([v for v, _ in points], [y for _, y in points], marker="o")
     ax.set(title="mean training loss per version (BCE, click + conversion)", xlabel="examples version",
@@ -105,7 +108,7 @@ def freshness_series(rows: list[dict[str, Any]], run_id: str) -> dict[str, dict[
 
 
 def _freshness_plot(series: dict[str, dict[str, list[tuple[int, float]]]], hops: Sequence[str]) -> str:
-    fig, axes = plt.subplots(1, len(hops), figsize=(12, 3), sharex=True)
+    fig, axes = _subplots(1, len(hops), figsize=(12, 3), sharex=True)
     for ax, hop in zip(axes, hops):
         for column, label, style in _QUANTILES:
             points = series.get(hop, {}).get(column, [])

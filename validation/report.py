@@ -119,21 +119,18 @@ def build_report(
 
 
 def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _figure():
-    import matplotlib
+def _figure(ncols: int = 1, figsize: tuple[float, float] = (6, 3), **kwargs: Any):
+    """A (figure, axes) pair outside pyplot: pyplot keeps every figure it made until it is closed, so a plot
+    that raises half-way (a broken batch) would leak it; a bare Figure is freed with its last reference."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # headless: the reports are written by batch jobs
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(6, 3))
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(1, ncols, **kwargs)
 
 
 def plot_seq_length(data: pa.Table) -> str:
@@ -190,7 +187,6 @@ def plot_seq_length_by_domain(data: pa.Table) -> str:
 
 def plot_distributions(data: pa.Table, max_features: int = 6) -> str:
     """Histograms of the first ``max_features`` numeric feature columns as one base64 PNG."""
-    import matplotlib.pyplot as plt
     import numpy as np
 
     from validation.profiles import numeric_features
@@ -198,8 +194,7 @@ def plot_distributions(data: pa.Table, max_features: int = 6) -> str:
     names = numeric_features(data.schema)[:max_features]
     if not names:
         raise ValueError("no numeric feature columns")
-    _figure()  # selects the headless backend
-    fig, axes = plt.subplots(1, len(names), figsize=(2.2 * len(names), 2.4), squeeze=False)
+    fig, axes = _figure(len(names), figsize=(2.2 * len(names), 2.4), squeeze=False)
     for ax, name in zip(axes[0], names):
         values = data.column(name).drop_null().to_numpy().astype(np.float64)
         ax.hist(values[np.isfinite(values)], bins=20)
@@ -211,10 +206,7 @@ def plot_drift(report: dict[str, Any]) -> str:
     """Volume and label rates of the batches drift compared with, then this batch, as a base64 PNG."""
     points = [(str(h["table_version"]), h["profile"]) for h in report.get("history", [])]
     points.append((f'{report["table_version"]} (this)', report.get("profile", {})))
-    import matplotlib.pyplot as plt
-
-    plt.close(_figure()[0])  # _figure selects the headless backend
-    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+    fig, (left, right) = _figure(2, figsize=(8, 3))
     labels = [p[0] for p in points]
     left.plot(labels, [p[1].get("num_rows", float("nan")) for p in points], marker="o")
     left.set_title("rows per batch", fontsize="small")

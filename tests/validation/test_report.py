@@ -53,3 +53,17 @@ def test_plots_of_a_batch_missing_columns_are_marked_unavailable(tmp_path):
     assert json.loads(json_path.read_text())["verdict"] == "PASSED"
     assert "unavailable: KeyError" in html_path.read_text()
     assert json_path == tmp_path / "_quality" / "examples" / "7" / "report.json"
+
+
+def test_plots_leave_no_pyplot_figure_open_even_when_one_fails():
+    # pyplot keeps every figure it made until closed: a daemon validating thousands of versions would grow.
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
+    good = pa.table({"domain": ["facebook", "instagram"], "event_date": ["2023-11-14"] * 2, "seq_length": [3, 5],
+                     "label_click": [1, 0], "f": [0.5, 1.5]})
+    broken = pa.table({"domain": ["facebook"], "event_date": ["2023-11-14"]})
+    drawn = [draw_plots("examples", data, report={"table_version": 1, "profile": {"num_rows": 2}}) for data in (good, broken)]
+    assert not drawn[0]["Sequence length"].startswith("unavailable")
+    assert drawn[1]["Sequence length"].startswith("unavailable")
+    assert set(plt.get_fignums()) == before
