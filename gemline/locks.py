@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import functools
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,8 @@ class LakeBusyError(GemlineError, RuntimeError):
 def exclusive(lake: str | Path, name: str) -> Iterator[None]:
     """Hold ``LAKE/_locks/<name>.lock`` exclusively for the block; no-op for an object-store lake.
 
+    A lake directory this call had to create is removed again afterwards if the block wrote nothing into it.
+
     The file's text names the holder (pid, host, start time, UTC) for the error of a second run.
 
     Raises:
@@ -44,7 +47,9 @@ def exclusive(lake: str | Path, name: str) -> Iterator[None]:
     if is_remote(lake):
         yield
         return
-    path = Path(lake) / "_locks" / f"{name}.lock"
+    root = Path(lake)
+    made_root = not root.exists()
+    path = root / "_locks" / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -60,6 +65,16 @@ def exclusive(lake: str | Path, name: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+        if made_root and _only_locks(root):
+            # A stage that found no input (a mistyped --lake) leaves no lake behind it.
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _only_locks(root: Path) -> bool:
+    try:
+        return [p.name for p in root.iterdir()] == ["_locks"]
+    except OSError:
+        return False
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

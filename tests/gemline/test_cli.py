@@ -484,3 +484,20 @@ def test_compare_is_progressive_unless_a_held_out_day_is_asked_for(monkeypatch, 
     assert main(["compare", "--lake", str(tmp_path), *argv]) == 0
     assert calls == [called]
     assert capsys.readouterr().out.startswith("| table |")
+
+
+@pytest.mark.parametrize("argv", [["build"], ["train", "--once"]])
+def test_a_stage_run_on_a_mistyped_lake_leaves_no_lake_behind(tmp_path, capsys, argv):
+    missing = tmp_path / "no-such-lake"
+    assert main([*argv, "--lake", str(missing)]) == 2
+    assert "first" in capsys.readouterr().err
+    assert not missing.exists()
+
+
+def test_the_lock_keeps_a_lake_it_created_once_something_was_written(tmp_path):
+    from gemline.locks import exclusive
+
+    lake = tmp_path / "new-lake"
+    with exclusive(lake, "ingest"):
+        (lake / "events").mkdir()
+    assert sorted(p.name for p in lake.iterdir()) == ["_locks", "events"]
