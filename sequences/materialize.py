@@ -411,7 +411,9 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
     ``part-NNNNN.parquet``; an existing ``out_dir`` with Parquet files is refused (no mixing of exports).
 
     Returns:
-        ``{"version", "rows", "files", "materialized", "out_dir"}``.
+        ``{"version", "rows", "files", "layout", "materialized", "fat_rows", "out_dir"}``: ``layout`` is the
+        lake's (``"fat"`` or ``"pointer"``), ``materialized`` whether pointer rows were rebuilt into lists,
+        ``fat_rows`` whether the files hold the sequence lists (a fat lake's rows need no materializing).
 
     Raises:
         gemline.errors.MissingInputError: no examples table, or no ``version`` of it.
@@ -454,8 +456,9 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
             pending = []
     if pending:
         write(pending)
-    return {"version": dt.version(), "rows": rows, "files": files, "materialized": cfg is not None,
-            "out_dir": str(out)}
+    layout = "fat" if "seq_event_time_ms" in dataset.schema.names else "pointer"
+    return {"version": dt.version(), "rows": rows, "files": files, "layout": layout,
+            "materialized": cfg is not None, "fat_rows": layout == "fat" or cfg is not None, "out_dir": str(out)}
 
 
 __all__ = ["SequenceIndex", "SequenceSummary", "sequence_summary", "export_examples", "history_bucket", "history_rows", "layout_config", "materialize_examples",

@@ -232,6 +232,10 @@ def test_pointer_build_materializes_to_the_fat_build(tmp_path, make_event):
         export_examples(str(tmp_path / "nowhere"), tmp_path / "other")
     # Two rows a part: the parts hold every row once.
     parts = export_examples(str(tmp_path / "fat"), tmp_path / "small", materialize=False, chunk_rows=2)
-    assert parts["rows"] == 5 and parts["files"] == 3
+    assert (parts["rows"], parts["files"], parts["layout"], parts["materialized"], parts["fat_rows"]) == \
+        (5, 3, "fat", False, True)
+    raw = export_examples(str(tmp_path / "pointer"), tmp_path / "raw", materialize=False)
+    assert (raw["layout"], raw["materialized"], raw["fat_rows"]) == ("pointer", False, False)
+    assert "seq_event_time_ms" not in pq.read_table(tmp_path / "raw").schema.names
     assert pq.read_table(tmp_path / "small").sort_by("example_id").select(EXAMPLES_SCHEMA.names).to_pylist() == \
         tables["fat"].select(EXAMPLES_SCHEMA.names).to_pylist()
