@@ -5,7 +5,7 @@ when every file is on disk (a rename within one filesystem is atomic), so a cras
 only a ``.tmp-*`` directory that :func:`latest_checkpoint` ignores; the idea follows torchtitan's
 checkpointer, which also counts a step only once its files are complete.
 
-    step-N/state.pt      model, optimisers, RNG states (torch.save)
+    step-N/state.pt      model, optimisers (and their classes), RNG states (torch.save)
     step-N/meta.json     step, examples_seen, examples_version, extra (written last)
     step-N/*             extra files given by the caller (e.g. loss_curve.png)
 """
@@ -29,6 +29,7 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
+from gemline.errors import BadConfigError
 from gemline.lake import Lake, StorageOptions, as_lake, is_remote, lake_fs
 
 CHECKPOINTS_DIR = "_checkpoints"
@@ -105,6 +106,7 @@ def save_checkpoint(
         {
             "model": model.state_dict(),
             "optimizers": {name: opt.state_dict() for name, opt in optimizers.items()},
+            "optimizer_types": optimizer_types(optimizers),
             "rng": _rng_state(numpy_rng),
         },
         tmp / "state.pt",
@@ -126,6 +128,11 @@ def save_checkpoint(
     else:
         os.rename(tmp, final)
     return final
+
+
+def optimizer_types(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, str]:
+    """Each optimiser's class as ``module.QualName`` (what a checkpoint records, so a resume under another can refuse)."""
+    return {name: f"{type(opt).__module__}.{type(opt).__qualname__}" for name, opt in optimizers.items()}
 
 
 def latest_checkpoint(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> Path | None:
@@ -171,7 +178,10 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
-        ValueError: the optimiser names differ from the saved ones.
+        ValueError: the optimiser names differ from the saved ones, or a saved state does not fit its optimiser
+            (e.g. :class:`trainer.sparse_optim.RowWiseAdagrad` given per-element Adagrad sums).
+        gemline.errors.BadConfigError: (a ValueError) an optimiser of another class than the saved one
+            (e.g. another ``trainer.embedding_optimizer``).
         RuntimeError: the model's parameters do not match the saved state dict (torch's message).
     """
     path = Path(path)
@@ -183,6 +193,15 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint has optimisers {sorted(payload['optimizers'])}, got {sorted(optimizers)}; "
             "build the same optimisers as the run that saved it"
+        )
+    # Checkpoints before issue 19 name no types; RowWiseAdagrad checks the shapes of those itself.
+    saved_types, built = payload.get("optimizer_types", {}), optimizer_types(optimizers)
+    differ = {name: (saved, built[name]) for name, saved in saved_types.items() if saved != built[name]}
+    if differ:
+        named = "; ".join(f"{name!r}: saved by {saved}, this run builds {now}" for name, (saved, now) in differ.items())
+        raise BadConfigError(
+            f"checkpoint {path} was written with other optimisers ({named}): resume with the optimisers that wrote it "
+            "(e.g. the same trainer.embedding_optimizer), or start from scratch"
         )
     model.load_state_dict(payload["model"])
     for name, opt in optimizers.items():

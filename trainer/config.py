@@ -25,6 +25,9 @@ data_parallel tables fail in the EmbeddingCollection forward (split_with_sizes m
 GPU_ONLY_SHARDING_TYPES: tuple[ShardingTypeName, ...] = ("row_wise", "table_row_wise")
 """Sharding types that need CUDA devices."""
 
+EmbeddingOptimizerName = Literal["rowwise_adagrad", "adagrad"]
+"""``trainer.embedding_optimizer``: the rule that updates the id tables (trainer.sparse_optim)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
@@ -38,6 +41,11 @@ class DistributedConfig:
     """Embedding sharding types the planner may choose from; None: all the device supports (CPU: table_wise, column_wise)."""
     sharding_group_size: int | None = None
     """Ranks one copy of the embedding tables is sharded over; None: the whole world (DistributedModelParallel); smaller: DMPCollection, 2-D sparse parallel (cuda only)."""
+    sync_interval_steps: int = 1
+    """With DMPCollection: average the table replicas (weights and optimiser state, ``DMPCollection.sync()``) every this
+    many optimiser steps. 1 by default, as TorchRec's docs call it "after each train step": each replica group
+    updates its copy from its own rows only, so between syncs the copies drift apart; a larger interval trades that
+    drift for fewer all-reduces of every table shard."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -61,6 +69,8 @@ class DistributedConfig:
                 raise BadConfigError(
                     f"trainer.distributed.sharding_types {gpu_only} need device='cuda'; on cpu use {CPU_SHARDING_TYPES}"
                 )
+        if self.sync_interval_steps < 1:
+            raise BadConfigError(f"trainer.distributed.sync_interval_steps must be >= 1, got {self.sync_interval_steps}")
         if self.sharding_group_size is not None:
             if self.sharding_group_size < 1:
                 raise BadConfigError(f"trainer.distributed.sharding_group_size must be >= 1 or none, got {self.sharding_group_size}")
@@ -288,7 +298,15 @@ class TrainerConfig:
     seed: int = 0
     """Seed of parameter init and data order."""
     embedding_learning_rate: float | None = None
-    """Adagrad learning rate of the embedding tables; None uses ``learning_rate``."""
+    """Learning rate of the embedding tables' optimiser; None uses ``learning_rate``."""
+    embedding_optimizer: EmbeddingOptimizerName = "rowwise_adagrad"
+    """The id tables' optimiser (trainer.sparse_optim): rowwise_adagrad (one accumulator per row, fbgemm's
+    EXACT_ROWWISE_ADAGRAD, the default: what TorchRec/fbgemm production runs use, and its state is embedding_dim
+    times smaller) or adagrad (one accumulator per element, the trainer's rule before issue 19). A checkpoint
+    resumes only under the optimiser that wrote it."""
+    embedding_eps: float = 1e-10
+    """eps of the embedding optimiser's denominator sqrt(accumulator) + eps: 1e-10 as torch.optim.Adagrad's and
+    torchrec.optim.RowWiseAdagrad's defaults (fbgemm's kernels take it from here)."""
     hidden_dims: tuple[int, ...] = (64, 32)
     """Widths of the shared MLP layers under the click and conversion heads."""
     init_from: Literal["scratch", "latest"] = "scratch"
@@ -354,6 +372,11 @@ class TrainerConfig:
             raise BadConfigError(f"trainer.num_embeddings must be >= 2 (row 0 is reserved for null ids), got {self.num_embeddings}")
         if self.embedding_learning_rate is not None and self.embedding_learning_rate <= 0:
             raise BadConfigError(f"trainer.embedding_learning_rate must be > 0 or none, got {self.embedding_learning_rate}")
+        if self.embedding_optimizer not in get_args(EmbeddingOptimizerName):
+            raise BadConfigError(f"trainer.embedding_optimizer must be one of {get_args(EmbeddingOptimizerName)}, "
+                                 f"got {self.embedding_optimizer!r}")
+        if not self.embedding_eps > 0:
+            raise BadConfigError(f"trainer.embedding_eps must be > 0, got {self.embedding_eps}")
         if not self.hidden_dims or any(width < 1 for width in self.hidden_dims):
             raise BadConfigError(f"trainer.hidden_dims must be a non-empty tuple of widths >= 1, got {self.hidden_dims}")
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:

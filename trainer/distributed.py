@@ -7,8 +7,8 @@ table up once per forward, which the fused sparse optimiser needs (see Shardable
 Wrap order (the one place it is written down):
 
     1. build the model on CPU on every rank with the same seed (same initial weights everywhere)
-    2. register the sparse optimiser in backward (TorchRec ``apply_optimizer_in_backward``: Adagrad,
-       fused into the embedding kernels)
+    2. register the sparse optimiser in backward (TorchRec ``apply_optimizer_in_backward``: row-wise
+       Adagrad or Adagrad, ``trainer.embedding_optimizer``, fused into the embedding kernels)
     3. plan and shard the embedding collections with ``DistributedModelParallel``
        (``EmbeddingShardingPlanner`` over ``Topology(world_size, compute_device)``, allowed types
        from ``ParameterConstraints(sharding_types=...)``), ``init_data_parallel=False`` so DMP does
@@ -25,9 +25,11 @@ apply_optimizer_in_backward); PyTorch FSDP2 docs (torch.distributed.fsdp.fully_s
 
 Gradient scale. Each rank holds a slice of the global batch of B examples. The local loss is the
 *sum* of per-example losses over the slice divided by B, so summing gradients over ranks gives the
-gradient of the global mean loss: TorchRec's sharded embedding backward sums over ranks already,
-and the dense FSDP reduction is set to sum (``set_gradient_divide_factor(1.0)``) instead of its
-default mean. The run then follows a one-process run on the same global batches up to float
+gradient of the global mean loss: TorchRec's sharded embedding backward is set to sum
+(``torchrec.distributed.comm_ops.set_gradient_division(False)``; its default divides by the world size,
+DDP's mean, which left the tables' gradients and optimiser state world_size and world_size**2 times
+too small: invisible in the weights only because Adagrad's step is scale-free but for eps), and the
+dense FSDP reduction is set to sum (``set_gradient_divide_factor(1.0)``) instead of its default mean. The run then follows a one-process run on the same global batches up to float
 reduction order (tests/trainer/test_distributed.py).
 
 CPU/gloo (torchrec 1.8): table-wise and column-wise sharding work; the planner offers no row-wise
@@ -67,6 +69,7 @@ from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
 from trainer.id_mapping import table_rows
 from trainer.labels import loss_terms
 from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
+from trainer.sparse_optim import fused_optimizer
 
 if TYPE_CHECKING:
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -258,6 +261,7 @@ class ShardedRanker:
         mesh: the 2-D ("replicate", "shard") device mesh of the dense part.
         num_dense: F.
         dense_modules: names of the fully_shard-ed top-level sub-modules.
+        sparse_wrapper: "dmp", or "dmp_collection" (``model`` is a DMPCollection, whose table replicas need ``sync()``).
     """
 
     model: DistributedModelParallel
@@ -265,6 +269,7 @@ class ShardedRanker:
     mesh: DeviceMesh
     num_dense: int
     dense_modules: tuple[str, ...] = DENSE_MODULES
+    sparse_wrapper: SparseWrapper = "dmp"
 
     @property
     def ranker(self) -> nn.Module:
@@ -305,6 +310,7 @@ def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRa
         ValueError: a bad mesh shape or sharding group for this world size.
         TypeError: a model without a dense module to shard (:func:`dense_module_names`).
     """
+    from torchrec.distributed.comm_ops import set_gradient_division
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.types import ShardingEnv
@@ -315,10 +321,11 @@ def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRa
     dense_modules = dense_module_names(model)
     replicate, shard = resolve_mesh_shape(world_size, dc.mesh_shape)
     wrapper = choose_sparse_wrapper(dc, world_size)
-    # eps as torch.optim.Adagrad's, so the fused step matches the one-process trainer's.
-    apply_optimizer_in_backward(
-        torch.optim.Adagrad, model.embedding_parameters(), {"lr": tc.embedding_learning_rate or tc.learning_rate, "eps": 1e-10}
-    )
+    # Process-wide in TorchRec: the all-to-all backward sums the ranks' table gradients (module docstring).
+    set_gradient_division(False)
+    # The one-process trainer's rule (trainer.sparse_optim), fused into fbgemm's backward.
+    optimizer_class, optimizer_kwargs = fused_optimizer(tc)
+    apply_optimizer_in_backward(optimizer_class, model.embedding_parameters(), optimizer_kwargs)
     constraints = {name: ParameterConstraints(sharding_types=list(allowed_sharding_types(dc))) for name in _table_names(model)}
     roots = _sparse_roots(model)
     initial_tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.split(".")[0] in roots}
@@ -355,6 +362,7 @@ def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRa
         mesh=mesh,
         num_dense=model.num_dense,
         dense_modules=dense_modules,
+        sparse_wrapper=wrapper,
     )
 
 

@@ -45,6 +45,7 @@ from trainer.data import Batch, EncodedExamples, iter_batches, make_batch, valid
 from trainer.labels import loss_terms
 from trainer.models import build_model, encode_domains
 from trainer.models.towers import RankingModel
+from trainer.sparse_optim import embedding_optimizer
 
 if TYPE_CHECKING:
     from trainer.models import Ranker
@@ -125,7 +126,7 @@ class Engine(Protocol):
 
 @dataclass
 class LocalEngine:
-    """:class:`Engine` of a one-process run: the model and its optimisers (``"dense"`` Adam, ``"embeddings"`` Adagrad)."""
+    """:class:`Engine` of a one-process run: the model and its optimisers (``"dense"`` Adam, ``"embeddings"``: :func:`local_optimizers`)."""
 
     model: Ranker
     optimizers: dict[str, torch.optim.Optimizer]
@@ -184,17 +185,26 @@ def sparse_table_gradients(model: torch.nn.Module, params: Iterable[torch.nn.Par
     return switched
 
 
+def local_optimizers(tc: TrainerConfig, model: Ranker) -> dict[str, torch.optim.Optimizer]:
+    """``{"dense": Adam, "embeddings": trainer.embedding_optimizer}`` of a one-process ``model``, its tables switched
+    to sparse gradients (:func:`sparse_table_gradients`).
+
+    Adam (as DLRM-v3 trains the dense part) gets ``dense_parameters()``, which leave out every table parameter.
+    """
+    tables = model.embedding_parameters()
+    sparse_table_gradients(model, tables)
+    return {
+        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
+        "embeddings": embedding_optimizer(tc, tables),
+    }
+
+
 def local_engine(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...], base_rates: torch.Tensor | None) -> LocalEngine:
-    """:data:`EngineFactory` of one process: ``build_model`` with Adam (dense) and Adagrad (tables)."""
+    """:data:`EngineFactory` of one process: ``build_model`` with :func:`local_optimizers`."""
     model = build_model(tc, num_dense, domains)
     if base_rates is not None and isinstance(model, RankingModel):  # the "ranker" has no intercepts to set
         model.init_output_bias(base_rates)
-    sparse_table_gradients(model, model.embedding_parameters())
-    optimizers = {
-        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
-        "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=tc.embedding_learning_rate or tc.learning_rate),
-    }
-    return LocalEngine(model, optimizers, task_weights=tc.task_weights)
+    return LocalEngine(model, local_optimizers(tc, model), task_weights=tc.task_weights)
 
 
 @dataclass

@@ -5,7 +5,8 @@ into the tensors of a freshly sharded model, so a run resumed on the same world 
 plan continues bit for bit (tests/trainer/test_distributed.py). What is saved, one DCP folder:
 
     model          DistributedModelParallel.state_dict(): ShardedTensor tables, DTensor dense params
-    sparse_optim   TorchRec's fused optimiser state (Adagrad sums of the tables, ShardedTensor)
+    sparse_optim   TorchRec's fused optimiser state (ShardedTensor: row-wise Adagrad's (rows,) ``momentum1``, or
+                   Adagrad's (rows, D) sums; trainer.embedding_optimizer, which meta.json names)
     dense_optim    Adam state of the fully_shard-ed modules, as FQN-keyed DTensors
                    (torch.distributed.checkpoint.state_dict.get_optimizer_state_dict, flattened)
 

@@ -3,7 +3,7 @@
 Every rank sees the same global batches (the same rows in the same order as a one-process run) and
 trains on its contiguous slice of each (:func:`trainer.distributed.split_rows`); predictions are made
 on slices too and gathered on rank 0. A checkpoint is the DCP folder of every rank's shards (model,
-fused Adagrad and Adam state; trainer.sharded_checkpoint) plus rank 0's ordinary ``step-N/`` with the
+fused embedding optimiser and Adam state; trainer.sharded_checkpoint) plus rank 0's ordinary ``step-N/`` with the
 full parameters, whose meta.json (written last) names the folder (``extra["sharded"]``) and the world
 size, so it counts only once both are complete. On an object-store lake only ``step-N/`` is written
 (DCP here writes to a file system every rank sees): such a run cannot be resumed sharded.
@@ -41,7 +41,14 @@ from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_check
 
 @dataclass
 class ShardedEngine:
-    """One rank's sharded model and what rebuilds its unsharded twin (for rank 0's full-parameter checkpoint)."""
+    """One rank's sharded model and what rebuilds its unsharded twin (for rank 0's full-parameter checkpoint).
+
+    Under DMPCollection (2-D sparse parallelism: each replica group holds its own copy of the tables and updates
+    it from its own rows) the copies are averaged with ``DMPCollection.sync()`` after every
+    ``trainer.distributed.sync_interval_steps``-th step taken (counted from the run's first step, across resumes),
+    and before a checkpoint if they drifted since the last sync, so a checkpoint never keeps one copy and drops
+    the others' updates.
+    """
 
     sharded: ShardedRanker
     tc: TrainerConfig
@@ -49,6 +56,10 @@ class ShardedEngine:
     domains: tuple[str, ...]
     rank: int
     world_size: int
+    steps: int = 0
+    """Optimiser steps taken by the run (a resumed one: since its first), which the sync interval counts."""
+    synced_at: int = 0
+    """``steps`` at the last replica sync (or at the start or the resume: the copies are equal then)."""
 
     def train_step(self, data: EncodedExamples, rows: np.ndarray) -> float | None:
         """See :meth:`trainer.loop.Engine.train_step`: this rank trains on its slice of ``rows`` (B,).
@@ -59,9 +70,24 @@ class ShardedEngine:
         """
         mine = np.array_split(rows, self.world_size)[self.rank]
         if len(mine):
-            return distributed_train_step(self.sharded, make_batch(data, mine), len(rows), task_weights=self.tc.task_weights)
-        return distributed_train_step(self.sharded, make_batch(data, rows[:1]), len(rows), weight=0.0,
-                                      task_weights=self.tc.task_weights)
+            loss = distributed_train_step(self.sharded, make_batch(data, mine), len(rows), task_weights=self.tc.task_weights)
+        else:
+            loss = distributed_train_step(self.sharded, make_batch(data, rows[:1]), len(rows), weight=0.0,
+                                          task_weights=self.tc.task_weights)
+        if loss is not None:  # the same on every rank (the loss is reduced first), so the sync stays collective
+            self.steps += 1
+            if self.steps % self.tc.distributed.sync_interval_steps == 0:
+                self.sync_replicas()
+        return loss
+
+    def sync_replicas(self) -> bool:
+        """Average the table replicas across replica groups (``DMPCollection.sync()``, weights and optimiser state;
+        collective); False, doing nothing, under plain DMP (one copy of each table) or when already in sync."""
+        if self.sharded.sparse_wrapper != "dmp_collection" or self.synced_at == self.steps:
+            return False
+        self.sharded.model.sync()
+        self.synced_at = self.steps
+        return True
 
     def predict(self, data: EncodedExamples, batch_size: int) -> np.ndarray | None:
         """(N, 2) float64 probabilities on rank 0 (None elsewhere); collective over every rank.
@@ -95,6 +121,7 @@ class ShardedEngine:
         ``root/_checkpoints/sharded/step-N`` (local roots), then rank 0's ``step-N/`` with the full
         parameters, ``extra["world_size"]`` and ``extra["sharded"]`` (the DCP folder, None on an object store)."""
         shards = None if is_remote(root) else sharded_checkpoint_dir(root, state.step)
+        self.sync_replicas()
         if shards is not None:
             save_sharded(self.sharded, shards)
         full = full_state_dict(self.sharded)
@@ -104,7 +131,8 @@ class ShardedEngine:
             model = build_model(self.tc, self.num_dense, self.domains)
             assert full is not None, "full_state_dict returns the parameters on rank 0"
             model.load_state_dict(full)
-            extra = {**state.extra, "world_size": self.world_size, "sharded": None if shards is None else str(shards)}
+            extra = {**state.extra, "world_size": self.world_size, "sharded": None if shards is None else str(shards),
+                     "embedding_optimizer": self.tc.embedding_optimizer}
             meta = TrainState(step=state.step, examples_seen=state.examples_seen, examples_version=state.examples_version, extra=extra)
             path = str(save_checkpoint(root, meta, model, {}, extra_files=files, storage_options=storage_options))
         dist.barrier()
@@ -116,8 +144,9 @@ class ShardedEngine:
         Raises:
             gemline.errors.BadConfigError: the checkpoint is not a sharded run's of this model and world size (:func:`check_resumable`).
         """
-        check_resumable(state, Path(path), self.world_size, self.tc.model)
+        check_resumable(state, Path(path), self.world_size, self.tc.model, embedding_optimizer=self.tc.embedding_optimizer)
         load_sharded(self.sharded, state.extra["sharded"])
+        self.steps = self.synced_at = state.step
 
 
 def sharded_engine(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...], base_rates: torch.Tensor | None) -> ShardedEngine:
@@ -130,11 +159,14 @@ def sharded_engine(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...], 
     return ShardedEngine(shard_model(model, tc, world), tc, num_dense, domains, dist.get_rank(), world)
 
 
-def check_resumable(state: TrainState, path: Path, world: int, model: str, dense_names: Sequence[str] | None = None) -> None:
+def check_resumable(state: TrainState, path: Path, world: int, model: str, dense_names: Sequence[str] | None = None,
+                    *, embedding_optimizer: str | None = None) -> None:
     """Raise BadConfigError (a ValueError: what to do) unless a ``world``-process run of ``model`` can resume from the checkpoint at ``path``.
 
     It must be a sharded run's checkpoint with its DCP shards (a local lake), of the same model,
-    world size and (when given) dense features; resharding onto another world size is not done here.
+    world size and (when given) dense features and ``trainer.embedding_optimizer`` (a checkpoint that names
+    none predates the choice: its tables trained under "adagrad"); resharding onto another world size is not
+    done here.
     """
     extra = state.extra
     fresh = "start a new run (trainer.init_from=scratch; train --once/--follow: --from-scratch)"
@@ -147,6 +179,12 @@ def check_resumable(state: TrainState, path: Path, world: int, model: str, dense
         raise BadConfigError(
             f"the latest checkpoint {path} is a {extra.get('world_size')}-process {extra.get('model')!r} run; this is a "
             f"{world}-process {model!r} run: resume with the same --nproc and trainer.model, or {fresh}"
+        )
+    saved_optimizer = extra.get("embedding_optimizer", "adagrad")
+    if embedding_optimizer is not None and saved_optimizer != embedding_optimizer:
+        raise BadConfigError(
+            f"the latest checkpoint {path} holds the state of trainer.embedding_optimizer={saved_optimizer!r}; this run "
+            f"uses {embedding_optimizer!r}: resume with --set trainer.embedding_optimizer={saved_optimizer}, or {fresh}"
         )
     saved = extra.get("normalizer", {}).get("names")
     if dense_names is not None and saved is not None and list(saved) != list(dense_names):

@@ -52,7 +52,16 @@ CASES = {
     "gem_tw_1x2": (2, (1, 2), ("table_wise",)),
     "dlrm_cw_2x1": (2, (2, 1), ("column_wise",)),
     "gem_managed_ids_tw_1x2": (2, (1, 2), ("table_wise",)),
+    "adagrad_tw_1x2": (2, (1, 2), ("table_wise",)),
 }
+CASE_OPTIMIZER = {"adagrad_tw_1x2": "adagrad"}
+"""trainer.embedding_optimizer of a case; the others run the default, rowwise_adagrad.
+(With embedding_dim 4 the planner keeps each column-wise table in one shard, so no case here splits a table's
+columns: the row-wise state per column shard of trainer.sparse_optim is not exercised.)"""
+# Row-wise accumulators, fused (fbgemm) against trainer.sparse_optim.RowWiseAdagrad: sums of squared gradients
+# over 3 steps, so they carry the gradients' reduction-order noise (~1e-6 relative); near-zero rows (the
+# candidate-only t_item rows above, ~1e-16) are within the absolute bound.
+ACC_RTOL, ACC_ATOL = 1e-4, 1e-12
 CASE_MODEL = {"gem_tw_1x2": "gem", "dlrm_cw_2x1": "dlrm", "gem_managed_ids_tw_1x2": "gem"}
 """trainer.model of a case; the others train the ranker."""
 MANAGED_IDS = {"gem_managed_ids_tw_1x2"}
@@ -101,17 +110,30 @@ def _global_rows(step: int) -> np.ndarray:
     return np.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
 
 
-def _trainer_config(mesh=None, types=None, compile_dense=False, model="ranker", ids=None):
+def _trainer_config(mesh=None, types=None, compile_dense=False, model="ranker", ids=None, optimizer="rowwise_adagrad"):
     from trainer.config import DistributedConfig, GemConfig, IdsConfig, TrainerConfig
     from trainer.id_mapping import with_rows
 
     if ids is not None:
-        return with_rows(replace(_trainer_config(mesh, types, compile_dense, model), ids=IdsConfig(mapping="managed")), ids)
+        tc = _trainer_config(mesh, types, compile_dense, model, optimizer=optimizer)
+        return with_rows(replace(tc, ids=IdsConfig(mapping="managed")), ids)
     return TrainerConfig(
         embedding_dim=MODEL["embedding_dim"], num_embeddings=MODEL["num_embeddings"], hidden_dims=MODEL["hidden_dims"],
         learning_rate=LR, seed=SEED, compile=compile_dense, model=model, tower_hidden=4, gem=GemConfig(**GEM),
-        distributed=DistributedConfig(mesh_shape=mesh, sharding_types=types),
+        distributed=DistributedConfig(mesh_shape=mesh, sharding_types=types), embedding_optimizer=optimizer,
     )
+
+
+def _local_accumulators(sharded) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """This rank's shards of the fused optimiser's row-wise accumulators: table FQN -> [(offsets, (rows,) values)]."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    for table, state in sharded.sparse_optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            if key.endswith(".momentum1") and isinstance(value, ShardedTensor):
+                out[table] = [(list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+    return out
 
 
 def _domains(data) -> tuple[str, ...]:
@@ -137,7 +159,8 @@ def _worker(out_dir: Path, cases: list[str]) -> None:
     for case in cases:
         _, mesh, types = CASES[case]
         data, ids = _data(case in MANAGED_IDS)
-        tc = _trainer_config(mesh, types, model=CASE_MODEL.get(case, "ranker"), ids=ids)
+        tc = _trainer_config(mesh, types, model=CASE_MODEL.get(case, "ranker"), ids=ids,
+                             optimizer=CASE_OPTIMIZER.get(case, "rowwise_adagrad"))
         torch.manual_seed(SEED)
         sharded = shard_model(build_shardable_model(tc, data.dense.shape[1], _domains(data)), tc, world)
         losses = []
@@ -151,7 +174,8 @@ def _worker(out_dir: Path, cases: list[str]) -> None:
         }
         state = full_state_dict(sharded)
         torch.save(
-            {"losses": losses, "state": state, "local": local, "coord": sharded.mesh.get_coordinate()},
+            {"losses": losses, "state": state, "local": local, "coord": sharded.mesh.get_coordinate(),
+             "accumulators": _local_accumulators(sharded)},
             out_dir / f"{case}-rank{rank}.pt",
         )
         dist.barrier()
@@ -222,28 +246,30 @@ def _launch(world: int, cases: list[str], out_dir: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def _reference(num_steps: int, model_name: str = "ranker", managed: bool = False):
-    """Loss curve, final and initial state_dict of the one-process trainer on the same global batches."""
+def _reference(num_steps: int, model_name: str = "ranker", managed: bool = False, optimizer: str = "rowwise_adagrad"):
+    """Loss curve, final and initial state_dict and the tables' accumulators (FQN -> the optimiser's "sum") of the
+    one-process trainer (trainer.loop.local_optimizers) on the same global batches."""
     from trainer.data import make_batch
+    from trainer.loop import local_optimizers
     from trainer.models import build_model
     from trainer.train import train_step
 
     data, ids = _data(managed)
     torch.manual_seed(SEED)
-    model = build_model(_trainer_config(model=model_name, ids=ids), data.dense.shape[1], _domains(data))
-    optimizers = {
-        "dense": torch.optim.Adam(model.dense_parameters(), lr=LR),
-        "embeddings": torch.optim.Adagrad(model.embedding_parameters(), lr=LR),
-    }
+    tc = _trainer_config(model=model_name, ids=ids, optimizer=optimizer)
+    model = build_model(tc, data.dense.shape[1], _domains(data))
+    optimizers = local_optimizers(tc, model)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     losses = [train_step(model, optimizers, make_batch(data, _global_rows(step))) for step in range(num_steps)]
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, initial
+    table = optimizers["embeddings"].state
+    accumulators = {name: table[p]["sum"].clone() for name, p in model.named_parameters() if p in table}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, initial, accumulators
 
 
 def _check_case(out_dir: Path, case: str, reference) -> None:
     world, mesh, _ = CASES[case]
     ranks = [torch.load(out_dir / f"{case}-rank{r}.pt", weights_only=False) for r in range(world)]
-    ref_losses, ref_state, ref_initial = reference
+    ref_losses, ref_state, ref_initial, ref_accumulators = reference
     for r in ranks:
         np.testing.assert_allclose(r["losses"], ref_losses, rtol=LOSS_RTOL, err_msg=f"{case}: loss curve")
     state = ranks[0]["state"]
@@ -252,6 +278,8 @@ def _check_case(out_dir: Path, case: str, reference) -> None:
         atol = KNOWN_LOOSE.get(key, PARAM_ATOL) if case not in CASE_MODEL else LR / 5
         torch.testing.assert_close(state[key], value, rtol=0, atol=atol, msg=lambda m: f"{case} {key}: {m}")
         assert not torch.equal(state[key], ref_initial[key]), f"{case} {key}: never updated"
+    if CASE_OPTIMIZER.get(case, "rowwise_adagrad") == "rowwise_adagrad":
+        _check_accumulators(case, ranks, ref_accumulators)
     if case in CASE_MODEL:
         diff = torch.cat([(state[k] - v).abs().flatten() for k, v in ref_state.items()])
         assert (diff > 1e-4).float().mean() <= NOISE_FRACTION, f"{case}: {(diff > 1e-4).sum()} of {diff.numel()} elements beyond 1e-4"
@@ -263,6 +291,20 @@ def _check_case(out_dir: Path, case: str, reference) -> None:
             if a["coord"][1] == b["coord"][1]:
                 for name in a["local"]:
                     assert torch.equal(a["local"][name], b["local"][name]), f"{case}: replicas differ in {name}"
+
+
+def _check_accumulators(case: str, ranks: list[dict], reference: dict[str, torch.Tensor]) -> None:
+    """The fused row-wise accumulators, put together from every rank's shards, equal the one-process ones."""
+    fused: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for table, shards in r["accumulators"].items():
+            full = fused.setdefault(table, torch.full_like(reference[table], float("nan")))
+            for (offset,), values in shards:
+                full[offset : offset + len(values)] = values
+    assert set(fused) == set(reference), f"{case}: {sorted(set(fused) ^ set(reference))}"
+    for table, value in reference.items():
+        assert value.dim() == 1 and bool((value > 0).any()), f"{case} {table}: not a stepped row-wise accumulator"
+        torch.testing.assert_close(fused[table], value, rtol=ACC_RTOL, atol=ACC_ATOL, msg=lambda m: f"{case} {table}: {m}")
 
 
 # ---- selection logic and pure helpers (no process group) ----
@@ -463,13 +505,19 @@ def reference():
     return _reference(STEPS)
 
 
+@pytest.fixture(scope="module")
+def adagrad_reference():
+    return _reference(STEPS, optimizer="adagrad")
+
+
 @pytest.mark.slow
 @pytest.mark.integration
-def test_world_size_2_matches_one_process(tmp_path, reference):
+def test_world_size_2_matches_one_process(tmp_path, reference, adagrad_reference):
+    """The ranker, row-wise Adagrad (tables and accumulators) and Adagrad, 2 ranks against one process."""
     cases = [c for c, (world, _, _) in CASES.items() if world == 2 and c not in CASE_MODEL]
     _launch(2, cases, tmp_path)
     for case in cases:
-        _check_case(tmp_path, case, reference)
+        _check_case(tmp_path, case, adagrad_reference if CASE_OPTIMIZER.get(case) == "adagrad" else reference)
 
 
 @pytest.mark.integration

@@ -1,0 +1,132 @@
+"""The embedding tables' optimiser (``trainer.embedding_optimizer``), in one process and fused into TorchRec's kernels.
+
+Both paths run one rule, so a sharded run follows a one-process run on the same global batches:
+
+    rowwise_adagrad  one process: :class:`RowWiseAdagrad` (this module) on sparse gradients;
+                     sharded: torchrec.optim.RowWiseAdagrad, which TorchRec runs as fbgemm's EXACT_ROWWISE_ADAGRAD
+    adagrad          one process: torch.optim.Adagrad (its sparse path);
+                     sharded: torch.optim.Adagrad, run as fbgemm's EXACT_ADAGRAD
+
+torchrec.optim.RowWiseAdagrad itself cannot stand in for the one-process path: it raises on sparse gradients
+("RowWise adagrad cannot be used with sparse gradients", torchrec 1.8), and the tables' gradients are sparse
+(trainer.loop.sparse_table_gradients) so that no step materializes a whole table's gradient.
+
+Column-wise sharding: TorchRec keeps one row-wise accumulator per row *per column shard*, each the mean of
+g**2 over that shard's columns (torchrec.distributed.batched_embedding_kernel,
+get_optimizer_rowwise_shard_metadata_and_global_metadata), so a column-wise sharded table under
+rowwise_adagrad steps differently from the one-process rule; table-wise (and row-wise) sharding steps the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from trainer.config import TrainerConfig
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad of 2-D embedding tables, on sparse (or dense) gradients: one accumulator per row.
+
+    For each row r a step's gradient touches, with g_r (D,) float32 the row's gradient summed over every lookup
+    of the step (a sparse gradient is coalesced first: fbgemm's "exact" variants do the same)::
+
+        acc_r += mean_d g_r[d] ** 2
+        w_r   -= lr * g_r / (sqrt(acc_r) + eps)
+
+    Rows the step did not touch keep their value and accumulator (with a dense gradient their g_r is 0, which
+    leaves both unchanged too). Sources: Adagrad, Duchi, Hazan and Singer, JMLR 12 (2011), with the
+    per-row accumulator of fbgemm_gpu's ``EXACT_ROWWISE_ADAGRAD`` (the kernel TorchRec's fused RowWiseAdagrad
+    runs; also torchrec.optim.RowWiseAdagrad, which takes dense gradients only). No weight decay or lr decay.
+
+    State per table (rows, D): ``state[p]["sum"]`` (rows,) float32, zeros at the start: D times smaller than
+    torch.optim.Adagrad's (rows, D).
+
+    Raises:
+        ValueError: ``lr`` or ``eps`` not > 0, or a parameter that is not a 2-D table.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-2, eps: float = 1e-10) -> None:
+        if not lr > 0 or not eps > 0:
+            raise ValueError(f"RowWiseAdagrad needs lr > 0 and eps > 0, got lr={lr}, eps={eps}")
+        super().__init__(params, {"lr": lr, "eps": eps})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"RowWiseAdagrad optimises 2-D tables (rows, D), got a parameter of shape {tuple(p.shape)}")
+                self.state[p]["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One update of every table with a gradient (the rule of the class docstring); returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps = group["lr"], group["eps"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    _step_table(p, p.grad, self.state[p]["sum"], lr, eps)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, after checking every saved accumulator is (rows,) of its table.
+
+        Raises:
+            ValueError: a saved state that is not this optimiser's (e.g. torch.optim.Adagrad's (rows, D) sums,
+                a checkpoint written under ``trainer.embedding_optimizer = "adagrad"``) or of other tables.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for p, i in zip(params, saved_ids):
+            acc = state_dict["state"].get(i, {}).get("sum")
+            if acc is None or tuple(acc.shape) != (p.shape[0],):
+                got = "no accumulator" if acc is None else f"an accumulator of shape {tuple(acc.shape)}"
+                raise ValueError(
+                    f"the saved embedding optimiser state has {got} for a table of shape {tuple(p.shape)}, not a "
+                    f"row-wise Adagrad one of ({p.shape[0]},): it was written by another trainer.embedding_optimizer "
+                    "(or other tables); resume with the optimiser that wrote it, or start from scratch"
+                )
+        super().load_state_dict(state_dict)
+
+
+def _step_table(p: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor, lr: float, eps: float) -> None:
+    """Update table ``p`` (rows, D) and its accumulator ``acc`` (rows,) in place with ``grad`` (sparse COO or dense)."""
+    if grad.is_sparse:
+        grad = grad.coalesce()  # one summed gradient per row looked up (a row seen twice is updated once)
+        rows, values = grad.indices()[0], grad.values()
+        acc.index_add_(0, rows, values.pow(2).mean(dim=1))
+        p.index_add_(0, rows, values / (acc[rows].sqrt() + eps).unsqueeze(1), alpha=-lr)
+    else:
+        acc.add_(grad.pow(2).mean(dim=1))
+        p.addcdiv_(grad, (acc.sqrt() + eps).unsqueeze(1), value=-lr)
+
+
+def embedding_learning_rate(tc: TrainerConfig) -> float:
+    """The tables' learning rate: ``trainer.embedding_learning_rate``, else ``trainer.learning_rate``."""
+    return tc.embedding_learning_rate or tc.learning_rate
+
+
+def embedding_optimizer(tc: TrainerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The one-process optimiser of the tables ``params`` under ``trainer.embedding_optimizer`` (both take sparse gradients)."""
+    if tc.embedding_optimizer == "rowwise_adagrad":
+        return RowWiseAdagrad(params, lr=embedding_learning_rate(tc), eps=tc.embedding_eps)
+    return torch.optim.Adagrad(params, lr=embedding_learning_rate(tc), eps=tc.embedding_eps)
+
+
+def fused_optimizer(tc: TrainerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
+    """(class, kwargs) for TorchRec's ``apply_optimizer_in_backward`` under ``trainer.embedding_optimizer``.
+
+    TorchRec maps the class to the fbgemm kernel's optimiser (torchrec.distributed.utils,
+    ``_OPTIMIZER_CLASS_TO_EMB_OPT_TYPE``): torchrec.optim.RowWiseAdagrad -> EXACT_ROWWISE_ADAGRAD,
+    torch.optim.Adagrad -> EXACT_ADAGRAD; lr and eps go to the kernel as its fused parameters.
+    """
+    from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
+
+    kwargs = {"lr": embedding_learning_rate(tc), "eps": tc.embedding_eps}
+    if tc.embedding_optimizer == "rowwise_adagrad":
+        return TorchRecRowWiseAdagrad, kwargs
+    return torch.optim.Adagrad, kwargs
