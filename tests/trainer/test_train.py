@@ -124,8 +124,10 @@ GOLDEN = Path(__file__).parent / "data" / "tiny_loss_curve.json"
 
 def tiny_run(make_lake):
     lake, _ = make_lake(rows_per_date=60, seed=3)
-    # The golden curve was recorded with the TwoTaskRanker, before trainer.model defaulted to gem.
-    return _run(config(lake, **{"trainer.epochs": "1", "trainer.batch_size": "32", "trainer.model": "ranker"}), progress=False)
+    # The golden curve was recorded with the TwoTaskRanker, before trainer.model defaulted to gem, and with the
+    # tables' per-element Adagrad, before trainer.embedding_optimizer defaulted to rowwise_adagrad.
+    return _run(config(lake, **{"trainer.epochs": "1", "trainer.batch_size": "32", "trainer.model": "ranker",
+                                "trainer.embedding_optimizer": "adagrad"}), progress=False)
 
 
 def test_tiny_run_reproduces_checked_in_losses(make_lake):
