@@ -15,6 +15,12 @@ Column-wise sharding: TorchRec keeps one row-wise accumulator per row *per colum
 g**2 over that shard's columns (torchrec.distributed.batched_embedding_kernel,
 get_optimizer_rowwise_shard_metadata_and_global_metadata), so a column-wise sharded table under
 rowwise_adagrad steps differently from the one-process rule; table-wise (and row-wise) sharding steps the same.
+Measured on CPU (the ranker of tests/trainer/test_distributed.py at embedding_dim 8 split into two column shards
+by ``ParameterConstraints(min_partition=4)``, 2 ranks, 3 steps at lr 0.02): ``momentum1`` holds 2 x rows values and
+table rows end up to 0.032 from the one-process run's (losses within 3e-4 relative); table-wise, the tables match to
+1e-5 (but reduction-order noise on rows of ~1e-8 gradients: tests/trainer/test_distributed.py) and the
+accumulators to 1e-4 relative. Production TorchRec runs column-wise tables this way; nothing here
+refuses it. (At this repo's small dims the planner keeps a column-wise table in one shard.)
 """
 
 from __future__ import annotations
