@@ -29,8 +29,9 @@ gradient of the global mean loss: TorchRec's sharded embedding backward is set t
 (``torchrec.distributed.comm_ops.set_gradient_division(False)``; its default divides by the world size,
 DDP's mean, which left the tables' gradients and optimiser state world_size and world_size**2 times
 too small: invisible in the weights only because Adagrad's step is scale-free but for eps), and the
-dense FSDP reduction is set to sum (``set_gradient_divide_factor(1.0)``) instead of its default mean. The run then follows a one-process run on the same global batches up to float
-reduction order (tests/trainer/test_distributed.py).
+dense FSDP reduction is set to sum (``set_gradient_divide_factor(1.0)``) instead of its default mean.
+The run then follows a one-process run on the same global batches up to float reduction order
+(tests/trainer/test_distributed.py, which compares the row-wise accumulators too).
 
 CPU/gloo (torchrec 1.8): table-wise and column-wise sharding work; the planner offers no row-wise
 option and ``DMPCollection`` asserts CUDA. Data-parallel tables are rejected by the config: their
