@@ -109,3 +109,13 @@ def test_check_resumable_refuses_another_embedding_optimizer(saved, running, ref
             check_resumable(state, Path("ckpt"), 2, "gem", embedding_optimizer=running)
     else:
         check_resumable(state, Path("ckpt"), 2, "gem", embedding_optimizer=running)
+
+
+def test_sharded_engine_load_refuses_a_checkpoint_of_the_other_optimizer_before_reading_shards(monkeypatch, tmp_path: Path):
+    engine, _ = _engine(monkeypatch, [], 1)
+    read: list[str] = []
+    monkeypatch.setattr(sharded_engine, "load_sharded", lambda sharded, path: read.append(path))
+    extra = {"sharded": "dcp", "world_size": 2, "model": "gem", "embedding_optimizer": "adagrad"}
+    with pytest.raises(BadConfigError, match="trainer.embedding_optimizer='adagrad'"):
+        engine.load(tmp_path, TrainState(step=4, examples_seen=16, examples_version=0, extra=extra))
+    assert read == [] and engine.steps == 0
