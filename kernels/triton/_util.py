@@ -68,16 +68,16 @@ def dot_mode(dtype: torch.dtype, device: torch.device) -> DotMode:
       in Triton 3.9, measured: errors of 1e10 on a 16x16 product);
     - bf16 on CUDA compute capability >= 8.0 (Ampere+) and fp16 on >= 7.0: low
       precision inputs (tensor cores);
-    - fp32 on CUDA: "tf32" only where PyTorch allows it for matmuls
-      (``torch.backends.cuda.matmul.allow_tf32``, False by default) on >= 8.0,
-      else "ieee", so fp32 stays fp32 unless the user opted in.
+    - fp32 on CUDA: "tf32" on >= 8.0 only where PyTorch's matmuls may use it
+      (``torch.set_float32_matmul_precision("high")`` or "medium"; the default
+      "highest" keeps "ieee"), so fp32 stays fp32 unless the user opted in.
     """
     if interpreting() or device.type != "cuda":
         return DotMode(False, "ieee")
     major, _ = torch.cuda.get_device_capability(device)
     if dtype == torch.bfloat16 and major >= 8 or dtype == torch.float16 and major >= 7:
         return DotMode(True, "ieee")
-    if dtype == torch.float32 and major >= 8 and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and major >= 8 and torch.get_float32_matmul_precision() != "highest":
         return DotMode(False, "tf32")
     return DotMode(False, "ieee")
 

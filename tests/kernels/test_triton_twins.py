@@ -142,3 +142,46 @@ def test_all_ops_random_lengths(data, seed, lengths_strategy, make_jagged):
     heads_x = make_jagged(lengths, (2, dim), torch.float32, seed)
     check_causal(heads_x, torch.float32, seed, window=data.draw(st.none() | st.integers(1, 45), label="window"))
     check_target(heads_x, torch.float32, seed)
+
+
+# Head dims past the 128-wide tile: 160 is one full tile plus a 32-column remainder, 256 two
+# full tiles. Rows of a few tokens with an empty row, the longest row in the middle (it is
+# scheduled first), 1-2 heads, fp32 ieee: the interpreter is slow at these widths.
+WIDE = pytest.mark.parametrize("heads, head_dim", [(1, 160), (2, 256)], ids=["h1_d160", "h2_d256"])
+
+
+@WIDE
+@pytest.mark.parametrize("window", [None, 2])
+def test_causal_attention_wide_heads(heads, head_dim, window, make_jagged):
+    x = make_jagged([2, 0, 19, 3], (heads, head_dim), torch.float32, seed=20)
+    check_causal(x, torch.float32, seed=21, window=window)
+
+
+@WIDE
+def test_target_attention_wide_heads(heads, head_dim, make_jagged):
+    check_target(make_jagged([2, 0, 19, 3], (heads, head_dim), torch.float32, seed=22), torch.float32, seed=23)
+
+
+@WIDE
+def test_attention_wide_heads_all_empty(heads, head_dim, make_jagged):
+    x = make_jagged([0, 0], (heads, head_dim), torch.float32, seed=24)
+    check_causal(x, torch.float32, seed=25, window=None)
+    check_target(x, torch.float32, seed=25)
+
+
+def test_attention_wide_heads_random_rows(make_jagged):
+    # Random lengths in 0..6 (a third empty on average) at head dim 160, two heads.
+    gen = torch.Generator().manual_seed(26)
+    lengths = torch.randint(0, 7, (5,), generator=gen).mul(torch.rand(5, generator=gen) > 0.33).tolist()
+    x = make_jagged(lengths, (2, 160), torch.float32, seed=27)
+    check_causal(x, torch.float32, seed=28, window=None)
+    check_target(x, torch.float32, seed=28)
+
+
+def test_feature_ops_wider_than_one_tile(make_jagged):
+    # Padding and pooling tile the flattened width (here 300 > 128) over the grid, softmax
+    # the heads (here 130 > 64): every tile must be covered.
+    x = make_jagged([2, 0, 17], (3, 100), torch.float32, seed=29)
+    check_padding(x, torch.float32, seed=30, max_len=None, pad_value=0.5)
+    check_pooling(x, torch.float32, seed=31)
+    check_softmax(make_jagged([2, 0, 17], (130,), torch.float32, seed=32), torch.float32, seed=33)
