@@ -91,3 +91,18 @@ def test_low_precision_dot_path_fp16(head_dim):
     for i, (ref, tri) in enumerate(zip(*results)):
         assert tri.abs().max() > 0.1, f"tensor {i} is (near) zero: the check would be vacuous"
         torch.testing.assert_close(tri, ref, atol=8e-3, rtol=8e-3, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("block_m, block_n, window", [(32, 16, None), (16, 32, 9)])
+def test_causal_attention_unequal_tiles(monkeypatch, block_m, block_n, window, make_jagged):
+    # On CUDA the autotuner may pick BLOCK_M != BLOCK_N (e.g. 128 x 64); the key and query
+    # ranges are rounded to different tiles then. Force such a config in the interpreter.
+    import triton
+
+    from tests.kernels.test_triton_twins import check_causal
+
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=1, num_stages=1)
+    monkeypatch.setattr(tri_causal._causal_fwd_kernel, "configs", [config])
+    monkeypatch.setattr(tri_causal._causal_bwd_kernel, "configs", [config])
+    x = make_jagged([0, 40, 3, 17], (1, 8), torch.float32, seed=41)
+    check_causal(x, torch.float32, seed=42, window=window)
