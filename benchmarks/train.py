@@ -9,6 +9,10 @@ warm-up steps, then N timed steps of forward + backward + optimiser (the trainer
 trainer.loop.local_optimizers: Adam dense, ``trainer.embedding_optimizer`` on the tables' sparse
 gradients). Reported per model and embedding optimiser: median step time (ms) and training
 examples/s; the last line is the GEM / DLRM throughput ratio (of the first optimiser).
+
+:func:`train_throughput` is the device benchmark's training run (``benchmarks.gpu``): N steps of a GEM preset (or
+DLRM) on a device, at a precision, optionally compiled, through the trainer's own path (batches prepared one ahead,
+trainer.loop); it returns examples/s and peak memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,17 +30,20 @@ from torchrec import KeyedJaggedTensor
 from tqdm import tqdm
 
 from sequences.schema import SPARSE_FEATURES
-from trainer.config import TrainerConfig
-from trainer.data import SEQUENCE_KEYS, Batch
-from trainer.loop import local_optimizers
+from trainer.config import GemConfig, PrecisionName, TrainerConfig
+from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_EXTRA_KEYS, SEQUENCE_KEYS, Batch
+from trainer.loop import local_engine, local_optimizers, prepare_batch
 from trainer.models import build_model
+from trainer.prefetch import Prefetcher
 from trainer.train import train_step
 
 DOMAINS = ("feed", "reels", "marketplace")
 
 
-def synthetic_batch(batch: int, max_len: int, num_dense: int, num_embeddings: int, rng: np.random.Generator) -> Batch:
-    """A :class:`trainer.data.Batch` of random ids, lengths uniform in [0, max_len], random 0/1 labels."""
+def synthetic_batch(batch: int, max_len: int, num_dense: int, num_embeddings: int, rng: np.random.Generator, *,
+                    extras: bool = False) -> Batch:
+    """A :class:`trainer.data.Batch` of random ids, lengths uniform in [0, max_len], random 0/1 labels; with
+    ``extras`` also the SEQUENCE_EXTRA_KEYS (time buckets in [0, 27], a same-domain history of half the length)."""
     lengths = rng.integers(0, max_len + 1, batch)
     total = int(lengths.sum())
     sparse = KeyedJaggedTensor(
@@ -42,11 +51,16 @@ def synthetic_batch(batch: int, max_len: int, num_dense: int, num_embeddings: in
         values=torch.from_numpy(rng.integers(1, num_embeddings, len(SPARSE_FEATURES) * batch)),
         lengths=torch.ones(len(SPARSE_FEATURES) * batch, dtype=torch.int64),
     )
-    sequence = KeyedJaggedTensor(
-        keys=list(SEQUENCE_KEYS),
-        values=torch.from_numpy(rng.integers(1, num_embeddings, len(SEQUENCE_KEYS) * total)),
-        lengths=torch.from_numpy(np.tile(lengths, len(SEQUENCE_KEYS))),
-    )
+    keys, values, all_lengths = list(SEQUENCE_KEYS), [rng.integers(1, num_embeddings, len(SEQUENCE_KEYS) * total)], [
+        np.tile(lengths, len(SEQUENCE_KEYS))]
+    if extras:
+        same = lengths // 2
+        keys += SEQUENCE_EXTRA_KEYS
+        values += [rng.integers(0, 28, total), rng.integers(1, num_embeddings, (len(SAME_DOMAIN_KEYS) - 1) * int(same.sum())),
+                   rng.integers(0, 28, int(same.sum()))]
+        all_lengths += [lengths, np.tile(same, len(SAME_DOMAIN_KEYS))]
+    sequence = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values)),
+                                 lengths=torch.from_numpy(np.concatenate(all_lengths)))
     return Batch(
         sparse=sparse,
         sequence=sequence,
@@ -69,6 +83,74 @@ def examples_per_second(config: TrainerConfig, batches: list[Batch], warmup: int
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return median * 1e3, len(batches[0].domains) / median
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int | None, str]:
+    """(bytes, what they are): ``torch.cuda.max_memory_allocated`` on CUDA (tensors, since the last reset); on the
+    CPU the process's resident high-water mark (VmHWM of /proc/self/status: everything since the process started,
+    Python and libraries included), None where there is no /proc."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None, "vm_hwm"
+    for line in status.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024, "vm_hwm"  # the kernel reports kB
+    return None, "vm_hwm"
+
+
+def train_throughput(device: str, preset: str, steps: int, batch_size: int, precision: PrecisionName = "fp32",
+                     compile: bool = False, *, max_len: int = 256, warmup: int = 3, num_dense: int = 8,
+                     embedding_dim: int = 64, num_embeddings: int = 100_003, seed: int = 0) -> dict[str, Any]:
+    """Train ``steps`` steps (after ``warmup`` more, untimed: compilation, allocator warm-up) of ``preset`` on
+    ``device`` with synthetic batches, through the trainer's path: :func:`trainer.loop.local_engine` (its model on
+    the device, Adam + Adagrad, ``compile``, ``precision``) and batches prepared one ahead on a background thread
+    (:func:`trainer.loop.prepare_batch`: checked, pinned on CUDA, copied ``non_blocking``).
+
+    Args:
+        device: ``cpu``, ``cuda`` or ``cuda:N`` (``trainer.device``).
+        preset: a GEM preset (gem_small, gem_cpu, gem; trainer.config.GEM_PRESETS) or ``dlrm``.
+        steps, batch_size: timed steps of ``batch_size`` examples.
+        max_len: histories uniform in [0, max_len] tokens (the build stores 256 by default).
+
+    Returns:
+        ``examples_per_s`` (timed examples / ``timed_s``, the wall seconds of the timed steps, the device synchronised
+        by each step's loss read),
+        ``step_ms_median``, ``peak_memory_bytes`` and ``memory_kind`` (:func:`peak_memory_bytes`), ``final_loss``,
+        and the arguments.
+
+    Raises:
+        gemline.errors.BadConfigError: a bad device (no CUDA here), preset or precision.
+    """
+    model = "dlrm" if preset == "dlrm" else "gem"
+    tc = TrainerConfig(model=model, gem=GemConfig(preset="gem_small" if model == "dlrm" else preset),  # type: ignore[arg-type]
+                       device=device, precision=precision, compile=compile, batch_size=batch_size, seed=seed,
+                       embedding_dim=embedding_dim, num_embeddings=num_embeddings)
+    torch.manual_seed(seed)
+    engine = local_engine(tc, num_dense, DOMAINS, None)
+    target = torch.device(device)
+    rng = np.random.default_rng(seed)
+    extras = tc.reads_sequence_extras
+    count = warmup + steps
+    host = (synthetic_batch(batch_size, max_len, num_dense, num_embeddings, rng, extras=extras) for _ in range(count))
+    times, losses = [], []
+    if target.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(target)
+    with Prefetcher(host, lambda b: prepare_batch(engine.model, b, target)) as ready:
+        start = time.perf_counter()
+        for i, (_, prepared) in enumerate(ready):
+            loss = engine.train_prepared(prepared)  # reads the loss back: the step has finished on the device
+            now = time.perf_counter()
+            if i >= warmup:
+                times.append(now - start)
+            losses.append(loss)
+            start = now
+    memory, kind = peak_memory_bytes(target)
+    return {"device": device, "preset": preset, "precision": precision, "compile": compile, "batch_size": batch_size,
+            "steps": steps, "max_len": max_len, "timed_s": sum(times), "examples_per_s": batch_size * len(times) / sum(times),
+            "step_ms_median": 1e3 * statistics.median(times), "peak_memory_bytes": memory, "memory_kind": kind,
+            "final_loss": losses[-1]}
 
 
 def main(argv: list[str] | None = None) -> None:

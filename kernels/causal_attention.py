@@ -21,22 +21,26 @@ def causal_attention(
     window: int | None = None,
     scale: float | None = None,
     backend: Backend = "reference",
+    validate: bool = True,
 ) -> Jagged:
     """``q, k, v .values (T, H, Dh)`` sharing offsets -> Jagged ``(T, H, Dh)`` in q's dtype.
 
     scale None means 1/sqrt(Dh); window None means full causal. Differentiable in
     q, k, v. Raises ValueError on shape/offset mismatch or window < 1, TypeError on
-    non-float or mixed dtypes.
+    non-float or mixed dtypes. ``validate=False`` skips the checks that read offsets (host syncs, graph breaks
+    under torch.compile), for callers whose offsets were validated where the batch was built.
     """
     check_backend(backend)
-    check_jagged_float(q, "q")
+    if validate:
+        check_jagged_float(q, "q")
     if q.values.dim() != 3:
         raise ValueError(f"q.values: expected shape (T, H, Dh), got {tuple(q.values.shape)}")
     _, heads, head_dim = q.values.shape
     for name, x in (("k", k), ("v", v)):
-        check_jagged_float(x, name)
+        if validate:
+            check_jagged_float(x, name)
+            check_same_offsets(q, x, f"q/{name}")
         check_attention_shapes(x.values, f"{name}.values", heads, head_dim)
-        check_same_offsets(q, x, f"q/{name}")
         if x.values.dtype != q.values.dtype:
             raise TypeError(f"{name}.values dtype {x.values.dtype} differs from q dtype {q.values.dtype}")
     if window is not None and window < 1:

@@ -11,13 +11,15 @@ from kernels.reference import pooling as _ref
 from kernels.types import Backend, Jagged
 
 
-def segment_sum(x: Jagged, *, backend: Backend = "reference") -> torch.Tensor:
+def segment_sum(x: Jagged, *, backend: Backend = "reference", validate: bool = True) -> torch.Tensor:
     """``x.values (T, *D)`` -> ``(B, *D)`` row sums in x's dtype (float32 accumulation).
 
-    Raises ValueError for a malformed x, TypeError for non-float values.
+    Raises ValueError for a malformed x, TypeError for non-float values; ``validate=False`` skips the offsets
+    checks (host syncs) for validated input.
     """
     check_backend(backend)
-    check_jagged_float(x, "x")
+    if validate:
+        check_jagged_float(x, "x")
     if backend == "reference":
         return _ref.segment_sum(x.values, x.offsets)
     from kernels.triton.pooling import segment_sum as _tri
@@ -25,13 +27,15 @@ def segment_sum(x: Jagged, *, backend: Backend = "reference") -> torch.Tensor:
     return _tri(x.values, x.offsets)
 
 
-def segment_mean(x: Jagged, *, backend: Backend = "reference") -> torch.Tensor:
+def segment_mean(x: Jagged, *, backend: Backend = "reference", validate: bool = True) -> torch.Tensor:
     """``x.values (T, *D)`` -> ``(B, *D)`` row means (0 for an empty row).
 
-    Raises ValueError for a malformed x, TypeError for non-float values.
+    Raises ValueError for a malformed x, TypeError for non-float values; ``validate=False`` skips the offsets
+    checks (host syncs) for validated input.
     """
     check_backend(backend)
-    check_jagged_float(x, "x")
+    if validate:
+        check_jagged_float(x, "x")
     if backend == "reference":
         return _ref.segment_mean(x.values, x.offsets)
     from kernels.triton.pooling import segment_mean as _tri

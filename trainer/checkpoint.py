@@ -188,7 +188,7 @@ def load_checkpoint(
     if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
     # weights_only=False: the payload holds RNG states (numpy arrays, tuples) the trainer wrote itself.
-    payload = torch.load(path / "state.pt", weights_only=False)
+    payload = torch.load(path / "state.pt", weights_only=False, map_location="cpu")  # loads onto any device's model
     if set(payload["optimizers"]) != set(optimizers):
         raise ValueError(
             f"checkpoint has optimisers {sorted(payload['optimizers'])}, got {sorted(optimizers)}; "
@@ -228,7 +228,7 @@ def load_weights(path: str | Path, model: nn.Module) -> TrainState:
     path = Path(path)
     if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
-    model.load_state_dict(torch.load(path / "state.pt", weights_only=False)["model"])
+    model.load_state_dict(torch.load(path / "state.pt", weights_only=False, map_location="cpu")["model"])
     return read_state(path)
 
 

@@ -15,6 +15,9 @@ ShardingTypeName = Literal["table_wise", "column_wise", "data_parallel", "row_wi
 ModelName = Literal["gem", "dlrm", "lr", "ranker"]
 """``trainer.model``: the architectures of trainer/models (and the small TwoTaskRanker)."""
 
+PrecisionName = Literal["fp32", "bf16"]
+"""``trainer.precision``: float32 throughout, or bf16 autocast of the forward (trainer.loop.autocast)."""
+
 KernelBackendName = Literal["reference", "triton"]
 """``trainer.gem.kernel_backend``: the jagged kernels of kernels/ (kernels.types.Backend)."""
 
@@ -319,7 +322,15 @@ class TrainerConfig:
     One by default: this model's ops are tiny, and on a shared CPU torch's parallel scatter and
     repeat_interleave paths were measured 4x slower end to end with 2 threads than with 1."""
     compile: bool = False
-    """torch.compile the dense modules (attention, MLP, heads); the embedding lookups stay eager."""
+    """torch.compile the dense modules (GEM and DLRM: ``dense_arch``; the ranker: attention, MLP, heads) in one process
+    and sharded; the embedding lookups stay eager. Off by default: on CPU the first steps pay the compilation."""
+    device: str = "cpu"
+    """Where a one-process run computes: ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``; the model, every
+    batch and every tensor of a forward live there. A torchrun rank uses ``cuda:LOCAL_RANK`` when
+    ``trainer.distributed.device`` is cuda (trainer.launch), whatever this says."""
+    precision: PrecisionName = "fp32"
+    """Dense-part arithmetic: fp32, or bf16 autocast (matmuls and attention in bfloat16, parameters, embedding
+    tables, optimiser state and the loss in float32)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Sharding of a multi-process run (`gemline train --nproc N`); unused by a single process."""
 
@@ -401,3 +412,23 @@ class TrainerConfig:
             raise BadConfigError(f"trainer.model must be one of gem, dlrm, lr, ranker; got {self.model!r}")
         if self.init_from not in ("scratch", "latest"):
             raise BadConfigError(f"trainer.init_from must be 'scratch' or 'latest', got {self.init_from!r}")
+        if self.precision not in get_args(PrecisionName):
+            raise BadConfigError(f"trainer.precision must be one of {get_args(PrecisionName)}, got {self.precision!r}")
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    """Raise BadConfigError unless ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (N >= 0) and, for cuda, CUDA is
+    available with more than N devices. torch is imported only for a cuda name (the config stays cheap to load)."""
+    kind, colon, index = device.partition(":")
+    if kind == "cpu" and not colon:
+        return
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise BadConfigError(f"trainer.device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BadConfigError(f"trainer.device={device!r} but torch sees no CUDA device here (torch {torch.__version__}); "
+                             "use trainer.device=cpu")
+    if colon and int(index) >= torch.cuda.device_count():
+        raise BadConfigError(f"trainer.device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")

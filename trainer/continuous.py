@@ -584,7 +584,6 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                                "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
         rows, losses_before = 0, len(counters.losses)
         clock = freshness.VersionClock()
-        reading: dict[str, Any] = {}  # the read batch the loop is training on: its rows' times for on_step
 
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
             nonlocal rows, cursor, start
@@ -600,13 +599,14 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     noted = noted or bool(unread)
                     ids.observe(first_publications(table))  # each impression counted once, as evaluation does
                     data = encode_for(table, tc, normalizer, pointer_history(lake, table), ids=ids)
-                    reading.update(data=data, event_ms=table["event_time_ms"].to_numpy(),
-                                   corrected=is_correction(table))
+                    # What on_step needs of its rows travels with each global batch: the loop prefetches, so the
+                    # next read batch may be drawn before this one's last step is taken.
+                    times = (table["event_time_ms"].to_numpy(), is_correction(table))
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))
                     for i in range(0, len(data), tc.batch_size):
-                        yield GlobalBatch(data, order[i: i + tc.batch_size], after)
+                        yield GlobalBatch(data, order[i: i + tc.batch_size], after, times)
                     rows += len(data)
                 if version == cursor.version:
                     cursor = after
@@ -614,12 +614,10 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     start = after
 
         def on_step(batch: GlobalBatch, step: int) -> None:
-            # train_loop calls this before it draws the next batch, so `reading` still holds this batch's rows.
-            assert batch.data is reading["data"], "on_step runs before the next read batch is drawn"
             nonlocal trained_until_ms
-            clock.add_step(reading["event_ms"][batch.rows], reading["corrected"][batch.rows], step,
-                           freshness.wall_ms())
-            trained_until_ms = max(trained_until_ms, int(reading["event_ms"][batch.rows].max()))
+            event_ms, corrected = batch.context
+            clock.add_step(event_ms[batch.rows], corrected[batch.rows], step, freshness.wall_ms())
+            trained_until_ms = max(trained_until_ms, int(event_ms[batch.rows].max()))
 
         train_loop(engine, counters, global_batches(), on_step=on_step)
         if clock.event_ms:

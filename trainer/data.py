@@ -202,9 +202,30 @@ class Batch:
         """B."""
         return int(self.labels.shape[0])
 
+    def _map(self, move: Callable[[torch.Tensor], torch.Tensor], kjt: Callable[[KeyedJaggedTensor], KeyedJaggedTensor]) -> Batch:
+        delayed = self.delayed
+        if delayed is not None:
+            delayed = DelayedBatch(*(move(getattr(delayed, f.name)) for f in dataclasses.fields(delayed)))
+        return dataclasses.replace(self, sparse=kjt(self.sparse), sequence=kjt(self.sequence), dense=move(self.dense),
+                                   labels=move(self.labels), delayed=delayed,
+                                   final=None if self.final is None else move(self.final))
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
+        """This batch with every tensor on ``device`` (``non_blocking``: asynchronous from pinned memory on CUDA).
+
+        The KJTs' per-key lengths are computed first (``KeyedJaggedTensor.sync``) while they are on the host, so
+        reading a key of the moved KJTs does not copy lengths back from the device."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking),
+                         lambda k: k.sync().to(torch.device(device), non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """This batch with every tensor in page-locked host memory (what an asynchronous copy to CUDA reads)."""
+        return self._map(lambda t: t.pin_memory(), lambda k: k.sync().pin_memory())
+
 
 def validate_batch(batch: Batch, num_dense: int) -> None:
-    """Check a batch against the layout :class:`Batch` documents; run it where batches enter the model.
+    """Check a batch against the layout :class:`Batch` documents; run it where batches enter the model, on the host
+    (trainer.loop.prepare_batch, before the batch moves to its device), so the forward checks nothing that syncs.
 
     Raises:
         ValueError: wrong keys, a sparse feature without exactly one id per example, sequence keys
@@ -222,6 +243,8 @@ def validate_batch(batch: Batch, num_dense: int) -> None:
     lengths = batch.sequence.lengths()
     if lengths.numel() != keys * num_rows:
         raise ValueError(f"sequence lengths must have {keys}*B={keys * num_rows} entries, got {lengths.numel()}")
+    if lengths.numel() and bool(torch.any(lengths < 0)):
+        raise ValueError(f"sequence lengths must be >= 0, got {lengths.tolist()[:20]}")
     per_key = lengths.view(keys, num_rows)
     main = per_key[: len(SEQUENCE_KEYS) + (keys > len(SEQUENCE_KEYS))]  # the history keys and its time buckets
     same = per_key[len(SEQUENCE_KEYS) + 1:]

@@ -111,7 +111,8 @@ class ShardableRanker(TwoTaskRanker):
             history = sequence[key]
             ids = candidate_ids.get(key, history.values()[:0])
             values += [history.values(), ids]
-            lengths += [history.lengths(), torch.full((batch,), 1 if key in candidate_ids else 0, dtype=torch.int64)]
+            lengths += [history.lengths(), torch.full((batch,), 1 if key in candidate_ids else 0, dtype=torch.int64,
+                                                      device=history.lengths().device)]
         merged = KeyedJaggedTensor.from_lengths_sync(keys=list(SEQUENCE_KEYS), values=torch.cat(values), lengths=torch.cat(lengths))
         jagged = self.sequence_arch(merged)
         offsets = sequence[SEQUENCE_KEYS[0]].offsets()
@@ -137,6 +138,11 @@ class ShardableRanker(TwoTaskRanker):
         pooled = torch.cat([kt[name] for name in SPARSE_FEATURES], dim=1)
         summary, _ = self.summary_and_candidate(sparse, sequence)
         return self.heads(self.mlp(torch.cat([pooled, summary, dense], dim=1)))
+
+
+def rank_device(config: DistributedConfig) -> torch.device:
+    """This rank's device: the CPU, or the current CUDA device (``cuda:LOCAL_RANK``: trainer.launch sets it)."""
+    return torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
 
 
 def resolve_mesh_shape(world_size: int, mesh_shape: tuple[int, ...] | None) -> tuple[int, int]:
@@ -286,7 +292,7 @@ class ShardedRanker:
         """Logits (b, 2) float32 of this rank's slice; domain ids from the model's vocabulary (unknown -> K)."""
         from trainer.models.towers import encode_domains
 
-        ids = encode_domains(getattr(self.ranker, "domains", ()), batch.domains)
+        ids = encode_domains(getattr(self.ranker, "domains", ()), batch.domains).to(batch.dense.device)
         return self.model(batch.sparse, batch.sequence, batch.dense, ids)
 
 
@@ -318,7 +324,7 @@ def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRa
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     dc = tc.distributed
-    device = torch.device(dc.device)
+    device = rank_device(dc)
     dense_modules = dense_module_names(model)
     replicate, shard = resolve_mesh_shape(world_size, dc.mesh_shape)
     wrapper = choose_sparse_wrapper(dc, world_size)
@@ -400,9 +406,23 @@ def copy_into_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 
 def compile_dense(model: nn.Module) -> None:
-    """``torch.compile`` the dense sub-modules (:func:`dense_module_names`) in place (``nn.Module.compile``); lookups stay eager."""
+    """``torch.compile`` the dense sub-modules (:func:`dense_module_names`) in place (``nn.Module.compile``); lookups
+    stay eager. Sets :func:`capture_data_dependent_sizes` first (process-wide dynamo settings)."""
+    capture_data_dependent_sizes()
     for name in dense_module_names(model):
         getattr(model, name).compile()
+
+
+def capture_data_dependent_sizes() -> None:
+    """Let dynamo trace the jagged dense part whole: a size read from data (``int(offsets[-1])``, a row's
+    length, the tokens a recency window keeps) becomes a symbolic size in the graph (``capture_scalar_outputs``)
+    and so do the outputs of data-dependent ops (``capture_dynamic_output_shape_ops``: a boolean mask's
+    ``nonzero``), instead of a graph break at each; the checks that would branch on such values run where a
+    batch is built (trainer.loop.prepare_batch). tests/trainer/test_device.py counts the breaks."""
+    import torch._dynamo
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 
 def distributed_train_step(sharded: ShardedRanker, local: Batch, global_batch_size: int, *, weight: float = 1.0,

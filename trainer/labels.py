@@ -70,7 +70,7 @@ def loss_terms(logits: torch.Tensor, labels: torch.Tensor, delayed: DelayedBatch
         task_weights: (click, conversion) loss weights, >= 0.
     """
     terms = bce_terms(logits, labels, delayed)
-    weights = torch.as_tensor(tuple(task_weights), dtype=terms.dtype)
+    weights = torch.as_tensor(tuple(task_weights), dtype=terms.dtype, device=terms.device)
     keep = weights > 0 if final is None else final & (weights > 0)
     return torch.where(keep.expand_as(terms), terms * weights, torch.zeros_like(terms))
 

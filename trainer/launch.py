@@ -13,7 +13,9 @@ Every rank runs trainer.train.train_holdout (``--once``: trainer.continuous.cons
 trainer.sharded_engine: the same examples, the same global batch order, each rank training its slice
 of every global batch. Rank 0 evaluates the gathered predictions, writes the checkpoint's meta.json
 (full parameters gathered from the shards beside every rank's DCP shards) and the result as JSON. torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT; this entry point is the only place that reads them (through ``env://``).
+MASTER_PORT (read through ``env://``) and LOCAL_RANK, which this entry point alone reads: with
+``trainer.distributed.device = "cuda"`` rank r of a node computes on ``cuda:LOCAL_RANK`` (``torch.cuda.set_device``
+before the process group starts, so NCCL and every ``cuda`` tensor of the rank use it: trainer.distributed.rank_device).
 
 A rank needs the trainer section and the lake, nothing else of the application's config: the lake's root
 reaches it as ``--lake``, the trainer section as ``--set trainer.KEY=VALUE`` flags (its non-defaults,
@@ -347,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["lake"] = args.lake
     lake, tc = rank_config(load_tree(args.config, overrides))
     logging.basicConfig(level=logging.INFO)
+    if tc.distributed.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per local rank (torchrun sets LOCAL_RANK)
     dist.init_process_group(backend=tc.distributed.backend)
     try:
         result: TrainResult | ContinuousResult | None

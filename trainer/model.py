@@ -40,8 +40,9 @@ _SEQ_TABLES = {"seq_item_ids": "t_item", "seq_categories": "t_category", "seq_ev
 
 
 def segment_mean_pool(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Mean of each jagged row: values (T, D), offsets (B+1,) int64 -> (B, D); empty rows give 0."""
-    return segment_mean(Jagged(values, offsets))
+    """Mean of each jagged row: values (T, D), offsets (B+1,) int64 -> (B, D); empty rows give 0. ``offsets`` are
+    trusted (checked where the batch was built, trainer.data.validate_batch): nothing here syncs with the device."""
+    return segment_mean(Jagged(values, offsets), validate=False)
 
 
 def segment_softmax_pool(values: torch.Tensor, scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -53,11 +54,12 @@ def segment_softmax_pool(values: torch.Tensor, scores: torch.Tensor, offsets: to
         offsets: (B+1,) int64, row i is ``values[offsets[i]:offsets[i+1]]``.
 
     Returns:
-        (B, D): ``sum_t softmax(scores of row i)_t * values_t``; an empty row gives zeros.
+        (B, D): ``sum_t softmax(scores of row i)_t * values_t``; an empty row gives zeros. ``offsets`` are trusted
+        (checked where the batch was built, trainer.data.validate_batch).
     """
     rows = Jagged(values, offsets)
-    weights = jagged_softmax(rows.with_values(scores)).values
-    return segment_sum(rows.with_values(weights.unsqueeze(1) * values))
+    weights = jagged_softmax(rows.with_values(scores), validate=False).values
+    return segment_sum(rows.with_values(weights.unsqueeze(1) * values), validate=False)
 
 
 class TwoTaskRanker(nn.Module):

@@ -26,14 +26,16 @@ from gemline.errors import BadConfigError
 from gemline.lake import StorageOptions, is_remote
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.data import EncodedExamples, make_batch
+from trainer.data import Batch, EncodedExamples, make_batch, validate_batch
 from trainer.distributed import (
     ShardedRanker,
     build_shardable_model,
     distributed_train_step,
     full_state_dict,
+    rank_device,
     shard_model,
 )
+from trainer.loop import to_device
 from trainer.models import build_model
 from trainer.models.towers import RankingModel
 from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_checkpoint_dir
@@ -61,24 +63,33 @@ class ShardedEngine:
     synced_at: int = 0
     """``steps`` at the last replica sync (or at the start or the resume: the copies are equal then)."""
 
-    def train_step(self, data: EncodedExamples, rows: np.ndarray) -> float | None:
-        """See :meth:`trainer.loop.Engine.train_step`: this rank trains on its slice of ``rows`` (B,).
+    def prepare(self, data: EncodedExamples, rows: np.ndarray) -> tuple[Batch, int, float]:
+        """See :meth:`trainer.loop.Engine.prepare`: (this rank's slice of ``rows`` (B,) as a checked batch on its
+        device, B, its loss weight).
 
         A global batch of fewer rows than ranks (the tail of a read batch) is trained too: a rank whose
         slice is empty passes row ``rows[0]`` with weight 0 (it must take part in the embedding
         all-to-alls), so every row is trained once and the step equals the one-process step.
         """
         mine = np.array_split(rows, self.world_size)[self.rank]
-        if len(mine):
-            loss = distributed_train_step(self.sharded, make_batch(data, mine), len(rows), task_weights=self.tc.task_weights)
-        else:
-            loss = distributed_train_step(self.sharded, make_batch(data, rows[:1]), len(rows), weight=0.0,
-                                          task_weights=self.tc.task_weights)
+        local = make_batch(data, mine if len(mine) else rows[:1])
+        validate_batch(local, self.num_dense)  # on the host, before the copy
+        return to_device(local, rank_device(self.tc.distributed)), len(rows), 1.0 if len(mine) else 0.0
+
+    def train_prepared(self, prepared: tuple[Batch, int, float]) -> float | None:
+        """See :meth:`trainer.loop.Engine.train_prepared`: this rank's step on its slice; every
+        ``trainer.distributed.sync_interval_steps`` steps taken, the table replicas are synced (:meth:`sync_replicas`)."""
+        local, global_rows, weight = prepared
+        loss = distributed_train_step(self.sharded, local, global_rows, weight=weight, task_weights=self.tc.task_weights)
         if loss is not None:  # the same on every rank (the loss is reduced first), so the sync stays collective
             self.steps += 1
             if self.steps % self.tc.distributed.sync_interval_steps == 0:
                 self.sync_replicas()
         return loss
+
+    def train_step(self, data: EncodedExamples, rows: np.ndarray) -> float | None:
+        """See :meth:`trainer.loop.Engine.train_step`: this rank trains on its slice of ``rows`` (B,)."""
+        return self.train_prepared(self.prepare(data, rows))
 
     def sync_replicas(self) -> bool:
         """Average the table replicas across replica groups (``DMPCollection.sync()``, weights and optimiser state;
@@ -101,7 +112,8 @@ class ShardedEngine:
             for start in range(0, len(data), batch_size):
                 rows = np.array_split(np.arange(start, min(start + batch_size, len(data))), self.world_size)[self.rank]
                 batch = make_batch(data, rows if len(rows) else np.zeros(1, dtype=np.int64))
-                probs = torch.sigmoid(self.sharded.forward(batch)).double().numpy()
+                batch = to_device(batch, rank_device(self.tc.distributed))
+                probs = torch.sigmoid(self.sharded.forward(batch)).to("cpu", torch.float64).numpy()
                 if len(rows):
                     mine.append((rows, probs))
         self.sharded.model.train()

@@ -81,13 +81,13 @@ class VectorCapture:
         bags = next((m for m in model.modules() if isinstance(m, EmbeddingBagCollection)), None)
         if bags is not None:
             def on_bags(_module: nn.Module, _inputs: Any, output: Any) -> None:
-                self.user.append(output["user_id"].detach().float().numpy())
-                self.candidate.append(output["item_id"].detach().float().numpy())
+                self.user.append(output["user_id"].detach().float().cpu().numpy())
+                self.candidate.append(output["item_id"].detach().float().cpu().numpy())
             handles.append(bags.register_forward_hook(on_bags))
         towers = getattr(getattr(model, "dense_arch", None), "towers", None)
         if isinstance(towers, nn.Module):
             def on_towers(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-                self.representation.append(inputs[0].detach().float().numpy())
+                self.representation.append(inputs[0].detach().float().cpu().numpy())
             handles.append(towers.register_forward_pre_hook(on_towers))
         try:
             yield self

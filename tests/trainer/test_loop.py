@@ -22,8 +22,11 @@ class _Scripted:
     def __init__(self, losses: list[float | None]) -> None:
         self.losses, self.seen = list(losses), []
 
-    def train_step(self, data, rows):
-        self.seen.append(list(rows))
+    def prepare(self, data, rows):
+        return list(rows)
+
+    def train_prepared(self, rows):
+        self.seen.append(rows)
         return self.losses.pop(0)
 
 

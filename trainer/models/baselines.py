@@ -120,7 +120,7 @@ class DLRMDenseArch(nn.Module):
         bottom = self.bottom(dense)
         vectors = torch.cat([bottom.unsqueeze(1), pooled], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
-        return self.towers(self.top(torch.cat([bottom, dots], dim=1)), domain_ids)
+        return self.towers(self.top(torch.cat([bottom, dots], dim=1)), domain_ids, validate=False)
 
 
 class DLRM(RankingModel):

@@ -168,7 +168,7 @@ def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, keys:
         raise ValueError(f"sparse has B={sparse.stride()} rows but sequence has B={batch}; pass one batch's KJTs")
     present = set(sequence.keys())
     main = sequence[SEQUENCE_KEYS[0]]
-    none = torch.zeros(batch, dtype=torch.int64)
+    none = torch.zeros(batch, dtype=torch.int64, device=main.lengths().device)
 
     def rows(key: str) -> tuple[torch.Tensor, torch.Tensor]:
         if key in present:
@@ -187,7 +187,7 @@ def with_candidate(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, keys:
         feature = CANDIDATE_KEYS.get(key)
         history_values, history_lengths = rows(key)
         values += [history_values, sparse[feature].values() if feature else history_values[:0]]
-        lengths += [history_lengths, torch.full((batch,), 1, dtype=torch.int64) if feature else none]
+        lengths += [history_lengths, torch.ones_like(none) if feature else none]
         if same_domain:
             same_values, same_lengths = rows(SAME_DOMAIN_OF[key])
             values.append(same_values)
@@ -252,7 +252,8 @@ class GemDenseArch(nn.Module):
     def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
         batch = offsets.shape[0] - 1
-        tokens = keep_newest(Jagged(values, offsets), torch.full((batch,), self.max_sequence_len, dtype=torch.int64))
+        keep = torch.full((batch,), self.max_sequence_len, dtype=torch.int64, device=offsets.device)
+        tokens = keep_newest(Jagged(values, offsets), keep, validate=False)
         rows = token_rows(tokens.offsets, tokens.num_tokens)
         recency = tokens.offsets[1:][rows] - 1 - torch.arange(tokens.num_tokens, device=rows.device)
         return tokens.with_values(tokens.values + self.recency(recency))
@@ -281,8 +282,9 @@ class GemDenseArch(nn.Module):
             interaction, _, summary = self.interformer(interaction_in, tokens, target)
         hidden = self.backbone(torch.cat([interaction, summary], dim=1).flatten(1))
         if isinstance(self.towers, nn.ModuleList):
-            return torch.cat([tower(layer(hidden), domain_ids) for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
-        return self.towers(hidden, domain_ids)
+            return torch.cat([tower(layer(hidden), domain_ids, validate=False)
+                              for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
+        return self.towers(hidden, domain_ids, validate=False)
 
 
 class GemModel(RankingModel):

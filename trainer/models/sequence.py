@@ -45,12 +45,13 @@ def pyramid_lengths(lengths: torch.Tensor, ratio: float, layer: int) -> torch.Te
     return torch.ceil(lengths.to(torch.float64) * ratio**layer).to(torch.int64)
 
 
-def keep_newest(x: Jagged, keep: torch.Tensor) -> Jagged:
+def keep_newest(x: Jagged, keep: torch.Tensor, *, validate: bool = True) -> Jagged:
     """The newest ``keep[i]`` tokens of each row of ``x`` (its tail), as a new Jagged.
 
     Args:
         x: values (T, *F), offsets (B+1,) int64.
         keep: (B,) int64; values above a row's length keep the whole row.
+        validate: check that ``keep`` is >= 0 (a host sync); the models pass False (their ``keep`` are counts).
 
     Returns:
         Jagged with values (T', *F), T' = sum min(keep_i, L_i); gradients flow to the kept tokens.
@@ -60,7 +61,7 @@ def keep_newest(x: Jagged, keep: torch.Tensor) -> Jagged:
     """
     if keep.shape != (x.batch_size,):
         raise ValueError(f"keep must be (B={x.batch_size},), got {tuple(keep.shape)}")
-    if keep.numel() and int(keep.min()) < 0:
+    if validate and keep.numel() and int(keep.min()) < 0:
         raise ValueError(f"keep must be >= 0, got {keep.tolist()[:10]}")
     kept = torch.minimum(keep.to(torch.int64), x.lengths)
     new_offsets = torch.zeros_like(x.offsets)
@@ -75,10 +76,10 @@ def keep_newest(x: Jagged, keep: torch.Tensor) -> Jagged:
 
 def newest_token(x: Jagged) -> torch.Tensor:
     """(B, *F) last token of each row of ``x``; zeros for an empty row."""
-    lengths = x.lengths
-    out = x.values.new_zeros((x.batch_size, *x.values.shape[1:]))
-    nonempty = torch.nonzero(lengths > 0).squeeze(1)
-    return out.index_copy(0, nonempty, x.values.index_select(0, x.offsets[1:][nonempty] - 1))
+    # An empty row reads an appended zero row: no data-dependent shape (nonzero), so no host sync or graph break.
+    padded = torch.cat([x.values, x.values.new_zeros((1, *x.values.shape[1:]))])
+    last = torch.where(x.lengths > 0, x.offsets[1:] - 1, x.num_tokens)
+    return padded.index_select(0, last)
 
 
 class SequenceLayer(nn.Module):
@@ -123,7 +124,8 @@ class SequenceLayer(nn.Module):
             raise ValueError(f"condition must be (B={x.batch_size}, D={self.dim}), got {tuple(condition.shape)}")
         num_tokens, head_dim = x.num_tokens, self.dim // self.heads
         q, k, v = self.qkv(self.attn_norm(x.values)).view(num_tokens, 3, self.heads, head_dim).unbind(1)
-        attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v), backend=self.backend)
+        attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v), backend=self.backend,
+                                    validate=False)
         h = x.values + self.attn_out(attended.values.reshape(num_tokens, self.dim))
         rows = token_rows(x.offsets, num_tokens)
         if self.pffn_rank == 0:
@@ -159,8 +161,9 @@ class SequenceSummary(nn.Module):
         head_dim = self.dim // self.heads
         query = self.query(target).view(-1, self.heads, head_dim)
         keys = x.with_values(self.key(x.values).view(-1, self.heads, head_dim))
-        values = x.with_values(x.values.view(-1, self.heads, head_dim))
-        pooled = target_attention(query, keys, values, backend=self.backend).reshape(-1, self.dim)
+        # Under bf16 autocast the projections are bf16 and the tokens may be float32: attend in one dtype.
+        values = x.with_values(x.values.view(-1, self.heads, head_dim).to(keys.values.dtype))
+        pooled = target_attention(query, keys, values, backend=self.backend, validate=False).reshape(-1, self.dim)
         return torch.stack([pooled, newest_token(x)], dim=1)
 
 
@@ -199,7 +202,7 @@ class PyramidSequenceEncoder(nn.Module):
         Returns:
             (tokens out of layer l, values (T_l, D); summary (B, 2, D)).
         """
-        x = keep_newest(x, pyramid_lengths(full_lengths, self.ratio, layer))
+        x = keep_newest(x, pyramid_lengths(full_lengths, self.ratio, layer), validate=False)
         x = self.layers[layer](x, condition)
         return x, self.summaries[layer](x, target)
 
@@ -215,7 +218,7 @@ class PyramidSequenceEncoder(nn.Module):
 
 def newest_tokens(x: Jagged, count: int) -> torch.Tensor:
     """(B, count, *F): slot 0 the newest token of each row, slot j the (j+1)-th newest; zeros past a row's length."""
-    kept = keep_newest(x, torch.full((x.batch_size,), count, dtype=torch.int64, device=x.offsets.device))
+    kept = keep_newest(x, torch.full((x.batch_size,), count, dtype=torch.int64, device=x.offsets.device), validate=False)
     rows = token_rows(kept.offsets, kept.num_tokens)
     slot = kept.offsets[1:][rows] - 1 - torch.arange(kept.num_tokens, device=rows.device)
     out = x.values.new_zeros((x.batch_size, count, *x.values.shape[1:]))
@@ -223,35 +226,38 @@ def newest_tokens(x: Jagged, count: int) -> torch.Tensor:
 
 
 def append_tokens(x: Jagged, tokens: torch.Tensor) -> Jagged:
-    """Row i of ``x`` followed by the same ``tokens`` (c, *F): values (T + B c, *F), lengths L_i + c."""
+    """Row i of ``x`` followed by the same ``tokens`` (c, *F): values (T + B c, *F) in ``x``'s dtype, lengths L_i + c."""
     count, batch = tokens.shape[0], x.batch_size
+    tokens = tokens.to(x.values.dtype)  # under autocast the tokens are bf16 and the learned ones float32
     lengths = x.lengths + count
     offsets = torch.zeros_like(x.offsets)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
     rows = token_rows(x.offsets, x.num_tokens)
     old_at = offsets[:-1][rows] + torch.arange(x.num_tokens, device=rows.device) - x.offsets[:-1][rows]
     new_at = (offsets[1:] - count).unsqueeze(1) + torch.arange(count, device=rows.device)  # (B, c)
-    values = x.values.new_empty((int(offsets[-1]), *x.values.shape[1:]))
+    values = x.values.new_empty((x.num_tokens + batch * count, *x.values.shape[1:]))
     values = values.index_copy(0, old_at, x.values)
     values = values.index_copy(0, new_at.reshape(-1), tokens.unsqueeze(0).expand(batch, *tokens.shape).reshape(-1, *tokens.shape[1:]))
     return Jagged(values=values, offsets=offsets)
 
 
-def split_tail(x: Jagged, count: int) -> tuple[Jagged, torch.Tensor]:
+def split_tail(x: Jagged, count: int, *, validate: bool = True) -> tuple[Jagged, torch.Tensor]:
     """Undo :func:`append_tokens`: (rows without their last ``count`` tokens, those tokens (B, count, *F)).
+    ``validate``: check the row lengths (a host sync); False where the rows come from :func:`append_tokens`.
 
     Raises:
         ValueError: a row shorter than ``count``.
     """
-    if x.batch_size and int(x.lengths.min()) < count:
+    if validate and x.batch_size and int(x.lengths.min()) < count:
         raise ValueError(f"every row needs >= {count} tokens to split them off, got lengths {x.lengths.tolist()[:10]}")
     tail_at = (x.offsets[1:] - count).unsqueeze(1) + torch.arange(count, device=x.offsets.device)
     tail = x.values.index_select(0, tail_at.reshape(-1)).view(x.batch_size, count, *x.values.shape[1:])
     lengths = x.lengths - count
     offsets = torch.zeros_like(x.offsets)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
-    rows = token_rows(offsets, int(offsets[-1]))
-    index = x.offsets[:-1][rows] + torch.arange(int(offsets[-1]), device=rows.device) - offsets[:-1][rows]
+    kept = x.num_tokens - x.batch_size * count
+    rows = token_rows(offsets, kept)
+    index = x.offsets[:-1][rows] + torch.arange(kept, device=rows.device) - offsets[:-1][rows]
     return Jagged(values=x.values.index_select(0, index), offsets=offsets), tail
 
 
@@ -285,9 +291,11 @@ class CrossSummary(nn.Module):
         """x.values (T, D), target (B, D), cls (B, cls, D) or None -> (B, 1 + pma + cls, D) float32."""
         head_dim = self.dim // self.heads
         keys = x.with_values(self.key(x.values).view(-1, self.heads, head_dim))
-        values = x.with_values(x.values.view(-1, self.heads, head_dim))
+        # Under bf16 autocast the projections are bf16, the tokens and the learned seeds may be float32.
+        values = x.with_values(x.values.view(-1, self.heads, head_dim).to(keys.values.dtype))
         queries = [self.query(target)] + [self.seeds[i].expand(x.batch_size, self.dim) for i in range(self.pma)]
-        pooled = [target_attention(q.reshape(-1, self.heads, head_dim), keys, values, backend=self.backend).reshape(-1, self.dim)
+        pooled = [target_attention(q.reshape(-1, self.heads, head_dim).to(keys.values.dtype), keys, values, backend=self.backend,
+                                   validate=False).reshape(-1, self.dim)
                   for q in queries]
         tokens = torch.stack(pooled, dim=1)
         if self.cls:
@@ -357,7 +365,8 @@ class SequenceStream(nn.Module):
         """The branches' input tokens: the newest ``windows[b]`` of each row, CLS tokens appended where attending."""
         branches = []
         for window, attends in zip(self.windows, self.attends, strict=True):
-            tokens = keep_newest(x, torch.full((x.batch_size,), window, dtype=torch.int64, device=x.offsets.device))
+            tokens = keep_newest(x, torch.full((x.batch_size,), window, dtype=torch.int64, device=x.offsets.device),
+                                 validate=False)
             branches.append(append_tokens(tokens, self.cls[: self.cls_count]) if attends and self.cls_count else tokens)
         return branches
 
@@ -367,7 +376,7 @@ class SequenceStream(nn.Module):
         for b, (x, attends) in enumerate(zip(branches, self.attends, strict=True)):
             if attends:
                 x = cast(nn.ModuleList, self.layers[b])[layer](x, condition)
-            body, cls = split_tail(x, self.cls_count) if attends and self.cls_count else (x, None)
+            body, cls = split_tail(x, self.cls_count, validate=False) if attends and self.cls_count else (x, None)
             summary = self.summaries[b * self.num_layers + layer]
             summaries.append(summary(body, target, cls) if isinstance(summary, CrossSummary) else summary(body, target))
             if b == self.shortest:
