@@ -154,11 +154,11 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
     shutil.copytree(Path(lake) / "quality", Path(other) / "quality")
     real_step, calls = loop_module.train_step, []
 
-    def dies_at_step_5(*args):
+    def dies_at_step_5(*args, **kwargs):
         if len(calls) == 5:
             raise RuntimeError("simulated crash")
         calls.append(1)
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(loop_module, "train_step", dies_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):
