@@ -85,7 +85,8 @@ def prepare_batch(model: Ranker, batch: Batch, device: torch.device | str | None
     (``non_blocking``; the caching host allocator keeps the pinned memory until the copy is done).
 
     The checks run here, on the host, once per batch, so the forward checks nothing that reads a device value.
-    Safe on a background thread: it reads ``model``'s ``num_dense`` and ``domains``, never its parameters.
+    Safe on a background thread: of ``model`` it reads ``num_dense``, ``domains`` and (``device`` None) where its
+    parameters are, never their values.
 
     Raises:
         ValueError: the batch breaks the :class:`trainer.data.Batch` layout.
