@@ -333,6 +333,7 @@ def test_train_throughput_reports_examples_per_second_and_peak_memory():
     assert out["peak_memory_bytes"] > 50 * 2**20  # torch alone keeps more resident than that
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_step_matches_the_cpu_step(data):
     tc = replace(TINY, model="gem")

@@ -86,7 +86,9 @@ class WukongLayer(nn.Module):
         batch = x.shape[0]
         fm = self.fm_mlp(self.fm_norm(low_rank_fm(x, self.projection).reshape(batch, -1)))
         fm = fm.view(batch, self.num_fm_outputs, self.dim)
-        # Linear maps act along the embedding axis (n), so transpose to (B, d, n) and back.
-        lcb = self.lcb(x.transpose(1, 2)).transpose(1, 2)
-        residual = x if self.residual is None else self.residual(x.transpose(1, 2)).transpose(1, 2)
+        # Linear maps along the embedding axis (n): W (m, n) @ x (B, n, d) -> (B, m, d), as a batched matmul. Neither
+        # nn.Linear on x transposed nor a broadcasting matmul: compiled in the GEM stack (torch 2.13, data-dependent
+        # sizes), their backward views a transposed gradient as 2-D and fails (tests/trainer/test_device.py).
+        lcb = torch.bmm(self.lcb.weight.expand(batch, -1, -1), x)
+        residual = x if self.residual is None else torch.bmm(self.residual.weight.expand(batch, -1, -1), x)
         return self.out_norm(torch.cat([fm, lcb], dim=1) + residual)
