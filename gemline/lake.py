@@ -409,7 +409,7 @@ def write_data_file(
     missing = [c for c in partition_by if c not in data.column_names]
     if missing:
         raise ValueError(f"{table}: partition columns {missing} missing from the data ({data.column_names})")
-    if partition_by and data.num_rows:
+    if partition_by and data.num_rows and any(pc.count_distinct(data.column(c)).as_py() > 1 for c in partition_by):
         # One sort by the partition columns, then a slice per partition (not one filter each).
         data = data.take(pc.sort_indices(data, sort_keys=[(c, "ascending") for c in partition_by]))
         n = data.num_rows
@@ -422,6 +422,10 @@ def write_data_file(
         starts = np.flatnonzero(changed).tolist()
         slices = [(data.slice(a, 1).select(partition_by).to_pylist()[0], data.slice(a, b - a))
                   for a, b in zip(starts, [*starts[1:], n], strict=True)]
+    elif partition_by and data.num_rows:
+        # One partition (a build's examples of one day, the common case): no sort, whose take copies
+        # every list column of the rows.
+        slices = [(data.slice(0, 1).select(partition_by).to_pylist()[0], data)]
     else:
         slices = [({}, data)]
     for key, _ in slices:
@@ -459,11 +463,17 @@ def commit_files_once(
     partition_by: list[str] | None = None,
     metadata: dict[str, Any] | None = None,
     storage_options: StorageOptions | None = None,
+    removes: Sequence[Mapping[str, Any]] = (),
 ) -> bool:
     """:func:`commit_once` for data files already written by :func:`write_data_file`: one commit,
     tagged (app_id, version), adding ``files`` (append) or replacing the table's files with them
     (overwrite), unless that version is already committed. Creates the table (an empty
     ``CREATE TABLE`` commit of ``schema``) first when it does not exist.
+
+    ``removes``: files of the table's current snapshot this commit removes, in the same commit as the
+    adds (append mode only; entries ``{"path", "size", "partition_values"}``, the path relative to the
+    table root as the Delta log holds it): a writer that rewrites some files of a table and keeps the
+    rest (the build's state tables) replaces them atomically.
 
     Committing files instead of data means each row is encoded once, by the writer that made it
     (delta-rs ``DeltaTable.create_write_transaction``).
@@ -472,7 +482,7 @@ def commit_files_once(
         True if this call committed, False if (app_id, version) or a later one was already there.
 
     Raises:
-        ValueError: ``version`` skips ahead of the last committed version + 1.
+        ValueError: ``version`` skips ahead of the last committed version + 1, or ``removes`` with an overwrite.
         CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
     import time
@@ -491,6 +501,10 @@ def commit_files_once(
                   modification_time=now_ms, data_change=True, stats=json.dumps({"numRecords": int(f["num_records"])}))
         for f in files
     ]
+    if removes and mode != "append":
+        raise ValueError(f"{table}: removes go with mode='append' (an overwrite removes every file), got mode={mode!r}")
+    actions += [RemoveAction(path=f["path"], deletion_timestamp=now_ms, data_change=True, size=int(f["size"]),
+                             partition_values=dict(f["partition_values"])) for f in removes]
     with _conflict_is_an_error(lake, table, app_id, version):
         dt.create_write_transaction(
             actions, mode=mode, schema=schema, partition_by=partition_by,

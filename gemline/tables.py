@@ -9,9 +9,9 @@
     features/user              features    overwrite  domain, event_date   features.definitions:USER_FEATURES.schema
     features/item              features    overwrite  domain, event_date   features.definitions:ITEM_FEATURES.schema
     features/user_category     features    overwrite  domain, event_date   features.definitions:USER_CATEGORY_FEATURES.schema
-    _build_state/buffer        sequences   overwrite                       sequences.shards:EVENT_SCHEMA
+    _build_state/buffer        sequences   append*                         sequences.shards:EVENT_SCHEMA
     _build_state/evicted       sequences   overwrite                       sequences.incremental:EVICTED_SCHEMA
-    _build_state/pending       sequences   overwrite                       sequences.examples:PENDING_SCHEMA
+    _build_state/pending       sequences   append*                         sequences.examples:PENDING_SCHEMA
     examples                   sequences   append     event_date           sequences.examples:EXAMPLES_SCHEMA
     history                    sequences   append     user_bucket          sequences.schema:HISTORY_SCHEMA
     quality                    validation  append                          gemline.gate:QUALITY_SCHEMA
@@ -19,6 +19,9 @@
     training_metrics           trainer     append                          trainer.continuous:TRAINING_METRICS_SCHEMA
     freshness                  trainer     append                          trainer.freshness:FRESHNESS_SCHEMA
     teacher_predictions        trainer     append                          trainer.teacher_log:TEACHER_PREDICTIONS_SCHEMA
+
+(* rows are added, and the files holding rows that left are removed or rewritten in the same commit:
+:func:`commit_files` ``removes``.)
 
 A table is named by a :class:`Table` member (a ``str``, so ``read_table(lake, Table.EVENTS)`` and
 ``Table.EVENTS == "events"`` work), never by a string literal. The owner is the stage that computes
@@ -148,11 +151,11 @@ TABLES: Mapping[Table, TableSpec] = _specs(
     TableSpec(name=Table.FEATURES_USER_CATEGORY, owner="features", mode="overwrite", partition_by=_FEATURES,
               schema="features.definitions:USER_CATEGORY_FEATURES.schema",
               about="counters of one (user, domain, category)"),
-    TableSpec(name=Table.BUILD_BUFFER, owner="sequences", mode="overwrite", schema="sequences.shards:EVENT_SCHEMA",
+    TableSpec(name=Table.BUILD_BUFFER, owner="sequences", mode="append", schema="sequences.shards:EVENT_SCHEMA",
               about="an event the incremental build still needs"),
     TableSpec(name=Table.BUILD_EVICTED, owner="sequences", mode="overwrite",
               schema="sequences.incremental:EVICTED_SCHEMA", about="counts of events evicted from the buffer"),
-    TableSpec(name=Table.BUILD_PENDING, owner="sequences", mode="overwrite", schema="sequences.examples:PENDING_SCHEMA",
+    TableSpec(name=Table.BUILD_PENDING, owner="sequences", mode="append", schema="sequences.examples:PENDING_SCHEMA",
               about="an impression whose attribution windows are still open"),
     TableSpec(name=Table.EXAMPLES, owner="sequences", mode="append", partition_by=("event_date",),
               schema="sequences.examples:EXAMPLES_SCHEMA", about="one labelled impression, point-in-time correct"),
@@ -280,10 +283,12 @@ def commit_files(
     version: int,
     metadata: dict[str, Any] | None = None,
     storage_options: _lake.StorageOptions | None = None,
+    removes: Sequence[Mapping[str, Any]] = (),
 ) -> bool:
     """Commit data files from :func:`write_files` to ``table`` once, with the spec's mode and partition
     columns (:func:`gemline.lake.commit_files_once`; ``schema``: the table's Arrow schema, partition
-    columns included).
+    columns included); ``removes``: files of the table's snapshot the same commit removes (an
+    append-mode table only).
 
     Returns:
         True if this call committed, False if (app_id, version) or a later one was already there.
@@ -291,7 +296,7 @@ def commit_files(
     Raises:
         TableSpecError: ``table`` is not registered, ``schema`` or a file's partition values miss the
             spec's partition columns, or the table in the lake is partitioned otherwise.
-        ValueError: ``version`` skips ahead of the last committed version + 1.
+        ValueError: ``version`` skips ahead of the last committed version + 1, or ``removes`` for an overwrite table.
         gemline.lake.CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
     s = spec(table)
@@ -303,4 +308,4 @@ def commit_files(
     _check_lake_table(lake, s, storage_options)
     return _lake.commit_files_once(lake, s.name, files, schema, app_id=app_id, version=version, mode=s.mode,
                                    partition_by=list(s.partition_by) or None, metadata=metadata,
-                                   storage_options=storage_options)
+                                   storage_options=storage_options, removes=removes)

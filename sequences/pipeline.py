@@ -47,6 +47,7 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -74,7 +75,7 @@ from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, examples_schema, pending_schema
 from sequences.incremental import EVICTED_SCHEMA
 from sequences.materialize import history_rows
-from sequences.publish import ORPHAN_LABELS_SCHEMA
+from sequences.publish import ORPHAN_LABELS_SCHEMA, TASKS, deadlines, needs_labels
 from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 from sequences.shards import (
     EVENT_SCHEMA,
@@ -131,12 +132,24 @@ def output_schemas(config: BuildConfig) -> dict[str, pa.Schema]:
     return {**_OUTPUTS, Table.EXAMPLES: examples_schema(config), Table.BUILD_PENDING: pending_schema(config)}
 
 
+_ROW_STATE: dict[str, tuple[Table, str]] = {"buffer": (Table.BUILD_BUFFER, "event_id"),
+                                            "pending": (Table.BUILD_PENDING, "example_id")}
+"""The state a build keeps as rows that never change while they stay (an event in the buffer, a pending
+impression): shard output name -> (table, row key). A build appends the rows it adds and removes the files
+of rows that left (:func:`expire_rows`), instead of rewriting the whole state."""
+
+
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
                      build: int):
     shard, pieces = keyed
     step = user_shard_vectorized if config.shard_step == "vectorized" else user_shard_reference
-    out = step(gather_inputs([load_piece(p) for p in pieces], user_inputs(config)), config, watermark_ms=watermark_ms,
-               old_close_ms=old_close_ms, close_ms=close_ms)
+    tables = gather_inputs([load_piece(p) for p in pieces], user_inputs(config))
+    out = step(tables, config, watermark_ms=watermark_ms, old_close_ms=old_close_ms, close_ms=close_ms)
+    for name, (_, key) in _ROW_STATE.items():
+        # Rows the state already holds stay where they are; only the ones first kept now are written.
+        held = tables[name].column(key)
+        if len(held) and out[name].num_rows:
+            out[name] = out[name].filter(pc.invert(pc.is_in(out[name].column(key), value_set=held)))
     out["history"] = history_rows(out["history"], build)
     for name, table in out.items():
         if table.num_rows:
@@ -419,10 +432,70 @@ def _new_events_source(lake: str, old_version: int | None, version: int, columns
     return joined.filter(pc.greater(joined.column("kafka_offset"), last)).select(columns)
 
 
+_PENDING_KEYS = ["example_id", "user_id", "item_id", "domain", "event_time_ms"]
+
+
+def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildConfig, old_close_ms: int | None,
+                close_ms: int, *, storage_options: StorageOptions | None = None) -> pa.Table:
+    """The rows of ``_build_state/pending`` at Delta ``version`` that a build can publish or correct: a point
+    due in (``old_close_ms``, ``close_ms``] (first publication, or in defer a window closing:
+    :func:`sequences.publish.needs_labels`), or (fnw, defer) a (user, item, domain) with a click or conversion
+    among ``labels`` (the build's new events; a late positive). Every other pending row would come out of
+    the build unchanged, so it is not read.
+
+    Finds them from five narrow columns of every pending row (example id, user, item, domain, event time),
+    then reads whole rows only from the files that hold one.
+
+    Args:
+        version: the pending table's version as the previous build left it (None: no table yet).
+        labels: new event rows with at least ``user_id``, ``item_id``, ``domain``, ``event_type``.
+        old_close_ms / close_ms: the close points before / after this build (ms since epoch UTC).
+
+    Returns:
+        Rows of :func:`sequences.examples.pending_schema` (possibly empty).
+    """
+    schema = pending_schema(config)
+    dt = None if version is None else open_table(lake, Table.BUILD_PENDING, version, storage_options=storage_options)
+    if dt is None:
+        return schema.empty_table()
+    dataset = dt.to_pyarrow_dataset()
+    keys = dataset.to_table(columns=[*_PENDING_KEYS, "__filename"])
+    if keys.num_rows == 0:
+        return schema.empty_table()
+    t = keys.column("event_time_ms").to_numpy()
+    need = needs_labels(t, deadlines(keys.column("domain").to_pylist(), config), np.zeros(len(t), dtype=bool), config,
+                        old_close_ms, close_ms)
+    if config.label_mode != "wait" and labels.num_rows:
+        hits = (pl.DataFrame(labels.select(["user_id", "item_id", "domain", "event_type"]))
+                .filter(pl.col("event_type").is_in(list(TASKS))).select("user_id", "item_id", "domain").unique()
+                .with_columns(pl.lit(True).alias("_hit")))
+        need |= (pl.DataFrame(keys.select(["user_id", "item_id", "domain"]))
+                 .join(hits, on=["user_id", "item_id", "domain"], how="left", maintain_order="left")
+                 .get_column("_hit").fill_null(False).to_numpy())
+    if not need.any():
+        return schema.empty_table()
+    chosen = keys.filter(pa.array(need))
+    files = set(chosen.column("__filename").to_pylist())
+    fragments = [f for f in dataset.get_fragments() if _relative(f.path) in files]
+    holding = ds.FileSystemDataset(fragments, dataset.schema, dataset.format, dataset.filesystem)
+    return holding.to_table(filter=pc.field("example_id").isin(chosen.column("example_id")))
+
+
+def _relative(path: str) -> str:
+    """A fragment path of a Delta dataset as ``__filename`` gives it (relative to the table root)."""
+    return path.lstrip("/")
+
+
 def _load(spec: tuple) -> pa.Table | None:
     """Read an input inside the pipeline (a table passed as an argument would be pickled into the
-    graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version, opts) or
-    ("state", lake, table, delta_version | None, opts); ``opts``: storage options or None."""
+    graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version, opts),
+    ("state", lake, table, delta_version | None, opts) or ("pending", lake, delta_version | None, opts,
+    old_version, version, config, old_close_ms, close_ms) (:func:`due_pending`); ``opts``: storage options or None."""
+    if spec[0] == "pending":
+        _, lake, pending_version, opts, old_version, version, config, old_close_ms, close_ms = spec
+        labels = new_event_rows(lake, old_version, version, columns=["user_id", "item_id", "domain", "event_type"],
+                                storage_options=opts)
+        return due_pending(lake, pending_version, labels, config, old_close_ms, close_ms, storage_options=opts)
     kind, lake, a, b, opts = spec
     if kind == "new":
         return new_event_rows(lake, a, b, storage_options=opts)
@@ -446,6 +519,99 @@ def _emit_table(_: Any, spec: tuple):
     table = _load(spec)
     if table is not None and table.num_rows:
         yield table
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """Which rows of a row-state table leave it: ``mask(rows)`` -> (n,) bool over rows holding ``columns``;
+    ``prefilter``: a dataset filter every leaving row passes (it lets the reader skip row groups by their
+    statistics), or None."""
+
+    columns: tuple[str, ...]
+    mask: Any
+    prefilter: Any = None
+
+
+def _buffer_leaves(cut_ms: int) -> Leaving:
+    """Buffered events older than ``cut_ms`` (watermark - ``state_lookback_ms``): the shard step counted them
+    into the evicted counts."""
+    return Leaving(("event_time_ms",), lambda rows: pc.less(rows.column("event_time_ms"), cut_ms).to_numpy(
+        zero_copy_only=False), pc.field("event_time_ms") < cut_ms)
+
+
+def _pending_leaves(config: BuildConfig, close_ms: int) -> Leaving:
+    """Pending impressions whose longest window closed by ``close_ms`` (t + W <= close: the shard step's
+    :attr:`sequences.publish.PublicationPlan.keep` is false)."""
+    def mask(rows: pa.Table) -> np.ndarray:
+        t = rows.column("event_time_ms").to_numpy()
+        return t + deadlines(rows.column("domain").to_pylist(), config).longest <= close_ms
+
+    shortest = min([config.close_delay_ms(entry.split(":")[0]) for entry in config.window_overrides]
+                   + [config.close_delay_ms("")])
+    return Leaving(("event_time_ms", "domain"), mask, pc.field("event_time_ms") <= close_ms - shortest)
+
+
+def expire_rows(lake: str, table: str, leaving: Leaving, *, build: int,
+                storage_options: StorageOptions | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The files of a row-state ``table`` (latest snapshot) that hold rows leaving it: ``(adds, removes)``
+    for :func:`gemline.tables.commit_files`. A file all of whose rows leave is removed; one with some is
+    rewritten without them (named ``build<build>-kept-<n>``, so a rerun of a crashed build replaces it).
+
+    Reads ``leaving.columns`` of the rows that pass ``leaving.prefilter`` (row groups whose statistics
+    rule every row out are skipped), and whole files only where rows stay beside leaving ones; the
+    latest snapshot, not the previous build's version, so a compaction since then is respected (it moved
+    rows, never changed them).
+
+    Raises:
+        ValueError: a file named by the scan is not in the table's snapshot (a concurrent writer).
+    """
+    dt = open_table(lake, table, storage_options=storage_options)
+    if dt is None:
+        return [], []
+    dataset = dt.to_pyarrow_dataset()
+    rows = dataset.to_table(columns=[*leaving.columns, "__filename"], filter=leaving.prefilter)
+    gone = leaving.mask(rows) if rows.num_rows else np.zeros(0, dtype=bool)
+    if not gone.any():
+        return [], []
+    leaving_per_file = (pl.DataFrame({"path": rows.column("__filename").combine_chunks(), "gone": gone})
+                        .filter(pl.col("gone")).group_by("path").len())
+    touched = sorted(leaving_per_file.get_column("path").to_list())
+    count = dict(zip(leaving_per_file.get_column("path").to_list(), leaving_per_file.get_column("len").to_list(),
+                     strict=True))
+    snapshot = {a["path"]: a for a in pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes"]).to_pylist()}
+    missing = [f for f in touched if f not in snapshot]
+    if missing:
+        raise ValueError(f"{table}: files {missing[:3]} hold leaving rows but are not in the snapshot")
+    fragments = {_relative(f.path): f for f in dataset.get_fragments()}
+    adds: list[dict[str, Any]] = []
+    for n, path in enumerate(touched):
+        if fragments[path].count_rows() == count[path]:
+            continue  # every row leaves: the file just goes
+        whole = fragments[path].to_table(schema=dataset.schema)
+        adds += write_files(lake, table, whole.filter(pa.array(~leaving.mask(whole))),
+                            name=f"build{build:06d}-kept-{n:05d}", storage_options=storage_options)
+    removes = [{"path": path, "size": snapshot[path]["size_bytes"], "partition_values": {}} for path in touched]
+    return adds, removes
+
+
+STATE_FILE_BYTES = 16 * 2**20
+"""Target size of a row-state table's files after compaction: files this large are left alone, so a
+compaction rewrites at most about this much however large the state grows (compacting everything, as
+the other tables do, would rewrite the whole state every few builds)."""
+
+
+def compact_state(lake: str, table: str, hygiene: HygieneConfig, *,
+                  storage_options: StorageOptions | None = None) -> int:
+    """Compact a row-state table's files smaller than :data:`STATE_FILE_BYTES` once there are at least
+    ``hygiene.compact_min_files`` of them (delta-rs ``optimize.compact(target_size=...)``, which skips
+    larger files). Returns the number of files removed."""
+    dt = open_table(lake, table, storage_options=storage_options)
+    if dt is None:
+        return 0
+    sizes = pa.table(dt.get_add_actions(flatten=True)).column("size_bytes").to_numpy()
+    if int(np.count_nonzero(sizes < STATE_FILE_BYTES)) < hygiene.compact_min_files:
+        return 0
+    return int(dt.optimize.compact(target_size=STATE_FILE_BYTES).get("numFilesRemoved", 0))
 
 
 def build_hygiene(build: BuildConfig) -> HygieneConfig:
@@ -573,9 +739,11 @@ def run_build(
     close_ms = _close_point(config, watermark_ms, old_close, final, close_windows_at)
     last_build = meta.get("build")
     build = 0 if last_build is None else last_build + 1
-    state = {name: ("state", root, name, _version_at_build(root, name, last_build, opts), opts) for name in
-             (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED,
-              Table.BUILD_PENDING)}
+    state: dict[Table, tuple] = {name: ("state", root, name, _version_at_build(root, name, last_build, opts), opts) for name in
+             (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED)}
+    # Only the pending rows with something due are read (most wait days for their windows to close).
+    state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts), opts,
+                                  old_version, version, config, old_close, close_ms)
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
     # local temp dir (multi-machine runners need a shared one).
@@ -611,15 +779,27 @@ def run_build(
         files = _manifest_files(staging / name)
         if name == Table.EXAMPLES:
             published = sum(f["num_records"] for f in files)
+        removes: list[dict[str, Any]] = []
+        if name == Table.BUILD_BUFFER:
+            kept, removes = expire_rows(root, name, _buffer_leaves(watermark_ms - config.state_lookback_ms),
+                                        build=build, storage_options=opts)
+            files += kept
+        elif name == Table.BUILD_PENDING:
+            kept, removes = expire_rows(root, name, _pending_leaves(config, close_ms), build=build,
+                                        storage_options=opts)
+            files += kept
         last = committed_version(root, name, APP_ID, storage_options=opts)
         commit_files(
             root, name, files, schemas[name], app_id=APP_ID, version=0 if last is None else last + 1,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build,
                       **layout_metadata(config)},
-            storage_options=opts,
+            storage_options=opts, removes=removes,
         )
     shutil.rmtree(staging, ignore_errors=True)
     hygiene = build_hygiene(config)
+    row_state = {table for table, _ in _ROW_STATE.values()}
     for name in _OUTPUTS:
-        tidy(root, name, hygiene, storage_options=opts)
+        if name in row_state:
+            compact_state(root, name, hygiene, storage_options=opts)
+        tidy(root, name, hygiene, compact=name not in row_state, storage_options=opts)
     return _result_from_lake(root, version, skipped=False, published=published, opts=opts)

@@ -1,0 +1,137 @@
+"""The build's row state (buffer, pending) is appended to and pruned by file, not rewritten: builds over K
+increments leave every table as one build over all the events does, the files of rows that stay are
+left in place, and a pass reads only the pending rows with something due."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from gemline.config import GemlineConfig
+from gemline.lake import commit_metadata, open_table, read_table
+from gemline.tables import Table
+from sequences.config import BuildConfig
+from sequences.pipeline import _OUTPUTS, APP_ID, due_pending, run_build
+from sequences.publish import deadlines, needs_labels
+from tests.conftest import build_args, with_layout
+
+from .conftest import event
+from .test_pipeline import write_events
+
+HOUR = 3_600_000
+DAY = 24 * HOUR
+CONFIG = BuildConfig(max_seq_len=3, click_window_ms=DAY, conversion_window_ms=2 * DAY, state_lookback_ms=30 * DAY,
+                     label_mode="defer", publish_delay_ms=6 * HOUR, events_gate="off")
+CUTS_DAYS = (32.0, 32.5, 33.0, 33.5)
+"""Increments end at these days: a long first one (its pending file holds rows that leave at the next
+build and rows that stay: the file is rewritten), then three of half a day, much shorter than the
+conversion window (their pending rows stay, and so do their files); past the 30-day lookback, so old
+events leave the buffer."""
+_BATCH_DEPENDENT = {"examples": ("published_watermark_ms",), "history": ("build",), "orphan_labels": ("close_ms",)}
+"""Columns that say when a row was written, which depends on the batching by design."""
+
+
+def _events() -> list[dict]:
+    rng = random.Random(11)
+    rows = []
+    for n in range(300):
+        # Half over the first 30 days (they leave the buffer), half over the last days (the pending state).
+        first, last = (0, 30) if n % 2 else (30, CUTS_DAYS[-1])
+        t = int(rng.uniform(first, last) * DAY)
+        rows.append(event(f"e{n:03d}", t, rng.choice(["impression", "impression", "click", "conversion", "engagement"]),
+                          user=rng.choice(["u1", "u2", "u3"]), item=rng.choice(["i1", "i2", "i3"]),
+                          domain=rng.choice(["d1", "d2"]), category=rng.choice([None, "c1"])))
+    return sorted(rows, key=lambda e: (e["event_time_ms"], e["event_id"]))
+
+
+def _increments(events: list[dict]) -> list[list[dict]]:
+    out, start = [], 0.0
+    for end in CUTS_DAYS:
+        out.append([e for e in events if start * DAY <= e["event_time_ms"] < end * DAY])
+        start = end
+    return out
+
+
+def _tables(lake: str) -> dict[str, list[str]]:
+    out = {}
+    for name in _OUTPUTS:
+        table = read_table(lake, name)
+        rows = [] if table is None else table.drop_columns(list(_BATCH_DEPENDENT.get(name, ()))).to_pylist()
+        out[name] = sorted(json.dumps(r, sort_keys=True, default=str) for r in rows)
+    return out
+
+
+def _files(lake: str, table: str) -> list[str]:
+    dt = open_table(lake, table)
+    return [] if dt is None else sorted(pa.table(dt.get_add_actions(flatten=True)).column("path").to_pylist())
+
+
+@pytest.mark.parametrize("layout", ["fat", "pointer"])
+def test_increments_equal_one_build_table_for_table_and_keep_files_of_staying_rows(tmp_path, layout):
+    events = _events()
+    whole = GemlineConfig(lake=str(tmp_path / "whole"), build=with_layout(CONFIG, layout))
+    write_events(whole.lake, events, version=0)
+    run_build(*build_args(whole))
+
+    parts = GemlineConfig(lake=str(tmp_path / "parts"), build=with_layout(CONFIG, layout))
+    kept_files: list[str] = []
+    for n, batch in enumerate(_increments(events)):
+        write_events(parts.lake, batch, version=n)
+        before = set(_files(parts.lake, Table.BUILD_PENDING))
+        run_build(*build_args(parts))
+        after = _files(parts.lake, Table.BUILD_PENDING)
+        kept_files += [f for f in after if "-kept-" in f]
+        # Rows the later builds add (t >= 32 d) stay past the last close (33.5 d - 2 d): their files are
+        # neither read nor rewritten; only files holding rows of the first build leave.
+        added_later = {f for f in before if "-user-" in f and "build000000" not in f}
+        assert added_later <= set(after), f"build {n} rewrote {sorted(added_later - set(after))}"
+
+    assert kept_files, "no pending file held both leaving and staying rows: the case misses the rewrite"
+    got, want = _tables(parts.lake), _tables(whole.lake)
+    assert want[Table.BUILD_PENDING] and want[Table.BUILD_BUFFER] and want[Table.BUILD_EVICTED]  # the state is used
+    assert len(want[Table.BUILD_BUFFER]) < len(events)  # and events older than the lookback left the buffer
+    for name in _OUTPUTS:
+        assert got[name] == want[name], f"{name} differs"
+
+    # Closing every window publishes the rest alike and empties the pending state.
+    run_build(*build_args(whole), final=True)
+    run_build(*build_args(parts), final=True)
+    got, want = _tables(parts.lake), _tables(whole.lake)
+    assert not got[Table.BUILD_PENDING]
+    for name in _OUTPUTS:
+        assert got[name] == want[name], f"{name} differs after the final build"
+
+
+def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_event):
+    """From a pending table of many rows, the rows whose first publication or window close falls in
+    (old close, close], plus those a new label reaches; compared with the rule applied to every row."""
+    lake = str(tmp_path / "lake")
+    config = GemlineConfig(lake=lake, build=CONFIG)
+    events = _events()
+    write_events(lake, [e for e in events if e["event_time_ms"] < CUTS_DAYS[0] * DAY], version=0)
+    run_build(*build_args(config))
+    pending = read_table(lake, Table.BUILD_PENDING)
+    meta = commit_metadata(lake, Table.EXAMPLES, APP_ID)
+    old_close = meta["close_ms"]
+    close = old_close + 12 * HOUR
+    t = pending.column("event_time_ms").to_numpy()
+    rule = needs_labels(t, deadlines(pending.column("domain").to_pylist(), CONFIG), np.zeros(len(t), dtype=bool),
+                        CONFIG, old_close, close)
+    label = make_event("late", close, "click", user=pending.column("user_id")[0].as_py(),
+                       item=pending.column("item_id")[0].as_py(), domain=pending.column("domain")[0].as_py())
+    hit = np.array([(u, i, d) == (label["user_id"], label["item_id"], label["domain"]) for u, i, d in zip(
+        *(pending.column(c).to_pylist() for c in ("user_id", "item_id", "domain")), strict=True)])
+    version = open_table(lake, Table.BUILD_PENDING).version()
+    labels = pa.Table.from_pylist([label])
+    for labelled, expected in ((labels.slice(0, 0), rule), (labels, rule | hit)):
+        got = due_pending(lake, version, labelled, CONFIG, old_close, close)
+        assert sorted(got.column("example_id").to_pylist()) == sorted(
+            pending.column("example_id").filter(pa.array(expected)).to_pylist())
+        assert 0 < got.num_rows < pending.num_rows  # some rows are due, not all
+    assert due_pending(lake, version, labels, dataclasses.replace(CONFIG, label_mode="wait"), old_close,
+                       old_close).num_rows == 0  # nothing due, and wait has no late positives
