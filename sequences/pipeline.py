@@ -75,7 +75,7 @@ from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, examples_schema, pending_schema
 from sequences.incremental import EVICTED_SCHEMA
 from sequences.materialize import history_rows
-from sequences.publish import ORPHAN_LABELS_SCHEMA, TASKS, deadlines, needs_labels
+from sequences.publish import ORPHAN_LABELS_SCHEMA, TASKS, deadlines, needs_labels, plan_publication
 from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
 from sequences.shards import (
     EVENT_SCHEMA,
@@ -89,7 +89,7 @@ from sequences.shards import (
     user_inputs,
     user_shard_reference,
 )
-from sequences.vectorized import item_shard_vectorized, user_shard_vectorized
+from sequences.vectorized import item_shard_vectorized, label_latencies_vectorized, user_shard_vectorized
 
 log = logging.getLogger(__name__)
 
@@ -437,18 +437,20 @@ _PENDING_KEYS = ["example_id", "user_id", "item_id", "domain", "event_time_ms"]
 
 def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildConfig, old_close_ms: int | None,
                 close_ms: int, *, storage_options: StorageOptions | None = None) -> pa.Table:
-    """The rows of ``_build_state/pending`` at Delta ``version`` that a build can publish or correct: a point
-    due in (``old_close_ms``, ``close_ms``] (first publication, or in defer a window closing:
-    :func:`sequences.publish.needs_labels`), or (fnw, defer) a (user, item, domain) with a click or conversion
-    among ``labels`` (the build's new events; a late positive). Every other pending row would come out of
-    the build unchanged, so it is not read.
+    """The rows of ``_build_state/pending`` at Delta ``version`` that a build publishes or corrects: a first
+    publication due in (``old_close_ms``, ``close_ms``], and in fnw and defer a correction due there (a late
+    positive at its label's time, in defer a real negative when a window closes), by the rules of
+    :func:`sequences.publish.plan_publication`. Every other pending row would come out of the build
+    unchanged (or leave it unread: :func:`expire_rows`), so it is not read.
 
-    Finds them from five narrow columns of every pending row (example id, user, item, domain, event time),
-    then reads whole rows only from the files that hold one.
+    Decides from five narrow columns of every pending row (example id, user, item, domain, event time)
+    and ``labels``, then reads whole rows only from the files that hold a chosen one.
 
     Args:
         version: the pending table's version as the previous build left it (None: no table yet).
-        labels: new event rows with at least ``user_id``, ``item_id``, ``domain``, ``event_type``.
+        labels: every click and conversion the build sees for these rows (the buffer's and the new
+            events'; other event types are ignored): ``user_id``, ``item_id``, ``domain``, ``event_type``,
+            ``event_time_ms``.
         old_close_ms / close_ms: the close points before / after this build (ms since epoch UTC).
 
     Returns:
@@ -463,22 +465,33 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     if keys.num_rows == 0:
         return schema.empty_table()
     t = keys.column("event_time_ms").to_numpy()
-    need = needs_labels(t, deadlines(keys.column("domain").to_pylist(), config), np.zeros(len(t), dtype=bool), config,
-                        old_close_ms, close_ms)
+    is_new = np.zeros(len(t), dtype=bool)
+    due_in = deadlines(keys.column("domain").to_pylist(), config)
+    with_labels = np.zeros(len(t), dtype=bool)
     if config.label_mode != "wait" and labels.num_rows:
+        # Only a row whose (user, item, domain) has a label can have a late positive due.
         hits = (pl.DataFrame(labels.select(["user_id", "item_id", "domain", "event_type"]))
                 .filter(pl.col("event_type").is_in(list(TASKS))).select("user_id", "item_id", "domain").unique()
                 .with_columns(pl.lit(True).alias("_hit")))
-        need |= (pl.DataFrame(keys.select(["user_id", "item_id", "domain"]))
-                 .join(hits, on=["user_id", "item_id", "domain"], how="left", maintain_order="left")
-                 .get_column("_hit").fill_null(False).to_numpy())
-    if not need.any():
+        with_labels = (pl.DataFrame(keys.select(["user_id", "item_id", "domain"]))
+                       .join(hits, on=["user_id", "item_id", "domain"], how="left", maintain_order="left")
+                       .get_column("_hit").fill_null(False).to_numpy())
+    need = needs_labels(t, due_in, is_new, config, old_close_ms, close_ms) | with_labels
+    frame = pl.DataFrame(labels.select(["user_id", "item_id", "domain", "event_type", "event_time_ms"]))
+    latency = label_latencies_vectorized(keys, need, frame, config)
+    plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
+    chosen_rows = plan.first.copy()
+    chosen_rows[plan.correction_rows] = True
+    if not chosen_rows.any():
         return schema.empty_table()
-    chosen = keys.filter(pa.array(need))
+    chosen = keys.filter(pa.array(chosen_rows))
     files = set(chosen.column("__filename").to_pylist())
     fragments = [f for f in dataset.get_fragments() if _relative(f.path) in files]
     holding = ds.FileSystemDataset(fragments, dataset.schema, dataset.format, dataset.filesystem)
-    return holding.to_table(filter=pc.field("example_id").isin(chosen.column("example_id")))
+    times = chosen.column("event_time_ms")
+    # The time range lets the reader skip row groups by their statistics before matching ids.
+    within = (pc.field("event_time_ms") >= pc.min(times).as_py()) & (pc.field("event_time_ms") <= pc.max(times).as_py())
+    return holding.to_table(filter=within & pc.field("example_id").isin(chosen.column("example_id")))
 
 
 def _relative(path: str) -> str:
@@ -489,13 +502,19 @@ def _relative(path: str) -> str:
 def _load(spec: tuple) -> pa.Table | None:
     """Read an input inside the pipeline (a table passed as an argument would be pickled into the
     graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version, opts),
-    ("state", lake, table, delta_version | None, opts) or ("pending", lake, delta_version | None, opts,
-    old_version, version, config, old_close_ms, close_ms) (:func:`due_pending`); ``opts``: storage options or None."""
+    ("state", lake, table, delta_version | None, opts) or ("pending", lake, pending_version | None,
+    buffer_version | None, opts, old_version, version, config, old_close_ms, close_ms) (:func:`due_pending`, with
+    the labels of the buffer and the new events); ``opts``: storage options or None."""
     if spec[0] == "pending":
-        _, lake, pending_version, opts, old_version, version, config, old_close_ms, close_ms = spec
-        labels = new_event_rows(lake, old_version, version, columns=["user_id", "item_id", "domain", "event_type"],
-                                storage_options=opts)
-        return due_pending(lake, pending_version, labels, config, old_close_ms, close_ms, storage_options=opts)
+        _, lake, pending_version, buffer_version, opts, old_version, version, config, old_close_ms, close_ms = spec
+        columns = ["user_id", "item_id", "domain", "event_type", "event_time_ms"]
+        labels = [new_event_rows(lake, old_version, version, columns=columns, storage_options=opts)]
+        buffer = open_table(lake, Table.BUILD_BUFFER, buffer_version, storage_options=opts) if buffer_version is not None else None
+        if buffer is not None:
+            labels.append(buffer.to_pyarrow_dataset().to_table(
+                columns=columns, filter=pc.field("event_type").isin(list(TASKS))).cast(labels[0].schema))
+        return due_pending(lake, pending_version, pa.concat_tables(labels), config, old_close_ms, close_ms,
+                           storage_options=opts)
     kind, lake, a, b, opts = spec
     if kind == "new":
         return new_event_rows(lake, a, b, storage_options=opts)
@@ -742,8 +761,8 @@ def run_build(
     state: dict[Table, tuple] = {name: ("state", root, name, _version_at_build(root, name, last_build, opts), opts) for name in
              (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED)}
     # Only the pending rows with something due are read (most wait days for their windows to close).
-    state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts), opts,
-                                  old_version, version, config, old_close, close_ms)
+    state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts),
+                                  state[Table.BUILD_BUFFER][3], opts, old_version, version, config, old_close, close_ms)
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
     # local temp dir (multi-machine runners need a shared one).

@@ -325,7 +325,7 @@ def user_shard_vectorized(
         need |= (pl.DataFrame(all_pending.select(["user_id", "item_id", "domain"])).with_row_index("_row")
                  .join(label_keys, on=["user_id", "item_id", "domain"], how="left").sort("_row")
                  .get_column("_hit").fill_null(False).to_numpy())
-    latency = _latencies(all_pending, need, recent, config)
+    latency = label_latencies_vectorized(all_pending, need, recent, config)
     plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
     examples = published_rows(all_pending, latency, plan, config, watermark_ms=watermark_ms, close_ms=close_ms,
                               schema=examples_schema(config), label_columns=LABEL_COLUMNS)
@@ -425,9 +425,20 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _latencies(pending: pa.Table, rows: np.ndarray, recent: pl.DataFrame, config: BuildConfig) -> dict[str, np.ndarray]:
+def label_latencies_vectorized(pending: pa.Table, rows: np.ndarray, recent: pl.DataFrame,
+                               config: BuildConfig) -> dict[str, np.ndarray]:
     """:func:`sequences.examples.label_latencies` for many users: ms to the first label in [t, t + window]
-    of each row where ``rows`` is set, :data:`sequences.publish.NO_LABEL` elsewhere."""
+    of each row where ``rows`` is set, :data:`sequences.publish.NO_LABEL` elsewhere.
+
+    Args:
+        pending: n rows with ``user_id``, ``item_id``, ``domain``, ``event_time_ms`` (ms since epoch UTC).
+        rows: (n,) bool.
+        recent: events with ``user_id``, ``item_id``, ``domain``, ``event_type``, ``event_time_ms`` (the
+            labels are its clicks and conversions; other rows are ignored, duplicates allowed).
+
+    Returns:
+        ``{"click": (n,) int64, "conversion": (n,) int64}``.
+    """
     n = pending.num_rows
     out = {task: np.full(n, NO_LABEL, dtype=np.int64) for task in TASKS}
     index = np.flatnonzero(rows)
@@ -481,4 +492,4 @@ def _orphan_labels(labels: pl.DataFrame, recent: pl.DataFrame, fresh: pl.DataFra
     return _to_arrow(out.select(ORPHAN_LABELS_SCHEMA.names), ORPHAN_LABELS_SCHEMA)
 
 
-__all__ = ["item_shard_vectorized", "user_shard_vectorized"]
+__all__ = ["item_shard_vectorized", "label_latencies_vectorized", "user_shard_vectorized"]

@@ -108,8 +108,9 @@ def test_increments_equal_one_build_table_for_table_and_keep_files_of_staying_ro
 
 
 def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_event):
-    """From a pending table of many rows, the rows whose first publication or window close falls in
-    (old close, close], plus those a new label reaches; compared with the rule applied to every row."""
+    """From a pending table of many rows, the rows whose first publication or (defer, no label) window
+    close falls in (old close, close], plus those a new click makes a late positive (impression in
+    [click - click window, click - waiting window)); compared with the rules applied to every row."""
     lake = str(tmp_path / "lake")
     config = GemlineConfig(lake=lake, build=CONFIG)
     events = _events()
@@ -126,6 +127,8 @@ def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_even
                        item=pending.column("item_id")[0].as_py(), domain=pending.column("domain")[0].as_py())
     hit = np.array([(u, i, d) == (label["user_id"], label["item_id"], label["domain"]) for u, i, d in zip(
         *(pending.column(c).to_pylist() for c in ("user_id", "item_id", "domain")), strict=True)])
+    hit &= (t >= close - CONFIG.click_window_ms) & (t < close - CONFIG.publish_delay_ms)
+    assert hit.any()
     version = open_table(lake, Table.BUILD_PENDING).version()
     labels = pa.Table.from_pylist([label])
     for labelled, expected in ((labels.slice(0, 0), rule), (labels, rule | hit)):
