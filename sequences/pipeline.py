@@ -619,16 +619,23 @@ compaction rewrites at most about this much however large the state grows (compa
 the other tables do, would rewrite the whole state every few builds)."""
 
 
+STATE_COMPACT_FACTOR = 4
+"""A row-state table is compacted once it has this many times ``compact_min_files`` small files. The
+newest pending rows are the ones the next passes read (their first publication is due a waiting window
+later): between compactions they sit in their own small files, and a compaction moves them into a file
+of up to :data:`STATE_FILE_BYTES` that a pass then reads whole, so compactions are kept rare."""
+
+
 def compact_state(lake: str, table: str, hygiene: HygieneConfig, *,
                   storage_options: StorageOptions | None = None) -> int:
     """Compact a row-state table's files smaller than :data:`STATE_FILE_BYTES` once there are at least
-    ``hygiene.compact_min_files`` of them (delta-rs ``optimize.compact(target_size=...)``, which skips
-    larger files). Returns the number of files removed."""
+    :data:`STATE_COMPACT_FACTOR` x ``hygiene.compact_min_files`` of them (delta-rs
+    ``optimize.compact(target_size=...)``, which skips larger files). Returns the number of files removed."""
     dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         return 0
     sizes = pa.table(dt.get_add_actions(flatten=True)).column("size_bytes").to_numpy()
-    if int(np.count_nonzero(sizes < STATE_FILE_BYTES)) < hygiene.compact_min_files:
+    if int(np.count_nonzero(sizes < STATE_FILE_BYTES)) < STATE_COMPACT_FACTOR * hygiene.compact_min_files:
         return 0
     return int(dt.optimize.compact(target_size=STATE_FILE_BYTES).get("numFilesRemoved", 0))
 

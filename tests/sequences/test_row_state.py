@@ -138,3 +138,26 @@ def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_even
         assert 0 < got.num_rows < pending.num_rows  # some rows are due, not all
     assert due_pending(lake, version, labels, dataclasses.replace(CONFIG, label_mode="wait"), old_close,
                        old_close).num_rows == 0  # nothing due, and wait has no late positives
+
+
+def test_compact_state_merges_small_files_only_when_many_and_leaves_large_ones(tmp_path, monkeypatch):
+    from deltalake import write_deltalake
+
+    import sequences.pipeline as pipeline
+    from gemline.hygiene import HygieneConfig
+
+    lake, hygiene = str(tmp_path), HygieneConfig(compact_min_files=2)
+    large = pa.table({"x": np.arange(20_000, dtype=np.int64)})
+    write_deltalake(f"{lake}/t", large)
+    [large_file] = _files(lake, "t")
+    monkeypatch.setattr(pipeline, "STATE_FILE_BYTES", open_table(lake, "t").get_add_actions(flatten=True)
+                        .column("size_bytes")[0].as_py() - 1)  # the first file counts as large
+    for n in range(pipeline.STATE_COMPACT_FACTOR * 2 - 1):
+        write_deltalake(f"{lake}/t", pa.table({"x": np.array([100_000 + n], dtype=np.int64)}), mode="append")
+    files = _files(lake, "t")
+    assert pipeline.compact_state(lake, "t", hygiene) == 0 and _files(lake, "t") == files  # one too few
+    write_deltalake(f"{lake}/t", pa.table({"x": np.array([200_000], dtype=np.int64)}), mode="append")
+    assert pipeline.compact_state(lake, "t", hygiene) == 8  # the eight small files, not the large one
+    after = _files(lake, "t")
+    assert len(after) == 2 and large_file in after
+    assert sorted(read_table(lake, "t").column("x").to_pylist()) == [*range(20_000), *range(100_000, 100_007), 200_000]
