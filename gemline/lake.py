@@ -383,12 +383,14 @@ def write_data_file(
     name: str,
     partition_by: list[str] | None = None,
     storage_options: StorageOptions | None = None,
+    row_group_rows: int = ROW_GROUP_ROWS,
 ) -> list[dict[str, Any]]:
     """Write ``data`` as Parquet data files inside ``table``'s directory, not yet committed.
 
     One file per partition (Hive-style ``col=value/`` directories, partition columns left out of
     the file, as Delta writers do), each named ``name`` + ``.parquet``; writing the same name
-    again replaces the file, so a retried writer does not add a second copy. Files stay invisible
+    again replaces the file, so a retried writer does not add a second copy; row groups of up to
+    ``row_group_rows`` rows (a reader of a few rows decodes their whole row groups). Files stay invisible
     to readers until :func:`commit_files_once` adds them; files never committed are removed by
     vacuum after its retention.
 
@@ -441,7 +443,7 @@ def write_data_file(
         # not used by any reader and cost ~10% of the write.
         flat = [f.name for f in part.schema if not pa.types.is_nested(f.type)]
         with fs.open_output_stream(path) as sink:
-            pq.write_table(part, sink, compression="zstd", write_statistics=flat, row_group_size=ROW_GROUP_ROWS)
+            pq.write_table(part, sink, compression="zstd", write_statistics=flat, row_group_size=row_group_rows)
         return {"path": relative, "size": fs.get_file_info(path).size,
                 "partition_values": {c: str(key[c]) for c in partition_by}, "num_records": part.num_rows}
 

@@ -256,9 +256,11 @@ def write_files(
     *,
     name: str,
     storage_options: _lake.StorageOptions | None = None,
+    row_group_rows: int = _lake.ROW_GROUP_ROWS,
 ) -> list[dict[str, Any]]:
     """Write ``data`` as uncommitted Parquet files of ``table``, split by the spec's partition columns
-    (:func:`gemline.lake.write_data_file`; ``name`` names the files, so a retried writer replaces them).
+    (:func:`gemline.lake.write_data_file`; ``name`` names the files, so a retried writer replaces them;
+    ``row_group_rows``: rows per Parquet row group).
 
     Returns:
         One JSON-serialisable entry per file, for :func:`commit_files`.
@@ -270,7 +272,7 @@ def write_files(
     s = spec(table)
     _check_columns(s, data.column_names)
     return _lake.write_data_file(lake, s.name, data, name=name, partition_by=list(s.partition_by) or None,
-                                 storage_options=storage_options)
+                                 storage_options=storage_options, row_group_rows=row_group_rows)
 
 
 def commit_files(

@@ -268,13 +268,28 @@ def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions
     name, part_name, table = part
     if name in done:
         return
-    files = write_files(lake, name, conform(table, schemas[name]), name=f"build{build:06d}-{part_name}",
-                        storage_options=opts)
+    files = _write_state_aware(lake, name, conform(table, schemas[name]), f"build{build:06d}-{part_name}", opts)
     directory = Path(manifests) / name
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{part_name}.json.tmp"
     tmp.write_text(json.dumps(files))
     os.replace(tmp, directory / f"{part_name}.json")
+
+
+PENDING_ROW_GROUP_ROWS = 256
+"""Rows per Parquet row group of the pending state's files, which hold their rows in event-time order: a
+pass reads the few rows it publishes or corrects (:func:`due_pending`) and decodes only the row groups
+whose time range holds one; a fat-layout row carries its sequences, so a group of 256 is ~1 MB."""
+
+
+def _write_state_aware(lake: str, name: str, table: pa.Table, file_name: str,
+                       opts: StorageOptions | None) -> list[dict[str, Any]]:
+    """:func:`gemline.tables.write_files`; the pending state's rows sorted by event time, in small row
+    groups (:data:`PENDING_ROW_GROUP_ROWS`)."""
+    if name != Table.BUILD_PENDING:
+        return write_files(lake, name, table, name=file_name, storage_options=opts)
+    ordered = table.take(pc.sort_indices(table, sort_keys=[("event_time_ms", "ascending"), ("example_id", "ascending")]))
+    return write_files(lake, name, ordered, name=file_name, storage_options=opts, row_group_rows=PENDING_ROW_GROUP_ROWS)
 
 
 def _manifest_files(directory: Path) -> list[dict[str, Any]]:
@@ -488,10 +503,28 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     files = set(chosen.column("__filename").to_pylist())
     fragments = [f for f in dataset.get_fragments() if _relative(f.path) in files]
     holding = ds.FileSystemDataset(fragments, dataset.schema, dataset.format, dataset.filesystem)
-    times = chosen.column("event_time_ms")
-    # The time range lets the reader skip row groups by their statistics before matching ids.
-    within = (pc.field("event_time_ms") >= pc.min(times).as_py()) & (pc.field("event_time_ms") <= pc.max(times).as_py())
-    return holding.to_table(filter=within & pc.field("example_id").isin(chosen.column("example_id")))
+    # Time ranges around the chosen rows let the reader skip row groups by their statistics (the files hold
+    # rows in time order) before matching ids.
+    return holding.to_table(filter=_around(chosen.column("event_time_ms").to_numpy())
+                            & pc.field("example_id").isin(chosen.column("example_id")))
+
+
+_RANGE_GAP_MS = 1_000
+"""Chosen rows closer in event time than this share one range of :func:`_around`."""
+
+
+def _around(times: np.ndarray) -> Any:
+    """A filter for rows with event time in one of few ranges covering ``times`` (ms; gaps of at least
+    :data:`_RANGE_GAP_MS` split ranges)."""
+    ordered = np.unique(times)
+    cuts = np.flatnonzero(np.diff(ordered) >= _RANGE_GAP_MS) + 1
+    starts, ends = ordered[np.concatenate([[0], cuts])], ordered[np.concatenate([cuts - 1, [len(ordered) - 1]])]
+    t = pc.field("event_time_ms")
+    ranges = [(t >= int(a)) & (t <= int(b)) for a, b in zip(starts, ends, strict=True)]
+    out = ranges[0]
+    for more in ranges[1:]:
+        out = out | more
+    return out
 
 
 def _relative(path: str) -> str:
@@ -607,8 +640,8 @@ def expire_rows(lake: str, table: str, leaving: Leaving, *, build: int,
         if fragments[path].count_rows() == count[path]:
             continue  # every row leaves: the file just goes
         whole = fragments[path].to_table(schema=dataset.schema)
-        adds += write_files(lake, table, whole.filter(pa.array(~leaving.mask(whole))),
-                            name=f"build{build:06d}-kept-{n:05d}", storage_options=storage_options)
+        adds += _write_state_aware(lake, table, whole.filter(pa.array(~leaving.mask(whole))),
+                                   f"build{build:06d}-kept-{n:05d}", storage_options)
     removes = [{"path": path, "size": snapshot[path]["size_bytes"], "partition_values": {}} for path in touched]
     return adds, removes
 
@@ -637,7 +670,11 @@ def compact_state(lake: str, table: str, hygiene: HygieneConfig, *,
     sizes = pa.table(dt.get_add_actions(flatten=True)).column("size_bytes").to_numpy()
     if int(np.count_nonzero(sizes < STATE_FILE_BYTES)) < STATE_COMPACT_FACTOR * hygiene.compact_min_files:
         return 0
-    return int(dt.optimize.compact(target_size=STATE_FILE_BYTES).get("numFilesRemoved", 0))
+    from deltalake import WriterProperties
+
+    # Compaction keeps the files' order, so pending rows stay roughly in time order, in small row groups.
+    groups = WriterProperties(max_row_group_size=PENDING_ROW_GROUP_ROWS) if table == Table.BUILD_PENDING else None
+    return int(dt.optimize.compact(target_size=STATE_FILE_BYTES, writer_properties=groups).get("numFilesRemoved", 0))
 
 
 def build_hygiene(build: BuildConfig) -> HygieneConfig:
