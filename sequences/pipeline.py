@@ -1,5 +1,9 @@
 """The incremental build: new ``events`` rows + build state -> ``examples`` and ``history`` (appended),
-``sequences``, ``sequences_by_domain``, ``features/{user,item,user_category}`` and the state (overwritten).
+``sequences``, ``sequences_by_domain``, ``features/{user,item,user_category}`` and the evicted counts
+(overwritten), and the *row state*, buffered events and pending impressions (rows appended; the files of
+rows that left are removed or rewritten without them in the same commit, :func:`expire_rows`; a pass reads
+only the pending rows it publishes or corrects, :func:`due_pending`), so a pass costs what its new events
+and due rows cost, not what the pending state holds.
 ``history`` gets each event the build sees for the first time, once; with ``build.examples_layout =
 "pointer"`` the examples (and the pending state) carry no sequence lists and readers rebuild them from it
 (:mod:`sequences.materialize`).
@@ -29,7 +33,8 @@ changes no published example.
 
 Restartable: every table's commit carries the app transaction ("build", k) and the examples
 commit goes last, so it marks a complete build; a crashed build k reruns from the state tables as
-they were at build k - 1 (time travel), and the commits already made are skipped.
+they were at build k - 1 (time travel), and the commits already made are skipped (a row-state commit's
+removals are found in the table's latest snapshot, which a crashed build left as build k - 1 did).
 """
 
 from __future__ import annotations
@@ -802,8 +807,9 @@ def run_build(
     close_ms = _close_point(config, watermark_ms, old_close, final, close_windows_at)
     last_build = meta.get("build")
     build = 0 if last_build is None else last_build + 1
-    state: dict[Table, tuple] = {name: ("state", root, name, _version_at_build(root, name, last_build, opts), opts) for name in
-             (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED)}
+    state: dict[Table, tuple] = {
+        name: ("state", root, name, _version_at_build(root, name, last_build, opts), opts)
+        for name in (Table.SEQUENCES, Table.SEQUENCES_BY_DOMAIN, Table.BUILD_BUFFER, Table.BUILD_EVICTED)}
     # Only the pending rows with something due are read (most wait days for their windows to close).
     state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts),
                                   state[Table.BUILD_BUFFER][3], opts, old_version, version, config, old_close, close_ms)
