@@ -13,12 +13,13 @@ import pyarrow as pa
 import pytest
 
 from gemline.config import GemlineConfig
-from gemline.lake import commit_metadata, open_table, read_table
+from gemline.lake import Lake, commit_metadata, open_table, read_table
 from gemline.tables import Table
 from sequences.config import BuildConfig
 from sequences.pipeline import _OUTPUTS, APP_ID, due_pending, run_build
 from sequences.publish import deadlines, needs_labels
 from tests.conftest import build_args, with_layout
+from tests.gemline.conftest import moto_endpoint, s3_bucket  # noqa: F401  (moto_endpoint: a fixture)
 
 from .conftest import event
 from .test_pipeline import write_events
@@ -57,7 +58,7 @@ def _increments(events: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _tables(lake: str) -> dict[str, list[str]]:
+def _tables(lake) -> dict[str, list[str]]:
     out = {}
     for name in _OUTPUTS:
         table = read_table(lake, name)
@@ -66,7 +67,7 @@ def _tables(lake: str) -> dict[str, list[str]]:
     return out
 
 
-def _files(lake: str, table: str) -> list[str]:
+def _files(lake, table: str) -> list[str]:
     dt = open_table(lake, table)
     return [] if dt is None else sorted(pa.table(dt.get_add_actions(flatten=True)).column("path").to_pylist())
 
@@ -161,3 +162,23 @@ def test_compact_state_merges_small_files_only_when_many_and_leaves_large_ones(t
     after = _files(lake, "t")
     assert len(after) == 2 and large_file in after
     assert sorted(read_table(lake, "t").column("x").to_pylist()) == [*range(20_000), *range(100_000, 100_007), 200_000]
+
+
+@pytest.mark.integration
+def test_row_state_on_an_object_store_lake_equals_one_build(moto_endpoint):  # noqa: F811  (the fixture)
+    """On S3 (moto_server) the pending rows a pass reads and the files it removes or rewrites are found by
+    their paths in the remote table: two increments leave the tables one build over all the events does."""
+    opts = s3_bucket(moto_endpoint, "rowstate")
+    whole, parts = Lake("s3://rowstate/whole", opts), Lake("s3://rowstate/parts", opts)
+    events = _events()
+    write_events(whole, events, version=0)
+    run_build(whole, CONFIG)
+    later = [e for e in events if e["event_time_ms"] >= CUTS_DAYS[0] * DAY]
+    for n, batch in enumerate(([e for e in events if e["event_time_ms"] < CUTS_DAYS[0] * DAY], later)):
+        write_events(parts, batch, version=n)
+        run_build(parts, CONFIG)
+    got, want = _tables(parts), _tables(whole)
+    assert want[Table.BUILD_PENDING]
+    for name in _OUTPUTS:
+        assert got[name] == want[name], f"{name} differs"
+    assert any("-kept-" in f for f in _files(parts, Table.BUILD_PENDING))  # a partly leaving file was rewritten
