@@ -164,6 +164,7 @@ def test_compact_state_merges_small_files_only_when_many_and_leaves_large_ones(t
     assert sorted(read_table(lake, "t").column("x").to_pylist()) == [*range(20_000), *range(100_000, 100_007), 200_000]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_row_state_on_an_object_store_lake_equals_one_build(moto_endpoint):  # noqa: F811  (the fixture)
     """On S3 (moto_server) the pending rows a pass reads and the files it removes or rewrites are found by
