@@ -56,3 +56,21 @@ def test_data_files_are_invisible_until_committed_once(tmp_path):
     assert read_table(tmp_path, "t").to_pylist() == [{"x": 2, "day": "d 2"}]
     with pytest.raises(ValueError, match="must commit version 2 next, got 5"):
         commit_files_once(tmp_path, "t", more, data.schema, version=5, **kwargs)
+
+
+def test_an_append_commit_removes_named_files_in_the_same_commit(tmp_path):
+    from gemline.lake import commit_files_once, open_table, write_data_file
+
+    data = pa.table({"x": pa.array([1, 2, 3], pa.int64())})
+    kwargs = {"app_id": "a"}
+    first = write_data_file(tmp_path, "t", data.slice(0, 2), name="first")
+    assert commit_files_once(tmp_path, "t", first, data.schema, version=0, **kwargs)
+    before = open_table(tmp_path, "t").version()
+    second = write_data_file(tmp_path, "t", data.slice(2), name="second")
+    rest = write_data_file(tmp_path, "t", data.slice(1, 1), name="first-kept")  # "first" without x = 1
+    assert commit_files_once(tmp_path, "t", second + rest, data.schema, version=1, removes=first, **kwargs)
+    assert sorted(read_table(tmp_path, "t").column("x").to_pylist()) == [2, 3]
+    assert open_table(tmp_path, "t").version() == before + 1  # adds and removes in one commit
+    assert sorted(read_table(tmp_path, "t", version=before).column("x").to_pylist()) == [1, 2]  # time travel
+    with pytest.raises(ValueError, match="removes go with mode='append'"):
+        commit_files_once(tmp_path, "t", rest, data.schema, version=2, mode="overwrite", removes=rest, **kwargs)
