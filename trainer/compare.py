@@ -74,6 +74,7 @@ ABLATIONS: dict[str, dict[str, str]] = {
     "personalized_ffn": {"trainer.gem.personalized_ffn_rank": "0"},
     "fmb_mlp_layers": {"trainer.gem.fmb_mlp_layers": "1"},
     "task_towers": {"trainer.gem.task_towers": "false"},
+    "pooled_history": {"trainer.gem.pooled_history": "false"},
     "final_labels": {"trainer.final_labels": "false"},
     "widths": {"trainer.ids.widths": "fixed"},
 }

@@ -98,7 +98,7 @@ GEM_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "layers": 2, "heads": 2, "pyramid_ratio": 0.5, "max_sequence_len": 32, "dense_tokens": 2, "fm_outputs": 8,
         "lcb_outputs": 8, "fm_rank": 8, "time_delta_buckets": 0, "same_domain_stream": False, "recency_branches": (),
         "attention_len": 32, "interformer_cross": False, "cls_tokens": 0, "pma_tokens": 0, "recent_tokens": 0,
-        "personalized_ffn_rank": 0, "fmb_mlp_layers": 1, "task_towers": False,
+        "personalized_ffn_rank": 0, "fmb_mlp_layers": 1, "task_towers": False, "pooled_history": False,
     }),
     # The published shape at a CPU's budget: the whole stored history (256) in branches of the newest 16 events
     # (self-attention), the newest 64 and all of it (pooled only: self-attending the 64 doubled the step time), the
@@ -108,6 +108,7 @@ GEM_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "lcb_outputs": 8, "fm_rank": 8, "time_delta_buckets": 32, "same_domain_stream": True,
         "recency_branches": (16, 64, 0), "attention_len": 16, "interformer_cross": True, "cls_tokens": 2,
         "pma_tokens": 2, "recent_tokens": 4, "personalized_ffn_rank": 4, "fmb_mlp_layers": 2, "task_towers": True,
+        "pooled_history": False,
     }),
     # GPU-sized: thousands of events, every branch self-attends (Triton jagged kernels), deeper and wider.
     "gem": MappingProxyType({
@@ -115,6 +116,7 @@ GEM_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "lcb_outputs": 16, "fm_rank": 16, "time_delta_buckets": 32, "same_domain_stream": True,
         "recency_branches": (64, 512, 0), "attention_len": 4096, "interformer_cross": True, "cls_tokens": 4,
         "pma_tokens": 4, "recent_tokens": 8, "personalized_ffn_rank": 16, "fmb_mlp_layers": 3, "task_towers": True,
+        "pooled_history": False,
     }),
 })
 """The values of the ``trainer.gem.*`` keys a preset sets (a key set in the TOML or by --set wins)."""
@@ -180,6 +182,9 @@ class GemConfig:
     """Hidden layers of the MLP in each Wukong FM block (§3.2); 1: gem_small's."""
     task_towers: bool = _PRESET
     """A tower per task (click, conversion) on the shared backbone; False: one tower with two outputs."""
+    pooled_history: bool = _PRESET
+    """Add the mean of each history key's rows over the whole stored history (item, category, event type: 3 tokens)
+    to the Wukong inputs, DLRM's bag-of-ids view of the history beside the attention over the newest events."""
     kernel_backend: KernelBackendName = "reference"
     """Jagged kernels of the sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
 

@@ -69,6 +69,9 @@ class Lookups(NamedTuple):
     """(T', D) same-domain history tokens; None without the same-domain stream."""
     same_offsets: torch.Tensor | None
     """(B+1,) int64 offsets of ``same_values``."""
+    history_means: torch.Tensor | None = None
+    """(B, Q, D) each history key's rows averaged over the whole stored history (zeros for an empty one); None
+    without ``pooled_history``."""
 
 
 class SparseArch(nn.Module):
@@ -95,12 +98,13 @@ class SparseArch(nn.Module):
         num_embeddings: rows of every id table; dim: D.
         time_buckets: rows of the time-delta table (0: none); same_domain: read the same-domain history.
         widths: width of each pooled id table (at most D); None: D.
+        pooled_history: also return each history key's mean row over the whole history (``history_means``).
     """
 
     def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False,
-                 widths: TableWidths | None = None) -> None:
+                 widths: TableWidths | None = None, pooled_history: bool = False) -> None:
         super().__init__()
-        self.dim, self.time_buckets, self.same_domain = dim, time_buckets, same_domain
+        self.dim, self.time_buckets, self.same_domain, self.pooled_history = dim, time_buckets, same_domain, pooled_history
         self.keys = [*SEQUENCE_KEYS, *([TIME_BUCKETS_KEY] if time_buckets else [])]
         self.bags = sparse_bags(num_embeddings, dim if widths is None else widths)
         # TorchRec's EmbeddingCollection needs one width for all its tables: the history tables stay D wide.
@@ -117,14 +121,29 @@ class SparseArch(nn.Module):
         total = int(main.offsets()[-1])
         values = _total([jagged[key][:total] for key in self.keys])
         target = _total([jagged[key][total: total + batch] for key in CANDIDATE_KEYS])
+        means = (torch.stack([segment_mean(jagged[key][:total], main.offsets()) for key in SEQUENCE_KEYS], dim=1)
+                 if self.pooled_history else None)
         if not self.same_domain:
-            return Lookups(pooled, values, main.offsets(), target, None, None)
+            return Lookups(pooled, values, main.offsets(), target, None, None, means)
         # Rows 2B..3B-1 of every key: the same-domain history, after each key's candidate rows.
         first = found[SEQUENCE_KEYS[0]].offsets()
         same_offsets = first[2 * batch:] - first[2 * batch]
         start = {key: total + (batch if key in CANDIDATE_KEYS else 0) for key in self.keys}
         same_values = _total([jagged[key][start[key]:] for key in self.keys])
-        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets)
+        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets, means)
+
+
+def segment_mean(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(B, D) mean of each row's values: values (T, D), offsets (B+1,) int64; an empty row gives zeros.
+
+    What DLRM's mean-pooled history bags compute (TorchRec ``PoolingType.MEAN``), on the rows GEM's history tables
+    already looked up.
+    """
+    batch = offsets.shape[0] - 1
+    rows = token_rows(offsets, values.shape[0])
+    sums = values.new_zeros((batch, values.shape[1])).index_add(0, rows, values)
+    lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(values.dtype)
+    return sums / lengths.unsqueeze(1)
 
 
 def _total(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -213,7 +232,8 @@ class GemDenseArch(nn.Module):
         self.dense_embed = mlp([max(num_dense, 1), 4 * dim, config.dense_tokens * dim])
         self.recency = nn.Embedding(config.max_sequence_len, dim)
         nn.init.normal_(self.recency.weight, std=0.02)
-        num_inputs = len(SPARSE_FEATURES) + config.dense_tokens
+        self.pooled_history = config.pooled_history
+        num_inputs = len(SPARSE_FEATURES) + config.dense_tokens + (len(SEQUENCE_KEYS) if config.pooled_history else 0)
         self.interformer: InterFormer | BranchedInterFormer
         if config.recency_branches:
             streams = [
@@ -261,15 +281,25 @@ class GemDenseArch(nn.Module):
     def forward(
         self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, target: torch.Tensor,
         dense: torch.Tensor, domain_ids: torch.Tensor, same_values: torch.Tensor | None = None,
-        same_offsets: torch.Tensor | None = None,
+        same_offsets: torch.Tensor | None = None, history_means: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,),
-        same-domain same_values (T', D) and same_offsets (B+1,) (with the same-domain stream) -> logits (B, 2)."""
+        same-domain same_values (T', D) and same_offsets (B+1,) (with the same-domain stream), history_means
+        (B, Q, D) (with ``pooled_history``) -> logits (B, 2).
+
+        Raises:
+            ValueError: the same-domain stream or ``pooled_history`` is on and its input is missing.
+        """
         batch = pooled.shape[0]
         if self.num_dense == 0:
             dense = dense.new_zeros((batch, 1))
         dense_tok = self.dense_embed(dense).view(batch, self.dense_tokens, self.dim)
-        interaction_in = torch.cat([pooled, dense_tok], dim=1)
+        inputs = [pooled, dense_tok]
+        if self.pooled_history:
+            if history_means is None:
+                raise ValueError("this GEM reads the whole history's mean rows (pooled_history): pass history_means")
+            inputs.insert(1, history_means)
+        interaction_in = torch.cat(inputs, dim=1)
         tokens = self._tokens(seq_values, seq_offsets)
         if isinstance(self.interformer, BranchedInterFormer):
             streams = [tokens]
@@ -317,7 +347,8 @@ class GemModel(RankingModel):
         config = config.resolved()
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim, time_buckets=config.time_delta_buckets,
-                                      same_domain=config.same_domain_stream, widths=embedding_widths)
+                                      same_domain=config.same_domain_stream, widths=embedding_widths,
+                                      pooled_history=config.pooled_history)
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
@@ -338,7 +369,7 @@ class GemModel(RankingModel):
         self.check_inputs(dense, domain_ids)
         found = self.sparse_arch(sparse, sequence)
         return self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
-                               found.same_values, found.same_offsets)
+                               found.same_values, found.same_offsets, found.history_means)
 
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
         """Every output (one tower's two, or each task tower's one) starts at the log-odds of ``base_rates`` (2,)

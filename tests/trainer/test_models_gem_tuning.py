@@ -1,0 +1,61 @@
+"""GEM's training switches of issue 18's quality goal: the whole history's mean rows (``pooled_history``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from sequences.schema import SPARSE_FEATURES
+from trainer.config import GemConfig, TrainerConfig
+from trainer.data import encode_examples, fit_normalizer, make_batch
+from trainer.models import build_model
+from trainer.models.gem import segment_mean
+
+SMALL = TrainerConfig(embedding_dim=8, num_embeddings=1000, hidden_dims=(16, 8), tower_hidden=4,
+                      gem=GemConfig(preset="gem_small", max_sequence_len=2, fm_outputs=4, lcb_outputs=4, fm_rank=4))
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    from tests.trainer.conftest import synthetic_examples
+
+    table = synthetic_examples(["2026-01-01"], 40, 5)
+    return table, encode_examples(table, SMALL.num_embeddings, fit_normalizer(table))
+
+
+def test_segment_mean_hand_case():
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    # Rows of 2, 0 and 1 values: the mean of the first two, zeros for the empty row, the third as it is.
+    out = segment_mean(values, torch.tensor([0, 2, 2, 3]))
+    assert out.tolist() == [[2.0, 3.0], [0.0, 0.0], [5.0, 6.0]]
+    assert segment_mean(values[:0], torch.tensor([0, 0])).tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_pooled_history_reads_events_older_than_the_sequence_window(pooled, encoded):
+    """With max_sequence_len 2 the attention sees each row's 2 newest events; the whole history's mean rows reach
+    the oldest ones too: the table row of an event older than the window gets a gradient only with the switch on."""
+    table, data = encoded
+    lengths = np.array(table["seq_length"].to_pylist())
+    row = int(np.argmax(lengths))
+    assert lengths[row] > 2
+    torch.manual_seed(0)
+    model = build_model(replace(SMALL, gem=replace(SMALL.gem, pooled_history=pooled)), 3, ("feed", "reels"))
+    batch = make_batch(data, np.array([row, int(np.argmin(lengths))]))
+    assert batch.sequence["seq_item_ids"].lengths().tolist()[1] == 0  # an empty history beside it
+    logits = model(batch.sparse, batch.sequence, batch.dense, torch.tensor([0, 1]))
+    assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+    logits.sum().backward()
+    items = batch.sequence["seq_item_ids"].values()
+    newest, older = set(items[-2:].tolist()), set(items[:-2].tolist())
+    only_old = sorted(older - newest - set(batch.sparse["item_id"].values().tolist()))
+    assert only_old, "the row needs an old event whose item is not also among the newest two or the candidate"
+    grad = model.sparse_arch.sequence.embeddings["t_item"].weight.grad
+    grad = grad.to_dense() if grad.is_sparse else grad
+    assert bool((grad[only_old].abs().sum(dim=1) > 0).all()) is pooled
+    inputs = model.dense_arch.interformer.interaction_arch[0].num_inputs
+    # The sparse features, the 3 history keys' means with the switch, 2 dense tokens, the 2 summary tokens.
+    assert inputs == len(SPARSE_FEATURES) + 3 * pooled + 2 + 2
