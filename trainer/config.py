@@ -187,6 +187,10 @@ class GemConfig:
     to the Wukong inputs, DLRM's bag-of-ids view of the history beside the attention over the newest events."""
     kernel_backend: KernelBackendName = "reference"
     """Jagged kernels of the sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
+    learning_rate: float | None = None
+    """Adam rate of GEM's dense part in place of ``trainer.learning_rate``; None: that one."""
+    embedding_learning_rate: float | None = None
+    """Adagrad rate of GEM's tables in place of ``trainer.embedding_learning_rate``; None: that one."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError (a ValueError) naming the ``trainer.gem.*`` key of a bad value."""
@@ -207,6 +211,9 @@ class GemConfig:
             raise BadConfigError(f"trainer.gem.recency_branches must be distinct lengths >= 0 (0: all), got {v['recency_branches']}")
         if v["same_domain_stream"] and not v["recency_branches"]:
             raise BadConfigError("trainer.gem.same_domain_stream needs trainer.gem.recency_branches (the pyramid reads one stream)")
+        for name in ("learning_rate", "embedding_learning_rate"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise BadConfigError(f"trainer.gem.{name} must be > 0 or none, got {getattr(self, name)}")
         if self.kernel_backend not in get_args(KernelBackendName):
             raise BadConfigError(f"trainer.gem.kernel_backend must be one of {get_args(KernelBackendName)}, "
                                  f"got {self.kernel_backend!r}")
@@ -362,6 +369,19 @@ class TrainerConfig:
     (``build.click_window_ms`` and its overrides; the application checks); None: ``label_window_closed`` alone."""
     task_weights: tuple[float, float] = (1.0, 1.0)
     """Loss weight of the click and the conversion task (>= 0; 0 trains that head not at all)."""
+
+    @property
+    def dense_learning_rate(self) -> float:
+        """The Adam rate of ``model``'s dense part: ``gem.learning_rate`` for GEM when set, else ``learning_rate``."""
+        own = self.gem.learning_rate if self.model == "gem" else None
+        return self.learning_rate if own is None else own
+
+    @property
+    def table_learning_rate(self) -> float:
+        """The Adagrad rate of ``model``'s tables: ``gem.embedding_learning_rate`` for GEM when set, else
+        ``embedding_learning_rate``, else ``learning_rate``."""
+        own = self.gem.embedding_learning_rate if self.model == "gem" else None
+        return own or self.embedding_learning_rate or self.learning_rate
 
     @property
     def reads_sequence_extras(self) -> bool:

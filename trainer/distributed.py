@@ -365,7 +365,7 @@ def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRa
     dense_params = [p for name, p in dmp.named_parameters() if name.split(".")[0] in dense_modules]
     return ShardedRanker(
         model=dmp,
-        dense_optimizer=torch.optim.Adam(dense_params, lr=tc.learning_rate),
+        dense_optimizer=torch.optim.Adam(dense_params, lr=tc.dense_learning_rate),
         mesh=mesh,
         num_dense=model.num_dense,
         dense_modules=dense_modules,

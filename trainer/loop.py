@@ -288,7 +288,7 @@ def local_optimizers(tc: TrainerConfig, model: Ranker) -> dict[str, torch.optim.
     tables = model.embedding_parameters()
     sparse_table_gradients(model, tables)
     return {
-        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.learning_rate),
+        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.dense_learning_rate),
         "embeddings": embedding_optimizer(tc, tables),
     }
 

@@ -112,8 +112,9 @@ def _step_table(p: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor, lr: floa
 
 
 def embedding_learning_rate(tc: TrainerConfig) -> float:
-    """The tables' learning rate: ``trainer.embedding_learning_rate``, else ``trainer.learning_rate``."""
-    return tc.embedding_learning_rate or tc.learning_rate
+    """The tables' learning rate: :attr:`trainer.config.TrainerConfig.table_learning_rate` (GEM's own when set, else
+    ``trainer.embedding_learning_rate``, else ``trainer.learning_rate``)."""
+    return tc.table_learning_rate
 
 
 def embedding_optimizer(tc: TrainerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

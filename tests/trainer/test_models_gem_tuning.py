@@ -59,3 +59,22 @@ def test_pooled_history_reads_events_older_than_the_sequence_window(pooled, enco
     inputs = model.dense_arch.interformer.interaction_arch[0].num_inputs
     # The sparse features, the 3 history keys' means with the switch, 2 dense tokens, the 2 summary tokens.
     assert inputs == len(SPARSE_FEATURES) + 3 * pooled + 2 + 2
+
+
+def test_gem_learning_rates_replace_the_trainers_for_gem_only():
+    from trainer.loop import local_engine
+
+    tc = TrainerConfig(learning_rate=3e-3, embedding_learning_rate=None,
+                       gem=GemConfig(learning_rate=1e-3, embedding_learning_rate=1e-2))
+    assert (tc.dense_learning_rate, tc.table_learning_rate) == (1e-3, 1e-2)
+    dlrm = replace(tc, model="dlrm")
+    assert (dlrm.dense_learning_rate, dlrm.table_learning_rate) == (3e-3, 3e-3)
+    unset = TrainerConfig(learning_rate=2e-3, embedding_learning_rate=5e-3, gem=GemConfig())
+    assert (unset.dense_learning_rate, unset.table_learning_rate) == (2e-3, 5e-3)
+    torch.manual_seed(0)
+    engine = local_engine(replace(SMALL, gem=replace(SMALL.gem, learning_rate=1e-3, embedding_learning_rate=1e-2)),
+                          3, ("feed",), None)
+    assert engine.optimizers["dense"].param_groups[0]["lr"] == 1e-3
+    assert engine.optimizers["embeddings"].param_groups[0]["lr"] == 1e-2
+    with pytest.raises(ValueError, match=r"trainer.gem.learning_rate must be > 0 or none"):
+        GemConfig(learning_rate=0.0)
