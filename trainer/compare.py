@@ -75,12 +75,14 @@ ABLATIONS: dict[str, dict[str, str]] = {
     "fmb_mlp_layers": {"trainer.gem.fmb_mlp_layers": "1"},
     "task_towers": {"trainer.gem.task_towers": "false"},
     "pooled_history": {"trainer.gem.pooled_history": "false"},
+    "gem_learning_rate": {"trainer.gem.learning_rate": "none"},
     "final_labels": {"trainer.final_labels": "false"},
     "widths": {"trainer.ids.widths": "fixed"},
 }
 """Ablation name -> ``--set`` overrides (full keys, string values as on the command line) that switch one change of
 the full model off (issue 18's switches at their gem_small values; ``recency_branches`` off is gem_small's pyramid,
-which reads one stream; ``widths`` off: every table trainer.embedding_dim wide)."""
+which reads one stream; ``widths`` off: every table trainer.embedding_dim wide; ``pooled_history`` off: no whole-history
+means; ``gem_learning_rate`` off: GEM's dense part at ``trainer.learning_rate`` as the other models)."""
 
 
 def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:

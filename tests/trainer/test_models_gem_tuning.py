@@ -69,8 +69,10 @@ def test_gem_learning_rates_replace_the_trainers_for_gem_only():
     assert (tc.dense_learning_rate, tc.table_learning_rate) == (1e-3, 1e-2)
     dlrm = replace(tc, model="dlrm")
     assert (dlrm.dense_learning_rate, dlrm.table_learning_rate) == (3e-3, 3e-3)
-    unset = TrainerConfig(learning_rate=2e-3, embedding_learning_rate=5e-3, gem=GemConfig())
+    unset = TrainerConfig(learning_rate=2e-3, embedding_learning_rate=5e-3, gem=GemConfig(learning_rate=None))
     assert (unset.dense_learning_rate, unset.table_learning_rate) == (2e-3, 5e-3)
+    # GEM's dense part defaults to a third of the trainer's default rate (README "Comparing models").
+    assert (TrainerConfig().dense_learning_rate, TrainerConfig().table_learning_rate) == (1e-3, 3e-3)
     torch.manual_seed(0)
     engine = local_engine(replace(SMALL, gem=replace(SMALL.gem, learning_rate=1e-3, embedding_learning_rate=1e-2)),
                           3, ("feed",), None)
@@ -78,3 +80,15 @@ def test_gem_learning_rates_replace_the_trainers_for_gem_only():
     assert engine.optimizers["embeddings"].param_groups[0]["lr"] == 1e-2
     with pytest.raises(ValueError, match=r"trainer.gem.learning_rate must be > 0 or none"):
         GemConfig(learning_rate=0.0)
+
+
+def test_the_tuning_switches_are_ablations_of_compare():
+    from gemline.errors import BadConfigError
+    from trainer.compare import ablated_config
+
+    # The default GEM has its own dense rate: the ablation puts it back on trainer.learning_rate.
+    assert ablated_config(TrainerConfig(), "gem_learning_rate").dense_learning_rate == TrainerConfig().learning_rate
+    pooled = TrainerConfig(gem=GemConfig(pooled_history=True))
+    assert ablated_config(pooled, "pooled_history").gem.resolved() == TrainerConfig().gem.resolved()
+    with pytest.raises(BadConfigError, match="ablation 'pooled_history'.*changes nothing"):
+        ablated_config(TrainerConfig(), "pooled_history")
