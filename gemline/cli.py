@@ -433,13 +433,13 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     config = _config(args)
     result: Any
     if args.version is not None or args.holdout_last_day:
-        if ablations or args.json:
-            raise BadConfigError("--ablate and --json go with the progressive protocol, not --holdout-last-day/--version")
+        if ablations or args.json or args.max_versions is not None:
+            raise BadConfigError("--ablate, --json and --max-versions go with the progressive protocol, not --holdout-last-day/--version")
         result = run_holdout_compare(Lake.for_config(config), config.trainer, examples_version=args.version,
                                      models=models)
     else:
         result = run_compare(Lake.for_config(config), config.trainer, models=models, resamples=args.resamples,
-                             seed=args.bootstrap_seed, ablations=ablations)
+                             seed=args.bootstrap_seed, ablations=ablations, max_versions=args.max_versions)
     if args.json:
         print(open(result.paths["summary"]).read())
         return 0
@@ -654,6 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "change, reported as its difference from the full model")
     p.add_argument("--json", action="store_true",
                    help='print only {"models": {m: {auc, ne, ...}}, "gem_minus_dlrm_auc": {mean, ci95}, ..., "ablations"}')
+    p.add_argument("--max-versions", type=int, default=None,
+                   help="consume only the first N examples versions (a short screen: the N - 1 after the first are judged)")
     p.add_argument("--holdout-last-day", action="store_true",
                    help="instead: train on one examples version's days but the last, evaluate on the last")
     p.add_argument("--version", type=int, default=None,

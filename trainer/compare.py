@@ -455,7 +455,7 @@ def compare_json(rows: list[dict], differences: list[dict], *, ablated: Mapping[
 
 def run_compare(
     lake: Lake, tc: TrainerConfig, *, models: tuple[str, ...] = MODELS, run_id: str | None = None, resamples: int = 1000,
-    seed: int = 0, confidence: float = 0.95, ablations: tuple[str, ...] = (),
+    seed: int = 0, confidence: float = 0.95, ablations: tuple[str, ...] = (), max_versions: int | None = None,
 ) -> ProgressiveCompareResult:
     """Run every model of ``models`` through the continuous trainer over every gate-allowed examples version and
     write the progressive comparison (module docstring, "Progressive").
@@ -469,11 +469,13 @@ def run_compare(
         resamples, seed, confidence: of the paired bootstrap.
         ablations: names of :data:`ABLATIONS`; each adds a run of the first model without that change
             (module docstring, "Ablations").
+        max_versions: consume only the first this many versions (every model the same ones); None: all.
 
     Raises:
         gemline.errors.BadConfigError: an empty, repeated or unknown model or ablation name, or an ablation that
             changes nothing (before any training).
-        ValueError: ``resamples < 1`` or ``confidence`` not in (0, 1) (before any training).
+        ValueError: ``resamples < 1``, ``confidence`` not in (0, 1) or ``max_versions < 2`` (nothing to evaluate;
+            before any training).
         gemline.errors.MissingInputError: no ``examples`` table (a FileNotFoundError).
         gemline.locks.LakeBusyError: a continuous trainer runs on this lake (each model's run takes its lock).
     """
@@ -482,6 +484,8 @@ def run_compare(
     trainer_configs = _trainer_configs(tc, models, ablations)
     if resamples < 1 or not 0 < confidence < 1:
         raise ValueError(f"compare: expected resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
+    if max_versions is not None and max_versions < 2:
+        raise ValueError(f"compare: max_versions must be >= 2 (the first version is trained, never evaluated), got {max_versions}")
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())
     run_dir = Path(lake.root) / "_runs" / run_id
     predictions: dict[str, dict[int, ProgressivePredictions]] = {}
@@ -495,7 +499,7 @@ def run_compare(
             store[p.version] = p
 
         started = time.perf_counter()
-        result = run_once(lake, model_tc, from_scratch=True, keep_checkpoints=1,
+        result = run_once(lake, model_tc, from_scratch=True, keep_checkpoints=1, max_versions=max_versions,
                           root=str(run_dir / model), on_predictions=keep)
         runs[model] = {"continuous_run_id": result.run_id, "steps": result.step,
                        "rows_trained": result.rows_trained_total, "seconds": round(time.perf_counter() - started, 1),
