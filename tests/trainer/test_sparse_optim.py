@@ -97,7 +97,8 @@ def test_local_optimizers_put_every_table_in_the_embedding_optimizer_and_none_in
     in_tables = {id(p) for g in tables.param_groups for p in g["params"]}
     assert in_tables == _table_parameters(engine.model) and in_tables
     assert not in_adam & in_tables and in_adam | in_tables == {id(p) for p in engine.model.parameters()}
-    assert isinstance(adam, torch.optim.Adam) and adam.param_groups[0]["lr"] == 0.01
+    # GEM's dense part has its own rate (trainer.gem.learning_rate, default 1e-3); the others take trainer.learning_rate.
+    assert isinstance(adam, torch.optim.Adam) and adam.param_groups[0]["lr"] == (1e-3 if model == "gem" else 0.01)
     assert type(tables) is (RowWiseAdagrad if optimizer == "rowwise_adagrad" else torch.optim.Adagrad)
     assert (tables.param_groups[0]["lr"], tables.param_groups[0]["eps"]) == (0.2, 1e-7)
     # Every table yields sparse gradients: no step materializes a whole table's gradient.
