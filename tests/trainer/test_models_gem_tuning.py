@@ -99,9 +99,8 @@ def test_compare_max_versions_screens_the_first_versions_only(tmp_path):
     first (here Delta versions 0-2 hold the three days: version 1 is judged, version 2 is never read)."""
     from gemline.config import load_config
     from gemline.lake import Lake
+    from tests.trainer.conftest import mark_quality, synthetic_examples, write_examples
     from trainer.compare import run_compare
-
-    from .conftest import mark_quality, synthetic_examples, write_examples
 
     lake = tmp_path / "lake"
     for day, rows in {1: 60, 2: 40, 3: 40}.items():
