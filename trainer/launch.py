@@ -71,6 +71,23 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
         raise ValueError(f"trainer.batch_size {tc.batch_size} must be >= the number of processes {nproc}")
 
 
+def check_local_devices(tc: TrainerConfig, nproc: int) -> None:
+    """Raise ValueError unless this node can give each of its ``nproc`` ranks a device: with
+    ``trainer.distributed.device = "cuda"``, one CUDA device per rank (``cuda:LOCAL_RANK``). Checked before torchrun
+    starts, so a CPU-only machine gets one line instead of every rank's NCCL traceback."""
+    if tc.distributed.device != "cuda":
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < nproc:
+        raise ValueError(f"trainer.distributed.device='cuda' puts each of the {nproc} processes on its own CUDA device, "
+                         f"but this machine has {have}; use --nproc {have} or trainer.distributed.device=cpu"
+                         if have else
+                         f"trainer.distributed.device='cuda' but torch sees no CUDA device here (torch {torch.__version__}); "
+                         "use trainer.distributed.device=cpu")
+
+
 def run_distributed_training(lake: Lake, tc: TrainerConfig, *, examples_version: int | None = None,
                              progress: bool = True) -> TrainResult | None:
     """Train ``tc``'s model on ``lake``'s ``examples@examples_version`` with every rank of the initialised process group:
@@ -174,6 +191,7 @@ def torchrun_command(
         if not host or not port.isdigit():
             raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
     check_distributable(tc, nproc * nnodes)
+    check_local_devices(tc, nproc)
     if lake.storage_options and private_config is None:
         raise ValueError("the lake's storage options never go on a command line: write them with "
                          "write_private_config(lake, PATH) and pass private_config=PATH")

@@ -483,6 +483,9 @@ def test_config_overrides_round_trip():
         ({"trainer.model": "lr"}, 2, r"shards trainer.model in \(.gem., .dlrm., .ranker.\); got .lr."),
         ({"trainer.model": "ranker", "trainer.batch_size": "2"}, 4, "must be >= the number of processes"),
         ({"trainer.model": "ranker"}, 0, "must be >= 1"),
+        pytest.param({"trainer.model": "gem", "trainer.distributed.device": "cuda"}, 2,
+                     "trainer.distributed.device='cuda' but torch sees no CUDA device here",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     ],
 )
 def test_train_with_torchrun_rejects_before_launching(overrides, nproc, message):
