@@ -458,9 +458,12 @@ def test_beam_logs_of_a_gemline_error_are_dropped_and_of_a_bug_kept(caplog):
 
 
 @pytest.mark.parametrize(("argv", "called"), [
-    ([], ("progressive", {"models": ("gem", "dlrm", "lr"), "resamples": 1000, "seed": 0, "ablations": ()})),
-    (["--models", "gem,lr", "--resamples", "50", "--bootstrap-seed", "4", "--ablate", "collisions,sequence_len"],
-     ("progressive", {"models": ("gem", "lr"), "resamples": 50, "seed": 4, "ablations": ("collisions", "sequence_len")})),
+    ([], ("progressive", {"models": ("gem", "dlrm", "lr"), "resamples": 1000, "seed": 0, "ablations": (),
+                          "max_versions": None})),
+    (["--models", "gem,lr", "--resamples", "50", "--bootstrap-seed", "4", "--ablate", "collisions,sequence_len",
+      "--max-versions", "3"],
+     ("progressive", {"models": ("gem", "lr"), "resamples": 50, "seed": 4, "ablations": ("collisions", "sequence_len"),
+                      "max_versions": 3})),
     (["--holdout-last-day"], ("holdout", {"examples_version": None, "models": ("gem", "dlrm", "lr")})),
     (["--version", "3"], ("holdout", {"examples_version": 3, "models": ("gem", "dlrm", "lr")})),
 ])
