@@ -492,6 +492,14 @@ def _train_summary(result: object) -> str:
     return json.dumps(data, indent=2, default=str)
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: an int >= 1 (argparse turns the ValueError into a usage error naming the flag)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gemline", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -646,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--models", default="gem,dlrm,lr",
                    help="comma-separated trainer.model names; the first is subtracted from (default gem,dlrm,lr)")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--resamples", type=_at_least_one, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="numpy seed of the bootstrap draws (default 0)")
     p.add_argument("--ablate", default="",
                    help="comma-separated ablations (trainer.compare.ABLATIONS, e.g. final_labels, sequence_len, "
@@ -654,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "change, reported as its difference from the full model")
     p.add_argument("--json", action="store_true",
                    help='print only {"models": {m: {auc, ne, ...}}, "gem_minus_dlrm_auc": {mean, ci95}, ..., "ablations"}')
-    p.add_argument("--max-versions", type=int, default=None,
+    p.add_argument("--max-versions", type=_at_least_one, default=None,
                    help="consume only the first N examples versions (a short screen: the N - 1 after the first are judged)")
     p.add_argument("--holdout-last-day", action="store_true",
                    help="instead: train on one examples version's days but the last, evaluate on the last")

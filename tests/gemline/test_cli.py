@@ -504,3 +504,11 @@ def test_the_lock_keeps_a_lake_it_created_once_something_was_written(tmp_path):
     with exclusive(lake, "ingest"):
         (lake / "events").mkdir()
     assert sorted(p.name for p in lake.iterdir()) == ["_locks", "events"]
+
+
+@pytest.mark.parametrize("argv", [["--resamples", "0"], ["--resamples", "-5"], ["--max-versions", "0"]])
+def test_compare_refuses_counts_below_one_as_a_usage_error(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", *argv])
+    assert exit_.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
