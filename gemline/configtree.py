@@ -129,7 +129,7 @@ def load_tree(path: str | Path | None = None, overrides: Mapping[str, Any] | Non
 
     Raises:
         MissingInputError: ``path`` does not exist (a FileNotFoundError).
-        BadConfigError: ``path`` is not TOML, or an override goes through a value.
+        BadConfigError: ``path`` is a directory or not TOML (binary included), or an override goes through a value.
     """
     tree: dict[str, Any] = {}
     if path is not None:
@@ -138,6 +138,10 @@ def load_tree(path: str | Path | None = None, overrides: Mapping[str, Any] | Non
                 tree = tomllib.load(fh)
         except FileNotFoundError:
             raise MissingInputError(f"no config file at {str(path)!r}; pass --config the path of a TOML file") from None
+        except IsADirectoryError:
+            raise BadConfigError(f"--config {str(path)!r} is a directory; pass the path of a TOML file") from None
+        except UnicodeDecodeError as exc:  # tomllib decodes the bytes as UTF-8 first: a binary file
+            raise BadConfigError(f"config file {str(path)!r} is not UTF-8 text, so not TOML: {exc.reason}") from None
         except tomllib.TOMLDecodeError as exc:
             raise BadConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     for dotted, value in (overrides or {}).items():

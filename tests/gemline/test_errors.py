@@ -78,3 +78,9 @@ def test_config_files_missing_or_not_toml(tmp_path):
     bad.write_text("[build\nmax_seq_len = 3\n")
     with pytest.raises(BadConfigError, match=f"config file '{bad}' is not valid TOML: "):
         load_config(bad)
+    with pytest.raises(BadConfigError, match=f"--config '{tmp_path}' is a directory"):
+        load_config(tmp_path)
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"\x80\x02\xff\xfe")
+    with pytest.raises(BadConfigError, match=f"config file '{binary}' is not UTF-8 text"):
+        load_config(binary)
