@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gemline.errors import GemlineError
+from gemline.errors import GemlineError, MissingInputError
 from gemline.gate import gate_decision, require_version
-from gemline.lake import Lake
+from gemline.lake import Lake, open_table
 from gemline.tables import Table
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
@@ -102,10 +102,12 @@ def _loss_curve_png(loss_curve: list[float]) -> bytes:
 
 def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:
     """Raise QuarantinedError unless the gate allows ``examples@examples_version`` (``lake``: a Lake,
-    or a root with its ``storage_options``); MissingInputError when that version does not exist."""
+    or a root with its ``storage_options``); MissingInputError when that version or the whole table does not exist."""
     decision = gate_decision(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
     if not decision.allowed:
-        if not decision.validated:  # a version past the newest is named as such (MissingInputError)
+        if not decision.validated:  # a version past the newest, or no table at all, is named as such
+            if open_table(lake, Table.EXAMPLES, storage_options=storage_options) is None:
+                raise MissingInputError(f"no examples table under {str(lake)!r}; run `gemline build` first")
             require_version(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)
         log.error("refusing to train: %s", decision.reason)
         raise QuarantinedError(decision.reason)
