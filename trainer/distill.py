@@ -228,6 +228,7 @@ class DistillResult:
     """The first version the teacher has not consumed yet (None: caught up with the examples table)."""
     report: dict[str, Any] | None = None
     report_path: str | None = None
+    """``LAKE/_runs/<run_id>/distill.html``; None while the run has distilled nothing (no report is written)."""
 
 
 class _Students:
@@ -505,7 +506,12 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         log.info("distill: examples@%d %s", version, record)
     result.cursor = cursor
     result.report = summarize(history, passed, dc.variants)
-    result.report_path = write_report(lake, run_id, result.report)
+    if done:
+        result.report_path = write_report(lake, run_id, result.report)
+    elif resume is not None:  # nothing new: the report on disk is this one already
+        result.report_path = f"{lake.root.rstrip('/')}/_runs/{run_id}/distill.html"
+    # else a run that has distilled nothing yet (waiting for the teacher) writes no report: a --follow poll every
+    # few seconds would leave a folder of empty reports each time.
     return result
 
 

@@ -77,6 +77,9 @@ def test_follow_says_once_that_it_waits(tmp_path, caplog):
     assert said == [f"distill waits: no examples table in {lake.root}: run `gemline build` first",
                     "distill waits: the teacher has not consumed examples@0 yet"], "each reason once, not per poll"
     assert [r.waiting_for for r in results] == [0, 0, 0]
+    assert [r.report_path for r in results] == [None, None, None]
+    assert not (tmp_path / "lake" / "_runs").exists() or not list((tmp_path / "lake" / "_runs").glob("distill-*")), \
+        "a poll that distilled nothing leaves no report folder"
 
 
 def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_released(tmp_path, monkeypatch):
