@@ -167,6 +167,11 @@ def read_state(path: str | Path) -> TrainState:
     )
 
 
+_OPTIMIZER_SETTINGS = {"trainer.sparse_optim.RowWiseAdagrad": "rowwise_adagrad",
+                       "torch.optim.adagrad.Adagrad": "adagrad"}
+"""The table optimiser's saved type name -> the ``trainer.embedding_optimizer`` value that builds it."""
+
+
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -199,9 +204,11 @@ def load_checkpoint(
     differ = {name: (saved, built[name]) for name, saved in saved_types.items() if saved != built[name]}
     if differ:
         named = "; ".join(f"{name!r}: saved by {saved}, this run builds {now}" for name, (saved, now) in differ.items())
+        hint = next((f"--set trainer.embedding_optimizer={setting}" for cls, setting in _OPTIMIZER_SETTINGS.items()
+                     if saved_types.get("embeddings") == cls), "the optimisers that wrote it")
         raise BadConfigError(
-            f"checkpoint {path} was written with other optimisers ({named}): resume with the optimisers that wrote it "
-            "(e.g. the same trainer.embedding_optimizer), or start from scratch"
+            f"checkpoint {path} was written with other optimisers ({named}): resume with {hint}, "
+            "or start a new run with --from-scratch"
         )
     model.load_state_dict(payload["model"])
     for name, opt in optimizers.items():
