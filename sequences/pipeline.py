@@ -62,7 +62,7 @@ from tqdm import tqdm
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES
 from gemline.beam_runner import local_runner_args
 from gemline.errors import BadConfigError, MissingInputError
-from gemline.gate import require_allowed
+from gemline.gate import require_allowed, require_version
 from gemline.hygiene import HygieneConfig, conform, tidy
 from gemline.lake import (
     Lake,
@@ -760,15 +760,19 @@ def run_build(
             pointer config) an ``examples_layout``, ``max_seq_len`` or ``same_domain_seq_len`` other than the
             lake was built with (a ValueError).
         ValueError: missing columns, or ``close_windows_at`` < 0.
+        gemline.errors.MissingInputError: no events table, or no ``events_version`` of it.
         gemline.locks.LakeBusyError: another build is running on this lake.
         gemline.gate.GateClosedError: an events version to be read is quarantined, or
             ``events@version`` was never validated (one line naming the version and the command).
     """
     # The helpers and the Beam steps below take the root and its delta-rs options (None for a local lake).
     root, opts = lake.root, lake.delta_options
-    table = open_table(root, Table.EVENTS, events_version, storage_options=opts)
-    if table is None:
+    if open_table(root, Table.EVENTS, storage_options=opts) is None:
         raise MissingInputError(f"no events table under {root!r}; run the ingest job first")
+    if events_version is not None:
+        require_version(root, Table.EVENTS, events_version, storage_options=opts)
+    table = open_table(root, Table.EVENTS, events_version, storage_options=opts)
+    assert table is not None
     if close_windows_at is not None and close_windows_at < 0:
         raise ValueError(f"close_windows_at must be ms since epoch UTC (>= 0), got {close_windows_at}")
     version = table.version()

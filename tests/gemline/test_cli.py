@@ -513,3 +513,13 @@ def test_compare_refuses_counts_below_one_as_a_usage_error(capsys, argv):
         main(["compare", *argv])
     assert exit_.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_build_of_an_events_version_that_does_not_exist_is_one_line(tmp_path, capsys):
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    write_deltalake(str(tmp_path / "events"), pa.table({"event_id": ["e1"]}))
+    assert main(["build", "--events-version", "99", "--lake", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: events has versions 0..0, not 99") and "Traceback" not in err
