@@ -417,7 +417,7 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
 
     Raises:
         gemline.errors.MissingInputError: no examples table, or no ``version`` of it.
-        gemline.errors.BadConfigError: ``out_dir`` holds Parquet files already.
+        gemline.errors.BadConfigError: ``out_dir`` holds Parquet files already, is a file, or cannot be created.
         ValueError: as :func:`materialize_examples`, or pointer rows without the build's metadata.
     """
     import pyarrow.parquet as pq
@@ -430,9 +430,14 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
     dt = newest if version is None else open_table(lake, Table.EXAMPLES, version, storage_options=storage_options)
     assert dt is not None
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise BadConfigError(f"--out {str(out)!r} is a file; export into a directory")
     if out.exists() and any(out.glob("*.parquet")):
         raise BadConfigError(f"{out} already holds Parquet files; export into an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadConfigError(f"cannot create --out {str(out)!r}: {exc.strerror or exc}") from None
     dataset = dt.to_pyarrow_dataset()
     cfg = layout_config(lake, dataset.schema, storage_options=storage_options) if materialize else None
     rows = files = 0

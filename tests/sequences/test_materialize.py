@@ -230,6 +230,11 @@ def test_pointer_build_materializes_to_the_fat_build(tmp_path, make_event):
         export_examples(str(tmp_path / "pointer"), tmp_path / "other", version=9)
     with pytest.raises(MissingInputError, match="no examples table"):
         export_examples(str(tmp_path / "nowhere"), tmp_path / "other")
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(BadConfigError, match="is a file; export into a directory"):
+        export_examples(str(tmp_path / "pointer"), tmp_path / "a-file")
+    with pytest.raises(BadConfigError, match="cannot create --out"):
+        export_examples(str(tmp_path / "pointer"), tmp_path / "a-file" / "below")
     # Two rows a part: the parts hold every row once.
     parts = export_examples(str(tmp_path / "fat"), tmp_path / "small", materialize=False, chunk_rows=2)
     assert (parts["rows"], parts["files"], parts["layout"], parts["materialized"], parts["fat_rows"]) == \
