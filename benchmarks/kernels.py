@@ -501,12 +501,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu (Triton in the interpreter: parity only) or cuda")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere (a CI smoke run)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes everywhere (a CI smoke run): overrides --batch, --max-len, --dim, --heads, --head-dim, --repeats")
     args = p.parse_args(argv)
     if not 0.0 <= args.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
     if min(args.batch, *args.max_len, args.dim, args.heads, args.head_dim, args.repeats) < 1:
         p.error("--batch, --max-len, --dim, --heads, --head-dim and --repeats must be >= 1")
+    kind, colon, index = args.device.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")
     if args.tiny:
         args.batch, args.max_len, args.dim, args.heads, args.head_dim, args.repeats = 4, [24], 8, 2, 16, 1
     return args
@@ -519,6 +525,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_interpreter()
     dtype = DTYPES[args.dtype]
     _print(f"B={args.batch} L_max={args.max_len} sparsity={args.sparsity} dtype={args.dtype} device={args.device}")
+    if args.device == "cpu":
+        _print("Triton runs in its CPU interpreter here: the parity checks count, the timings and speed-ups do not")
     report = parity_report(args.device, dtype, tiny=args.tiny or args.device == "cpu", seed=args.seed)
     _print(f"parity {'ok' if report['ok'] else 'FAILED'} in {report['seconds']:.1f} s")
     if args.device != "cpu" or args.tiny:

@@ -102,7 +102,7 @@ def read_rows(*, path: str | os.PathLike | None, cache_dir: str | None = None) -
         MissingInputError: no file at ``path``.
     """
     if path is None:
-        raise BadConfigError("taobao needs path= the UserBehavior CSV (e.g. UserBehavior_sample.csv), got None")
+        raise BadConfigError("taobao needs the path of the UserBehavior CSV (--path, e.g. UserBehavior_sample.csv)")
     if cache_dir is not None:
         raise BadConfigError(f"taobao reads the file at path, not a cache (got cache_dir={cache_dir!r})")
     csv_path = Path(path)

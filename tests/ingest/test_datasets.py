@@ -165,7 +165,7 @@ def test_load_records_limit_counts_source_rows(taobao_records):
     ("name", "kwargs", "error", "message"),
     [
         ("imdb", {}, ValueError, "expected one of ['movielens', 'openbandit', 'taobao']"),
-        ("taobao", {}, ValueError, "taobao needs path="),
+        ("taobao", {}, ValueError, "taobao needs the path of the UserBehavior CSV (--path"),
         ("taobao", {"path": "/nonexistent/UserBehavior.csv"}, FileNotFoundError, "no file at"),
         ("taobao", {"path": TAOBAO_SAMPLE, "cache_dir": "/tmp"}, ValueError, "not a cache"),
         ("taobao", {"path": TAOBAO_SAMPLE, "limit": -1}, ValueError, "limit must be >= 0"),

@@ -58,3 +58,19 @@ def test_reference_rows_skip_what_would_not_fit():
     assert rows == [0, 3, 1] and skipped == 1
     everything, none = bench._reference_rows(lengths, 1, 1, 1 << 40)
     assert everything == [2, 0, 3, 1] and none == 0
+
+
+@pytest.mark.parametrize(("device", "message"), [("gpu", "--device must be cpu, cuda or cuda:N"),
+                                                 ("cpu:0", "--device must be cpu, cuda or cuda:N")])
+def test_a_bad_device_is_a_usage_error(capsys, device, message):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--device", device])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda"])
+    assert "torch sees no CUDA device here" in capsys.readouterr().err
