@@ -19,6 +19,7 @@ stayed up for ``healthy_after_s`` seconds counts as healthy again, so its next c
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import time
@@ -28,6 +29,12 @@ from pathlib import Path
 from typing import IO, Literal
 
 log = logging.getLogger(__name__)
+
+RELAYED = re.compile(r"^(?:(?:WARNING|ERROR|CRITICAL):(?:ingest|sequences|features|trainer|validation|gemline)"
+                     r"(?:\.(?!rdkafka:)[\w.]+)?:|error: )")
+"""Log lines of a stage the supervisor repeats on its console: our packages' warnings and errors (an unreachable
+broker, a quarantined version) and the CLI's one-line errors; not librdkafka's per-retry lines (``ingest.rdkafka``)
+nor third-party noise, which stay in the stage's log file."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,8 @@ class StageState:
     """Monotonic seconds when a restart is due; None when running or stopped."""
     stopped: bool = False
     _log: IO[bytes] | None = field(default=None, repr=False)
+    _read_to: int | None = field(default=None, repr=False)
+    """Byte offset of the log up to which :meth:`new_log_lines` has read; None: not started (the log's end)."""
 
     @property
     def pid(self) -> int | None:
@@ -85,6 +94,24 @@ class StageState:
         if self.restart_at is not None:
             return f"restarting in {max(0.0, self.restart_at - now):.0f} s"
         return f"stopped (exit {self.last_exit_code})"
+
+    def new_log_lines(self, max_bytes: int = 65536) -> list[str]:
+        """Complete lines appended to the stage's log since the last call (at most ``max_bytes`` read per call; a
+        longer backlog is read over the next calls). The first call starts at the log's end at that time, so lines
+        of an earlier run of the pipeline are not repeated."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, 2)
+                size = fh.tell()
+                if self._read_to is None or self._read_to > size:
+                    self._read_to = size
+                fh.seek(self._read_to)
+                chunk = fh.read(max_bytes)
+        except OSError:
+            return []
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self._read_to += end
+        return [line.strip() for line in chunk[:end].decode("utf-8", "replace").splitlines() if line.strip()]
 
     def last_log_line(self, max_bytes: int = 4096) -> str:
         """The last non-empty line of the stage's log (read from its last ``max_bytes``), or ''."""
@@ -142,6 +169,7 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if stage._log is None:
             stage._log = open(stage.log_path, "ab")
+            stage.new_log_lines()  # from here on: a log kept from an earlier run is not relayed again
         stage.process = subprocess.Popen(stage.command.argv, stdout=stage._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         stage.started_at, stage.restart_at = self.clock(), None
@@ -155,9 +183,14 @@ class Supervisor:
                 self._spawn(stage)
 
     def poll(self) -> None:
-        """Notice exited processes, schedule their restarts, and start the restarts that are due."""
+        """Relay the stages' new warnings and errors (:data:`RELAYED`), notice exited processes, schedule their
+        restarts, and start the restarts that are due."""
         now = self.clock()
         for stage in self.stages:
+            if stage._log is not None:
+                for line in stage.new_log_lines():
+                    if RELAYED.match(line):
+                        self._say(f"{stage.command.name}: {line}")
             if stage.process is not None:
                 code = stage.process.poll()
                 if code is None:

@@ -150,3 +150,24 @@ def test_a_closed_pipe_under_the_status_view_still_stops_every_stage(tmp_path):
     with pytest.raises(BrokenPipeError):
         sup.run(poll_interval_s=0.02, render=render, grace_s=5.0)
     assert sup.stages[0].process is None and sup.stages[0].last_exit_code == -signal.SIGTERM
+
+
+def test_a_stages_own_warnings_and_errors_reach_the_console_and_noise_does_not(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "ingest.log").write_text("WARNING:ingest.streaming:from an earlier run\n")  # not repeated
+    code = ("import logging, sys, time; logging.basicConfig(); "
+            "logging.getLogger('ingest.streaming').warning('ingest: Kafka at h:1 is unreachable'); "
+            "logging.getLogger('ingest.rdkafka').error('FAIL connection refused'); "
+            "logging.getLogger('apache_beam').warning('beam noise'); "
+            "print('error: examples@3 is quarantined', file=sys.stderr); print('a progress line'); "
+            "sys.stderr.flush(); sys.stdout.flush(); time.sleep(60)")
+    events: list[str] = []
+    sup = Supervisor([StageCommand("ingest", _python(code))], log_dir=logs, on_event=events.append)
+    sup.start()
+    relayed = lambda: [e for e in events if not e.startswith("ingest: started")]  # noqa: E731
+    _wait(lambda: len(relayed()) >= 2, supervisor=sup)
+    sup.poll()
+    assert relayed() == ["ingest: WARNING:ingest.streaming:ingest: Kafka at h:1 is unreachable",
+                         "ingest: error: examples@3 is quarantined"]
+    sup.stop(grace_s=5)
