@@ -736,6 +736,12 @@ def _from_worker(exc: BaseException) -> tuple[type[GemlineError], str] | None:
 
 
 def _interrupted(command: str) -> int:
+    if command == "generate":
+        # A producer is not a stage: it commits nothing, and a rerun sends its traffic again from the start.
+        print(f"\ninterrupted: {command} stopped; the records it sent stay in the topic. Running it again sends the "
+              "traffic again from its start: into the same topic, give it a later generate.start_ms (or another "
+              "topic), else its events sit behind the first run's and go to late_events", file=sys.stderr)
+        return 130
     # Every stage commits idempotently, so a rerun finishes an interrupted batch; no traceback.
     print(f"\ninterrupted: {command} stopped; run the same command again to finish "
           "(committed work is kept, a half-done batch is redone, nothing is written twice)", file=sys.stderr)
