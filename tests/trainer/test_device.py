@@ -208,7 +208,9 @@ class _ImplicitDevice(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _FACTORIES and func is not torch.zeros_like and "device" not in kwargs:
             caller = traceback.extract_stack(limit=2)[0]  # the frame that called the factory
-            if caller.filename.startswith(REPO) and "/tests/" not in caller.filename:
+            ours = caller.filename.startswith(REPO) and not any(
+                part in caller.filename for part in ("/tests/", "/site-packages/"))  # a venv may sit inside the repo
+            if ours:
                 self.calls.append(f"{func.__name__} at {Path(caller.filename).name}:{caller.lineno}")
         return func(*args, **kwargs)
 

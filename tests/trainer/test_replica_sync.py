@@ -36,6 +36,8 @@ class _Collection:
 def _engine(monkeypatch, losses: list[float | None], interval: int, wrapper: str = "dmp_collection") -> tuple[ShardedEngine, _Collection]:
     script = list(losses)
     monkeypatch.setattr(sharded_engine, "make_batch", lambda data, rows: None)
+    monkeypatch.setattr(sharded_engine, "validate_batch", lambda batch, num_dense: None)  # no batch to check or move
+    monkeypatch.setattr(sharded_engine, "to_device", lambda batch, device: batch)
     monkeypatch.setattr(sharded_engine, "distributed_train_step", lambda *args, **kwargs: script.pop(0))
     collection = _Collection()
     sharded = ShardedRanker(model=collection, dense_optimizer=None, mesh=None, num_dense=1, sparse_wrapper=wrapper)  # type: ignore[arg-type]
