@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "sequences", "features", "validation", "trainer", "kernels")
-CORE = {"gemline", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.hygiene", "gemline.beam_runner", "gemline.configtree",
+CORE = {"gemline", "gemline.plots", "gemline.lake", "gemline.locks", "gemline.errors", "gemline.hygiene", "gemline.beam_runner", "gemline.configtree",
         "gemline.gate", "gemline.increments", "gemline.metrics", "gemline.polling", "gemline.process", "gemline.supervisor", "gemline.tables"}
 LIBRARIES = ("kernels", "features")
 # sequences.materialize: the pointer layout of ``examples`` (issue 15) is read by rebuilding its lists

@@ -16,35 +16,20 @@ each run so that a resumed run never doubles a point.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gemline.lake import Lake, lake_fs, read_table  # noqa: E402
-from gemline.tables import Table  # noqa: E402
-from trainer.freshness import HOPS  # noqa: E402
+from gemline.lake import Lake, lake_fs, read_table
+from gemline.plots import png_base64, subplots
+from gemline.tables import Table
+from trainer.freshness import HOPS
 
 _COLOURS = {"passed": "#2b8a3e", "released": "#e67700", "quarantined": "#c92a2a"}
-
-
-def _subplots(*grid: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
-    """A (figure, axes) pair outside pyplot, which would keep every figure until closed (a plot that raises
-    half-way would leak it); a bare Figure is freed with its last reference."""
-    fig = Figure(figsize=figsize)
-    return fig, fig.subplots(*grid, **kwargs)
-
-
-def _png(fig: Any) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def progressive_series(metrics: list[dict[str, Any]], run_id: str, task: str, metric: str) -> dict[str, list[tuple[int, float]]]:
@@ -58,7 +43,7 @@ def progressive_series(metrics: list[dict[str, Any]], run_id: str, task: str, me
 
 
 def _line_plot(series: dict[str, list[tuple[int, float]]], title: str, ylabel: str) -> str:
-    fig, ax = _subplots(figsize=(6, 3))
+    fig, ax = subplots(figsize=(6, 3))
     for domain, points in series.items():
         ax.plot([v for v, _ in points], [y for _, y in points], marker="o",
                 linewidth=2.5 if domain == "all" else 1, label=domain)
@@ -66,11 +51,11 @@ def _line_plot(series: dict[str, list[tuple[int, float]]], title: str, ylabel: s
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if series:
         ax.legend(fontsize=7)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def _rows_plot(lineage: Sequence[dict[str, Any]]) -> str:
-    fig, ax = _subplots(figsize=(6, 3))
+    fig, ax = subplots(figsize=(6, 3))
     ax.bar([r["version"] for r in lineage], [r["rows_trained"] for r in lineage],
            color=[_COLOURS.get(r["quality"], "grey") for r in lineage])
     skipped = [r["version"] for r in lineage if r["quality"] == "quarantined"]
@@ -80,17 +65,17 @@ def _rows_plot(lineage: Sequence[dict[str, Any]]) -> str:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if skipped:
         ax.legend(fontsize=7)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def _loss_plot(lineage: Sequence[dict[str, Any]]) -> str:
-    fig, ax = _subplots(figsize=(6, 3))
+    fig, ax = subplots(figsize=(6, 3))
     points = [(r["version"], r["mean_loss"]) for r in lineage if r.get("mean_loss") is not None]
     ax.plot([v for v, _ in points], [y for _, y in points], marker="o")
     ax.set(title="mean training loss per version (BCE, click + conversion)", xlabel="examples version",
            ylabel="loss")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _png(fig)
+    return png_base64(fig)
 
 
 _QUANTILES = (("p50_s", "p50", "-"), ("p95_s", "p95", "--"), ("p99_s", "p99", ":"))
@@ -108,7 +93,7 @@ def freshness_series(rows: list[dict[str, Any]], run_id: str) -> dict[str, dict[
 
 
 def _freshness_plot(series: dict[str, dict[str, list[tuple[int, float]]]], hops: Sequence[str]) -> str:
-    fig, axes = _subplots(1, len(hops), figsize=(12, 3), sharex=True)
+    fig, axes = subplots(1, len(hops), figsize=(12, 3), sharex=True)
     for ax, hop in zip(axes, hops):
         for column, label, style in _QUANTILES:
             points = series.get(hop, {}).get(column, [])
@@ -116,7 +101,7 @@ def _freshness_plot(series: dict[str, dict[str, list[tuple[int, float]]]], hops:
         ax.set(title=hop, xlabel="examples version", ylabel="seconds")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=7)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def _loss_text(value: float | None) -> str:

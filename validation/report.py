@@ -11,9 +11,7 @@ backend) and shows the verdict at the top in large text.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import subprocess
 from collections.abc import Callable, Sequence
@@ -25,6 +23,7 @@ import pyarrow.compute as pc
 
 import gemline
 from gemline.lake import StorageOptions, is_remote, lake_fs, open_table
+from gemline.plots import png_base64, subplots
 from gemline.tables import Table
 from validation.suites import CheckResult
 
@@ -118,44 +117,29 @@ def build_report(
 # ---------------------------------------------------------------- plots
 
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _figure(ncols: int = 1, figsize: tuple[float, float] = (6, 3), **kwargs: Any):
-    """A (figure, axes) pair outside pyplot: pyplot keeps every figure it made until it is closed, so a plot
-    that raises half-way (a broken batch) would leak it; a bare Figure is freed with its last reference."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    return fig, fig.subplots(1, ncols, **kwargs)
-
-
 def plot_seq_length(data: pa.Table) -> str:
     """Histogram of ``seq_length`` as a base64 PNG."""
-    fig, ax = _figure()
+    fig, ax = subplots()
     ax.hist(data.column("seq_length").drop_null().to_numpy(), bins=30)
     ax.set_xlabel("seq_length (events)")
     ax.set_ylabel("examples")
-    return _png(fig)
+    return png_base64(fig)
 
 
 def plot_label_rate(data: pa.Table) -> str:
     """Click rate per domain (mean of ``label_click``) as a base64 PNG bar chart."""
     grouped = data.group_by("domain").aggregate([("label_click", "mean")]).sort_by("domain")
-    fig, ax = _figure()
+    fig, ax = subplots()
     domains = [str(d) for d in grouped.column("domain").to_pylist()]
     ax.bar(domains, grouped.column("label_click_mean").to_numpy(zero_copy_only=False))
     ax.set_ylabel("click rate")
-    return _png(fig)
+    return png_base64(fig)
 
 
 def plot_per_domain_day(data: pa.Table) -> str:
     """Rows per (event_date, domain) as a base64 PNG line chart, one line per domain."""
     grouped = data.group_by(["event_date", "domain"]).aggregate([([], "count_all")]).sort_by("event_date")
-    fig, ax = _figure()
+    fig, ax = subplots()
     days = sorted(set(grouped.column("event_date").to_pylist()), key=str)
     for domain in sorted(set(grouped.column("domain").to_pylist()), key=str):
         sub = grouped.filter(pc.equal(grouped.column("domain"), domain)) if domain is not None else grouped.filter(
@@ -166,7 +150,7 @@ def plot_per_domain_day(data: pa.Table) -> str:
     ax.set_ylabel("rows")
     ax.legend(fontsize="small")
     ax.tick_params(axis="x", labelrotation=45)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def plot_seq_length_by_domain(data: pa.Table) -> str:
@@ -175,14 +159,14 @@ def plot_seq_length_by_domain(data: pa.Table) -> str:
 
     stats = seq_length_by_domain(data)
     domains = sorted({k.split(":", 1)[1] for k in stats})
-    fig, ax = _figure()
+    fig, ax = subplots()
     x = range(len(domains))
     ax.bar([i - 0.2 for i in x], [stats[f"seq_length_p50:{d}"] for d in domains], width=0.4, label="p50")
     ax.bar([i + 0.2 for i in x], [stats[f"seq_length_p99:{d}"] for d in domains], width=0.4, label="p99")
     ax.set_xticks(list(x), domains)
     ax.set_ylabel("seq_length (events)")
     ax.legend(fontsize="small")
-    return _png(fig)
+    return png_base64(fig)
 
 
 def plot_distributions(data: pa.Table, max_features: int = 6) -> str:
@@ -194,19 +178,19 @@ def plot_distributions(data: pa.Table, max_features: int = 6) -> str:
     names = numeric_features(data.schema)[:max_features]
     if not names:
         raise ValueError("no numeric feature columns")
-    fig, axes = _figure(len(names), figsize=(2.2 * len(names), 2.4), squeeze=False)
+    fig, axes = subplots(1, len(names), figsize=(2.2 * len(names), 2.4), squeeze=False)
     for ax, name in zip(axes[0], names):
         values = data.column(name).drop_null().to_numpy().astype(np.float64)
         ax.hist(values[np.isfinite(values)], bins=20)
         ax.set_title(name, fontsize="small")
-    return _png(fig)
+    return png_base64(fig)
 
 
 def plot_drift(report: dict[str, Any]) -> str:
     """Volume and label rates of the batches drift compared with, then this batch, as a base64 PNG."""
     points = [(str(h["table_version"]), h["profile"]) for h in report.get("history", [])]
     points.append((f'{report["table_version"]} (this)', report.get("profile", {})))
-    fig, (left, right) = _figure(2, figsize=(8, 3))
+    fig, (left, right) = subplots(1, 2, figsize=(8, 3))
     labels = [p[0] for p in points]
     left.plot(labels, [p[1].get("num_rows", float("nan")) for p in points], marker="o")
     left.set_title("rows per batch", fontsize="small")
@@ -216,7 +200,7 @@ def plot_drift(report: dict[str, Any]) -> str:
     right.set_title("label rates", fontsize="small")
     if rates:
         right.legend(fontsize="x-small")
-    return _png(fig)
+    return png_base64(fig)
 
 
 PLOTS: dict[str, dict[str, Callable[[pa.Table], str]]] = {
