@@ -96,7 +96,7 @@ def _beam_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 def _config(args: argparse.Namespace) -> GemlineConfig:
     overrides: dict[str, Any] = parse_set_flags(args.overrides)
-    if getattr(args, "lake", None):
+    if getattr(args, "lake", None) is not None:  # `--lake ""` is refused (GemlineConfig), not taken as no flag
         overrides["lake"] = args.lake
     if getattr(args, "bootstrap", None):
         overrides["kafka.bootstrap"] = args.bootstrap

@@ -55,6 +55,11 @@ class GemlineConfig:
     """The per-domain students of `gemline distill` (trainer.students, trainer.distill)."""
 
     def __post_init__(self) -> None:
+        # An empty root would put the tables under the working directory itself (`--set lake=` from a script whose
+        # variable was unset), mixing them with whatever is there.
+        if not self.lake.strip():
+            raise BadConfigError(f"lake: expected a directory or an object-store URI, got {self.lake!r}: pass --lake DIR "
+                                 "or --set lake=DIR (default ./lake)")
         # Messages name the bad option but never show a secret's value (gemline.lake.redact).
         if not isinstance(self.lake_storage_options, dict):
             raise BadConfigError(f"lake_storage_options: expected a table of strings ([lake_storage_options] in the "

@@ -5,6 +5,11 @@ without the application's root config (:mod:`gemline.config` builds ``GemlineCon
 this): a torchrun rank (``trainer.launch``) rebuilds its ``TrainerConfig`` here from the flags its
 launcher wrote with :func:`config_overrides`.
 
+Two sources, two rules: a TOML value is typed already, so ``batch_size = "64"`` or ``compile = "yes"`` is
+refused (a quoted number is a mistake a strict reader catches, not one to guess at); a ``--set KEY=VALUE``
+value is text by nature, so :func:`set_dotted` marks it (:class:`FlagText`) and :func:`coerce` parses it into
+the field's type: ``64``, ``yes``, ``64,32`` or the TOML list ``[64, 32]``.
+
 A field declared with ``metadata={"secret": True}`` never becomes a flag (:func:`config_overrides`):
 flags end up on command lines, which every user of the machine reads (``ps``).
 """
@@ -12,6 +17,7 @@ flags end up on command lines, which every user of the machine reads (``ps``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -26,8 +32,43 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
+class FlagText(str):
+    """A config value given as text on a command line (``--set KEY=VALUE``, :func:`set_dotted`), which
+    :func:`coerce` parses into its field's type; a plain ``str`` in a tree came from TOML and is taken as a string."""
+
+
+def _flag_list(text: FlagText, key: str) -> list[Any]:
+    """The items of a list-valued flag: ``64,32`` (text items, each parsed as its field's type) or a TOML
+    list ``[64, 32]`` (typed items, strings quoted); ``""`` is the empty list.
+
+    Raises:
+        BadConfigError: ``text`` starts with ``[`` but is not a TOML list.
+    """
+    if not text.lstrip().startswith("["):
+        return [FlagText(v.strip()) for v in text.split(",") if v.strip()]
+    try:
+        return list(tomllib.loads(f"v = {text}")["v"])
+    except tomllib.TOMLDecodeError:
+        raise BadConfigError(f"{key}: expected a list as 64,32 or as TOML [64, 32] (strings quoted: "
+                             f'["a", "b"]), got {str(text)!r}') from None
+
+
+def _wrong_type(key: str, expected: str, value: Any, fix: str = "write it without quotes") -> BadConfigError:
+    """The one-line error for ``value`` at ``key``; a quoted TOML value gets ``fix`` as its hint."""
+    quoted = isinstance(value, str) and not isinstance(value, FlagText)
+    return BadConfigError(f"{key}: expected {expected}, got {value!r}" + (f" (a string in the TOML: {fix})" if quoted else ""))
+
+
 def coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a TOML or CLI value to the field's declared type; raise BadConfigError naming the key."""
+    """Convert a TOML value or a flag's text (:class:`FlagText`) to the field's declared type.
+
+    A TOML value must already have the field's type (an int is taken for a float); only flag text is parsed
+    (``"64"`` -> 64, ``"yes"`` -> True, ``"64,32"`` or ``"[64, 32]"`` -> (64, 32)).
+
+    Raises:
+        BadConfigError: a value of another type, or text that does not parse; the message names ``key``, the
+            expected type and the value.
+    """
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is type(None):
@@ -49,25 +90,34 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is typing.Literal:
         if value not in args:
             raise BadConfigError(f"{key}: expected one of {args}, got {value!r}")
-        return value
+        return args[args.index(value)]  # the declared value, not the flag's FlagText
+    if origin is dict and isinstance(value, dict):  # a table of flags (lake_storage_options.KEY=VALUE): plain strings
+        return {k: str(v) if isinstance(v, FlagText) else v for k, v in value.items()}
     if origin is tuple:
         # "" is the empty tuple (how config_overrides writes one that differs from its default).
-        if not isinstance(value, (str, list, tuple)):
-            raise BadConfigError(f"{key}: expected a list, got {value!r}")
-        items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+        if isinstance(value, FlagText):
+            items = _flag_list(value, key)
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise _wrong_type(key, "a list", value, fix="write a TOML list such as [64, 32]")
         return tuple(coerce(v, args[0], key) for v in items)
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
+        if isinstance(value, FlagText) and value.lower() in ("1", "true", "yes", "on"):
             return True
-        if str(value).lower() in ("0", "false", "no", "off"):
+        if isinstance(value, FlagText) and value.lower() in ("0", "false", "no", "off"):
             return False
-        raise BadConfigError(f"{key}: expected a boolean, got {value!r}")
+        raise _wrong_type(key, "a boolean", value)
     if annotation in (int, float, str):
         # TOML's true is a Python int too, and 5 would pass str(): a typed TOML value of the wrong kind is refused.
-        if isinstance(value, bool) or (annotation is str and isinstance(value, (int, float))):
-            raise BadConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
+        if annotation is str:
+            if not isinstance(value, (str, os.PathLike)):  # a Path from a Python caller's overrides; TOML has none
+                raise _wrong_type(key, "str", value)
+            return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+        if isinstance(value, bool) or (isinstance(value, str) and not isinstance(value, FlagText)):
+            raise _wrong_type(key, annotation.__name__, value)
         try:
             if annotation is int and isinstance(value, float):
                 raise ValueError
@@ -109,7 +159,8 @@ def build(cls: type[_T], data: dict[str, Any], prefix: str = "") -> _T:
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``tree[a][b][c] = value`` for ``dotted`` ``"a.b.c"``, creating tables on the way.
+    """Set ``tree[a][b][c] = value`` for ``dotted`` ``"a.b.c"``, creating tables on the way; a ``str`` value is
+    a flag's text (``--set``), marked :class:`FlagText` so that :func:`build` parses it into its field's type.
 
     Raises:
         BadConfigError: a part on the way is a value, not a table.
@@ -120,7 +171,7 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise BadConfigError(f"cannot set {dotted!r}: {part!r} is not a table")
-    node[parts[-1]] = value
+    node[parts[-1]] = FlagText(value) if isinstance(value, str) else value
 
 
 def load_tree(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

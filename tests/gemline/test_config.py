@@ -122,3 +122,65 @@ def test_a_toml_value_of_the_wrong_kind_names_the_key(tmp_path, toml, message):
     path.write_text(toml)
     with pytest.raises(BadConfigError, match=message):
         load_config(path)
+
+
+def _cli_error(argv: list[str], capsys) -> tuple[int, str]:
+    """Exit code and stderr of ``gemline quality release`` (a command that loads the config before touching the lake)."""
+    from gemline.cli import main
+
+    code = main(["quality", "release", "0", "--reason", "r", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ('[trainer]\nbatch_size = "64"\n',
+     "trainer.batch_size: expected int, got '64' (a string in the TOML: write it without quotes)"),
+    ('[trainer]\ncompile = "yes"\n',
+     "trainer.compile: expected a boolean, got 'yes' (a string in the TOML: write it without quotes)"),
+    ('[trainer]\nlearning_rate = "0.01"\n',
+     "trainer.learning_rate: expected float, got '0.01' (a string in the TOML: write it without quotes)"),
+    ('[trainer]\nhidden_dims = ["64", "32"]\n',
+     "trainer.hidden_dims: expected int, got '64' (a string in the TOML: write it without quotes)"),
+    ('[ingest]\ndomains = "facebook,instagram"\n',
+     "ingest.domains: expected a list, got 'facebook,instagram' (a string in the TOML: write a TOML list such as "
+     "[64, 32])"),
+])
+def test_a_quoted_toml_value_is_refused_in_one_line(tmp_path, capsys, toml, message):
+    path = tmp_path / "gemline.toml"
+    path.write_text(toml)
+    assert _cli_error(["--config", str(path), "--lake", str(tmp_path / "lake")], capsys) == (2, f"error: {message}\n")
+    assert not (tmp_path / "lake").exists()
+
+
+def test_flag_text_is_still_parsed_into_the_field_type():
+    config = load_config(overrides={"trainer.batch_size": "64", "trainer.compile": "yes", "trainer.learning_rate": "0.5",
+                                    "trainer.hidden_dims": "128,16", "ingest.domains": "facebook,instagram"})
+    assert (config.trainer.batch_size, config.trainer.compile, config.trainer.learning_rate) == (64, True, 0.5)
+    assert (config.trainer.hidden_dims, config.ingest.domains) == ((128, 16), ("facebook", "instagram"))
+    assert type(config.trainer.ids.mapping) is str and type(config.lake) is str
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[128,16]", (128, 16)), ("[128, 16]", (128, 16)), ("[ 8 ]", (8,)), ("[]", ()), ("128, 16", (128, 16)), ("", ()),
+])
+def test_a_list_flag_takes_the_toml_list_syntax_too(text, expected):
+    assert load_config(overrides={"trainer.gem.recency_branches": text}).trainer.gem.recency_branches == expected
+
+
+def test_a_toml_list_flag_of_strings_needs_quotes(capsys):
+    config = load_config(overrides={"ingest.domains": '["facebook", "instagram"]'})
+    assert config.ingest.domains == ("facebook", "instagram")
+    assert _cli_error(["--set", "ingest.domains=[facebook]"], capsys) == (
+        2, "error: ingest.domains: expected a list as 64,32 or as TOML [64, 32] (strings quoted: [\"a\", \"b\"]), got "
+           "'[facebook]'\n")
+    assert _cli_error(["--set", "trainer.hidden_dims=[64,"], capsys)[0] == 2
+    # Items of a TOML list keep their TOML types: a quoted number is refused as in a file.
+    assert _cli_error(["--set", 'trainer.hidden_dims=["64"]'], capsys) == (
+        2, "error: trainer.hidden_dims: expected int, got '64' (a string in the TOML: write it without quotes)\n")
+
+
+@pytest.mark.parametrize("argv", [["--set", "lake="], ["--set", "lake= "], ["--lake", ""]])
+def test_an_empty_lake_path_is_refused(capsys, argv):
+    assert _cli_error(argv, capsys) == (
+        2, "error: lake: expected a directory or an object-store URI, got '': pass --lake DIR or --set lake=DIR "
+           "(default ./lake)\n")
