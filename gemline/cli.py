@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gemline.config import GemlineConfig, load_config, parse_set_flags
-from gemline.errors import BadConfigError, GemlineError, RetentionGapError
+from gemline.errors import BadConfigError, GemlineError, MissingInputError, RetentionGapError
 from gemline.lake import Lake
 from gemline.process import run_and_exit
 from gemline.tables import Table
@@ -290,11 +290,18 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from validation.run import latest_report
+    from gemline.gate import gate_decision, require_version
+    from gemline.lake import open_table
+    from validation.run import VALIDATED_TABLES, latest_report
 
     lake = Lake.for_config(_config(args))
+    # Checked before the report is looked for, whose "run gemline validate" hint would fail the same way.
+    if args.table in VALIDATED_TABLES and open_table(lake, args.table, storage_options=lake.delta_options) is None:
+        raise MissingInputError(f"no {args.table} table in {lake} yet, so no report: `gemline ingest` writes events, "
+                                "`gemline build` the others")
+    if args.version is not None:
+        require_version(lake, args.table, args.version, storage_options=lake.delta_options)  # names the versions
     verdict, html = latest_report(lake, args.table, args.version)
-    from gemline.gate import gate_decision
 
     version = args.version if args.version is not None else int(Path(str(html)).parent.name)
     decision = gate_decision(lake, args.table, version)

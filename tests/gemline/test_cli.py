@@ -529,3 +529,23 @@ def test_build_of_an_events_version_that_does_not_exist_is_one_line(tmp_path, ca
     assert main(["build", "--events-version", "99", "--lake", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: events has versions 0..0, not 99") and "Traceback" not in err
+
+
+def test_report_of_a_version_that_does_not_exist_names_the_versions(tmp_path, capsys):
+    from gemline.lake import commit_once
+
+    for version in (0, 1):
+        commit_once(tmp_path, "examples", pa.table({"x": [version]}), app_id="build", version=version)
+    assert main(["report", "--version", "99", "--lake", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: examples has versions 0..1, not 99\n"
+    # An existing version without a report: validating it is the way on, as the message says.
+    assert main(["report", "--version", "1", "--lake", str(tmp_path)]) == 2
+    assert "run `gemline validate --table examples --version 1`" in capsys.readouterr().err
+
+
+def test_report_on_a_lake_without_the_table_says_what_writes_it(tmp_path, capsys):
+    lake = tmp_path / "lake"
+    for argv in ([], ["--version", "3"]):
+        assert main(["report", "--lake", str(lake), *argv]) == 2
+        assert capsys.readouterr().err == (f"error: no examples table in {lake} yet, so no report: `gemline ingest` "
+                                           "writes events, `gemline build` the others\n")
