@@ -149,14 +149,20 @@ def cmd_replay(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from ingest.generate import generate_records, stream_records
+    from ingest.replay import ReplayInterrupted
 
     config = _config(args)
     records = generate_records(config.generate)
-    produced = stream_records(
-        records, bootstrap=_require_bootstrap(config), topic=config.kafka.topic, partitions=config.kafka.partitions,
-        rate_per_s=args.rate, batch_messages=config.kafka.producer_batch_messages,
-        wall_clock=config.generate.wall_clock,
-    )
+    try:
+        produced = stream_records(
+            records, bootstrap=_require_bootstrap(config), topic=config.kafka.topic, partitions=config.kafka.partitions,
+            rate_per_s=args.rate, batch_messages=config.kafka.producer_batch_messages,
+            wall_clock=config.generate.wall_clock,
+        )
+    except ReplayInterrupted as exc:  # what the topic now holds of this run, then main's one line and exit 130
+        print(json.dumps({"produced": exc.acknowledged, "unacknowledged": exc.unacknowledged, "interrupted": True,
+                          "topic": config.kafka.topic, "seed": config.generate.seed}), flush=True)
+        raise
     print(json.dumps({"produced": produced, "topic": config.kafka.topic, "seed": config.generate.seed}))
     return 0
 

@@ -267,22 +267,28 @@ def stream_records(records: list[Record], *, bootstrap: str, topic: str, partiti
     Raises:
         ValueError: ``rate_per_s`` <= 0.
         ingest.replay.DeliveryError: a message was not acknowledged.
+        ingest.replay.ReplayInterrupted: Ctrl-C (a KeyboardInterrupt), with the count the broker acknowledged.
     """
-    from ingest.replay import replay
+    from ingest.replay import ReplayInterrupted, replay
 
     if rate_per_s is not None and rate_per_s <= 0:
         raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
     ordered = in_time_order(records)
     step = len(ordered) if rate_per_s is None else max(1, int(rate_per_s))
     produced = 0
-    for start in range(0, len(ordered), step):
-        began = time.monotonic()
-        chunk = ordered[start:start + step]
-        if wall_clock:
-            chunk = stamped(chunk, _now_ms())
-        replay(chunk, bootstrap=bootstrap, topic=topic, partitions=partitions,
-               batch_messages=batch_messages, progress=progress and rate_per_s is None)
-        produced += len(chunk)
-        if rate_per_s is not None and start + step < len(ordered):
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
+    try:
+        for start in range(0, len(ordered), step):
+            began = time.monotonic()
+            chunk = ordered[start:start + step]
+            if wall_clock:
+                chunk = stamped(chunk, _now_ms())
+            replay(chunk, bootstrap=bootstrap, topic=topic, partitions=partitions,
+                   batch_messages=batch_messages, progress=progress and rate_per_s is None)
+            produced += len(chunk)
+            if rate_per_s is not None and start + step < len(ordered):
+                time.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
+    except ReplayInterrupted as exc:  # inside a slice: the slices before it were acknowledged whole
+        raise ReplayInterrupted(produced + exc.acknowledged, exc.unacknowledged) from None
+    except KeyboardInterrupt:  # between slices
+        raise ReplayInterrupted(produced, 0) from None
     return produced

@@ -45,6 +45,27 @@ class DeliveryError(RuntimeError):
     """The broker refused or lost a produced message."""
 
 
+INTERRUPT_FLUSH_S = 5.0
+"""Seconds an interrupted :func:`replay` waits for the acks of the messages it already produced (a local broker
+answers in milliseconds), so that its count is of what reached the broker."""
+
+
+class ReplayInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM raised as one) stopped a :func:`replay` or ``ingest.generate.stream_records``.
+
+    A ``KeyboardInterrupt``, so callers that stop on Ctrl-C still do; it carries the counts a user needs to
+    know what the topic now holds of this run.
+    """
+
+    def __init__(self, acknowledged: int, unacknowledged: int) -> None:
+        super().__init__(f"interrupted: {acknowledged} message(s) acknowledged by the broker, "
+                         f"{unacknowledged} produced without an acknowledgement")
+        self.acknowledged = acknowledged
+        """Messages the broker acknowledged: they are in the topic."""
+        self.unacknowledged = unacknowledged
+        """Messages handed to the producer whose fate is unknown (not acknowledged within INTERRUPT_FLUSH_S)."""
+
+
 def _create_or_describe(bootstrap: str, topic: str, partitions: int, timeout_s: float) -> int:
     """Create ``topic`` unless it exists; return its partition count as the broker reports it."""
     check_not_refused(bootstrap)
@@ -130,6 +151,7 @@ def replay(
         ValueError: bad ``partitions``/``batch_messages`` or a partition-count mismatch.
         TypeError: a record is neither an Event nor a RawRecord.
         DeliveryError: any message failed delivery, or acks were still missing after the flush.
+        ReplayInterrupted: Ctrl-C (a KeyboardInterrupt) while producing, with the acknowledged count.
     """
     if batch_messages < 1:
         raise ValueError(f"batch_messages must be >= 1, got {batch_messages}")
@@ -137,12 +159,15 @@ def replay(
     messages = [_key_value(record) for record in ordered]  # type-checks every record before producing
     num_partitions = ensure_topic(bootstrap, topic, partitions)
     failures: list[str] = []
+    acknowledged = [0]
 
     def on_delivery(err: KafkaError | None, msg: Message) -> None:
         # Recorded, then raised from the main loop: an exception raised inside librdkafka's
         # callback would surface at an arbitrary later poll.
         if err is not None:
             failures.append(f"{msg.topic()}[{msg.partition()}] key={msg.key()!r}: {err}")
+        else:
+            acknowledged[0] += 1
 
     def check() -> None:
         if failures:
@@ -155,18 +180,23 @@ def replay(
         "linger.ms": 0,
         "enable.idempotence": False,  # tansu 0.x does not implement producer ids
     })
-    with tqdm(total=len(messages), unit="msg", desc=f"replay -> {topic}", disable=not progress) as bar:
-        for key, value in messages:
-            while True:
-                try:
-                    producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
-                    break
-                except BufferError:  # local queue full: serve acks, then retry
-                    producer.poll(0.1)
-            producer.poll(0)
-            check()
-            bar.update(1)
-        remaining = producer.flush(flush_timeout_s)
+    try:
+        with tqdm(total=len(messages), unit="msg", desc=f"replay -> {topic}", disable=not progress) as bar:
+            for key, value in messages:
+                while True:
+                    try:
+                        producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+                        break
+                    except BufferError:  # local queue full: serve acks, then retry
+                        producer.poll(0.1)
+                producer.poll(0)
+                check()
+                bar.update(1)
+            remaining = producer.flush(flush_timeout_s)
+    except KeyboardInterrupt:
+        # Messages already produced are on their way: their acks make the count what reached the broker.
+        unacknowledged = producer.flush(INTERRUPT_FLUSH_S)
+        raise ReplayInterrupted(acknowledged[0], unacknowledged) from None
     check()
     if not remaining:
         producer.close()  # release librdkafka's threads and sockets now rather than at garbage collection

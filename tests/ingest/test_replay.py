@@ -125,3 +125,45 @@ def test_replay_dataset_into_existing_topic(broker):
     got = _consume_all(broker.bootstrap, "replay.ds")
     ids = sorted(json.loads(m.value())["event_id"] for msgs in got.values() for m in msgs)
     assert ids == sorted(r.event_id for r in load_records("taobao", path=TAOBAO_SAMPLE, limit=30))
+
+
+@pytest.mark.integration
+def test_an_interrupted_replay_counts_what_the_broker_acknowledged(broker, monkeypatch):
+    import ingest.replay
+    from ingest.replay import ReplayInterrupted
+
+    class CtrlCOnThe30th(ingest.replay.Producer):
+        calls = 0
+
+        def produce(self, *args, **kwargs):
+            CtrlCOnThe30th.calls += 1
+            if CtrlCOnThe30th.calls == 30:
+                raise KeyboardInterrupt
+            return super().produce(*args, **kwargs)
+
+    monkeypatch.setattr(ingest.replay, "Producer", CtrlCOnThe30th)
+    events = [_event(f"u{n % 7}", 1_000 + n, n) for n in range(100)]
+    with pytest.raises(ReplayInterrupted) as stopped:
+        replay(events, bootstrap=broker.bootstrap, topic="replay.ctrlc", partitions=2, progress=False)
+    assert (stopped.value.acknowledged, stopped.value.unacknowledged) == (29, 0)
+    assert isinstance(stopped.value, KeyboardInterrupt), "callers that stop on Ctrl-C still stop"
+    got = _consume_all(broker.bootstrap, "replay.ctrlc")
+    assert sorted(m.key() + m.value() for msgs in got.values() for m in msgs) == sorted(
+        k + v for k, v in map(_key_value, events[:29]))
+
+
+@pytest.mark.integration
+def test_generate_interrupted_between_slices_prints_what_reached_the_broker(broker, monkeypatch, capsys):
+    import ingest.generate
+    from gemline.cli import main
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ingest.generate.time, "sleep", ctrl_c)  # Ctrl-C while it waits after its first second
+    sets = ["--set", "generate.num_users=20", "--set", "generate.days=0.2", "--set", "generate.seed=5"]
+    assert main(["generate", "--bootstrap", broker.bootstrap, "--topic", "gen.ctrlc", "--rate", "25", *sets]) == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"produced": 25, "unacknowledged": 0, "interrupted": True, "topic": "gen.ctrlc", "seed": 5}
+    assert err.startswith("\ninterrupted: generate stopped; the records it sent stay in the topic.")
+    assert sum(len(msgs) for msgs in _consume_all(broker.bootstrap, "gen.ctrlc").values()) == 25
