@@ -786,6 +786,39 @@ def _quiet_interrupts() -> None:
             logger.addFilter(_DropInterrupts())
 
 
+KNOWN_NOISE: tuple[tuple[str, str], ...] = (
+    # torch 2.x tells TorchRec's authors (torchrec.modules.regroup, feature_processor) to call a newer function; once
+    # per process, whatever the model does.
+    ("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"),
+    # GX names the temporary folder of the ephemeral context's docs site (validation.suites), which gemline never
+    # builds: its reports are its own HTML. INFO, shown once a Beam worker set the root logger to INFO.
+    ("great_expectations.data_context.types.base", "Created temporary directory"),
+    # Beam's optional BigQuery client, which no gemline pipeline uses, is missing a dependency.
+    ("root", "apitools not found, and bigquery client libraries are not available"),
+)
+"""(logger name, start of message) of the log lines every command would print to no purpose: each is dropped at its
+logger (:class:`_DropNoise`), so another message of the same logger still shows."""
+
+
+class _DropNoise(logging.Filter):
+    """Drops the records of one logger whose message starts with ``prefix`` (:data:`KNOWN_NOISE`)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for a record whose unformatted message starts with ``prefix``."""
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _quiet_known_noise() -> None:
+    for name, prefix in KNOWN_NOISE:
+        logger = logging.getLogger(None if name == "root" else name)
+        if not any(isinstance(f, _DropNoise) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_DropNoise(prefix))
+
+
 def _sigterm_as_interrupt() -> None:
     """SIGTERM (a service manager or ``kill``) stops a command as Ctrl-C does: one line, exit 130,
     committed work kept. ``ingest --streaming`` installs its own handlers over this one."""
@@ -816,6 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     _sigterm_as_interrupt()
     _quiet_interrupts()
+    _quiet_known_noise()
     try:
         return args.func(args, extra)
     except (Exception, KeyboardInterrupt) as exc:

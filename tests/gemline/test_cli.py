@@ -549,3 +549,38 @@ def test_report_on_a_lake_without_the_table_says_what_writes_it(tmp_path, capsys
         assert main(["report", "--lake", str(lake), *argv]) == 2
         assert capsys.readouterr().err == (f"error: no examples table in {lake} yet, so no report: `gemline ingest` "
                                            "writes events, `gemline build` the others\n")
+
+
+NOISE_SCRIPT = """
+import logging, sys
+import torch.fx._symbolic_trace as fx_trace
+from gemline.cli import main
+
+logging.basicConfig()
+# A Beam worker leaves the root logger at INFO (apache_beam.runners.worker.logger), which shows GX's INFO line:
+logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.INFO)
+assert main(["lineage", "--lake", sys.argv[1]]) == 2  # a cheap command: no checkpoint
+# The three sources, as a demo or `gemline run` meets them after the command started:
+fx_trace.is_fx_tracing()  # TorchRec's forward
+import great_expectations as gx
+gx.get_context(mode="ephemeral")  # validation.suites
+import apache_beam.io.gcp.internal.clients.bigquery  # any Beam pipeline
+for name in ("torch.fx._symbolic_trace", "great_expectations.data_context.types.base", "root"):
+    logging.getLogger(name).warning("control line of %s", name)  # other messages of the same loggers still show
+"""
+
+
+def test_known_harmless_log_lines_are_gone_and_other_lines_stay(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", NOISE_SCRIPT, str(tmp_path / "lake")], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"error: no continuous checkpoint under {tmp_path / 'lake' / '_continuous'}: run `gemline train --once`"
+    for name in ("torch.fx._symbolic_trace", "great_expectations.data_context.types.base", "root"):
+        assert sum(f"control line of {name}" in line for line in lines) == 1, proc.stderr
+    assert len(lines) == 4, proc.stderr  # nothing else
