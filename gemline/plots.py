@@ -1,4 +1,5 @@
-"""Report plots as inline PNGs, drawn outside pyplot (the validation and training reports share them).
+"""Report plots as PNGs (inline or files), drawn outside pyplot (the validation, training, compare and distill
+reports share them).
 
 pyplot keeps every figure it made until it is closed, so a plot that raises half-way (a broken batch) would
 leak its figure in a long-running ``--follow`` process; a bare :class:`matplotlib.figure.Figure` is freed with
@@ -21,8 +22,13 @@ def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] = (
     return fig, fig.subplots(nrows, ncols, **kwargs)
 
 
-def png_base64(fig: Any, dpi: int = 80) -> str:
-    """``fig`` as a base64-encoded PNG (ASCII), cropped to its drawn area, for an ``<img src="data:...">``."""
+def png_bytes(fig: Any, dpi: int = 80) -> bytes:
+    """``fig`` as PNG bytes cropped to its drawn area (``dpi`` dots per inch), for a ``.png`` file."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
+
+
+def png_base64(fig: Any, dpi: int = 80) -> str:
+    """``fig`` as a base64-encoded PNG (ASCII), cropped to its drawn area, for an ``<img src="data:...">``."""
+    return base64.b64encode(png_bytes(fig, dpi)).decode("ascii")

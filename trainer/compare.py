@@ -40,7 +40,6 @@ Metrics are those of trainer/metrics.py: AUC, NE (He et al. 2014, §2) and calib
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -55,6 +54,7 @@ import numpy as np
 from gemline.configtree import build, config_overrides, set_dotted
 from gemline.errors import BadConfigError
 from gemline.lake import Lake
+from gemline.plots import png_bytes, subplots
 from trainer.config import ModelName, TrainerConfig
 from trainer.data import latest_examples_version
 from trainer.metrics import TASKS, nan_to_none
@@ -162,15 +162,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 def auc_plot_png(rows: list[dict]) -> bytes:
     """PNG bytes: grouped bars of AUC per (task, domain), one colour per model; undefined AUCs are left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
     models = list(dict.fromkeys(r["model"] for r in rows))
     groups = list(dict.fromkeys((r["task"], r["domain"]) for r in rows))
-    fig = Figure(figsize=(max(6, 1.1 * len(groups)), 4))
-    ax = fig.add_subplot()
+    fig, ax = subplots(figsize=(max(6, 1.1 * len(groups)), 4))
     width = 0.8 / max(len(models), 1)
     for i, model in enumerate(models):
         by_group = {(r["task"], r["domain"]): r["auc"] for r in rows if r["model"] == model}
@@ -184,9 +178,7 @@ def auc_plot_png(rows: list[dict]) -> bytes:
     ax.set_ylabel("AUC on the held-out last day")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
+    return png_bytes(fig, dpi=100)
 
 
 def write_report(run_dir: Path, summary: dict, rows: list[dict]) -> dict[str, str]:
@@ -394,14 +386,8 @@ def progressive_markdown(summary: dict, rows: list[dict], differences: list[dict
 
 def progressive_plot_png(per_version: dict[str, dict[str, list[dict]]]) -> bytes:
     """PNG bytes: progressive AUC per examples version, one line per model, one panel per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 3.5))
-    for i, task in enumerate(TASKS):
-        ax = fig.add_subplot(1, len(TASKS), i + 1)
+    fig, axes = subplots(1, len(TASKS), figsize=(10, 3.5), squeeze=False)
+    for ax, task in zip(axes[0], TASKS):
         for model, by_task in per_version.items():
             points = [(p["examples_version"], p["auc"]) for p in by_task.get(task, []) if p["auc"] is not None]
             ax.plot([v for v, _ in points], [a for _, a in points], marker="o", label=model)
@@ -409,9 +395,7 @@ def progressive_plot_png(per_version: dict[str, dict[str, list[dict]]]) -> bytes
         ax.set(title=f"{task}", xlabel="examples version (evaluated before training on it)", ylabel="progressive AUC")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
+    return png_bytes(fig, dpi=100)
 
 
 def _mean_and_interval(interval: dict | None, ci_key: str) -> dict[str, Any]:

@@ -445,18 +445,24 @@ class TrainerConfig:
         check_device(self.device)
 
 
-def check_device(device: str) -> None:
-    """Raise BadConfigError unless ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (N >= 0) and, for cuda, CUDA is
-    available with more than N devices. torch is imported only for a cuda name (the config stays cheap to load)."""
+def check_device(device: str, *, key: str = "trainer.device", processes: int = 1) -> None:
+    """Raise BadConfigError unless ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (N >= 0) and, for cuda, this machine
+    has the CUDA devices it needs: N + 1 for ``cuda:N``, ``processes`` for ``cuda`` (each local process on its own
+    device, ``cuda:LOCAL_RANK``, as ``trainer.distributed.device`` does). ``key`` names the setting in the message.
+    torch is imported only for a cuda name (the config stays cheap to load)."""
     kind, colon, index = device.partition(":")
     if kind == "cpu" and not colon:
         return
     if kind != "cuda" or (colon and not index.isdigit()):
-        raise BadConfigError(f"trainer.device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        raise BadConfigError(f"{key} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     import torch
 
     if not torch.cuda.is_available():
-        raise BadConfigError(f"trainer.device={device!r} but torch sees no CUDA device here (torch {torch.__version__}); "
-                             "use trainer.device=cpu")
-    if colon and int(index) >= torch.cuda.device_count():
-        raise BadConfigError(f"trainer.device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise BadConfigError(f"{key}={device!r} but torch sees no CUDA device here (torch {torch.__version__}); "
+                             f"use {key}=cpu")
+    have = torch.cuda.device_count()
+    if colon and int(index) >= have:
+        raise BadConfigError(f"{key}={device!r} but this machine has {have} CUDA device(s)")
+    if not colon and have < processes:
+        raise BadConfigError(f"{key}={device!r} puts each of the {processes} processes on its own CUDA device, but this "
+                             f"machine has {have} CUDA device(s); use --nproc {have} or {key}=cpu")

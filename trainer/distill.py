@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import logging
 import math
@@ -53,6 +52,7 @@ from gemline.gate import gate_decisions
 from gemline.increments import Cursor, latest_version, read_from, table_id
 from gemline.lake import Lake, is_remote, lake_fs
 from gemline.locks import holding
+from gemline.plots import png_bytes, subplots
 from gemline.polling import poll
 from gemline.tables import Table
 from trainer import continuous
@@ -620,13 +620,7 @@ def staleness_plot_png(staleness: list[dict[str, Any]]) -> bytes | None:
               if s["staleness_ms_p50"] is not None and s["adapter_ne_gain"] is not None]
     if not points:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 3.5))
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = subplots(figsize=(6, 3.5))
     for domain in sorted({d for d, _, _ in points}):
         mine = [(x, y) for d, x, y in points if d == domain]
         ax.scatter([x for x, _ in mine], [y for _, y in mine], label=domain)
@@ -635,9 +629,7 @@ def staleness_plot_png(staleness: list[dict[str, Any]]) -> bytes | None:
            title="Student Adapter gain over aux_head against teacher staleness")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
+    return png_bytes(fig, dpi=100)
 
 
 def _inference_html(rates: dict[str, Any] | None) -> str:

@@ -46,7 +46,7 @@ from gemline.configtree import config_overrides as config_overrides  # re-export
 from gemline.errors import BadConfigError, GemlineError
 from gemline.lake import Lake
 from gemline.process import die_with_parent, run_and_exit
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, check_device
 from trainer.data import latest_examples_version
 from trainer.distributed import SHARDABLE_MODELS
 from trainer.sharded_engine import sharded_engine
@@ -72,20 +72,11 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
 
 
 def check_local_devices(tc: TrainerConfig, nproc: int) -> None:
-    """Raise ValueError unless this node can give each of its ``nproc`` ranks a device: with
-    ``trainer.distributed.device = "cuda"``, one CUDA device per rank (``cuda:LOCAL_RANK``). Checked before torchrun
-    starts, so a CPU-only machine gets one line instead of every rank's NCCL traceback."""
-    if tc.distributed.device != "cuda":
-        return
-    import torch
-
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < nproc:
-        raise ValueError(f"trainer.distributed.device='cuda' puts each of the {nproc} processes on its own CUDA device, "
-                         f"but this machine has {have}; use --nproc {have} or trainer.distributed.device=cpu"
-                         if have else
-                         f"trainer.distributed.device='cuda' but torch sees no CUDA device here (torch {torch.__version__}); "
-                         "use trainer.distributed.device=cpu")
+    """Raise BadConfigError (a ValueError) unless this node can give each of its ``nproc`` ranks a device: with
+    ``trainer.distributed.device = "cuda"``, one CUDA device per rank (``cuda:LOCAL_RANK``;
+    :func:`trainer.config.check_device`). Checked before torchrun starts, so a CPU-only machine gets one line instead
+    of every rank's NCCL traceback."""
+    check_device(tc.distributed.device, key="trainer.distributed.device", processes=nproc)
 
 
 def run_distributed_training(lake: Lake, tc: TrainerConfig, *, examples_version: int | None = None,

@@ -13,7 +13,6 @@ parameters as an uninterrupted run; otherwise it warm-starts and trains every ep
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from tqdm import tqdm
 from gemline.errors import GemlineError, MissingInputError
 from gemline.gate import gate_decision, require_version
 from gemline.lake import Lake, open_table
+from gemline.plots import png_bytes, subplots
 from gemline.tables import Table
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
@@ -83,21 +83,13 @@ class TrainResult:
 
 
 def _loss_curve_png(loss_curve: list[float]) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 3.5))
-    ax = fig.add_subplot()
+    fig, ax = subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(loss_curve) + 1), loss_curve, linewidth=1)
     ax.set_xlabel("step of this run")
     ax.set_ylabel("BCE click + conversion")
     ax.set_title("training loss")
     ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
+    return png_bytes(fig, dpi=100)
 
 
 def check_gate(lake: Lake | str, examples_version: int, *, storage_options: dict[str, str] | None = None) -> None:

@@ -349,3 +349,24 @@ def test_a_cuda_step_matches_the_cpu_step(data):
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-4)
     for key, value in states["cuda"].items():
         torch.testing.assert_close(value, states["cpu"][key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_the_launcher_checks_its_cuda_devices_with_check_device(monkeypatch):
+    """One CUDA test, one message: ``trainer.launch.check_local_devices`` is ``check_device`` for its key."""
+    from trainer.config import DistributedConfig
+    from trainer.launch import check_local_devices
+
+    tc = TrainerConfig(distributed=DistributedConfig(device="cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BadConfigError) as error:
+        check_local_devices(tc, 2)
+    assert str(error.value) == (f"trainer.distributed.device='cuda' but torch sees no CUDA device here "
+                                f"(torch {torch.__version__}); use trainer.distributed.device=cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_local_devices(tc, 1)
+    with pytest.raises(BadConfigError) as error:
+        check_local_devices(tc, 2)
+    assert str(error.value) == ("trainer.distributed.device='cuda' puts each of the 2 processes on its own CUDA device, "
+                                "but this machine has 1 CUDA device(s); use --nproc 1 or trainer.distributed.device=cpu")
+    check_local_devices(TrainerConfig(), 8)  # cpu: nothing to count
