@@ -410,12 +410,24 @@ def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps(record, indent=2))
         return 0
-    print(f"continuous run {record['run_id']}: step {record['step']}, {record['rows_trained_total']} examples trained")
-    for v in record["examples_versions"]:
+    versions = record["examples_versions"]
+    print(f"continuous run {record['run_id']}: step {record['step']}, {record['rows_trained_total']} rows trained"
+          + _rows_split(versions))
+    for v in versions:
         offsets = ", ".join(f"{o['topic']}[{o['partition']}] {o['start']}..{o['end']}" for o in v.get("kafka_offsets", []))
-        print(f"  examples@{v['version']}: {v['quality']}, {v['rows_trained']} rows; events versions "
+        print(f"  examples@{v['version']}: {v['quality']}, {v['rows_trained']} rows{_rows_split([v])}; events versions "
               f"{v.get('events_versions', [])}; Kafka {offsets or '-'}")
     return 0
+
+
+def _rows_split(versions: list[dict[str, Any]]) -> str:
+    """`` (E examples, F with final labels; C corrections)`` summed over lineage ``versions``; empty where a record
+    predates these counts (trainer.continuous.lineage)."""
+    keys = ("examples", "examples_final", "corrections")
+    if not all(k in v for v in versions for k in keys):
+        return ""
+    examples, final, corrections = (sum(v[k] for v in versions) for k in keys)
+    return f" ({examples} examples, {final} with final labels; {corrections} corrections)"
 
 
 def cmd_distill(args: argparse.Namespace, extra: list[str]) -> int:

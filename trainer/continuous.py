@@ -64,6 +64,7 @@ from trainer.config import TrainerConfig
 from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_for, fit_normalizer, pointer_history
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
+from trainer.labels import final_labels
 from trainer.loop import Engine, EngineFactory, GlobalBatch, LocalEngine, Progress, local_engine, train_loop
 from trainer.metrics import TASKS, evaluate, nan_to_none
 from trainer.run_report import write_run_report
@@ -531,8 +532,9 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         if decision.validated and not decision.allowed:
             if version not in skipped:
                 skipped.append(version)
-                record = {"version": version, "rows_trained": 0, "quality": "quarantined", "evaluated": False,
-                          "mean_loss": None, "step": counters.step, **(sources.of(version) if sources else {})}
+                record = {"version": version, "rows_trained": 0, "examples": 0, "examples_final": 0, "corrections": 0,
+                          "quality": "quarantined", "evaluated": False, "mean_loss": None, "step": counters.step,
+                          **(sources.of(version) if sources else {})}
                 lineage.append(record)
                 result.versions.append(record)
                 log.warning("skipping %s; `gemline quality release %d` lets a later run consume it",
@@ -583,6 +585,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     result.progressive.append({"examples_version": version, "rows": int(click["num_examples"]),
                                                "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
         rows, losses_before = 0, len(counters.losses)
+        counted = {"corrections": 0, "examples_final": 0}  # of ``rows``, for the lineage (lineage())
         clock = freshness.VersionClock()
 
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
@@ -601,7 +604,11 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     data = encode_for(table, tc, normalizer, pointer_history(lake, table), ids=ids)
                     # What on_step needs of its rows travels with each global batch: the loop prefetches, so the
                     # next read batch may be drawn before this one's last step is taken.
-                    times = (table["event_time_ms"].to_numpy(), is_correction(table))
+                    corrected = is_correction(table)
+                    times = (table["event_time_ms"].to_numpy(), corrected)
+                    final = data.final if data.final is not None else final_labels(table, tc.click_window_ms)
+                    counted["corrections"] += int(corrected.sum())
+                    counted["examples_final"] += int((final.all(axis=1) & ~corrected).sum())
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))
@@ -629,7 +636,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         quality = "released" if version in skipped else "passed"
         if version in skipped:
             skipped.remove(version)
-        record = {"version": version, "rows_trained": rows, "quality": quality, "evaluated": evaluated,
+        record = {"version": version, "rows_trained": rows, "examples": rows - counted["corrections"], **counted,
+                  "quality": quality, "evaluated": evaluated,
                   "mean_loss": float(np.mean(losses)) if losses else None, "step": counters.step,
                   **(sources.of(version) if sources else {})}
         lineage.append(record)
@@ -710,8 +718,14 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
 
 def lineage(lake: Lake, *, checkpoint: str | None = None) -> dict[str, Any]:
     """The lineage of ``lake``'s newest continuous checkpoint (or ``checkpoint``): ``{"step", "run_id",
-    "rows_trained_total", "examples_versions": [{"version", "rows_trained", "quality", "evaluated",
-    "mean_loss", "step", "events_versions", "kafka_offsets"}]}``.
+    "rows_trained_total", "examples_versions": [{"version", "rows_trained", "examples", "examples_final",
+    "corrections", "quality", "evaluated", "mean_loss", "step", "events_versions", "kafka_offsets"}]}``.
+
+    ``rows_trained`` = ``examples`` (impressions, each once) + ``corrections`` (rows that correct an earlier
+    example's label, :mod:`trainer.delayed`); ``examples_final``: the examples whose labels were all final when
+    trained (:func:`trainer.labels.final_labels`; the others had their open labels masked, or, with
+    ``trainer.final_labels`` off, trained as they stood). A checkpoint written before these counts has only
+    ``rows_trained``.
 
     Raises:
         gemline.errors.MissingInputError: no continuous checkpoint.

@@ -1,0 +1,61 @@
+"""The lineage counts examples (impressions, each once), those with final labels, and corrections apart."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gemline.config import load_config
+from tests.conftest import trainer_args
+from trainer.continuous import lineage, run_once
+
+from .conftest import mark_quality, synthetic_examples, write_examples
+from .test_continuous import SMALL
+from .test_delayed import _early_columns
+
+OPEN = 30
+"""Rows of examples@0 whose attribution window was still open when it was built (``build --final``)."""
+
+
+def _lake(tmp_path):
+    """examples@0: 200 impressions of a wait-mode build, the first OPEN with open windows; examples@1: only
+    corrections (late clicks) of examples@0's clicked rows. Returns the lake and the number of corrections."""
+    lake = tmp_path / "lake"
+    base = synthetic_examples(["2026-01-01"], 200, seed=1)
+    closed = [i >= OPEN for i in range(base.num_rows)]
+    first = _early_columns(base.set_column(base.schema.get_field_index("label_window_closed"), "label_window_closed",
+                                           pa.array(closed)), label_mode=["wait"] * base.num_rows)
+    clicked = first.filter(pc.equal(first.column("label_click"), 1))
+    ids = clicked.column("example_id").to_pylist()
+    corrections = _early_columns(
+        clicked.drop_columns(["label_mode", "click_open", "conversion_open", "corrects_example_id",
+                              "correction_task"]).set_column(0, "example_id", pa.array([f"{i}#click" for i in ids])),
+        click_open=[False] * len(ids), conversion_open=[False] * len(ids), corrects_example_id=ids,
+        correction_task=["click"] * len(ids))
+    for table in (first, corrections):
+        mark_quality(lake, write_examples(lake, table), passed=True)
+    return lake, len(ids)
+
+
+def test_lineage_counts_examples_final_labels_and_corrections_apart(tmp_path, capsys):
+    from gemline.cli import main
+
+    lake, num_corrections = _lake(tmp_path)
+    assert num_corrections > 20
+    run_once(*trainer_args(load_config(overrides={"lake": str(lake), **SMALL})))
+    records = lineage(trainer_args(load_config(overrides={"lake": str(lake), **SMALL}))[0])["examples_versions"]
+    keys = ("version", "rows_trained", "examples", "examples_final", "corrections")
+    assert [tuple(r[k] for k in keys) for r in records] == [
+        (0, 200, 200, 200 - OPEN, 0), (1, num_corrections, 0, 0, num_corrections)]
+    assert all(r["rows_trained"] == r["examples"] + r["corrections"] for r in records)
+
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    assert main(["lineage", "--lake", str(lake), *sets]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    total = 200 + num_corrections
+    assert lines[0].endswith(f", {total} rows trained (200 examples, {200 - OPEN} with final labels; "
+                             f"{num_corrections} corrections)")
+    assert lines[1].startswith(f"  examples@0: passed, 200 rows (200 examples, {200 - OPEN} with final labels; "
+                               "0 corrections); ")
+    assert lines[2].startswith(f"  examples@1: passed, {num_corrections} rows (0 examples, 0 with final labels; "
+                               f"{num_corrections} corrections); ")
