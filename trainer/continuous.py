@@ -608,7 +608,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     times = (table["event_time_ms"].to_numpy(), corrected)
                     final = data.final if data.final is not None else final_labels(table, tc.click_window_ms)
                     counted["corrections"] += int(corrected.sum())
-                    counted["examples_final"] += int((final.all(axis=1) & ~corrected).sum())
+                    counted["examples_final"] += int((final.all(axis=1) & ~_published_open(table) & ~corrected).sum())
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))
@@ -716,6 +716,17 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
                 interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls)
 
 
+def _published_open(table: pa.Table) -> np.ndarray:
+    """(N,) bool: rows published before one of their label windows closed (``click_open`` / ``conversion_open`` of
+    an early-publication build, :mod:`sequences.schema`), whose labels the trainer weights rather than takes as
+    final; all False for a table without those columns."""
+    open_ = np.zeros(table.num_rows, dtype=bool)
+    for name in ("click_open", "conversion_open"):
+        if name in table.schema.names:
+            open_ |= table.column(name).to_numpy(zero_copy_only=False).astype(bool)
+    return open_
+
+
 def lineage(lake: Lake, *, checkpoint: str | None = None) -> dict[str, Any]:
     """The lineage of ``lake``'s newest continuous checkpoint (or ``checkpoint``): ``{"step", "run_id",
     "rows_trained_total", "examples_versions": [{"version", "rows_trained", "examples", "examples_final",
@@ -723,9 +734,9 @@ def lineage(lake: Lake, *, checkpoint: str | None = None) -> dict[str, Any]:
 
     ``rows_trained`` = ``examples`` (impressions, each once) + ``corrections`` (rows that correct an earlier
     example's label, :mod:`trainer.delayed`); ``examples_final``: the examples whose labels were all final when
-    trained (:func:`trainer.labels.final_labels`; the others had their open labels masked, or, with
-    ``trainer.final_labels`` off, trained as they stood). A checkpoint written before these counts has only
-    ``rows_trained``.
+    trained (:func:`trainer.labels.final_labels`, and not published early with an open window). The others had
+    their open labels masked, weighted (early publication), or, with ``trainer.final_labels`` off, trained as they
+    stood. A checkpoint written before these counts has only ``rows_trained``.
 
     Raises:
         gemline.errors.MissingInputError: no continuous checkpoint.
