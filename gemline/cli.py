@@ -148,21 +148,30 @@ def cmd_replay(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    import threading
+
     from ingest.generate import generate_records, stream_records
     from ingest.replay import ReplayInterrupted
+    from ingest.streaming import install_stop_signals
 
     config = _config(args)
     records = generate_records(config.generate)
+    # Ctrl-C/SIGTERM only set ``stop``, so the producer stops where its count is exact (a KeyboardInterrupt raised
+    # inside a delivery callback would lose that message's report); a second signal raises at once.
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
     try:
         produced = stream_records(
             records, bootstrap=_require_bootstrap(config), topic=config.kafka.topic, partitions=config.kafka.partitions,
             rate_per_s=args.rate, batch_messages=config.kafka.producer_batch_messages,
-            wall_clock=config.generate.wall_clock,
+            wall_clock=config.generate.wall_clock, stop=stop,
         )
     except ReplayInterrupted as exc:  # what the topic now holds of this run, then main's one line and exit 130
         print(json.dumps({"produced": exc.acknowledged, "unacknowledged": exc.unacknowledged, "interrupted": True,
                           "topic": config.kafka.topic, "seed": config.generate.seed}), flush=True)
         raise
+    finally:
+        restore()
     print(json.dumps({"produced": produced, "topic": config.kafka.topic, "seed": config.generate.seed}))
     return 0
 
@@ -833,7 +842,13 @@ def _quiet_known_noise() -> None:
 
 def _sigterm_as_interrupt() -> None:
     """SIGTERM (a service manager or ``kill``) stops a command as Ctrl-C does: one line, exit 130,
-    committed work kept. ``ingest --streaming`` installs its own handlers over this one."""
+    committed work kept. ``ingest --streaming`` installs its own handlers over this one.
+
+    Ctrl-C (SIGINT) goes through the same handler unless it is ignored (a background job keeps ignoring it):
+    Python's own handler sets a KeyboardInterrupt without an instance, and on Python 3.11 confluent-kafka 2.16
+    keeps only the instance of an exception raised in a delivery callback (``cfl_exception_fetch``), so a Ctrl-C
+    landing there came out of ``Producer.flush`` as "SystemError: ... returned NULL without setting an exception"
+    instead of an interrupt (`gemline generate`)."""
     import signal
     import threading
 
@@ -842,6 +857,8 @@ def _sigterm_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _raise)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

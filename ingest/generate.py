@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from dataclasses import dataclass
 
@@ -256,13 +257,13 @@ def stamped(records: list[Record], now_ms: int) -> list[Record]:
 
 def stream_records(records: list[Record], *, bootstrap: str, topic: str, partitions: int,
                    rate_per_s: float | None = None, batch_messages: int = 1, progress: bool = True,
-                   wall_clock: bool = False) -> int:
+                   wall_clock: bool = False, stop: threading.Event | None = None) -> int:
     """Produce ``records`` to Kafka, at most ``rate_per_s`` events/s (as fast as possible if None).
 
     Paces in one-second slices: each slice of ``rate_per_s`` records is produced and acknowledged
     (``ingest.replay.replay``), then the rest of the second is slept. Returns the records produced.
     ``wall_clock``: each slice's events are stamped with the slice's start (:func:`stamped`;
-    ``GenerateConfig.wall_clock``).
+    ``GenerateConfig.wall_clock``). ``stop``: set to stop (``ingest.replay.replay``'s ``stop``), also between slices.
 
     Raises:
         ValueError: ``rate_per_s`` <= 0.
@@ -283,10 +284,14 @@ def stream_records(records: list[Record], *, bootstrap: str, topic: str, partiti
             if wall_clock:
                 chunk = stamped(chunk, _now_ms())
             replay(chunk, bootstrap=bootstrap, topic=topic, partitions=partitions,
-                   batch_messages=batch_messages, progress=progress and rate_per_s is None)
+                   batch_messages=batch_messages, progress=progress and rate_per_s is None, stop=stop)
             produced += len(chunk)
             if rate_per_s is not None and start + step < len(ordered):
-                time.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
+                pause_s = max(0.0, 1.0 - (time.monotonic() - began))
+                if stop is None:
+                    time.sleep(pause_s)
+                elif stop.wait(pause_s):
+                    raise KeyboardInterrupt("stop set between slices")  # counted below, as a Ctrl-C there
     except ReplayInterrupted as exc:  # inside a slice: the slices before it were acknowledged whole
         raise ReplayInterrupted(produced + exc.acknowledged, exc.unacknowledged) from None
     except KeyboardInterrupt:  # between slices

@@ -13,6 +13,8 @@ second replay appends the records again, and the ingest job drops the repeats by
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -64,6 +66,27 @@ class ReplayInterrupted(KeyboardInterrupt):
         """Messages the broker acknowledged: they are in the topic."""
         self.unacknowledged = unacknowledged
         """Messages handed to the producer whose fate is unknown (not acknowledged within INTERRUPT_FLUSH_S)."""
+
+
+FLUSH_SLICE_S = 0.1
+"""Seconds of one ``Producer.flush`` call in :func:`_flush` (below confluent-kafka's 0.2 s chunk)."""
+
+
+def _flush(producer: Producer, timeout_s: float, stop: threading.Event | None = None) -> int:
+    """``producer.flush`` for up to ``timeout_s`` seconds in slices of FLUSH_SLICE_S, or until ``stop`` is set;
+    returns the messages still queued or in flight (0: every one was acknowledged or failed, see the delivery
+    callback).
+
+    confluent-kafka 2.16 splits a flush of 0.2 s or more into chunks and checks for signals between them, and a
+    Ctrl-C caught there came out as ``SystemError: <method 'flush' ...> returned NULL without setting an
+    exception`` (seen on a loaded 2-core machine); a shorter flush takes the plain path, and Python raises the
+    KeyboardInterrupt between two slices.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = producer.flush(min(FLUSH_SLICE_S, max(0.0, deadline - time.monotonic())))
+        if not remaining or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            return remaining
 
 
 def _create_or_describe(bootstrap: str, topic: str, partitions: int, timeout_s: float) -> int:
@@ -127,6 +150,7 @@ def replay(
     batch_messages: int = 1,
     progress: bool = True,
     flush_timeout_s: float = 600.0,
+    stop: threading.Event | None = None,
 ) -> ReplayResult:
     """Produce ``records`` to ``topic`` in event-time order, keyed by user id, and wait for acks.
 
@@ -143,6 +167,9 @@ def replay(
         progress: show a tqdm bar (messages).
         flush_timeout_s: how long the final flush may wait for outstanding acks, seconds (generous:
             a loaded 2-core machine acknowledged 25k messages more slowly than 60 s).
+        stop: set (by a signal handler that only sets it, e.g. ``ingest.streaming.install_stop_signals``) to stop
+            producing: what was produced gets INTERRUPT_FLUSH_S to be acknowledged, then ReplayInterrupted. Exact
+            where a raised KeyboardInterrupt is not: one raised inside a delivery callback loses that report.
 
     Returns:
         counts of what was acknowledged.
@@ -151,7 +178,8 @@ def replay(
         ValueError: bad ``partitions``/``batch_messages`` or a partition-count mismatch.
         TypeError: a record is neither an Event nor a RawRecord.
         DeliveryError: any message failed delivery, or acks were still missing after the flush.
-        ReplayInterrupted: Ctrl-C (a KeyboardInterrupt) while producing, with the acknowledged count.
+        ReplayInterrupted: ``stop`` was set, or Ctrl-C (a KeyboardInterrupt) while producing, with the
+            acknowledged count.
     """
     if batch_messages < 1:
         raise ValueError(f"batch_messages must be >= 1, got {batch_messages}")
@@ -183,6 +211,8 @@ def replay(
     try:
         with tqdm(total=len(messages), unit="msg", desc=f"replay -> {topic}", disable=not progress) as bar:
             for key, value in messages:
+                if stop is not None and stop.is_set():
+                    break
                 while True:
                     try:
                         producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
@@ -192,11 +222,14 @@ def replay(
                 producer.poll(0)
                 check()
                 bar.update(1)
-            remaining = producer.flush(flush_timeout_s)
+            remaining = _flush(producer, flush_timeout_s, stop)
     except KeyboardInterrupt:
         # Messages already produced are on their way: their acks make the count what reached the broker.
-        unacknowledged = producer.flush(INTERRUPT_FLUSH_S)
+        unacknowledged = _flush(producer, INTERRUPT_FLUSH_S)
         raise ReplayInterrupted(acknowledged[0], unacknowledged) from None
+    if stop is not None and stop.is_set():
+        unacknowledged = _flush(producer, INTERRUPT_FLUSH_S)  # before the count: its acks are part of it
+        raise ReplayInterrupted(acknowledged[0], unacknowledged)
     check()
     if not remaining:
         producer.close()  # release librdkafka's threads and sockets now rather than at garbage collection

@@ -152,18 +152,35 @@ def test_an_interrupted_replay_counts_what_the_broker_acknowledged(broker, monke
         k + v for k, v in map(_key_value, events[:29]))
 
 
+@pytest.mark.parametrize("rate", [None, 25])
 @pytest.mark.integration
-def test_generate_interrupted_between_slices_prints_what_reached_the_broker(broker, monkeypatch, capsys):
-    import ingest.generate
+def test_generate_stopped_by_a_real_sigint_prints_what_reached_the_broker(broker, monkeypatch, capsys, rate):
+    """A SIGINT while the 30th message is produced (unpaced: one slice; at 25 events/s: the second slice's 5th):
+    the first 30 reach the broker, the count says 30, exit 130 with the interrupt's line."""
+    import signal
+
+    import ingest.replay
     from gemline.cli import main
 
-    def ctrl_c(seconds):
-        raise KeyboardInterrupt
+    class SigintOnThe30th(ingest.replay.Producer):
+        calls = 0
 
-    monkeypatch.setattr(ingest.generate.time, "sleep", ctrl_c)  # Ctrl-C while it waits after its first second
+        def produce(self, *args, **kwargs):
+            SigintOnThe30th.calls += 1
+            if SigintOnThe30th.calls == 30:
+                signal.raise_signal(signal.SIGINT)  # the process's real handler runs, as for Ctrl-C
+            return super().produce(*args, **kwargs)
+
+    monkeypatch.setattr(ingest.replay, "Producer", SigintOnThe30th)
+    topic = f"gen.sigint.{rate}"
     sets = ["--set", "generate.num_users=20", "--set", "generate.days=0.2", "--set", "generate.seed=5"]
-    assert main(["generate", "--bootstrap", broker.bootstrap, "--topic", "gen.ctrlc", "--rate", "25", *sets]) == 130
+    paced = [] if rate is None else ["--rate", str(rate)]
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert main(["generate", "--bootstrap", broker.bootstrap, "--topic", topic, *paced, *sets]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     out, err = capsys.readouterr()
-    assert json.loads(out) == {"produced": 25, "unacknowledged": 0, "interrupted": True, "topic": "gen.ctrlc", "seed": 5}
-    assert err.startswith("\ninterrupted: generate stopped; the records it sent stay in the topic.")
-    assert sum(len(msgs) for msgs in _consume_all(broker.bootstrap, "gen.ctrlc").values()) == 25
+    assert json.loads(out) == {"produced": 30, "unacknowledged": 0, "interrupted": True, "topic": topic, "seed": 5}
+    assert "\ninterrupted: generate stopped; the records it sent stay in the topic." in err  # after the progress bar
+    assert sum(len(msgs) for msgs in _consume_all(broker.bootstrap, topic).values()) == 30
