@@ -467,13 +467,14 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     config = _config(args)
     result: Any
     if args.version is not None or args.holdout_last_day:
-        if ablations or args.json or args.max_versions is not None:
-            raise BadConfigError("--ablate, --json and --max-versions go with the progressive protocol, not --holdout-last-day/--version")
+        if ablations or args.json or args.max_versions is not None or args.seeds is not None:
+            raise BadConfigError("--ablate, --json, --max-versions and --seeds go with the progressive protocol, not --holdout-last-day/--version")
         result = run_holdout_compare(Lake.for_config(config), config.trainer, examples_version=args.version,
                                      models=models)
     else:
         result = run_compare(Lake.for_config(config), config.trainer, models=models, resamples=args.resamples,
-                             seed=args.bootstrap_seed, ablations=ablations, max_versions=args.max_versions)
+                             seed=args.bootstrap_seed, ablations=ablations, max_versions=args.max_versions,
+                             seeds=args.seeds)
     if args.json:
         print(open(result.paths["summary"]).read())
         return 0
@@ -532,6 +533,14 @@ def _at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated distinct ints (training seeds), at least one."""
+    seeds = tuple(int(x) for x in text.split(","))
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct, got {text}")
+    return seeds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -698,6 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='print only {"models": {m: {auc, ne, ...}}, "gem_minus_dlrm_auc": {mean, ci95}, ..., "ablations"}')
     p.add_argument("--max-versions", type=_at_least_one, default=None,
                    help="consume only the first N examples versions (a short screen: the N - 1 after the first are judged)")
+    p.add_argument("--seeds", type=_seed_list, default=None,
+                   help="comma-separated training seeds (e.g. 0,1,2): every model once per seed; means over seeds and "
+                        "intervals that resample seeds too (default: one run at trainer.seed)")
     p.add_argument("--holdout-last-day", action="store_true",
                    help="instead: train on one examples version's days but the last, evaluate on the last")
     p.add_argument("--version", type=int, default=None,

@@ -21,6 +21,19 @@ out of that resample's mean for both; a resample with no defined group is droppe
 Draw order, so a result can be reproduced: ``rng = numpy.random.default_rng(seed)``; for each resample in
 turn, for each non-empty group in turn, ``rng.integers(0, n_k, size=n_k)``.
 
+**Several training seeds** (:func:`seeded_difference_interval`): each model trained S times (seeds s = 1..S)
+and every run scored on the same rows. The statistic is the mean over seeds of the per-seed difference,
+``mean_s [mean(m_a,s) - mean(m_b,s)]``. Seed and row are crossed factors (every seed scores every row), so
+each resample draws both independently, the pigeonhole bootstrap for crossed designs (Owen, "The pigeonhole
+bootstrap", Annals of Applied Statistics 1(2), 2007): the rows as above, the same indices for every model and
+every seed, and S seed indices uniformly with replacement (``numpy.random.default_rng((seed, 1))``, one
+``integers(0, S, size=S)`` per resample, in resample order); the resample's value is the mean over the drawn
+seeds of their differences on the drawn rows. The interval so spans training noise (which seed) as well as
+evaluation noise (which rows); Owen shows this resampling is mildly conservative. With S = 1 it is the
+single-seed interval above, draw for draw. With few seeds the seed draw is coarse: at S = 3 all three draws
+land on the worst seed in 1/27 of the resamples, so the lower end of a 95% interval sits near the worst seed's
+difference; an interval above 0 then says every seed's difference is, beyond row noise.
+
 A resample is evaluated without sorting again: each model's scores are ranked once into tie groups, and a
 resample's AUC is a ``bincount`` of its drawn rows by (tie group, label) (:func:`weighted_auc` is the same
 computation with given multiplicities).
@@ -236,6 +249,54 @@ def difference_interval(estimates: Mapping[str, float], replicates: Mapping[str,
         low = high = math.nan
     return BootstrapInterval(metric=metric, estimate=estimates[a] - estimates[b], low=low, high=high,
                              confidence=confidence, resamples=int(defined.size), requested=len(diffs), seed=seed)
+
+
+@dataclass(frozen=True)
+class SeededInterval(BootstrapInterval):
+    """A :class:`BootstrapInterval` of the mean over training seeds of a per-seed difference (module docstring,
+    "Several training seeds"); ``estimate`` is the mean of ``per_seed``.
+
+    Attributes:
+        per_seed: the difference of each seed's runs on the evaluated rows, in the order given (NaN if undefined).
+    """
+
+    per_seed: tuple[float, ...] = ()
+
+
+def seeded_difference_interval(estimates: Mapping[str, float], replicates: Mapping[str, np.ndarray],
+                               a: Sequence[str], b: Sequence[str], *, metric: Metric, confidence: float = 0.95,
+                               seed: int = 0) -> SeededInterval:
+    """The pigeonhole-bootstrap interval of ``mean_s [mean(metric of a[s]) - mean(metric of b[s])]`` over S seeds.
+
+    Args:
+        estimates, replicates: of :func:`bootstrap_means` over every run (one draw of rows shared by all of them).
+        a, b: the run names of the two models, one per seed, in seed order (``a[s]`` and ``b[s]`` trained at seed s).
+        metric, confidence: as :func:`difference_interval`.
+        seed: the numpy seed of :func:`bootstrap_means`'s row draws; the seed draws use ``(seed, 1)``.
+
+    Raises:
+        ValueError: ``a`` and ``b`` empty or of different lengths, or ``confidence`` not in (0, 1);
+            KeyError: a run not among the replicates.
+    """
+    if not a or len(a) != len(b):
+        raise ValueError(f"bootstrap: expected one run of each model per seed, got {len(a)} and {len(b)}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"bootstrap: expected 0 < confidence < 1, got {confidence}")
+    per_seed = np.array([estimates[x] - estimates[y] for x, y in zip(a, b, strict=True)], dtype=np.float64)
+    diffs = np.stack([replicates[x] - replicates[y] for x, y in zip(a, b, strict=True)], axis=1)  # (R, S)
+    count, seeds = diffs.shape
+    drawn = np.random.default_rng((seed, 1)).integers(0, seeds, size=(count, seeds))
+    # A resample's rows either define every run's metric or none (same labels), so NaN marks whole resamples.
+    values = diffs[np.arange(count)[:, None], drawn].mean(axis=1)
+    defined = values[~np.isnan(values)]
+    if defined.size:
+        low, high = (float(q) for q in np.quantile(defined, [(1 - confidence) / 2, (1 + confidence) / 2]))
+    else:
+        low = high = math.nan
+    estimate = float(np.nanmean(per_seed)) if not np.all(np.isnan(per_seed)) else math.nan
+    return SeededInterval(metric=metric, estimate=estimate, low=low, high=high, confidence=confidence,
+                          resamples=int(defined.size), requested=count, seed=seed,
+                          per_seed=tuple(float(d) for d in per_seed))
 
 
 def paired_bootstrap(labels: Sequence[np.ndarray], scores_a: Sequence[np.ndarray], scores_b: Sequence[np.ndarray],

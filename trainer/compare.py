@@ -16,7 +16,10 @@ the first model's mean minus each other model's (GEM - DLRM, GEM - LR by default
 every resample draws row indices with replacement within each version, the same indices for all models
 (:mod:`trainer.bootstrap`; Efron & Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 6 and 13). An
 interval that excludes 0 says the lead is larger than what resampling the evaluated rows explains (it does
-not cover retraining noise: one seed per model).
+not cover retraining noise: one seed per model). With ``--seeds 0,1,2`` every model is trained once per seed,
+the means are over seeds, and each resample also draws the seeds with replacement (the pigeonhole bootstrap of
+:func:`trainer.bootstrap.seeded_difference_interval`), so the interval covers training noise as well; the
+per-seed values are reported beside it.
 
 Writes ``LAKE/_runs/<run_id>/compare.json`` (every number, per version too), ``compare.md`` (the tables) and
 ``compare.png`` (progressive AUC per version, one line per model).
@@ -291,7 +294,8 @@ def _final_rows(predictions: Any, task: int) -> np.ndarray:
 
 def progressive_summary(predictions: dict[str, dict[int, Any]], *, resamples: int = 1000, seed: int = 0,
                         confidence: float = 0.95) -> tuple[list[int], list[dict], list[dict], dict]:
-    """Per-model means and paired bootstrap intervals of progressive predictions (module docstring).
+    """Per-model means and paired bootstrap intervals of progressive predictions of one training seed (module
+    docstring): :func:`seeded_summary` of that one seed, without its per-seed lists.
 
     Args:
         predictions: model -> examples version -> :class:`trainer.continuous.ProgressivePredictions`; the first
@@ -305,51 +309,112 @@ def progressive_summary(predictions: dict[str, dict[int, Any]], *, resamples: in
     Raises:
         ValueError: no model, or the models were not evaluated on the same rows of a version (their labels differ).
     """
-    from trainer.bootstrap import bootstrap_means, difference_interval
+    return seeded_summary({0: predictions}, resamples=resamples, seed=seed, confidence=confidence, per_seed=False)
+
+
+def _check_same_rows(by_seed: Mapping[int, Mapping[str, Mapping[int, Any]]], versions: list[int]) -> None:
+    """ValueError unless every run of ``by_seed`` scored the same rows (labels) of every version in ``versions``."""
+    first_seed = next(iter(by_seed))
+    first = next(iter(by_seed[first_seed]))
+    for v in versions:
+        reference = by_seed[first_seed][first][v].labels
+        for s, predictions in by_seed.items():
+            for model, runs in predictions.items():
+                if not np.array_equal(runs[v].labels, reference):
+                    raise ValueError(f"compare: {model} (seed {s}) and {first} (seed {first_seed}) were evaluated on "
+                                     f"different rows of examples@{v} ({len(runs[v].labels)} and {len(reference)} "
+                                     "rows); the paired bootstrap needs the same rows in the same order")
+
+
+def _seed_mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the defined (not None or NaN) values; None when none is."""
+    defined = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(defined) / len(defined) if defined else None
+
+
+def seeded_summary(by_seed: Mapping[int, Mapping[str, Mapping[int, Any]]], *, resamples: int = 1000, seed: int = 0,
+                   confidence: float = 0.95, per_seed: bool = True) -> tuple[list[int], list[dict], list[dict], dict]:
+    """Per-model means over training seeds and pigeonhole-bootstrap intervals of progressive predictions.
+
+    Each model's ``auc`` / ``ne`` is the mean over seeds of its row-weighted mean over versions; each difference is
+    the mean over seeds of the per-seed difference, with the interval of
+    :func:`trainer.bootstrap.seeded_difference_interval` (rows and seeds resampled; with one seed the paired
+    interval of the module docstring, draw for draw).
+
+    Args:
+        by_seed: training seed -> model -> examples version -> :class:`trainer.continuous.ProgressivePredictions`;
+            every seed has the same models, the first is the one the others are subtracted from.
+        resamples, seed, confidence: of the bootstrap.
+        per_seed: add ``per_seed_auc`` / ``per_seed_ne`` (rows, per_version) and ``per_seed`` (each interval's
+            per-seed differences) in seed order.
+
+    Returns:
+        (versions, rows, differences, per_version) as :func:`progressive_summary`; versions every run evaluated.
+
+    Raises:
+        ValueError: no seed or model, seeds with different models, or runs evaluated on different rows.
+    """
+    from trainer.bootstrap import bootstrap_means, seeded_difference_interval
     from trainer.metrics import auc, normalized_entropy
 
-    models = list(predictions)
+    seeds = list(by_seed)
+    models = list(by_seed[seeds[0]]) if seeds else []
     if not models:
         raise ValueError("compare: expected the predictions of at least one model, got none")
-    first = models[0]
-    versions = sorted(set.intersection(*(set(p) for p in predictions.values())))
-    for model in models:
-        extra = sorted(set(predictions[model]) - set(versions))
+    if any(list(by_seed[s]) != models for s in seeds):
+        raise ValueError(f"compare: every seed needs the same models, got {({s: list(p) for s, p in by_seed.items()})}")
+    runs = {(m, s): by_seed[s][m] for s in seeds for m in models}
+    versions = sorted(set.intersection(*(set(p) for p in runs.values())))
+    for (model, s), p in runs.items():
+        extra = sorted(set(p) - set(versions))
         if extra:
-            log.warning("compare: %s was also evaluated on examples versions %s, which not every model was; "
-                        "they are left out", model, extra)
-    for v in versions:
-        for model in models[1:]:
-            if not np.array_equal(predictions[model][v].labels, predictions[first][v].labels):
-                raise ValueError(f"compare: {model} and {first} were evaluated on different rows of examples@{v} "
-                                 f"({len(predictions[model][v].labels)} and {len(predictions[first][v].labels)} "
-                                 "rows); the paired bootstrap needs the same rows in the same order")
+            log.warning("compare: %s (seed %d) was also evaluated on examples versions %s, which not every run was; "
+                        "they are left out", model, s, extra)
+    _check_same_rows(by_seed, versions)
+    first = models[0]
+    key = {run: f"{run[0]}@{run[1]}" for run in runs}
     rows: list[dict] = []
     differences: list[dict] = []
     per_version: dict[str, dict[str, list[dict]]] = {m: {} for m in models}
     for j, task in enumerate(TASKS):
-        # Each task judged on its final labels only (trainer.labels); the same rows for every model.
-        judged = [_final_rows(predictions[first][v], j) for v in versions]
-        labels = [predictions[first][v].labels[keep, j] for v, keep in zip(versions, judged, strict=True)]
+        # Each task judged on its final labels only (trainer.labels); the same rows for every run.
+        reference = runs[(first, seeds[0])]
+        judged = [_final_rows(reference[v], j) for v in versions]
+        labels = [reference[v].labels[keep, j] for v, keep in zip(versions, judged, strict=True)]
         sizes = [len(y) for y in labels]
-        scores = {m: [predictions[m][v].probs[keep, j] for v, keep in zip(versions, judged, strict=True)] for m in models}
+        scores = {key[run]: [p[v].probs[keep, j] for v, keep in zip(versions, judged, strict=True)]
+                  for run, p in runs.items()}
         for model in models:
-            aucs = [auc(y, s) for y, s in zip(labels, scores[model], strict=True)]
-            nes = [normalized_entropy(y, s) for y, s in zip(labels, scores[model], strict=True)]
-            per_version[model][task] = [{"examples_version": v, "rows": n, "auc": nan_to_none(a), "ne": nan_to_none(e)}
-                                        for v, n, a, e in zip(versions, sizes, aucs, nes, strict=True)]
-            defined = [n for n, a in zip(sizes, aucs, strict=True) if not math.isnan(a)]
-            rows.append({"model": model, "task": task, "auc": row_weighted_mean(aucs, sizes),
-                         "ne": row_weighted_mean(nes, sizes), "versions": len(defined), "rows": sum(defined)})
+            aucs = [[auc(y, s) for y, s in zip(labels, scores[key[(model, sd)]], strict=True)] for sd in seeds]
+            nes = [[normalized_entropy(y, s) for y, s in zip(labels, scores[key[(model, sd)]], strict=True)] for sd in seeds]
+            points = []
+            for k, (v, n) in enumerate(zip(versions, sizes, strict=True)):
+                point: dict[str, Any] = {"examples_version": v, "rows": n, "auc": _seed_mean([a[k] for a in aucs]),
+                         "ne": _seed_mean([e[k] for e in nes])}
+                if per_seed:
+                    point.update(per_seed_auc=[nan_to_none(a[k]) for a in aucs], per_seed_ne=[nan_to_none(e[k]) for e in nes])
+                points.append(point)
+            per_version[model][task] = points
+            defined = [n for n, a in zip(sizes, aucs[0], strict=True) if not math.isnan(a)]
+            seed_aucs = [row_weighted_mean(a, sizes) for a in aucs]
+            seed_nes = [row_weighted_mean(e, sizes) for e in nes]
+            row: dict[str, Any] = {"model": model, "task": task, "auc": _seed_mean(seed_aucs), "ne": _seed_mean(seed_nes),
+                   "versions": len(defined), "rows": sum(defined)}
+            if per_seed:
+                row.update(seeds=seeds, per_seed_auc=seed_aucs, per_seed_ne=seed_nes)
+            rows.append(row)
         intervals: dict[str, dict[str, Any]] = {m: {} for m in models[1:]}
         for metric in ("auc", "ne"):
             if not versions or len(models) < 2:
                 break
             estimates, replicates = bootstrap_means(labels, scores, metric=metric, resamples=resamples, seed=seed)
             for model in models[1:]:
-                interval = difference_interval(estimates, replicates, first, model, metric=metric,
-                                               confidence=confidence, seed=seed)
-                intervals[model][metric] = nan_to_none(asdict(interval))
+                interval = asdict(seeded_difference_interval(
+                    estimates, replicates, [key[(first, s)] for s in seeds], [key[(model, s)] for s in seeds],
+                    metric=metric, confidence=confidence, seed=seed))
+                if not per_seed:
+                    del interval["per_seed"]
+                intervals[model][metric] = nan_to_none(interval)
         for model in models[1:]:
             if intervals[model]:
                 differences.append({"a": first, "b": model, "task": task, **intervals[model]})
@@ -375,12 +440,21 @@ def progressive_markdown(summary: dict, rows: list[dict], differences: list[dict
         lines.append(f"| {r['model']} | {r['task']} | {_fmt(r['auc'])} | {_fmt(r['ne'])} | {r['versions']} | {r['rows']} |")
     if differences:
         b = summary["bootstrap"]
+        seeded = "per_seed" in (differences[0].get("auc") or {})
         lines += ["", f"Paired bootstrap ({b['resamples']} resamples of the evaluated rows within each version, "
                       f"seed {b['seed']}): difference and {round(100 * b['confidence'])}% percentile interval. "
-                      "AUC: higher is better; NE: lower is better.", "",
-                  "| difference | task | AUC | NE |", "|---|---|---|---|"]
+                      "AUC: higher is better; NE: lower is better.", ""]
+        if seeded:
+            lines += [f"Training seeds {', '.join(map(str, summary['seeds']))}: means over seeds; each resample also "
+                      "draws the seeds with replacement (pigeonhole bootstrap, Owen 2007), so the interval covers "
+                      "training noise.", "", "| difference | task | AUC | NE | AUC per seed |", "|---|---|---|---|---|"]
+        else:
+            lines += ["| difference | task | AUC | NE |", "|---|---|---|---|"]
         for d in differences:
-            lines.append(f"| {d['a']} - {d['b']} | {d['task']} | {_interval(d.get('auc'))} | {_interval(d.get('ne'))} |")
+            cells = f"| {d['a']} - {d['b']} | {d['task']} | {_interval(d.get('auc'))} | {_interval(d.get('ne'))} |"
+            if seeded:
+                cells += " " + ", ".join("n/a" if x is None else f"{x:+.4f}" for x in d["auc"]["per_seed"]) + " |"
+            lines.append(cells)
     return "\n".join(lines) + "\n"
 
 
@@ -400,7 +474,10 @@ def progressive_plot_png(per_version: dict[str, dict[str, list[dict]]]) -> bytes
 
 def _mean_and_interval(interval: dict | None, ci_key: str) -> dict[str, Any]:
     interval = interval or {}
-    return {"mean": interval.get("estimate"), ci_key: [interval.get("low"), interval.get("high")]}
+    out = {"mean": interval.get("estimate"), ci_key: [interval.get("low"), interval.get("high")]}
+    if "per_seed" in interval:
+        out["per_seed"] = interval["per_seed"]
+    return out
 
 
 def compare_json(rows: list[dict], differences: list[dict], *, ablated: Mapping[str, str] | None = None,
@@ -420,10 +497,13 @@ def compare_json(rows: list[dict], differences: list[dict], *, ablated: Mapping[
     ablated = dict(ablated or {})
     ci_key = f"ci{round(100 * confidence)}"
     models: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"models": models}
     for r in rows:
         prefix = "" if r["task"] == TASKS[0] else f"{r['task']}_"
         models.setdefault(r["model"], {}).update({f"{prefix}auc": r["auc"], f"{prefix}ne": r["ne"]})
-    out: dict[str, Any] = {"models": models}
+        if "per_seed_auc" in r:
+            models[r["model"]].update({f"per_seed_{prefix}auc": r["per_seed_auc"], f"per_seed_{prefix}ne": r["per_seed_ne"]})
+            out["seeds"] = r["seeds"]
     ablations: dict[str, dict[str, Any]] = {}
     for d in differences:
         prefix = "" if d["task"] == TASKS[0] else f"{d['task']}_"
@@ -440,6 +520,7 @@ def compare_json(rows: list[dict], differences: list[dict], *, ablated: Mapping[
 def run_compare(
     lake: Lake, tc: TrainerConfig, *, models: tuple[str, ...] = MODELS, run_id: str | None = None, resamples: int = 1000,
     seed: int = 0, confidence: float = 0.95, ablations: tuple[str, ...] = (), max_versions: int | None = None,
+    seeds: tuple[int, ...] | None = None,
 ) -> ProgressiveCompareResult:
     """Run every model of ``models`` through the continuous trainer over every gate-allowed examples version and
     write the progressive comparison (module docstring, "Progressive").
@@ -454,12 +535,15 @@ def run_compare(
         ablations: names of :data:`ABLATIONS`; each adds a run of the first model without that change
             (module docstring, "Ablations").
         max_versions: consume only the first this many versions (every model the same ones); None: all.
+        seeds: training seeds (``trainer.seed``): every model (and ablation) is trained once per seed, its runs
+            under ``LAKE/_runs/<run_id>/<model>/seed-<s>``, and the report is :func:`seeded_summary`'s (means over
+            seeds, intervals resampling seeds and rows, the per-seed values); None: one run at ``tc.seed``.
 
     Raises:
         gemline.errors.BadConfigError: an empty, repeated or unknown model or ablation name, or an ablation that
             changes nothing (before any training).
-        ValueError: ``resamples < 1``, ``confidence`` not in (0, 1) or ``max_versions < 2`` (nothing to evaluate;
-            before any training).
+        ValueError: ``resamples < 1``, ``confidence`` not in (0, 1), ``max_versions < 2`` (nothing to evaluate)
+            or an empty or repeated ``seeds`` (before any training).
         gemline.errors.MissingInputError: no ``examples`` table (a FileNotFoundError).
         gemline.locks.LakeBusyError: a continuous trainer runs on this lake (each model's run takes its lock).
     """
@@ -472,33 +556,49 @@ def run_compare(
         raise ValueError(f"compare: max_versions must be >= 2 (the first version is trained, never evaluated), got {max_versions}")
     run_id = run_id or time.strftime("compare-%Y%m%dT%H%M%SZ", time.gmtime())
     run_dir = Path(lake.root) / "_runs" / run_id
-    predictions: dict[str, dict[int, ProgressivePredictions]] = {}
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"compare: seeds must be distinct and at least one, got {list(seeds)}")
+    by_seed: dict[int, dict[str, dict[int, ProgressivePredictions]]] = {}
     runs: dict[str, dict[str, Any]] = {}
-    for model, model_tc in trainer_configs.items():
-        log.info("compare: %s through the continuous trainer", model)
-        store: dict[int, ProgressivePredictions] = {}
-        predictions[model] = store
+    for s in seeds or (tc.seed,):
+        by_seed[s] = {}
+        for model, model_tc in trainer_configs.items():
+            log.info("compare: %s (seed %d) through the continuous trainer", model, s)
+            store: dict[int, ProgressivePredictions] = {}
+            by_seed[s][model] = store
 
-        def keep(p: ProgressivePredictions, store: dict[int, ProgressivePredictions] = store) -> None:
-            store[p.version] = p
+            def keep(p: ProgressivePredictions, store: dict[int, ProgressivePredictions] = store) -> None:
+                store[p.version] = p
 
-        started = time.perf_counter()
-        result = run_once(lake, model_tc, from_scratch=True, keep_checkpoints=1, max_versions=max_versions,
-                          root=str(run_dir / model), on_predictions=keep)
-        runs[model] = {"continuous_run_id": result.run_id, "steps": result.step,
-                       "rows_trained": result.rows_trained_total, "seconds": round(time.perf_counter() - started, 1),
-                       "checkpoint_path": result.checkpoint_path, "report_path": result.report_path,
-                       "waiting_for": result.waiting_for}
-    versions, rows, differences, per_version = progressive_summary(predictions, resamples=resamples, seed=seed,
-                                                                   confidence=confidence)
+            started = time.perf_counter()
+            root = run_dir / model if seeds is None else run_dir / model / f"seed-{s}"
+            result = run_once(lake, replace(model_tc, seed=s), from_scratch=True, keep_checkpoints=1,
+                              max_versions=max_versions, root=str(root), on_predictions=keep)
+            run = {"continuous_run_id": result.run_id, "steps": result.step,
+                   "rows_trained": result.rows_trained_total, "seconds": round(time.perf_counter() - started, 1),
+                   "checkpoint_path": result.checkpoint_path, "report_path": result.report_path,
+                   "waiting_for": result.waiting_for}
+            if seeds is None:
+                runs[model] = run
+            else:
+                runs.setdefault(model, {"per_seed": {}})["per_seed"][s] = run
+    versions, rows, differences, per_version = seeded_summary(by_seed, resamples=resamples, seed=seed,
+                                                              confidence=confidence, per_seed=seeds is not None)
     for r in rows:
-        r["continuous_run_id"] = runs[r["model"]]["continuous_run_id"]
+        model_runs = runs[r["model"]]
+        if seeds is None:
+            r["continuous_run_id"] = model_runs["continuous_run_id"]
+        else:
+            r["continuous_run_ids"] = [model_runs["per_seed"][s]["continuous_run_id"] for s in seeds]
     ablated = {f"{models[0]}-no-{name}": name for name in ablations}
     summary = {"run_id": run_id, "protocol": "progressive", "versions": versions, "models": runs,
+               "seeds": list(seeds) if seeds is not None else [tc.seed],
                "ablations": {name: ABLATIONS[name] for name in ablations},
                "bootstrap": {"resamples": resamples, "seed": seed, "confidence": confidence,
                              "method": "paired percentile bootstrap of the row-weighted mean difference, rows "
-                                       "resampled within each version (Efron & Tibshirani 1993)"}}
+                                       "resampled within each version (Efron & Tibshirani 1993)" + (
+                                           "; mean over seeds, seeds resampled too (pigeonhole bootstrap, Owen "
+                                           "2007)" if seeds is not None else "")}}
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": run_dir / "compare.json", "md": run_dir / "compare.md", "png": run_dir / "compare.png",
              "summary": run_dir / "summary.json"}

@@ -465,11 +465,11 @@ def test_beam_logs_of_a_gemline_error_are_dropped_and_of_a_bug_kept(caplog):
 
 @pytest.mark.parametrize(("argv", "called"), [
     ([], ("progressive", {"models": ("gem", "dlrm", "lr"), "resamples": 1000, "seed": 0, "ablations": (),
-                          "max_versions": None})),
+                          "max_versions": None, "seeds": None})),
     (["--models", "gem,lr", "--resamples", "50", "--bootstrap-seed", "4", "--ablate", "collisions,sequence_len",
-      "--max-versions", "3"],
+      "--max-versions", "3", "--seeds", "0,2,1"],
      ("progressive", {"models": ("gem", "lr"), "resamples": 50, "seed": 4, "ablations": ("collisions", "sequence_len"),
-                      "max_versions": 3})),
+                      "max_versions": 3, "seeds": (0, 2, 1)})),
     (["--holdout-last-day"], ("holdout", {"examples_version": None, "models": ("gem", "dlrm", "lr")})),
     (["--version", "3"], ("holdout", {"examples_version": 3, "models": ("gem", "dlrm", "lr")})),
 ])
