@@ -194,6 +194,9 @@ class GemConfig:
     collapsed to constant scores), while DLRM lost at 1e-3 (0.7376 -> 0.7353); README "Comparing models"."""
     embedding_learning_rate: float | None = None
     """Adagrad rate of GEM's tables in place of ``trainer.embedding_learning_rate``; None: that one."""
+    embedding_optimizer: EmbeddingOptimizerName | None = None
+    """GEM's table optimiser in place of ``trainer.embedding_optimizer`` (``adagrad``: one accumulator per element;
+    ``rowwise_adagrad``: one per row); None: that one. README "GEM's table optimiser" has the paired runs."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError (a ValueError) naming the ``trainer.gem.*`` key of a bad value."""
@@ -217,6 +220,9 @@ class GemConfig:
         for name in ("learning_rate", "embedding_learning_rate"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise BadConfigError(f"trainer.gem.{name} must be > 0 or none, got {getattr(self, name)}")
+        if self.embedding_optimizer is not None and self.embedding_optimizer not in get_args(EmbeddingOptimizerName):
+            raise BadConfigError(f"trainer.gem.embedding_optimizer must be one of {get_args(EmbeddingOptimizerName)} "
+                                 f"or none, got {self.embedding_optimizer!r}")
         if self.kernel_backend not in get_args(KernelBackendName):
             raise BadConfigError(f"trainer.gem.kernel_backend must be one of {get_args(KernelBackendName)}, "
                                  f"got {self.kernel_backend!r}")
@@ -385,6 +391,12 @@ class TrainerConfig:
         ``embedding_learning_rate``, else ``learning_rate``."""
         own = self.gem.embedding_learning_rate if self.model == "gem" else None
         return own or self.embedding_learning_rate or self.learning_rate
+
+    @property
+    def table_optimizer(self) -> EmbeddingOptimizerName:
+        """The rule of ``model``'s tables: ``gem.embedding_optimizer`` for GEM when set, else ``embedding_optimizer``."""
+        own = self.gem.embedding_optimizer if self.model == "gem" else None
+        return self.embedding_optimizer if own is None else own
 
     @property
     def reads_sequence_extras(self) -> bool:

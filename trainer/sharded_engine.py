@@ -144,7 +144,7 @@ class ShardedEngine:
             assert full is not None, "full_state_dict returns the parameters on rank 0"
             model.load_state_dict(full)
             extra = {**state.extra, "world_size": self.world_size, "sharded": None if shards is None else str(shards),
-                     "embedding_optimizer": self.tc.embedding_optimizer}
+                     "embedding_optimizer": self.tc.table_optimizer}
             meta = TrainState(step=state.step, examples_seen=state.examples_seen, examples_version=state.examples_version, extra=extra)
             path = str(save_checkpoint(root, meta, model, {}, extra_files=files, storage_options=storage_options))
         dist.barrier()
@@ -156,7 +156,7 @@ class ShardedEngine:
         Raises:
             gemline.errors.BadConfigError: the checkpoint is not a sharded run's of this model and world size (:func:`check_resumable`).
         """
-        check_resumable(state, Path(path), self.world_size, self.tc.model, embedding_optimizer=self.tc.embedding_optimizer)
+        check_resumable(state, Path(path), self.world_size, self.tc.model, embedding_optimizer=self.tc.table_optimizer)
         load_sharded(self.sharded, state.extra["sharded"])
         self.steps = self.synced_at = state.step
 

@@ -118,14 +118,15 @@ def embedding_learning_rate(tc: TrainerConfig) -> float:
 
 
 def embedding_optimizer(tc: TrainerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The one-process optimiser of the tables ``params`` under ``trainer.embedding_optimizer`` (both take sparse gradients)."""
-    if tc.embedding_optimizer == "rowwise_adagrad":
+    """The one-process optimiser of the tables ``params`` under :attr:`trainer.config.TrainerConfig.table_optimizer`
+    (``trainer.embedding_optimizer``, or GEM's own ``trainer.gem.embedding_optimizer``; both take sparse gradients)."""
+    if tc.table_optimizer == "rowwise_adagrad":
         return RowWiseAdagrad(params, lr=embedding_learning_rate(tc), eps=tc.embedding_eps)
     return torch.optim.Adagrad(params, lr=embedding_learning_rate(tc), eps=tc.embedding_eps)
 
 
 def fused_optimizer(tc: TrainerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
-    """(class, kwargs) for TorchRec's ``apply_optimizer_in_backward`` under ``trainer.embedding_optimizer``.
+    """(class, kwargs) for TorchRec's ``apply_optimizer_in_backward`` under :attr:`TrainerConfig.table_optimizer`.
 
     TorchRec maps the class to the fbgemm kernel's optimiser (torchrec.distributed.utils,
     ``_OPTIMIZER_CLASS_TO_EMB_OPT_TYPE``): torchrec.optim.RowWiseAdagrad -> EXACT_ROWWISE_ADAGRAD,
@@ -134,6 +135,6 @@ def fused_optimizer(tc: TrainerConfig) -> tuple[type[torch.optim.Optimizer], dic
     from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
 
     kwargs = {"lr": embedding_learning_rate(tc), "eps": tc.embedding_eps}
-    if tc.embedding_optimizer == "rowwise_adagrad":
+    if tc.table_optimizer == "rowwise_adagrad":
         return TorchRecRowWiseAdagrad, kwargs
     return torch.optim.Adagrad, kwargs

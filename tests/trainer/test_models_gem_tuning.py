@@ -82,6 +82,25 @@ def test_gem_learning_rates_replace_the_trainers_for_gem_only():
         GemConfig(learning_rate=0.0)
 
 
+def test_gem_table_optimizer_replaces_the_trainers_for_gem_only():
+    from gemline.config import load_config
+    from trainer.loop import local_engine
+    from trainer.sparse_optim import RowWiseAdagrad
+
+    tc = load_config(overrides={"trainer.gem.embedding_optimizer": "adagrad"}).trainer
+    assert tc.embedding_optimizer == "rowwise_adagrad" and tc.table_optimizer == "adagrad"
+    assert replace(tc, model="dlrm").table_optimizer == "rowwise_adagrad"
+    unset = load_config(overrides={"trainer.embedding_optimizer": "adagrad", "trainer.gem.embedding_optimizer": "none"})
+    assert unset.trainer.table_optimizer == "adagrad"
+    torch.manual_seed(0)
+    gem = local_engine(replace(SMALL, gem=replace(SMALL.gem, embedding_optimizer="adagrad")), 3, ("feed",), None)
+    assert type(gem.optimizers["embeddings"]) is torch.optim.Adagrad
+    dlrm = local_engine(replace(SMALL, model="dlrm", gem=replace(SMALL.gem, embedding_optimizer="adagrad")), 3, ("feed",), None)
+    assert type(dlrm.optimizers["embeddings"]) is RowWiseAdagrad
+    with pytest.raises(ValueError, match=r"trainer.gem.embedding_optimizer must be one of"):
+        GemConfig(embedding_optimizer="sgd")  # type: ignore[arg-type]
+
+
 def test_the_tuning_switches_are_ablations_of_compare():
     from gemline.errors import BadConfigError
     from trainer.compare import ablated_config
