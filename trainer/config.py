@@ -196,7 +196,9 @@ class GemConfig:
     """Adagrad rate of GEM's tables in place of ``trainer.embedding_learning_rate``; None: that one."""
     embedding_optimizer: EmbeddingOptimizerName | None = None
     """GEM's table optimiser in place of ``trainer.embedding_optimizer`` (``adagrad``: one accumulator per element;
-    ``rowwise_adagrad``: one per row); None: that one. README "GEM's table optimiser" has the paired runs."""
+    ``rowwise_adagrad``: one per row); None: that one. At three seeds on MovieLens per-element Adagrad gave GEM
+    conversion AUC +0.0019 and click AUC +0.0002 over row-wise (README "GEM's dense learning rate", "Under row-wise
+    Adagrad"); None by default, so GEM keeps the trainer's row-wise rule (state D times smaller, fbgemm's kernel)."""
 
     def __post_init__(self) -> None:
         """Raises BadConfigError (a ValueError) naming the ``trainer.gem.*`` key of a bad value."""
