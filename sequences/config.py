@@ -71,11 +71,13 @@ class BuildConfig:
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
     see gemline.gate.require_allowed); "off" any version (raw lakes in tests and benchmarks)."""
-    examples_layout: ExamplesLayout = "fat"
-    """"fat": every ``examples`` row stores its sequences (list columns, cost grows with
-    ``max_seq_len``). "pointer": the rows keep every other column (lengths and truncation counts
-    included) and readers rebuild the lists from the ``history`` table, where each event is stored
-    once (:func:`sequences.materialize.materialize_examples`). Fixed for the life of a lake."""
+    examples_layout: ExamplesLayout = "pointer"
+    """"pointer" (the default): the ``examples`` rows keep every column but the sequence lists
+    (lengths and truncation counts included) and readers rebuild the lists from the ``history``
+    table, where each event is stored once (:func:`sequences.materialize.materialize_examples`).
+    "fat": every row stores its sequences (list columns, cost grows with ``max_seq_len``; a lake
+    built before pointer became the default is fat: build it with ``build.examples_layout=fat``).
+    Fixed for the life of a lake."""
     interval_s: float = 10.0
     """Seconds between the passes of ``gemline build --follow`` (its ``--interval-s`` flag sets it too)."""
 

@@ -787,7 +787,8 @@ def run_build(
         # Pointer rows are rebuilt with the lake's layout and lengths; a change would make them unreadable.
         raise BadConfigError(f"this lake was built with {', '.join(f'build.{k}={v[0]!r}' for k, v in changed.items())}; "
                              f"got {', '.join(f'{v[1]!r}' for v in changed.values())}: they are fixed for the life of a "
-                             "lake (build a new lake to change them)")
+                             "lake (build a new lake to change them, or keep building this one with "
+                             f"{' '.join(f'--set build.{k}={v[0]}' for k, v in changed.items())})")
     old_close = meta.get("close_ms")
     if old_version == version:
         # Nothing new: only closing windows further can publish anything, and only if impressions
