@@ -31,4 +31,4 @@ def test_prior_from_overrides():
 
 def test_examples_layout_from_overrides():
     assert load_config(overrides={"build.examples_layout": "pointer"}).build.examples_layout == "pointer"
-    assert load_config().build.examples_layout == "fat"
+    assert load_config().build.examples_layout == "pointer"  # the default since issue 15's goals were met
