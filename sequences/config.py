@@ -20,6 +20,9 @@ ExamplesLayout = Literal["fat", "pointer"]
 """``build.examples_layout``: example rows carry their sequences as lists ("fat") or point into the
 ``history`` table ("pointer", :mod:`sequences.materialize`)."""
 
+Engine = Literal["auto", "inprocess", "beam"]
+"""``build.engine``: where the build's computation runs (``sequences.pipeline.uses_beam``)."""
+
 ShardStep = Literal["vectorized", "reference"]
 """``build.shard_step``: the vectorised shard build or the per-user reference (same tables)."""
 
@@ -78,6 +81,12 @@ class BuildConfig:
     "fat": every row stores its sequences (list columns, cost grows with ``max_seq_len``; a lake
     built before pointer became the default is fat: build it with ``build.examples_layout=fat``).
     Fixed for the life of a lake."""
+    engine: Engine = "auto"
+    """"inprocess": the shard steps and part writes run in the building process, without Beam (the
+    fast path of a one-machine build). "beam": as a Beam pipeline (DirectRunner unless the Beam flags
+    name another runner: Dask, Flink, Dataflow). "auto": Beam when Beam flags are given
+    (``gemline build --runner dask``, ``-- --direct_num_workers=2``), else in process. Both write the
+    same tables (the Beam path is the tested reference twin)."""
     interval_s: float = 10.0
     """Seconds between the passes of ``gemline build --follow`` (its ``--interval-s`` flag sets it too)."""
 
@@ -110,6 +119,8 @@ class BuildConfig:
         if self.examples_layout not in get_args(ExamplesLayout):
             raise BadConfigError(f"build.examples_layout must be one of {get_args(ExamplesLayout)}, "
                                  f"got {self.examples_layout!r}")
+        if self.engine not in get_args(Engine):
+            raise BadConfigError(f"build.engine must be one of {get_args(Engine)}, got {self.engine!r}")
         if self.shard_step not in get_args(ShardStep):
             raise BadConfigError(f"build.shard_step must be one of {get_args(ShardStep)}, got {self.shard_step!r}")
         if self.events_gate not in ("required", "off"):

@@ -45,7 +45,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,16 @@ def layout_metadata(config: BuildConfig) -> dict[str, Any]:
             "same_domain_seq_len": config.same_domain_seq_len}
 
 
+def _same_as(built: dict[str, Any]) -> str:
+    """The ``--set`` flags that give a config the :func:`layout_metadata` ``built`` (a lake's)."""
+    flags = [f"--set build.examples_layout={built['examples_layout']}"]
+    if built.get("max_seq_len") is not None:  # stored since the pointer layout came
+        flags.append(f"--set build.max_seq_len={built['max_seq_len']}")
+        same = built.get("same_domain_seq_len")
+        flags.append(f"--set build.max_same_domain_seq_len={'none' if same in (None, built['max_seq_len']) else same}")
+    return " ".join(flags)
+
+
 def output_schemas(config: BuildConfig) -> dict[str, pa.Schema]:
     """:data:`_OUTPUTS` with the ``examples`` and pending schemas of ``config.examples_layout`` (the
     pointer layout drops the list columns, :func:`sequences.schema.pointer_schema`)."""
@@ -189,6 +201,21 @@ def _is_not_item(table: pa.Table):
     return pc.invert(_is_item(table))
 
 
+_ROUTES: tuple[tuple[str, str, str, str, Any], ...] = (
+    ("NewByItem", "new", "item", "item_id", None),
+    ("BufferByItem", "buffer", "item", "item_id", None),
+    ("EvictedByItem", "evicted", "item", "key", _is_item),
+    ("NewByUser", "new", "user", "user_id", None),
+    ("BufferByUser", "buffer", "user", "user_id", None),
+    ("SeqByUser", "seq", "user", "user_id", None),
+    ("DomainSeqByUser", "dseq", "user", "user_id", None),
+    ("EvictedByUser", "evicted", "user", "key", _is_not_item),
+    ("PendingByUser", "pending", "user", "user_id", None),
+)
+"""Where each build input goes, the same in both engines: (Beam label, input, "item" or "user" shards,
+key column, row filter or None)."""
+
+
 _USER_OUTPUT_TABLES = {"buffer": Table.BUILD_BUFFER, "evicted": Table.BUILD_EVICTED, "pending": Table.BUILD_PENDING,
                        "orphan_labels": Table.ORPHAN_LABELS}
 # The other shard outputs are named after their tables ("sequences", "features/user", "examples", ...).
@@ -231,29 +258,18 @@ class BuildIncrement(beam.PTransform):
 
     def expand(self, inputs: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
         shards, spill = self._config.shards, self._spill_dir
-        item_pieces = (
-            inputs["new"] | "NewByItem" >> beam.FlatMap(_shard_pieces, "new", "item_id", shards, spill),
-            inputs["buffer"] | "BufferByItem" >> beam.FlatMap(_shard_pieces, "buffer", "item_id", shards, spill),
-            inputs["evicted"] | "EvictedByItem" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, spill, _is_item),
-        )
+        pieces: dict[str, list[beam.PCollection]] = {"item": [], "user": []}
+        for label, source, kind, key, keep in _ROUTES:
+            pieces[kind].append(inputs[source] | label >> beam.FlatMap(_shard_pieces, source, key, shards, spill, keep))
         item_out = (
-            item_pieces
+            tuple(pieces["item"])
             | "ItemPieces" >> beam.Flatten()
             | "GroupByItemShard" >> beam.GroupByKey()
             | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards, spill)
             .with_outputs("dense", main="parts")
         )
-        user_pieces = (
-            inputs["new"] | "NewByUser" >> beam.FlatMap(_shard_pieces, "new", "user_id", shards, spill),
-            inputs["buffer"] | "BufferByUser" >> beam.FlatMap(_shard_pieces, "buffer", "user_id", shards, spill),
-            inputs["seq"] | "SeqByUser" >> beam.FlatMap(_shard_pieces, "seq", "user_id", shards, spill),
-            inputs["dseq"] | "DomainSeqByUser" >> beam.FlatMap(_shard_pieces, "dseq", "user_id", shards, spill),
-            inputs["evicted"] | "EvictedByUser" >> beam.FlatMap(_shard_pieces, "evicted", "key", shards, spill, _is_not_item),
-            inputs["pending"] | "PendingByUser" >> beam.FlatMap(_shard_pieces, "pending", "user_id", shards, spill),
-            item_out["dense"],
-        )
         user_parts = (
-            user_pieces
+            (*pieces["user"], item_out["dense"])
             | "UserPieces" >> beam.Flatten()
             | "GroupByUserShard" >> beam.GroupByKey()
             | "BuildUserShard" >> beam.FlatMap(
@@ -262,6 +278,77 @@ class BuildIncrement(beam.PTransform):
         # Two outputs, not one Flatten: a Flatten of two stages' outputs would materialise (pickle)
         # every output table between stages, while a consumer of each is fused with its producer.
         return {"item": item_out["parts"], "user": user_parts}
+
+
+_SOURCE_LABELS = {"new": "ReadNewEvents", "buffer": "ReadBuffer", "seq": "ReadSequences",
+                  "dseq": "ReadDomainSequences", "evicted": "ReadEvicted", "pending": "ReadPending"}
+
+
+def _run_on_beam(sources: dict[str, tuple], steps: dict[str, Any], write: tuple, beam_args: list[str]) -> None:
+    """The build's computation and part writes as a Beam pipeline (:class:`BuildIncrement`): each of
+    ``sources`` (specs of :func:`_emit_table`) read by one step; ``steps``: the transform's arguments;
+    ``write``: the trailing arguments of :func:`_write_part`."""
+    with beam.Pipeline(options=PipelineOptions(local_runner_args(beam_args))) as pipeline:
+        start = pipeline | "Start" >> beam.Create([None])
+        inputs = {name: start | _SOURCE_LABELS[name] >> beam.FlatMap(_emit_table, spec)
+                  for name, spec in sources.items()}
+        parts = inputs | "BuildIncrement" >> BuildIncrement(**steps)
+        parts["item"] | "WriteItemParts" >> beam.Map(_write_part, *write)
+        parts["user"] | "WriteUserParts" >> beam.Map(_write_part, *write)
+
+
+_WRITERS = 2
+"""Threads writing parts while :func:`_run_in_process` computes the next shard (Parquet encoding and
+compression release the GIL, so the writes and the computation share the cores)."""
+
+
+def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tuple) -> None:
+    """:func:`_run_on_beam`'s work in this process, without Beam: the same functions (:func:`_emit_table`,
+    :func:`_shard_pieces` along :data:`_ROUTES`, :func:`_item_shard_step`, :func:`_user_shard_step`,
+    :func:`_write_part`) in the order the two shuffles impose (every item shard before any user shard),
+    so the same parts are written. Beam's graph construction, DoFn inspection and per-element
+    bookkeeping cost about as much CPU per build as the computation of 100,000 events (issue 15).
+
+    A shard's parts are written by :data:`_WRITERS` threads while the next shard is computed; they must
+    be written before the shard after next starts, so at most two shards' outputs are held at once. A
+    failed write is raised once the writes under way end (queued ones are cancelled): nothing is
+    committed, and a rerun rewrites the same file names.
+
+    Raises:
+        whatever a step or a write raises.
+    """
+    config: BuildConfig = steps["config"]
+    shards, spill = config.shards, steps["spill_dir"]
+    pieces: dict[str, dict[int, list]] = {"item": defaultdict(list), "user": defaultdict(list)}
+    for name, spec in sources.items():
+        routes = [r for r in _ROUTES if r[1] == name]
+        for table in _emit_table(None, spec):
+            for _, _, kind, key, keep in routes:
+                for shard, piece in _shard_pieces(table, name, key, shards, spill, keep):
+                    pieces[kind][shard].append(piece)
+    pool = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="build-write")
+    previous: list[Future] = []
+    try:
+        for kind in ("item", "user"):
+            for shard in sorted(pieces[kind]):
+                keyed = (shard, pieces[kind].pop(shard))
+                outputs = (_item_shard_step(keyed, config, steps["watermark_ms"], shards, spill) if kind == "item"
+                           else _user_shard_step(keyed, config, steps["watermark_ms"], steps["old_close_ms"],
+                                                 steps["close_ms"], steps["build"]))
+                current = []
+                for out in outputs:
+                    if isinstance(out, beam.pvalue.TaggedOutput):  # an item shard's counters for a user shard
+                        user_shard, piece = out.value
+                        pieces["user"][user_shard].append(piece)
+                    else:
+                        current.append(pool.submit(_write_part, out, *write))
+                for future in previous:
+                    future.result()
+                previous = current
+        for future in previous:
+            future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions | None, manifests: str,
@@ -700,6 +787,20 @@ def build_hygiene(build: BuildConfig) -> HygieneConfig:
     return dataclasses.replace(build.hygiene, compact_min_files=floor)
 
 
+def uses_beam(config: BuildConfig, beam_args: list[str] | None) -> bool:
+    """Whether :func:`run_build` runs its computation as a Beam pipeline: ``build.engine = "beam"``,
+    or ``"auto"`` with Beam flags given (a runner such as Dask or Flink, or DirectRunner options);
+    otherwise (no flags, or ``"inprocess"``) in this process (:func:`_run_in_process`).
+
+    Raises:
+        BadConfigError: ``build.engine = "inprocess"`` with Beam flags (they would be ignored).
+    """
+    if config.engine == "inprocess" and beam_args:
+        raise BadConfigError(f"build.engine='inprocess' runs no Beam pipeline, so the Beam flags {beam_args} would be "
+                             "ignored: drop them, or set build.engine=beam (or auto)")
+    return config.engine == "beam" or (config.engine == "auto" and bool(beam_args))
+
+
 def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | None, final: bool,
                  close_windows_at: int | None) -> int:
     close = watermark_ms if old_close_ms is None else max(old_close_ms, watermark_ms)
@@ -725,8 +826,9 @@ def run_build(
     """Build the events gained since the last build into examples, sequences, features and state.
 
     Reads ``events`` at ``events_version`` (latest when None) but only the rows added since the last
-    built version (:func:`new_event_rows`), merges them with the build state in one Beam pipeline
-    (DirectRunner unless ``beam_args`` say otherwise), stages Parquet under
+    built version (:func:`new_event_rows`), merges them with the build state, in this process or as
+    a Beam pipeline (:func:`uses_beam`: ``build.engine``; DirectRunner unless ``beam_args`` say
+    otherwise; the same tables either way), stages Parquet under
     ``LAKE/_staging/build/<events_version>/`` and commits each table once, tagged ("build", k) with
     metadata ``{"events_version", "watermark_ms", "close_ms"}``; ``examples`` is appended last.
 
@@ -751,7 +853,8 @@ def run_build(
         lake: the lake of ``events`` and the build's tables (its root's build lock is held).
         config: the ``build`` section: windows, sequence lengths, shards, the events gate, hygiene.
         events_version: the ``events`` version to build up to; None: the latest.
-        beam_args: extra Beam pipeline flags (DirectRunner unless they name another runner).
+        beam_args: Beam pipeline flags (DirectRunner unless they name another runner); with
+            ``build.engine = "auto"`` (the default) any flag runs the build on Beam.
         final, close_windows_at: close attribution windows beyond the watermark (see above).
 
     Raises:
@@ -787,8 +890,7 @@ def run_build(
         # Pointer rows are rebuilt with the lake's layout and lengths; a change would make them unreadable.
         raise BadConfigError(f"this lake was built with {', '.join(f'build.{k}={v[0]!r}' for k, v in changed.items())}; "
                              f"got {', '.join(f'{v[1]!r}' for v in changed.values())}: they are fixed for the life of a "
-                             "lake (build a new lake to change them, or keep building this one with "
-                             f"{' '.join(f'--set build.{k}={v[0]}' for k, v in changed.items())})")
+                             f"lake (build a new lake to change them, or keep building this one with {_same_as(built)})")
     old_close = meta.get("close_ms")
     if old_version == version:
         # Nothing new: only closing windows further can publish anything, and only if impressions
@@ -829,22 +931,21 @@ def run_build(
     done = frozenset(name for name in _OUTPUTS
                      if (commit_metadata(root, name, APP_ID, storage_options=opts) or {}).get("build") == build)
 
-    with beam.Pipeline(options=PipelineOptions(local_runner_args(beam_args or []))) as pipeline:
-        start = pipeline | "Start" >> beam.Create([None])
-        inputs = {
-            "new": start | "ReadNewEvents" >> beam.FlatMap(_emit_table, ("new", root, old_version, version, opts)),
-            "buffer": start | "ReadBuffer" >> beam.FlatMap(_emit_table, state[Table.BUILD_BUFFER]),
-            "seq": start | "ReadSequences" >> beam.FlatMap(_emit_table, state[Table.SEQUENCES]),
-            "dseq": start | "ReadDomainSequences" >> beam.FlatMap(_emit_table, state[Table.SEQUENCES_BY_DOMAIN]),
-            "evicted": start | "ReadEvicted" >> beam.FlatMap(_emit_table, state[Table.BUILD_EVICTED]),
-            "pending": start | "ReadPending" >> beam.FlatMap(_emit_table, state[Table.BUILD_PENDING]),
-        }
-        parts = inputs | "BuildIncrement" >> BuildIncrement(
-            config, watermark_ms=watermark_ms, old_close_ms=old_close, close_ms=close_ms,
-            spill_dir=str(staging / "shuffle"), build=build)
-        write = (str(root), opts, str(staging), build, done, schemas)
-        parts["item"] | "WriteItemParts" >> beam.Map(_write_part, *write)
-        parts["user"] | "WriteUserParts" >> beam.Map(_write_part, *write)
+    sources = {
+        "new": ("new", root, old_version, version, opts),
+        "buffer": state[Table.BUILD_BUFFER],
+        "seq": state[Table.SEQUENCES],
+        "dseq": state[Table.SEQUENCES_BY_DOMAIN],
+        "evicted": state[Table.BUILD_EVICTED],
+        "pending": state[Table.BUILD_PENDING],
+    }
+    steps = {"config": config, "watermark_ms": watermark_ms, "old_close_ms": old_close, "close_ms": close_ms,
+             "spill_dir": str(staging / "shuffle"), "build": build}
+    write = (str(root), opts, str(staging), build, done, schemas)
+    if uses_beam(config, beam_args):
+        _run_on_beam(sources, steps, write, list(beam_args or []))
+    else:
+        _run_in_process(sources, steps, write)
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):

@@ -17,6 +17,7 @@ from sequences.config import BuildConfig
         ("must be > 0 .else the CTR of an unseen entity is 0/0", {"ctr_prior_clicks": 0.0, "ctr_prior_non_clicks": 0.0}),
         ("build.max_seq_len must be >= 1, got 0", {"max_seq_len": 0}),
         ("build.examples_layout must be one of .'fat', 'pointer'., got 'thin'", {"examples_layout": "thin"}),
+        ("build.engine must be one of .'auto', 'inprocess', 'beam'., got 'spark'", {"engine": "spark"}),
     ],
 )
 def test_invalid_build_config(message, kwargs):
@@ -30,5 +31,5 @@ def test_prior_from_overrides():
 
 
 def test_examples_layout_from_overrides():
-    assert load_config(overrides={"build.examples_layout": "pointer"}).build.examples_layout == "pointer"
-    assert load_config().build.examples_layout == "pointer"  # the default since issue 15's goals were met
+    assert load_config(overrides={"build.examples_layout": "fat"}).build.examples_layout == "fat"
+    assert load_config().build.examples_layout == "pointer"

@@ -148,7 +148,7 @@ def test_quarantined_events_stop_the_build_until_released(tmp_path, capsys):
     assert open_table(lake, "examples").version() == examples_version  # nothing built
 
     capsys.readouterr()
-    assert main(["build", "--lake", lake, "--final"]) == 3
+    assert main(["build", "--lake", lake, "--set", "build.max_seq_len=4", "--final"]) == 3
     err = capsys.readouterr().err
     assert err == f"error: {info.value}\n"  # one line, no traceback
 

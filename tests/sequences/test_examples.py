@@ -11,8 +11,9 @@ from sequences.config import BuildConfig
 from sequences.examples import DENSE_FEATURES, EXAMPLES_SCHEMA, assemble_examples, item_features, rows_to_table
 from sequences.schema import EXAMPLES_BASE_SCHEMA, dense_feature_names
 
+# The rows' sequence lists are what these tests check: the fat layout's.
 CONFIG = BuildConfig(max_seq_len=2, click_window_ms=HOUR_MS, conversion_window_ms=DAY_MS,
-                     ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0)
+                     ctr_prior_clicks=1.0, ctr_prior_non_clicks=1.0, examples_layout="fat")
 T0 = 1_000 * DAY_MS  # 1972-09-27
 
 
@@ -103,7 +104,7 @@ def _random_events(seed: int, n: int) -> list[dict]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_no_leakage_on_random_events(seed):
     events = _random_events(seed, 300)
-    config = BuildConfig(max_seq_len=7, click_window_ms=5_000, conversion_window_ms=20_000)
+    config = BuildConfig(max_seq_len=7, click_window_ms=5_000, conversion_window_ms=20_000, examples_layout="fat")
     rows = _both_passes(events, config)
     by_id = {e["event_id"]: e for e in events}
     impressions = [e for e in events if e["event_type"] == "impression"]

@@ -16,8 +16,9 @@ from sequences.incremental import build_item, build_user
 from .conftest import event
 
 DAY = 24 * 3600 * 1000
+# The per-user functions' sequence lists are checked: the fat layout's.
 CONFIG = BuildConfig(max_seq_len=3, max_same_domain_seq_len=2, click_window_ms=DAY // 2,
-                     conversion_window_ms=DAY, state_lookback_ms=30 * DAY)
+                     conversion_window_ms=DAY, state_lookback_ms=30 * DAY, examples_layout="fat")
 
 
 def run_batches(batches, config=CONFIG):

@@ -199,3 +199,33 @@ def test_new_events_read_in_chunks_build_what_one_read_builds(tmp_path, make_eve
             new_event_rows(lake, old, n).to_pylist(), key=str)
         run_build(*build_args(config), final=n == 1)
     assert _snapshot(lake) == clean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fat", "pointer"])
+def test_beam_build_writes_what_the_in_process_build_writes(tmp_path, make_event, clean, layout):
+    """``build.engine``: the Beam pipeline, the in-process path's reference twin, leaves the same tables, table
+    for table, after a first build and an incremental one (the clean run is in process, the default)."""
+    import dataclasses
+
+    lake = str(tmp_path / "beam")
+    config = GemlineConfig(lake=lake, build=dataclasses.replace(with_layout(CONFIG, layout), engine="beam"))
+    for n, batch in enumerate([_events(make_event), _second_batch(make_event)]):
+        write_events(lake, batch, version=n)
+        run_build(*build_args(config), final=n == 1)
+    assert _snapshot(lake) == clean(layout)
+    assert len(clean(layout)["examples"]) == 5 and len(clean(layout)["sequences"]) == 3
+
+
+def test_the_engine_follows_build_engine_and_the_beam_flags():
+    import dataclasses
+
+    from gemline.errors import BadConfigError
+    from sequences.pipeline import uses_beam
+
+    flags = ["--runner=DirectRunner", "--direct_num_workers=2"]
+    assert [uses_beam(dataclasses.replace(CONFIG, engine=e), a) for e in ("auto", "beam") for a in (None, flags)] == [
+        False, True, True, True]
+    assert CONFIG.engine == "auto" and uses_beam(dataclasses.replace(CONFIG, engine="inprocess"), []) is False
+    with pytest.raises(BadConfigError, match="build.engine='inprocess' runs no Beam pipeline"):
+        uses_beam(dataclasses.replace(CONFIG, engine="inprocess"), flags)

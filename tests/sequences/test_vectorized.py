@@ -18,8 +18,10 @@ from sequences.vectorized import _events, _needs_reference, item_shard_vectorize
 from .conftest import event
 
 DAY = 24 * 3600 * 1000
+# Fat: the vectorised lists are compared with the reference's (tests/sequences/test_materialize.py
+# compares the pointer rows with these).
 CONFIG = BuildConfig(max_seq_len=3, max_same_domain_seq_len=2, click_window_ms=DAY // 2, conversion_window_ms=DAY,
-                     state_lookback_ms=30 * DAY, window_overrides=("d2:click:3600000",))
+                     state_lookback_ms=30 * DAY, window_overrides=("d2:click:3600000",), examples_layout="fat")
 
 
 def _canon(table: pa.Table) -> list[str]:
