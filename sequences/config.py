@@ -67,9 +67,15 @@ class BuildConfig:
     shard_step: ShardStep = "vectorized"
     """How a shard is built: "vectorized" (polars/numpy over all its users) or "reference" (a loop
     of the per-user functions of sequences.incremental; same tables, slower)."""
-    shards: int = 4
-    """Users (and items) are hashed into this many shards, one Beam element each per build step;
-    more shards give a distributed runner more parallelism, fewer keep per-element cost low."""
+    shards: int | Literal["auto"] = "auto"
+    """Users (and items) are hashed into this many shards, built one after the other in process (one
+    Beam element each on Beam): a shard's working set is about its share of the build's rows, so more
+    shards bound the memory, and give a distributed runner more parallelism; fewer write fewer, larger
+    files. "auto": per build, the fewest that keep one shard's working set within
+    ``memory_budget_bytes`` (``sequences.pipeline.shards_for``)."""
+    memory_budget_bytes: int = 2**30
+    """With ``shards = "auto"``: bytes one shard step may hold (its working set; the build process adds
+    its own ~0.3-0.6 GB: the default keeps a million-user build at max length 4096 under 2 GB)."""
     events_gate: Literal["required", "off"] = "required"
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
@@ -127,8 +133,10 @@ class BuildConfig:
             raise BadConfigError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
         if not self.interval_s >= 0:
             raise BadConfigError(f"build.interval_s must be >= 0 seconds, got {self.interval_s}")
-        if self.shards < 1:
-            raise BadConfigError(f"build.shards must be >= 1, got {self.shards}")
+        if self.shards != "auto" and (not isinstance(self.shards, int) or self.shards < 1):
+            raise BadConfigError(f"build.shards must be 'auto' or an integer >= 1, got {self.shards!r}")
+        if self.memory_budget_bytes < 2**20:
+            raise BadConfigError(f"build.memory_budget_bytes must be >= 1 MiB (1048576 bytes), got {self.memory_budget_bytes}")
         if self.max_seq_len < 1:
             raise BadConfigError(f"build.max_seq_len must be >= 1, got {self.max_seq_len}")
         for name in ("click_window_ms", "conversion_window_ms"):
@@ -143,6 +151,17 @@ class BuildConfig:
                 "build.ctr_prior_clicks + build.ctr_prior_non_clicks must be > 0 "
                 f"(else the CTR of an unseen entity is 0/0), got {self.ctr_prior_clicks} + {self.ctr_prior_non_clicks}"
             )
+
+    @property
+    def shard_count(self) -> int:
+        """``shards`` as a number.
+
+        Raises:
+            ValueError: ``shards`` is "auto" (``sequences.pipeline.run_build`` resolves it per build).
+        """
+        if self.shards == "auto":
+            raise ValueError('build.shards = "auto" is resolved per build (sequences.pipeline.shards_for)')
+        return self.shards
 
     @property
     def same_domain_seq_len(self) -> int:

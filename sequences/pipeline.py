@@ -257,7 +257,7 @@ class BuildIncrement(beam.PTransform):
         self._close_ms = close_ms
 
     def expand(self, inputs: dict[str, beam.PCollection]) -> dict[str, beam.PCollection]:
-        shards, spill = self._config.shards, self._spill_dir
+        shards, spill = self._config.shard_count, self._spill_dir
         pieces: dict[str, list[beam.PCollection]] = {"item": [], "user": []}
         for label, source, kind, key, keep in _ROUTES:
             pieces[kind].append(inputs[source] | label >> beam.FlatMap(_shard_pieces, source, key, shards, spill, keep))
@@ -318,7 +318,7 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
         whatever a step or a write raises.
     """
     config: BuildConfig = steps["config"]
-    shards, spill = config.shards, steps["spill_dir"]
+    shards, spill = config.shard_count, steps["spill_dir"]
     pieces: dict[str, dict[int, list]] = {"item": defaultdict(list), "user": defaultdict(list)}
     for name, spec in sources.items():
         routes = [r for r in _ROUTES if r[1] == name]
@@ -777,7 +777,7 @@ def build_hygiene(build: BuildConfig) -> HygieneConfig:
     compact after every build or two; a raised value is logged as a warning naming the key, the
     configured value and the value used.
     """
-    floor = 2 * build.shards + 1
+    floor = 2 * build.shard_count + 1
     configured = build.hygiene.compact_min_files
     if configured >= floor:
         return build.hygiene
@@ -799,6 +799,38 @@ def uses_beam(config: BuildConfig, beam_args: list[str] | None) -> bool:
         raise BadConfigError(f"build.engine='inprocess' runs no Beam pipeline, so the Beam flags {beam_args} would be "
                              "ignored: drop them, or set build.engine=beam (or auto)")
     return config.engine == "beam" or (config.engine == "auto" and bool(beam_args))
+
+
+SHARD_BYTES_PER_ROW = 2_560
+"""Bytes a user shard step holds per event it reads (new or buffered), pointer layout: 1,017 MiB peak at
+16 shards and 2,171 MiB at 4 on the same 2,555,249 events (max length 4096, issue 15) give 2.41 KiB per
+event of a shard and ~630 MiB of the rest of the process."""
+
+SHARD_BYTES_PER_LIST_ITEM = 16
+"""Fat layout: bytes more per event read and per unit of ``max_seq_len`` (its examples carry their lists:
+~35 KB per event at 2048, issue 15's table)."""
+
+
+def shards_for(config: BuildConfig, rows: int) -> int:
+    """The shard count of a build that reads ``rows`` events (new + buffered): ``build.shards`` when a
+    number, else ("auto") the fewest shards whose share of the rows, at :data:`SHARD_BYTES_PER_ROW` bytes
+    each (plus :data:`SHARD_BYTES_PER_LIST_ITEM` x ``max_seq_len`` in the fat layout), fits in
+    ``build.memory_budget_bytes``; at least 1. One shard is fastest where it fits: every shard writes its
+    own file into each partition of each table (a 200,000-event build at 4 shards wrote ~340 files)."""
+    if config.shards != "auto":
+        return config.shards
+    per_row = SHARD_BYTES_PER_ROW + (SHARD_BYTES_PER_LIST_ITEM * config.max_seq_len
+                                     if config.examples_layout == "fat" else 0)
+    return max(1, -(-rows * per_row // config.memory_budget_bytes))
+
+
+def _rows_at(lake: str, table: str, version: int | None, opts: StorageOptions | None) -> int:
+    """Rows of ``table`` at ``version`` from its log's file statistics (no data read); 0 for None."""
+    dt = None if version is None else open_table(lake, table, version, storage_options=opts)
+    if dt is None:
+        return 0
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    return int(pc.sum(actions.column("num_records")).as_py() or 0) if actions.num_rows else 0
 
 
 def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | None, final: bool,
@@ -920,6 +952,11 @@ def run_build(
     # Only the pending rows with something due are read (most wait days for their windows to close).
     state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts),
                                   state[Table.BUILD_BUFFER][3], opts, old_version, version, config, old_close, close_ms)
+    shards = shards_for(config, len(new_times) + _rows_at(root, Table.BUILD_BUFFER, state[Table.BUILD_BUFFER][3], opts))
+    if config.shards == "auto":
+        log.info("build %d: %d shard(s) for %d new events (build.shards = auto, build.memory_budget_bytes = %d)",
+                 build, shards, len(new_times), config.memory_budget_bytes)
+    config = dataclasses.replace(config, shards=shards)
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
     # local temp dir (multi-machine runners need a shared one).

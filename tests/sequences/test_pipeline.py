@@ -250,3 +250,41 @@ def test_defer_publishes_early_then_corrects_and_counts_orphans(tmp_path, make_e
     again = run_build(*build_args(config))
     assert again.skipped and read_table(lake, "examples").num_rows == 3
     assert read_table(lake, "orphan_labels").num_rows == 1
+
+
+@pytest.mark.parametrize(("config", "rows", "shards"), [
+    (BuildConfig(), 0, 1),
+    (BuildConfig(), 200_000, 1),  # 200,000 x 2,560 B = 488 MiB <= 1 GiB
+    (BuildConfig(), 419_430, 1),  # 419,430 x 2,560 = 1,073,740,800 B: just within 2**30
+    (BuildConfig(), 419_431, 2),
+    (BuildConfig(), 2_555_249, 7),  # issue 15's million users: 6.09 GiB of working set
+    (BuildConfig(memory_budget_bytes=2**29), 2_555_249, 13),
+    (BuildConfig(examples_layout="fat", max_seq_len=2048), 60_000, 2),  # 60,000 x (2,560 + 16 x 2,048) B = 1.97 GiB
+    (BuildConfig(shards=4), 10**9, 4),  # a number is kept
+])
+def test_auto_shards_keep_a_shard_within_the_memory_budget(config, rows, shards):
+    from sequences.pipeline import shards_for
+
+    assert shards_for(config, rows) == shards
+    if config.shards == "auto":
+        with pytest.raises(ValueError, match="resolved per build"):
+            _ = config.shard_count
+
+
+@pytest.mark.slow
+def test_auto_shards_are_resolved_per_build(tmp_path, make_event, caplog):
+    """``build.shards = "auto"`` (the default): a build with a tiny budget gets a shard per 2 events it reads
+    (new + buffered) and says so; it writes what a build of that many fixed shards writes."""
+    lake = str(tmp_path / "lake")
+    write_events(lake, _events(make_event), version=0)
+    budget = BuildConfig(max_seq_len=3, click_window_ms=100, conversion_window_ms=1_000, events_gate="off",
+                         memory_budget_bytes=2**20)
+    rows = 2**20 // 2_560  # events of one shard's budget
+    events = [make_event(f"e{i}", 3_000 + i, "engagement", user=f"u{i % 7}") for i in range(2 * rows + 1)]
+    write_events(lake, events, version=1)
+    with caplog.at_level("INFO", logger="sequences.pipeline"):
+        run_build(*build_args(GemlineConfig(lake=lake, build=budget)), events_version=0)
+        run_build(*build_args(GemlineConfig(lake=lake, build=budget)), events_version=1)
+    # Build 0 reads 6 events; build 1 reads 2 x rows + 1 new ones (2 shards' worth) and build 0's 5 buffered ones.
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if "shard(s)" in r.getMessage()] == [
+        "build 0: 1 shard(s) for 6 new events", f"build 1: 3 shard(s) for {2 * rows + 1} new events"]
