@@ -191,6 +191,13 @@ def _build_committed(lake: str, versions: int, build, beam_args: list[str]) -> d
             "rss_mib": high_water_mib(), "phases": phases.stop()}
 
 
+def _reference_seconds(events: pa.Table, max_seq_len: int, build) -> tuple[float, float]:
+    """(wall, CPU) seconds of :func:`polars_reference` on ``events`` (its compute only, no write)."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    polars_reference(events, max_seq_len, build.click_window_ms, build.conversion_window_ms)
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
 def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int, float, float]:
     """(rows, materialization examples/s, GEM training examples/s) on the pointer lake's examples."""
     import torch
@@ -216,12 +223,15 @@ def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int,
 
 def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, beam_args: list[str],
                     gem_batch: int = 256, gem_steps: int = 6, layouts: tuple[str, ...] = ("fat", "pointer"),
-                    repeats: int = 1, feed: bool = True) -> None:
+                    repeats: int = 1, feed: bool = True, reference: bool = True) -> None:
     """Print the fat/pointer comparison of ``--compare-layouts`` at each max length (module docstring).
 
     With ``repeats`` > 1 every (length, layout) build runs that many times, interleaved (round r builds
     every length and layout before round r + 1), so a change of the machine's load hits all of them
     alike; the table shows the median seconds and the throughput ratios are given per round.
+    ``reference``: each round also times :func:`polars_reference` at each length (compute only, in a child
+    process, after the builds of that length), and each build's rate is given against it: the ratio of two
+    rates measured minutes apart on the same machine moves less with its load than either rate.
     """
     import dataclasses
     import multiprocessing
@@ -232,6 +242,7 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
     n = events.num_rows
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     feeds = {}
+    refs: dict[int, list[tuple[float, float]]] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(repeats):
@@ -248,6 +259,10 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
                         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                             feeds[length] = pool.submit(_materialize_vs_gem, lake, gem_batch, gem_steps).result()
                     shutil.rmtree(lake, ignore_errors=True)
+                if reference:
+                    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                        refs.setdefault(length, []).append(
+                            pool.submit(_reference_seconds, events, length, build).result())
     stats: dict[tuple[str, int], dict] = {key: {**done[0], "seconds": statistics.median(r["seconds"] for r in done),
                                                 "cpu_seconds": statistics.median(r["cpu_seconds"] for r in done),
                    "rss_mib": max(r["rss_mib"] for r in done)} for key, done in runs.items()}
@@ -259,6 +274,10 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
         print(f"{layout:8s} {length:7d} {n / st['seconds']:10,.0f} {n / st['cpu_seconds']:12,.0f} "
               f"{st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
               f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
+        if length in refs:
+            wall, cpu = (statistics.median(r[i] for r in refs[length]) for i in (0, 1))
+            print(f"  polars reference (compute only, one process): {n / wall:,.0f} events/s, {n / cpu:,.0f} per CPU-s; "
+                  f"build / reference: {wall / st['seconds']:.2f} (wall), {cpu / st['cpu_seconds']:.2f} (CPU)")
         for kind, peaks in st["phases"].items():
             print(f"  {kind} peak RSS MiB by phase: {', '.join(f'{k} {v:,.0f}' for k, v in peaks.items())}")
     for length in lengths:
@@ -288,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=1, help="incremental builds the events are split into")
     parser.add_argument("--pareto", type=float, default=None, help="Pareto alpha of events per user (else uniform)")
     parser.add_argument("--max-events-per-user", type=int, default=1000)
-    parser.add_argument("--shards", type=int, default=4, help="build.shards")
+    parser.add_argument("--shards", default="auto", help="build.shards: a number or auto")
     parser.add_argument("--beam-args", default="", help="Beam pipeline flags for the build, space-separated "
                         "(e.g. '--direct_num_workers=2 --direct_running_mode=multi_threading')")
     parser.add_argument("--max-seq-lens", default=None,
@@ -298,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--compare-layouts: interleaved rounds of every build (medians and per-round ratios)")
     parser.add_argument("--no-feed", action="store_true",
                         help="--compare-layouts: skip the materialization vs GEM training measurement")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="--compare-layouts: skip the polars reference (its compute time in a child process)")
     parser.add_argument("--compare-layouts", action="store_true",
                         help="build with examples_layout fat and pointer, and time the pointer materialization vs GEM")
     args = parser.parse_args(argv)
@@ -308,11 +329,13 @@ def main(argv: list[str] | None = None) -> None:
 
     events = synthetic_events(args.users, args.events_per_user, pareto=args.pareto,
                               max_events_per_user=args.max_events_per_user)
-    build = BuildConfig(max_seq_len=args.max_seq_len, shards=args.shards, events_gate="off")  # raw synthetic events
+    shards = args.shards if args.shards == "auto" else int(args.shards)
+    build = BuildConfig(max_seq_len=args.max_seq_len, shards=shards, events_gate="off")  # raw synthetic events
     if args.compare_layouts:
         lengths = [int(x) for x in args.max_seq_lens.split(",")] if args.max_seq_lens else [args.max_seq_len]
         compare_layouts(events, build, lengths, args.batches, args.beam_args.split(),
-                        layouts=tuple(args.layouts.split(",")), repeats=args.repeats, feed=not args.no_feed)
+                        layouts=tuple(args.layouts.split(",")), repeats=args.repeats, feed=not args.no_feed,
+                        reference=not args.no_reference)
         return
     # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
     # start-up); build a tiny lake once so the timed runs measure the build, not the imports.

@@ -238,7 +238,8 @@ class BuildIncrement(beam.PTransform):
     Few, large elements keep Beam's per-element and per-transform costs small.
 
     Args:
-        config: windows, sequence lengths, CTR prior, state lookback, shards.
+        config: windows, sequence lengths, CTR prior, state lookback, shards (a number: :func:`run_build`
+            resolves ``"auto"``; ``config.shard_count`` raises ValueError on it).
         watermark_ms: newest event time after this batch (ms since epoch UTC).
         old_close_ms / close_ms: windows closed up to these times before / after this build.
         spill_dir: when given, shard inputs travel through the shuffles as Arrow IPC files in this

@@ -38,10 +38,10 @@ def _snapshot(lake: str) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """``clean(layout)``: the tables after two clean builds (the second closes every window) of that
-    ``build.examples_layout``, built on first use."""
+    ``build.examples_layout`` (default: the default's), built on first use."""
     runs: dict[str, dict[str, list[str]]] = {}
 
-    def snapshot(layout: str = "fat") -> dict[str, list[str]]:
+    def snapshot(layout: str = CONFIG.examples_layout) -> dict[str, list[str]]:
         if layout not in runs:
             lake = str(tmp_path_factory.mktemp(f"clean-{layout}") / "lake")
             config = GemlineConfig(lake=lake, build=with_layout(CONFIG, layout))
