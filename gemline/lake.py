@@ -375,6 +375,17 @@ _WRITE_THREADS = 4
 """Partitions :func:`write_data_file` encodes at once."""
 
 
+def _dictionary_columns(schema: pa.Schema) -> list[str]:
+    """Columns worth Parquet's dictionary encoding: all but the ``*_id`` ones, which are (nearly) distinct
+    within a file (event and example ids) or repeat in runs zstd compresses anyway (user and item ids).
+    A dictionary of distinct values is built, then dropped for plain encoding: on a 200,000-event build's
+    parts, leaving ids plain cut the encoding's CPU by a third and the bytes by 4% (issue 15). Parquet
+    names a list column's values ``<name>.list.element`` (pyarrow's compliant nested types); other nested
+    columns (none today) would be written plain."""
+    return [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in schema
+            if not f.name.endswith("_id") and (pa.types.is_list(f.type) or not pa.types.is_nested(f.type))]
+
+
 def write_data_file(
     lake: Lake | str | Path,
     table: str,
@@ -443,7 +454,8 @@ def write_data_file(
         # not used by any reader and cost ~10% of the write.
         flat = [f.name for f in part.schema if not pa.types.is_nested(f.type)]
         with fs.open_output_stream(path) as sink:
-            pq.write_table(part, sink, compression="zstd", write_statistics=flat, row_group_size=row_group_rows)
+            pq.write_table(part, sink, compression="zstd", write_statistics=flat, row_group_size=row_group_rows,
+                           use_dictionary=_dictionary_columns(part.schema))
         return {"path": relative, "size": fs.get_file_info(path).size,
                 "partition_values": {c: str(key[c]) for c in partition_by}, "num_records": part.num_rows}
 

@@ -414,7 +414,17 @@ class BuildResult:
 
 def _rows(lake: str, table: str, opts: StorageOptions | None = None) -> int:
     dt = open_table(lake, table, storage_options=opts)
-    return 0 if dt is None else dt.to_pyarrow_dataset().count_rows()
+    return 0 if dt is None else _log_rows(dt)
+
+
+def _log_rows(dt: Any) -> int:
+    """Rows of a Delta snapshot from its log's per-file record counts (no Parquet footer read; a build's
+    tables hold hundreds of files), or counted from the files where a file has no count."""
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return 0
+    counts = actions.column("num_records")
+    return int(pc.sum(counts).as_py()) if counts.null_count == 0 else dt.to_pyarrow_dataset().count_rows()
 
 
 def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0,
@@ -828,10 +838,7 @@ def shards_for(config: BuildConfig, rows: int) -> int:
 def _rows_at(lake: str, table: str, version: int | None, opts: StorageOptions | None) -> int:
     """Rows of ``table`` at ``version`` from its log's file statistics (no data read); 0 for None."""
     dt = None if version is None else open_table(lake, table, version, storage_options=opts)
-    if dt is None:
-        return 0
-    actions = pa.table(dt.get_add_actions(flatten=True))
-    return int(pc.sum(actions.column("num_records")).as_py() or 0) if actions.num_rows else 0
+    return 0 if dt is None else _log_rows(dt)
 
 
 def _close_point(config: BuildConfig, watermark_ms: int, old_close_ms: int | None, final: bool,
