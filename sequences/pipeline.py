@@ -15,7 +15,11 @@ and due rows cost, not what the pending state holds.
                                                                       +--> features/item, evicted
 
 Elements are *shards* (:mod:`sequences.shards`): all users (items) hashing to one shard, as Arrow
-tables, spilled to IPC files so the shuffles carry paths; each shard is built vectorised over its
+tables, spilled to IPC files so the shuffles carry paths (``build.shards = "auto"``: as few as keep a
+shard's working set within ``build.memory_budget_bytes``, :func:`shards_for`). The steps run in the
+building process (:func:`_run_in_process`, parts written by threads beside the computation) or, with
+Beam flags or ``build.engine = "beam"``, as the Beam pipeline drawn above (:class:`BuildIncrement`,
+its tested twin: the same parts, table for table); each shard is built vectorised over its
 users (:mod:`sequences.vectorized`), which equals looping the per-entity functions of
 :mod:`sequences.incremental` (the reference, ``build.shard_step = "reference"``). Workers write
 the outputs as data files straight into the tables, uncommitted, and list them in manifests; the
