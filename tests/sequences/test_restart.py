@@ -177,7 +177,7 @@ def test_pointer_build_crashed_between_history_and_examples_reruns_to_a_clean_ru
     ids = history.column("event_id").to_pylist()
     assert len(ids) == len(set(ids)) == len({e["event_id"] for b in batches for e in b})
     rows = materialize_examples(pointers, history, CONFIG).to_pylist()
-    assert sorted(json.dumps(r, sort_keys=True, default=str) for r in rows) == clean()["examples"]
+    assert sorted(json.dumps(r, sort_keys=True, default=str) for r in rows) == clean("fat")["examples"]
 
 
 @pytest.mark.slow
