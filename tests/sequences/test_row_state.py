@@ -124,8 +124,10 @@ def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_even
     t = pending.column("event_time_ms").to_numpy()
     rule = needs_labels(t, deadlines(pending.column("domain").to_pylist(), CONFIG), np.zeros(len(t), dtype=bool),
                         CONFIG, old_close, close)
-    label = make_event("late", close, "click", user=pending.column("user_id")[0].as_py(),
-                       item=pending.column("item_id")[0].as_py(), domain=pending.column("domain")[0].as_py())
+    # A click at the close point on a row it makes a late positive (the table's row order is the files').
+    row = int(np.flatnonzero((t >= close - CONFIG.click_window_ms) & (t < close - CONFIG.publish_delay_ms))[0])
+    label = make_event("late", close, "click", user=pending.column("user_id")[row].as_py(),
+                       item=pending.column("item_id")[row].as_py(), domain=pending.column("domain")[row].as_py())
     hit = np.array([(u, i, d) == (label["user_id"], label["item_id"], label["domain"]) for u, i, d in zip(
         *(pending.column(c).to_pylist() for c in ("user_id", "item_id", "domain")), strict=True)])
     hit &= (t >= close - CONFIG.click_window_ms) & (t < close - CONFIG.publish_delay_ms)
