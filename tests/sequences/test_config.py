@@ -18,6 +18,9 @@ from sequences.config import BuildConfig
         ("build.max_seq_len must be >= 1, got 0", {"max_seq_len": 0}),
         ("build.examples_layout must be one of .'fat', 'pointer'., got 'thin'", {"examples_layout": "thin"}),
         ("build.engine must be one of .'auto', 'inprocess', 'beam'., got 'spark'", {"engine": "spark"}),
+        ("build.shards must be 'auto' or an integer >= 1, got 0", {"shards": 0}),
+        ("build.shards must be 'auto' or an integer >= 1, got 'many'", {"shards": "many"}),
+        (r"build.memory_budget_bytes must be >= 1 MiB \(1048576 bytes\), got 1000", {"memory_budget_bytes": 1000}),
     ],
 )
 def test_invalid_build_config(message, kwargs):
