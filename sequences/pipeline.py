@@ -826,17 +826,23 @@ SHARD_BYTES_PER_LIST_ITEM = 16
 ~35 KB per event at 2048, issue 15's table)."""
 
 
-def shards_for(config: BuildConfig, rows: int) -> int:
+BEAM_MIN_SHARDS = 4
+"""The fewest shards ``"auto"`` gives a Beam build: there a shard is the unit of parallelism (a Dask
+worker builds one), so auto keeps the count the default was before it."""
+
+
+def shards_for(config: BuildConfig, rows: int, *, minimum: int = 1) -> int:
     """The shard count of a build that reads ``rows`` events (new + buffered): ``build.shards`` when a
-    number, else ("auto") the fewest shards whose share of the rows, at :data:`SHARD_BYTES_PER_ROW` bytes
-    each (plus :data:`SHARD_BYTES_PER_LIST_ITEM` x ``max_seq_len`` in the fat layout), fits in
-    ``build.memory_budget_bytes``; at least 1. One shard is fastest where it fits: every shard writes its
-    own file into each partition of each table (a 200,000-event build at 4 shards wrote ~340 files)."""
+    number, else ("auto") the fewest shards, at least ``minimum``, whose share of the rows, at
+    :data:`SHARD_BYTES_PER_ROW` bytes each (plus :data:`SHARD_BYTES_PER_LIST_ITEM` x ``max_seq_len`` in the
+    fat layout), fits in ``build.memory_budget_bytes``. In process one shard is fastest where it fits:
+    every shard writes its own file into each partition of each table (a 200,000-event build at 4 shards
+    wrote ~340 files); :func:`run_build` passes :data:`BEAM_MIN_SHARDS` for a Beam build."""
     if config.shards != "auto":
         return config.shards
     per_row = SHARD_BYTES_PER_ROW + (SHARD_BYTES_PER_LIST_ITEM * config.max_seq_len
                                      if config.examples_layout == "fat" else 0)
-    return max(1, -(-rows * per_row // config.memory_budget_bytes))
+    return max(minimum, -(-rows * per_row // config.memory_budget_bytes))
 
 
 def _rows_at(lake: str, table: str, version: int | None, opts: StorageOptions | None) -> int:
@@ -964,7 +970,9 @@ def run_build(
     # Only the pending rows with something due are read (most wait days for their windows to close).
     state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts),
                                   state[Table.BUILD_BUFFER][3], opts, old_version, version, config, old_close, close_ms)
-    shards = shards_for(config, len(new_times) + _rows_at(root, Table.BUILD_BUFFER, state[Table.BUILD_BUFFER][3], opts))
+    on_beam = uses_beam(config, beam_args)
+    shards = shards_for(config, len(new_times) + _rows_at(root, Table.BUILD_BUFFER, state[Table.BUILD_BUFFER][3], opts),
+                        minimum=BEAM_MIN_SHARDS if on_beam else 1)
     if config.shards == "auto":
         log.info("build %d: %d shard(s) for %d new events (build.shards = auto, build.memory_budget_bytes = %d)",
                  build, shards, len(new_times), config.memory_budget_bytes)
@@ -991,7 +999,7 @@ def run_build(
     steps = {"config": config, "watermark_ms": watermark_ms, "old_close_ms": old_close, "close_ms": close_ms,
              "spill_dir": str(staging / "shuffle"), "build": build}
     write = (str(root), opts, str(staging), build, done, schemas)
-    if uses_beam(config, beam_args):
+    if on_beam:
         _run_on_beam(sources, steps, write, list(beam_args or []))
     else:
         _run_in_process(sources, steps, write)

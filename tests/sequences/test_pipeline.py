@@ -267,9 +267,12 @@ def test_defer_publishes_early_then_corrects_and_counts_orphans(tmp_path, make_e
     (BuildConfig(shards=4), 10**9, 4),  # a number is kept
 ])
 def test_auto_shards_keep_a_shard_within_the_memory_budget(config, rows, shards):
-    from sequences.pipeline import shards_for
+    from sequences.pipeline import BEAM_MIN_SHARDS, shards_for
 
     assert shards_for(config, rows) == shards
+    # A Beam build gets at least BEAM_MIN_SHARDS (its unit of parallelism) when auto; a number stays.
+    assert shards_for(config, rows, minimum=BEAM_MIN_SHARDS) == (shards if config.shards != "auto"
+                                                                 else max(shards, BEAM_MIN_SHARDS))
     if config.shards == "auto":
         with pytest.raises(ValueError, match="resolved per build"):
             _ = config.shard_count
