@@ -566,7 +566,8 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     unchanged (or leave it unread: :func:`expire_rows`), so it is not read.
 
     Decides from five narrow columns of every pending row (example id, user, item, domain, event time)
-    and ``labels``, then reads whole rows only from the files that hold a chosen one.
+    and ``labels``, then reads whole rows only from the row groups that hold a chosen one
+    (:func:`_row_groups_holding`).
 
     Args:
         version: the pending table's version as the previous build left it (None: no table yet).
@@ -609,28 +610,33 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     chosen = keys.filter(pa.array(chosen_rows))
     files = set(chosen.column("__filename").to_pylist())
     fragments = [f for f in dataset.get_fragments() if _relative(f.path) in files]
-    holding = ds.FileSystemDataset(fragments, dataset.schema, dataset.format, dataset.filesystem)
-    # Time ranges around the chosen rows let the reader skip row groups by their statistics (the files hold
-    # rows in time order) before matching ids.
-    return holding.to_table(filter=_around(chosen.column("event_time_ms").to_numpy())
-                            & pc.field("example_id").isin(chosen.column("example_id")))
+    # The files hold rows in time order: only row groups whose time range holds a chosen row are decoded.
+    holding = ds.FileSystemDataset(_row_groups_holding(fragments, chosen.column("event_time_ms").to_numpy()),
+                                   dataset.schema, dataset.format, dataset.filesystem)
+    return holding.to_table(filter=pc.field("example_id").isin(chosen.column("example_id")))
 
 
-_RANGE_GAP_MS = 1_000
-"""Chosen rows closer in event time than this share one range of :func:`_around`."""
+def _row_groups_holding(fragments: list[Any], times: np.ndarray) -> list[Any]:
+    """Each Parquet fragment narrowed to its row groups whose ``event_time_ms`` statistics (min, max) hold
+    one of ``times`` (ms since epoch UTC); a row group without statistics is kept.
 
-
-def _around(times: np.ndarray) -> Any:
-    """A filter for rows with event time in one of few ranges covering ``times`` (ms; gaps of at least
-    :data:`_RANGE_GAP_MS` split ranges)."""
-    ordered = np.unique(times)
-    cuts = np.flatnonzero(np.diff(ordered) >= _RANGE_GAP_MS) + 1
-    starts, ends = ordered[np.concatenate([[0], cuts])], ordered[np.concatenate([cuts - 1, [len(ordered) - 1]])]
-    t = pc.field("event_time_ms")
-    ranges = [(t >= int(a)) & (t <= int(b)) for a, b in zip(starts, ends, strict=True)]
-    out = ranges[0]
-    for more in ranges[1:]:
-        out = out | more
+    One binary search per row group: a dataset filter of one time range per cluster of ``times`` (what this
+    replaced) cost Arrow ~3x the read it saved once late positives scattered the chosen rows over hundreds
+    of ranges (4.0 vs 1.2 CPU-s for 27k of 233k pending rows, pointer layout)."""
+    ordered = np.sort(times)
+    out = []
+    for fragment in fragments:
+        fragment.ensure_complete_metadata()
+        keep = []
+        for group in fragment.row_groups:
+            stats = (group.statistics or {}).get("event_time_ms")
+            if stats is None or stats.get("min") is None or stats.get("max") is None:
+                keep.append(group.id)
+                continue
+            first = np.searchsorted(ordered, stats["min"], side="left")
+            if first < len(ordered) and ordered[first] <= stats["max"]:
+                keep.append(group.id)
+        out.append(fragment.subset(row_group_ids=keep))
     return out
 
 

@@ -185,3 +185,19 @@ def test_row_state_on_an_object_store_lake_equals_one_build(moto_endpoint):  # n
     for name in _OUTPUTS:
         assert got[name] == want[name], f"{name} differs"
     assert any("-kept-" in f for f in _files(parts, Table.BUILD_PENDING))  # a partly leaving file was rewritten
+
+
+def test_row_groups_holding_keeps_the_groups_whose_time_range_holds_a_time(tmp_path):
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from sequences.pipeline import _row_groups_holding
+
+    # Row groups of 4 rows: times [0..30], [40..70], [80..110], [120..150] (step 10).
+    pq.write_table(pa.table({"event_time_ms": pa.array(range(0, 160, 10), pa.int64())}), tmp_path / "p.parquet",
+                   row_group_size=4)
+    fragments = list(ds.dataset(tmp_path / "p.parquet", format="parquet").get_fragments())
+    # 35 falls between groups 0 and 1 (neither holds it), 70 is group 1's max, 150 group 3's max.
+    (narrowed,) = _row_groups_holding(fragments, np.array([150, 35, 70]))
+    assert [g.id for g in narrowed.row_groups] == [1, 3]
+    assert narrowed.to_table().column("event_time_ms").to_pylist() == [40, 50, 60, 70, 120, 130, 140, 150]
