@@ -111,7 +111,7 @@ def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -
     """Entities with a query that some earlier event (time < query time) was appended after."""
     if queries.height == 0 or events.height == 0:
         return set()
-    events, groups, q_codes, q_times = grouped(events, queries, [entity])
+    events, groups, q_codes, q_times = grouped(_queried(events, queries, [entity]), queries, [entity])
     created = events.get_column("created_ts_ms").to_numpy()
     codes = events.get_column("_g").to_numpy()
     end = groups.before(q_codes, q_times)
@@ -122,6 +122,12 @@ def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -
     worst = np.where(end > start, running[np.maximum(end - 1, 0)], np.iinfo(np.int64).min)
     slow = worst > queries.get_column("created_ts_ms").to_numpy()
     return set(queries.get_column(entity).filter(pl.Series(slow)).to_list())
+
+
+def _queried(events: pl.DataFrame, queries: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """The rows of ``events`` whose ``keys`` some query shares: a search of one group never looks at another,
+    so the rest of the shard's state (most of it, in a pass that touches few entities) is left out of the sort."""
+    return events.join(queries.select(keys).unique(), on=keys, how="semi")
 
 
 def _split(tables: Mapping[str, pa.Table], keys: Mapping[str, str], slow: set[str]) -> tuple[dict, dict]:
@@ -179,7 +185,7 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
 
     # Item counters of the new impressions, per (item, domain), as of each impression.
     dense_windows = {"7d": WINDOWS_MS["7d"], "all": None}
-    counts = counter_frame(recent, ["item_id", "domain"], queries, "event_time_ms", dense_windows)
+    counts = counter_frame(_queried(recent, queries, ["item_id", "domain"]), ["item_id", "domain"], queries, "event_time_ms", dense_windows)
     prior = prior_counts(evicted, "item", queries, {"key": "item_id", "domain": "domain"})
     values = with_ctr(counts, prior, config, dense_windows)
     dense = queries.select("user_id", pl.col("event_id").alias("example_id")).with_columns(
@@ -409,7 +415,8 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
                                  same_cut.get_column("seq_truncated").fill_null(0).to_numpy().astype(np.int64),
                                  "seq_same_domain_", with_domains=False, lists_too=lists_too))
     user_windows = {"1d": WINDOWS_MS["1d"], "7d": WINDOWS_MS["7d"], "all": None}
-    counts = counter_frame(recent, ["user_id", "domain"], queries, "event_time_ms", user_windows)
+    counts = counter_frame(_queried(recent, queries, ["user_id", "domain"]), ["user_id", "domain"], queries,
+                           "event_time_ms", user_windows)
     prior = prior_counts(evicted, "user", queries, {"key": "user_id", "domain": "domain"})
     values = with_ctr(counts, prior, config, user_windows)
     frame = joined.select(

@@ -47,6 +47,11 @@ def _events() -> list[dict]:
         rows.append(event(f"e{n:03d}", t, rng.choice(["impression", "impression", "click", "conversion", "engagement"]),
                           user=rng.choice(["u1", "u2", "u3"]), item=rng.choice(["i1", "i2", "i3"]),
                           domain=rng.choice(["d1", "d2"]), category=rng.choice([None, "c1"])))
+    # Entities some increments leave untouched: u4 and i4 only in the first, u5 and i5 only in the last.
+    for n, (day, kind) in enumerate([(31.0, "impression"), (31.2, "click"), (32.1, "impression"),
+                                     (33.1, "impression"), (33.2, "click"), (33.3, "impression")]):
+        user, item = ("u4", "i4") if day < CUTS_DAYS[0] else ("u5", "i5") if day >= CUTS_DAYS[2] else ("u1", "i1")
+        rows.append(event(f"x{n}", int(day * DAY), kind, user=user, item=item, domain="d1", category="c1"))
     return sorted(rows, key=lambda e: (e["event_time_ms"], e["event_id"]))
 
 
