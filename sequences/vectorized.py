@@ -172,9 +172,9 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
         ValueError: an event lacks a required field.
     """
     new, buffer = _events(tables["new"]), _events(tables["buffer"])
-    buffered = _sorted_unique(buffer, "item_id")
-    fresh_new = new.join(buffered.select("item_id", "event_id"), on=["item_id", "event_id"], how="anti")
-    recent = _sorted_unique(pl.concat([buffered, new]), "item_id")
+    # One sort of the buffer, with the new events: a stable sort keeps the buffer's copy of a repeated event.
+    fresh_new = new.join(buffer.select("item_id", "event_id"), on=["item_id", "event_id"], how="anti")
+    recent = _sorted_unique(pl.concat([buffer, new]), "item_id")
     queries = _sorted_unique(fresh_new, "item_id").filter(pl.col("event_type").is_in(_IMPRESSIONS))
     slow = _needs_reference(recent, "item_id", queries)
     if slow:
@@ -295,11 +295,10 @@ def user_shard_vectorized(
     """
     new, buffer = _events(tables["new"]), _events(tables["buffer"])
     seq_stored, dseq_stored = _stored(tables["seq"]), _stored(tables["dseq"].select(SEQUENCES_SCHEMA.names))
-    buffered = _sorted_unique(buffer, "user_id")
-    known = pl.concat([buffered.select("user_id", "event_id"), seq_stored.select("user_id", "event_id"),
+    known = pl.concat([buffer.select("user_id", "event_id"), seq_stored.select("user_id", "event_id"),
                        dseq_stored.select("user_id", "event_id")])
     fresh = _sorted_unique(new, "user_id").join(known, on=["user_id", "event_id"], how="anti")
-    recent = _sorted_unique(pl.concat([buffered, fresh]), "user_id")
+    recent = _sorted_unique(pl.concat([buffer, fresh]), "user_id")  # one sort of the buffer: fresh events are new to it
     queries = fresh.filter(pl.col("event_type").is_in(_IMPRESSIONS))
     minimal = ["user_id", "event_id", "event_time_ms", "created_ts_ms", "item_id", "category", "event_type", "domain"]
     everything = pl.concat([recent.select(minimal), seq_stored.select(minimal), dseq_stored.select(minimal)])
