@@ -105,6 +105,17 @@ def mark_quality(lake, version: int, *, passed: bool, run_ts_ms: int = 1_000) ->
     )
 
 
+def three_day_compare_config(lake, batch_size: int):
+    """Three passing examples versions (one day each: 60, 40 and 40 rows) in ``lake`` and a config on it for
+    a tiny ``run_compare`` (100 table rows, the three synthetic domains)."""
+    from gemline.config import load_config
+
+    for day, rows in {1: 60, 2: 40, 3: 40}.items():
+        mark_quality(lake, write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day)), passed=True)
+    return load_config(overrides={"lake": str(lake), "trainer.num_embeddings": "100",
+                                  "trainer.batch_size": str(batch_size),
+                                  "ingest.domains": '["feed", "reels", "marketplace"]'})
+
 
 @pytest.fixture
 def make_lake(tmp_path):

@@ -101,16 +101,12 @@ def test_compare_trains_every_model_once_per_seed(tmp_path):
     the mean of its per-seed means, each difference's per-seed list that of the per-seed means."""
     import json
 
-    from gemline.config import load_config
     from gemline.lake import Lake
-    from tests.trainer.conftest import mark_quality, synthetic_examples, write_examples
+    from tests.trainer.conftest import three_day_compare_config
     from trainer.compare import run_compare
 
     lake = tmp_path / "lake"
-    for day, rows in {1: 60, 2: 40, 3: 40}.items():
-        mark_quality(lake, write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day)), passed=True)
-    config = load_config(overrides={"lake": str(lake), "trainer.num_embeddings": "100", "trainer.batch_size": "16",
-                                    "ingest.domains": '["feed", "reels", "marketplace"]'})
+    config = three_day_compare_config(lake, batch_size=16)
     with pytest.raises(ValueError, match="seeds must be distinct"):
         run_compare(Lake.for_config(config), config.trainer, models=("lr", "dlrm"), seeds=(1, 1))
     result = run_compare(Lake.for_config(config), config.trainer, models=("lr", "dlrm"), run_id="seeds",

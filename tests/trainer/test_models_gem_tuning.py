@@ -116,16 +116,11 @@ def test_the_tuning_switches_are_ablations_of_compare():
 def test_compare_max_versions_screens_the_first_versions_only(tmp_path):
     """``compare --max-versions N``: every model consumes the first N versions and is judged on the N - 1 after the
     first (here Delta versions 0-2 hold the three days: version 1 is judged, version 2 is never read)."""
-    from gemline.config import load_config
     from gemline.lake import Lake
-    from tests.trainer.conftest import mark_quality, synthetic_examples, write_examples
+    from tests.trainer.conftest import three_day_compare_config
     from trainer.compare import run_compare
 
-    lake = tmp_path / "lake"
-    for day, rows in {1: 60, 2: 40, 3: 40}.items():
-        mark_quality(lake, write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], rows, seed=day)), passed=True)
-    config = load_config(overrides={"lake": str(lake), "trainer.num_embeddings": "100", "trainer.batch_size": "32",
-                                    "ingest.domains": '["feed", "reels", "marketplace"]'})
+    config = three_day_compare_config(tmp_path / "lake", batch_size=32)
     with pytest.raises(ValueError, match="max_versions must be >= 2"):
         run_compare(Lake.for_config(config), config.trainer, models=("lr",), max_versions=1)
     result = run_compare(Lake.for_config(config), config.trainer, models=("lr",), run_id="screen", resamples=10,
