@@ -9,8 +9,8 @@ committed, and nothing is written twice. An interrupt while waiting between pass
   released by hand); while the newest is not validated yet, or a version on the way is quarantined, it says so
   once and waits (the build's own gate check, :func:`gemline.gate.require_allowed`, decides);
 - validation follows the tables it is given: each pass validates every version not validated yet, in order
-  (for ``events`` only the newest: events validation reads the whole table at that version, so the versions
-  before it are covered, see README "The events gate").
+  (for ``events`` only the newest: events validation judges the rows of every version since the last one
+  validated, so the versions before it are covered, see README "The events gate").
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
                 todo = [newest] if newest in todo else []
             for version in todo:
                 result = validate_table(lake, table, version, validation=config.validation, ingest=config.ingest,
-                                        build=config.build)
+                                        build=config.build, plots=config.validation.follow_report_plots)
                 state.done.append({"table": table, "version": version, "passed": result.passed,
                                    "report": result.report_html})
                 log.info("%s@%d: %s", table, version, "PASSED" if result.passed else "QUARANTINED")

@@ -111,6 +111,19 @@ def gate_decisions(lake: Lake | str | Path, table: str, table_versions: Iterable
     return {v: _decide(table, v, by_version[v]) for v in versions}
 
 
+def last_validated_before(lake: Lake | str | Path, table: str, table_version: int, *,
+                          storage_options: StorageOptions | None = None) -> int | None:
+    """The newest version of ``table`` below ``table_version`` with a validation run (whatever its verdict;
+    a release alone is not one), or None when there is none (or no ``quality`` table)."""
+    quality = read_table(lake, Table.QUALITY, columns=["table", "table_version", "expectation"],
+                         storage_options=storage_options)
+    if quality is None:
+        return None
+    mask = pc.and_(pc.and_(pc.equal(quality["table"], table), pc.less(quality["table_version"], table_version)),
+                   pc.not_equal(quality["expectation"], RELEASE))
+    return pc.max(quality.filter(mask)["table_version"]).as_py()
+
+
 def _decide(table: str, table_version: int, rows: list[dict]) -> GateDecision:
     """The decision for one version from its ``quality`` rows (checks of every run, and releases)."""
     checks = [r for r in rows if r["expectation"] != RELEASE]
@@ -164,7 +177,8 @@ def require_allowed(lake: str | Path, table: str, version: int, *, since: int | 
     ``table@version`` itself must be allowed (passed its newest validation, or released after it);
     a version that was never validated is refused, as the gate fails closed. The versions in
     between (``since`` exclusive, None: from version 0) are refused only when quarantined: their
-    rows are part of ``table@version``, which a validation reads whole, but a batch-level check
+    rows are judged by the validation of ``table@version`` (an events validation judges every row added since
+    the version validated before it), but a batch-level check
     (dead-letter rate, drift) that closed one of them must not be skipped by reading past it.
 
     Args:

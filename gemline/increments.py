@@ -82,12 +82,14 @@ class AddedFile:
 
 @dataclass(frozen=True)
 class Increment:
-    """What commit ``version`` changed: its operation (``WRITE``, ``OPTIMIZE``, ...) and the files it
-    added with ``dataChange = true`` (``files``; empty for a compaction or a metadata-only commit)."""
+    """What commit ``version`` changed: its operation (``WRITE``, ``OPTIMIZE``, ...), the files it
+    added with ``dataChange = true`` (``files``; empty for a compaction or a metadata-only commit) and how
+    many files it removed (``removed``, any ``dataChange``: 0 for a plain append)."""
 
     version: int
     operation: str
     files: tuple[AddedFile, ...]
+    removed: int = 0
 
     @property
     def num_records(self) -> int | None:
@@ -129,13 +131,14 @@ def read_increment(lake: str | Path, table: str, version: int, *,
         raise CursorError(f"{table}@{version}: its log entry {path} is gone (log retention after a checkpoint?); "
                           "the rows it added cannot be read incrementally; start a new run with "
                           "`gemline train --from-scratch`") from exc
-    operation, files = "UNKNOWN", []
+    operation, files, removed = "UNKNOWN", [], 0
     for line in text.splitlines():
         if not line.strip():
             continue
         action = json.loads(line)
         if "commitInfo" in action:
             operation = str(action["commitInfo"].get("operation", operation))
+        removed += "remove" in action
         add = action.get("add")
         if add is None or not add.get("dataChange", True):
             continue
@@ -143,7 +146,7 @@ def read_increment(lake: str | Path, table: str, version: int, *,
         files.append(AddedFile(urllib.parse.unquote(add["path"]), int(add.get("size", 0)),
                                dict(add.get("partitionValues") or {}),
                                int(stats["numRecords"]) if "numRecords" in stats else None))
-    return Increment(version, operation, tuple(files))
+    return Increment(version, operation, tuple(files), removed)
 
 
 def _conform(batch: pa.RecordBatch, file: AddedFile, schema: pa.Schema) -> pa.RecordBatch:

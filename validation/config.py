@@ -43,6 +43,11 @@ class ValidationConfig:
     """Largest relative change of a numeric feature's mean against its history."""
     max_quantile_change: float = 1.0
     """Largest relative change of a numeric feature's p50 / p99 against its history."""
+    follow_report_plots: Literal["always", "quarantined"] = "quarantined"
+    """Which reports ``validate --follow`` draws plots in: every one, or only a quarantined version's (a passed
+    version's report then lists its checks without plots; ``gemline validate --table T --version V`` draws them).
+    Drawing them (matplotlib) was about 70 % of the CPU of validating an examples version and half of an events
+    one, at every version of a stream. One-shot validation always draws them."""
     gx_sample_rows: int | None = 200_000
     """Batches larger than this run GX's per-row value checks on a deterministic sample of this many rows; None: all rows."""
 
@@ -70,5 +75,8 @@ class ValidationConfig:
                      "max_quantile_change"):
             if getattr(self, name) < 0:
                 raise BadConfigError(f"validation.{name} must be >= 0, got {getattr(self, name)}")
+        if self.follow_report_plots not in ("always", "quarantined"):
+            raise BadConfigError("validation.follow_report_plots must be 'always' or 'quarantined', got "
+                                 f"{self.follow_report_plots!r}")
         if self.gx_sample_rows is not None and self.gx_sample_rows < 1:
             raise BadConfigError(f"validation.gx_sample_rows must be >= 1 or none, got {self.gx_sample_rows}")

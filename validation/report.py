@@ -285,22 +285,29 @@ def render_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     )
 
 
+NOT_DRAWN = ("unavailable: not drawn for a passed version under `validate --follow` (validation.follow_report_plots); "
+             "`gemline validate --table T --version V` draws them")
+
+
 def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table, *,
-                 storage_options: StorageOptions | None = None) -> tuple[Path | str, Path | str]:
+                 storage_options: StorageOptions | None = None, plots: bool = True) -> tuple[Path | str, Path | str]:
     """Write ``report.json`` and ``report.html`` (replacing an earlier run's) and return their paths.
+
+    ``plots``: draw the plots of ``data`` into the HTML; False writes the page without them (:data:`NOT_DRAWN`).
 
     On an object-store lake (``s3://...``) the files go through :func:`gemline.lake.lake_fs` with
     ``storage_options`` and the returned paths are URIs (``str``).
     """
+    figures = draw_plots(report["table"], data, report) if plots else {"Plots": NOT_DRAWN}
     if is_remote(lake):
-        return _write_remote_report(lake, report, data, storage_options)
+        return _write_remote_report(lake, report, figures, storage_options)
     out = report_dir(lake, report["table"], report["table_version"])
     out.mkdir(parents=True, exist_ok=True)
     json_path, html_path = out / "report.json", out / "report.html"
     # Write to a temporary name then rename, so a reader never sees half a report.
     for path, text in (
         (json_path, json.dumps(report, indent=2, sort_keys=True)),
-        (html_path, render_html(report, draw_plots(report["table"], data, report))),
+        (html_path, render_html(report, figures)),
     ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text, encoding="utf-8")
@@ -308,7 +315,7 @@ def write_report(lake: str | Path, report: dict[str, Any], data: pa.Table, *,
     return json_path, html_path
 
 
-def _write_remote_report(lake: str | Path, report: dict[str, Any], data: pa.Table,
+def _write_remote_report(lake: str | Path, report: dict[str, Any], figures: dict[str, str],
                          storage_options: StorageOptions | None) -> tuple[str, str]:
     """Object-store twin of :func:`write_report`; one PUT per object is atomic, so no rename."""
     fs, root = lake_fs(lake, storage_options)
@@ -316,7 +323,7 @@ def _write_remote_report(lake: str | Path, report: dict[str, Any], data: pa.Tabl
     base = f"{str(lake).rstrip('/')}/{rel}"
     for name, text in (
         ("report.json", json.dumps(report, indent=2, sort_keys=True)),
-        ("report.html", render_html(report, draw_plots(report["table"], data, report))),
+        ("report.html", render_html(report, figures)),
     ):
         with fs.open_output_stream(f"{root}/{rel}/{name}") as out:
             out.write(text.encode("utf-8"))

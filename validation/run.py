@@ -7,8 +7,13 @@
                        -> report.json/html (validation.report)
                        -> one quality row per check (gemline.gate) -> QualityResult
 
-The batch profiled for ``events`` is the ingest batch of that version (the rows of its commit's
-Kafka offset ranges); the other tables are rebuilt whole by each build, so the batch is the table.
+``events`` and ``examples`` are append-only, and a version is judged on the rows it added: ``examples`` on the
+rows of that one version; ``events`` on the rows of every version since the newest one validated before it
+(so validating the newest version covers the never-validated ones in between, as the gate and the build
+expect), with the event ids they may repeat looked up among the earlier rows. The first validation, or one
+after a commit that removed files, reads the whole table. The batch profiled for ``events`` is the ingest
+batch of that version (the rows of its commit's Kafka offset ranges); the other tables are rebuilt whole by
+each build, so the batch is the table.
 
 Validating the same version again appends a second run to ``quality``; the gate reads the newest.
 """
@@ -20,15 +25,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from tqdm import tqdm
 
 from gemline.errors import BadConfigError, MissingInputError
-from gemline.gate import append_quality_rows
-from gemline.increments import rows_added
+from gemline.gate import append_quality_rows, last_validated_before
+from gemline.increments import Cursor, read_from, read_increment, rows_added, table_id
 from gemline.lake import Lake, lake_fs, open_table, read_table
 from gemline.tables import Table
 from ingest.config import IngestConfig
@@ -63,7 +70,7 @@ class QualityResult:
 
 
 def _run_suite(validation: ValidationConfig, ingest: IngestConfig, build: BuildConfig, table: str, data,
-               now_ms: int, sequence_checks: dict | None = None) -> list[CheckResult]:
+               now_ms: int, sequence_checks: dict | None = None, earlier: pa.Table | None = None) -> list[CheckResult]:
     bounds: dict[str, Any] = dict(
         domains=ingest.domains,
         min_time_ms=validation.min_event_time_ms,
@@ -71,7 +78,8 @@ def _run_suite(validation: ValidationConfig, ingest: IngestConfig, build: BuildC
     )
     sample_rows = validation.gx_sample_rows
     if table == Table.EVENTS:
-        return validate_events(data, **bounds, sample_rows=sample_rows, dedup_window_ms=ingest.dedup_window_ms)
+        return validate_events(data, **bounds, sample_rows=sample_rows, dedup_window_ms=ingest.dedup_window_ms,
+                               earlier=earlier, empty_severity="critical" if earlier is None else "warning")
     if table == Table.SEQUENCES:
         return validate_sequences(data, max_seq_len=build.max_seq_len, min_time_ms=bounds["min_time_ms"],
                                   max_time_ms=bounds["max_time_ms"], sample_rows=sample_rows)
@@ -118,6 +126,49 @@ def _pointer_checks(lake: Lake, build: BuildConfig, table: str, data: pa.Table) 
 INCREMENTAL = (Table.EXAMPLES,)
 """Tables validated on the rows each version added rather than the whole table at that version."""
 
+_MS_PER_DAY = 86_400_000
+
+
+def _event_dates(min_ms: int, max_ms: int) -> list[str]:
+    """Every UTC ``event_date`` (``YYYY-MM-DD``) from the day of ``min_ms`` to that of ``max_ms``, ms since epoch."""
+    days = np.arange(min_ms // _MS_PER_DAY, max_ms // _MS_PER_DAY + 1).astype("datetime64[D]")
+    return [str(d) for d in days]
+
+
+def _events_increment(lake: Lake, version: int, window_ms: int) -> tuple[pa.Table, pa.Table] | None:
+    """(the rows ``events`` gained after the newest version validated before ``version``, up to ``version``;
+    the (event_id, event_time_ms) of the rows before them that they may repeat: same id, event date within
+    ``window_ms`` of theirs), or None when the whole table must be judged: no earlier version was validated,
+    or a commit since then removed files (an overwrite or a compaction: new rows may sit in rewritten files).
+
+    The earlier rows are read as the ingest job's dedup reads them (``event_date`` partitions, then the ids):
+    two columns of the recent days, not the table.
+    """
+    root, opts = lake.root, lake.delta_options
+    since = last_validated_before(root, Table.EVENTS, version, storage_options=opts)
+    if since is None:
+        return None
+    if any(read_increment(root, Table.EVENTS, v, storage_options=opts).removed for v in range(since + 1, version + 1)):
+        return None
+    tid = table_id(root, Table.EVENTS, storage_options=opts)
+    assert tid is not None, "validate_table opened the table"
+    batches = [b for _, b, _ in read_from(root, Table.EVENTS, Cursor(tid, since + 1), until_version=version,
+                                          storage_options=opts) if b is not None]
+    dt = open_table(root, Table.EVENTS, version, storage_options=opts)
+    assert dt is not None
+    schema = pa.schema(dt.schema().to_arrow())
+    new = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+    times, ids = new["event_time_ms"].drop_null(), pc.unique(new["event_id"].drop_null())
+    pair = pa.schema([("event_id", pa.string()), ("event_time_ms", pa.int64())])
+    before = open_table(root, Table.EVENTS, since, storage_options=opts)
+    if before is None or len(times) == 0 or len(ids) == 0:
+        return new, pair.empty_table()
+    lo, hi = pc.min(times).as_py() - window_ms, pc.max(times).as_py() + window_ms
+    wanted = (pc.field("event_date").isin(_event_dates(lo, hi)) & pc.field("event_id").isin(ids)
+              & (pc.field("event_time_ms") >= lo) & (pc.field("event_time_ms") <= hi))
+    earlier = before.to_pyarrow_dataset().to_table(columns=["event_id", "event_time_ms"], filter=wanted)
+    return new, earlier.cast(pair)
+
 
 def validate_table(
     lake: Lake,
@@ -128,11 +179,14 @@ def validate_table(
     ingest: IngestConfig,
     build: BuildConfig,
     now_ms: int | None = None,
+    plots: Literal["always", "quarantined"] = "always",
 ) -> QualityResult:
     """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
 
-    ``examples`` (:data:`INCREMENTAL`) is judged on the rows that version added; the other tables on the
-    whole table at that version (``events`` adds the dead-letter rate of its ingest batch).
+    ``examples`` (:data:`INCREMENTAL`) is judged on the rows that version added; ``events`` on the rows added
+    since the newest version validated before it (the whole table when none was, or a commit since removed
+    files), its ``unique:event_id`` against the earlier rows too, plus the dead-letter rate of its ingest
+    batch; the other tables on the whole table at that version.
 
     Args:
         lake: the lake of ``table``, the ``quality`` tables and the reports.
@@ -143,6 +197,8 @@ def validate_table(
         build: ``max_seq_len`` (of ``sequences`` and ``examples``).
         now_ms: validation clock, ms since epoch UTC (upper bound of sane event times and the run's
             timestamp in ``quality``); None reads the wall clock.
+        plots: draw the report's plots always, or only when the version is quarantined
+            (``validate --follow``: ``ValidationConfig.follow_report_plots``).
 
     Returns:
         The :class:`QualityResult`; its reports are under ``LAKE/_quality/<table>/<version>/``.
@@ -167,12 +223,16 @@ def validate_table(
     # examples is append-only: a version is judged on the rows it added (the increment a trainer consumes),
     # so the cost does not grow with the table and one bad build does not fail every later version.
     added = rows_added(root, table, table_version, storage_options=opts) if table in INCREMENTAL else None
+    earlier = None
+    if table == Table.EVENTS:
+        increment = _events_increment(lake, table_version, ingest.dedup_window_ms)
+        added, earlier = (None, None) if increment is None else increment
     data = added if added is not None else read_table(root, table, table_version, storage_options=opts)
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(root, table, table_version, storage_options=opts)
     steps.update()
     sequence_checks, pointer_results = _pointer_checks(lake, build, table, data)
-    results = pointer_results + _run_suite(validation, ingest, build, table, data, ts, sequence_checks)
+    results = pointer_results + _run_suite(validation, ingest, build, table, data, ts, sequence_checks, earlier)
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)
     profile = profile_batch(batch)
@@ -192,7 +252,8 @@ def validate_table(
         profile=profile,
         history=history,
     )
-    json_path, html_path = write_report(root, report, data, storage_options=opts)
+    json_path, html_path = write_report(root, report, data, storage_options=opts,
+                                        plots=plots == "always" or report["verdict"] != PASSED)
     # One app transaction per run on both tables: a retried write of this run lands once.
     app_id = f"validate:{run_id}"
     append_profile(root, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,

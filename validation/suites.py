@@ -244,29 +244,50 @@ def check_unique(table: pa.Table, columns: Sequence[str]) -> dict[str, Any]:
     return _rows_result(bad.combine_chunks(), _ids(table), table.num_rows)
 
 
-def check_unique_within(table: pa.Table, key: str, time_column: str, window_ms: int) -> dict[str, Any]:
+def check_unique_within(table: pa.Table, key: str, time_column: str, window_ms: int,
+                        earlier: pa.Table | None = None) -> dict[str, Any]:
     """Rows whose non-null ``key`` occurs again within ``window_ms`` of ``time_column`` (ms): duplicates as
     the ingest job defines them (``IngestConfig.dedup_window_ms``, ``ingest.dedup.drop_duplicates``), so
     that the gate and the dedup agree; copies farther apart are distinct events sharing an id. Every
-    row of a too-close pair is unexpected, as in :func:`check_unique`."""
+    row of a too-close pair is unexpected, as in :func:`check_unique`.
+
+    ``earlier``: rows (``key``, ``time_column``) already judged, that ``table``'s rows may repeat (an
+    increment's history: at least every earlier row of one of its keys within ``window_ms`` of one of its
+    rows). Then only pairs with a member in ``table`` count, and their earlier members count too
+    (``earlier_unexpected`` of them; ``element_count`` adds the earlier rows compared), so the union of
+    the rows flagged by the increments of a table equals the rows flagged by one check of the whole table
+    (in key and time order a too-close pair is adjacent, and stays adjacent among fewer rows).
+    """
     # Sorted by (key, time), a too-close pair is always adjacent; Arrow sorts and compares in C (a Python sort
     # of every row's tuple was the costliest step of validating a growing events table).
-    if table.num_rows < 2:
-        return _rows_result(pa.array([], pa.int64()), _ids(table), table.num_rows)
+    n_old = 0 if earlier is None else earlier.num_rows
+    n = table.num_rows
     keys, times = table.column(key), table.column(time_column)
+    if earlier is not None and n_old:
+        keys = pa.chunked_array([*keys.chunks, *earlier.column(key).cast(keys.type).chunks], keys.type)
+        times = pa.chunked_array([*times.chunks, *earlier.column(time_column).cast(times.type).chunks], times.type)
     valid = pc.and_(pc.is_valid(keys), pc.is_valid(times))
     rows = np.flatnonzero(valid.to_numpy(zero_copy_only=False))  # pc.indices_nonzero crashed on an empty table
-    both = pa.table({"k": keys.filter(valid), "t": times.filter(valid)})
-    order = pc.sort_indices(both, sort_keys=[("k", "ascending"), ("t", "ascending")])  # stable: ties by row
-    k = both.column("k").take(order)
-    t = both.column("t").take(order).to_numpy(zero_copy_only=False).astype(np.int64)
-    if len(k) < 2:
-        return _rows_result(pa.array([], pa.int64()), _ids(table), table.num_rows)
-    same = pc.equal(k.slice(1), k.slice(0, len(k) - 1)).to_numpy(zero_copy_only=False)
-    close = same & (t[1:] - t[:-1] <= window_ms)
-    where = rows[order.to_numpy(zero_copy_only=False)]
-    bad = np.unique(np.concatenate([where[:-1][close], where[1:][close]]))
-    return _rows_result(pa.array(bad, pa.int64()), _ids(table), table.num_rows)
+    bad = np.zeros(0, dtype=np.int64)
+    if len(rows) >= 2:
+        both = pa.table({"k": keys.filter(valid), "t": times.filter(valid)})
+        order = pc.sort_indices(both, sort_keys=[("k", "ascending"), ("t", "ascending")])  # stable: ties by row
+        k = both.column("k").take(order)
+        t = both.column("t").take(order).to_numpy(zero_copy_only=False).astype(np.int64)
+        where = rows[order.to_numpy(zero_copy_only=False)]
+        same = pc.equal(k.slice(1), k.slice(0, len(k) - 1)).to_numpy(zero_copy_only=False)
+        close = same & (t[1:] - t[:-1] <= window_ms)
+        if n_old:  # a pair of earlier rows was judged with them
+            close &= (where[:-1] < n) | (where[1:] < n)
+        bad = np.unique(np.concatenate([where[:-1][close], where[1:][close]]))
+    mine, theirs = bad[bad < n], bad[bad >= n] - n
+    result = _rows_result(pa.array(mine, pa.int64()), _ids(table), n)
+    if earlier is not None:
+        old_ids = earlier.column(key).take(pa.array(theirs[: _MAX_SAMPLES], pa.int64())).to_pylist()
+        result.update(success=len(bad) == 0, element_count=n + n_old, unexpected_count=len(bad),
+                      earlier_unexpected=len(theirs),
+                      partial_unexpected_list=(result["partial_unexpected_list"] + old_ids)[:_MAX_SAMPLES])
+    return result
 
 
 def _run_custom(check: _Custom, table: pa.Table) -> CheckResult:
@@ -409,7 +430,7 @@ def _order(results: list[CheckResult], names: list[str]) -> list[CheckResult]:
 
 def validate_events(
     table: pa.Table, *, domains: Sequence[str], min_time_ms: int, max_time_ms: int, sample_rows: int | None = None,
-    dedup_window_ms: int | None = None,
+    dedup_window_ms: int | None = None, earlier: pa.Table | None = None, empty_severity: Severity = "critical",
 ) -> list[CheckResult]:
     """Run the events suite on a batch of the ``events`` table (schema ``EVENTS_TABLE_SCHEMA``).
 
@@ -421,19 +442,28 @@ def validate_events(
             (see :func:`run_specs`); None reads all rows.
         dedup_window_ms: ``unique:event_id`` flags only ids repeated within this many ms of event
             time (``IngestConfig.dedup_window_ms``); None: any repeat.
+        earlier: when ``table`` is an increment (the rows of versions not validated yet), the
+            (``event_id``, ``event_time_ms``) of the earlier rows it may repeat (:func:`check_unique_within`);
+            needs ``dedup_window_ms``.
+        empty_severity: of the ``empty`` check (``warning`` for an increment: a commit without good events).
 
     Returns:
         One result per check, in suite order. Never raises for bad data.
+
+    Raises:
+        ValueError: ``earlier`` without ``dedup_window_ms``.
     """
     gxe = _gxe()
+    if earlier is not None and dedup_window_ms is None:
+        raise ValueError("validate_events: earlier rows need dedup_window_ms (what counts as a repeat)")
     specs = _common(EVENTS_TABLE_SCHEMA, domains=domains, time_column="event_time_ms", min_time_ms=min_time_ms,
-                    max_time_ms=max_time_ms)
+                    max_time_ms=max_time_ms, empty_severity=empty_severity)
     specs.append(_named(gxe.ExpectColumnValuesToBeInSet(column="event_type", value_set=list(EVENT_TYPES)), "in_set:event_type", "critical"))
     if dedup_window_ms is None:
         specs.append(_unique(["event_id"]))
     else:  # what ingest calls a duplicate: the same id within the dedup window
         specs.append(_Custom("unique:event_id", "critical",
-                             lambda t: check_unique_within(t, "event_id", "event_time_ms", dedup_window_ms)))
+                             lambda t: check_unique_within(t, "event_id", "event_time_ms", dedup_window_ms, earlier)))
     specs.append(_Custom("schema_types", "critical", lambda t: check_schema_types(t, EVENTS_TABLE_SCHEMA)))
     return run_specs(specs, table, sample_rows=sample_rows)
 

@@ -48,8 +48,8 @@ def test_events_pass_then_a_critical_failure_quarantines_until_released(tmp_path
     assert gate_decision(tmp_path, "events", 0).allowed
 
     bad = validate_table(Lake.for_config(cfg), "events", now_ms=NOW + 1,
-                         **quality_sections(cfg))  # latest = version 1 (8 rows)
-    assert bad.table_version == 1 and bad.num_rows == 8 and not bad.passed
+                         **quality_sections(cfg))  # latest = version 1: the 2 rows it added are judged
+    assert bad.table_version == 1 and bad.num_rows == 2 and not bad.passed
     # the ingest batch of version 1 has 2 records against 6 before: a volume drift warning beside it
     assert [f[:2] for f in bad.failures] == [("in_set:event_type", "critical"), ("drift:num_rows", "warning")]
     assert bad.failures[1][2] == "2 vs 6 over 1 batches: relative change 0.667 (max 0.5)"
@@ -216,3 +216,64 @@ def test_examples_versions_are_judged_on_the_rows_they_added(tmp_path, examples_
     assert not first.passed and second.passed, "one bad build does not fail every later version"
     assert (first.num_rows, second.num_rows) == (8, 8)  # each version's own rows, not the table's 16
     assert not gate_decision(tmp_path, "examples", 0).allowed and gate_decision(tmp_path, "examples", 1).allowed
+
+
+def _unexpected(observed: str) -> int:
+    """The unexpected count of a custom check's one-line summary ("N of M unexpected...")."""
+    return int(observed.split(" of ")[0])
+
+
+def test_events_versions_are_judged_on_their_new_rows_and_agree_with_the_whole_table(tmp_path, events_table):
+    from validation.suites import validate_events
+
+    cfg = config(tmp_path)
+    day = 86_400_000
+    # v0: e0-e3; v1: e4 and a second e1 5 s after the first (a duplicate across versions); v2: e5, e2 again two
+    # days later (outside the 1-day dedup window: another event) and e4 again 1 s later (a duplicate of v1's row);
+    # v3: e6 alone (clean, though the table it joins holds duplicates)
+    def rows(offsets, changes):
+        return events_table(len(offsets), changes={i: {"kafka_offset": o, **changes.get(i, {})} for i, o in enumerate(offsets)})
+
+    versions = [
+        events_table(4),
+        rows([4, 5], {0: {"event_id": "e4"}, 1: {"event_id": "e1", "event_time_ms": T0 + 6000}}),
+        rows([6, 7, 8], {0: {"event_id": "e5"}, 1: {"event_id": "e2", "event_time_ms": T0 + 2000 + 2 * day,
+                                                    "event_date": "2023-11-16"},
+                         2: {"event_id": "e4", "event_time_ms": T0 + 1000}}),
+        rows([9], {0: {"event_id": "e6"}}),
+    ]
+    for v, table in enumerate(versions):
+        commit_once(tmp_path, "events", table, app_id="ingest:gemline.events", version=v)
+    lake = Lake.for_config(cfg)
+    bounds = dict(domains=cfg.ingest.domains, min_time_ms=cfg.validation.min_event_time_ms, max_time_ms=NOW + day)
+
+    def whole(v):
+        results = validate_events(read_table(tmp_path, "events", v), **bounds, dedup_window_ms=cfg.ingest.dedup_window_ms)
+        return next(r for r in results if r.name == "unique:event_id")
+
+    incremental = []
+    for v in range(4):
+        result = validate_table(lake, "events", v, now_ms=NOW, **quality_sections(cfg))
+        assert result.num_rows == versions[v].num_rows  # only the rows the version added
+        report = json.loads(result.report_json.read_text())
+        incremental.append(next(e for e in report["expectations"] if e["expectation"] == "unique:event_id"))
+    assert [e["success"] for e in incremental] == [True, False, False, True]
+    assert [whole(v).success for v in range(4)] == [True, False, False, False]
+    # a version passes the whole-table check iff it and every version before it pass theirs
+    assert all(whole(v).success == all(e["success"] for e in incremental[: v + 1]) for v in range(4))
+    # v1 flags both copies of e1 (the earlier one too), as the whole table does; the increments' flags add up to
+    # the whole table's
+    assert _unexpected(incremental[1]["observed"]) == _unexpected(whole(1).observed) == 2
+    assert [_unexpected(e["observed"]) for e in incremental] == [0, 2, 2, 0]
+    assert _unexpected(whole(3).observed) == 4
+    assert [gate_decision(tmp_path, "events", v).allowed for v in range(4)] == [True, False, False, True]
+
+    # validating v3 right after v0 judges the rows of v1-v3 together: every duplicate is found again
+    again = tmp_path / "again"
+    for v, table in enumerate(versions):
+        commit_once(again, "events", table, app_id="ingest:gemline.events", version=v)
+    lake = Lake.for_config(config(again))
+    validate_table(lake, "events", 0, now_ms=NOW, **quality_sections(cfg))
+    skipped = validate_table(lake, "events", 3, now_ms=NOW, **quality_sections(cfg))
+    assert skipped.num_rows == 6 and [f[0] for f in skipped.failures] == ["unique:event_id"]
+    assert _unexpected(skipped.failures[0][2]) == 4
