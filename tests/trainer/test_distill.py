@@ -118,7 +118,9 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
             assert got["transfer_ratio"] == pytest.approx((alone["ne"] - got["ne"]) / (alone["ne"] - teacher["ne"]))
     assert any(summary[(d, "teacher")]["transfer_ratio"] is not None for d in DOMAINS), "a teacher that teaches"
     rates = report["inference"]
-    assert rates == out.versions[-1]["inference"], "the newest version's rates"
+    measured = [v["inference"] for v in out.versions if v.get("inference")]
+    # measured on the first version with rows and every distill.INFERENCE_EVERY-th after it: the newest shown
+    assert len(measured) == 1 and out.versions[0]["inference"] and rates == measured[-1], "the newest measured rates"
     assert rates["rows"] == 90 and rates["teacher_model"] == _config(straight).trainer.model and set(rates["students"]) == set(VARIANTS)
     assert all(math.isfinite(r) and r > 0 for r in [rates["teacher"], *rates["students"].values()])
     assert "CPU inference, examples/s" in page and f"{rates['teacher']:,.0f}" in page
@@ -133,8 +135,12 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
         aux, adapted = (by_key[(s["examples_version"], s["domain"], v)]["ne"] for v in ("aux_head", "adapter"))
         assert s["adapter_ne_gain"] == pytest.approx(aux - adapted)
 
+    loads: list[str] = []
+    real_load = distill.load_checkpoint
+    monkeypatch.setattr(distill, "load_checkpoint", lambda path, *a, **k: loads.append(str(path)) or real_load(path, *a, **k))
     again = _distill(straight)
     assert again.versions == [] and again.cursor == 4, "nothing new: nothing distilled twice"
+    assert loads == [] and again.report == out.report, "a poll with nothing to distill loads no student"
 
     calls = {"n": 0}
     real = distill._train
@@ -166,6 +172,8 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
     assert late.versions[0]["counts"] == {"with_teacher": 0, "label_only": 90, "dropped_quarantined": 0,
                                           "dropped_nonfinite": 0, "dropped_future": 90}
     assert late.report is not None and late.report["rows"] == report["rows"], "a released version is not evaluated"
+    assert [p for p in loads if p.startswith(str(straight))] and len(loads) == 2, \
+        "loaded to resume the crashed run, and for the released version"
     assert _distill(straight).versions == []
 
 
