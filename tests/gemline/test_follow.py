@@ -57,6 +57,11 @@ def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path,
     # judged on the rows they added, nothing to quarantine.
     assert [(d["table"], d["version"], d["passed"]) for d in checked.done] == [
         ("events", 1, False), *[("examples", v, True) for v in range(examples_now + 1)]]
+    # validation.follow_report_plots = "quarantined" (the default): only the quarantined version's report has plots
+    pages = {d["version"]: d["report"].read_text() for d in checked.done if d["table"] == "events"}
+    assert "data:image/png;base64," in pages[1]
+    assert "data:image/png;base64," not in (tmp_path / "lake/_quality/events/0/report.html").read_text()
+    assert "validation.follow_report_plots" in (tmp_path / "lake/_quality/events/0/report.html").read_text()
     held = follow_build(config, interval_s=0, max_passes=2)
     assert held.done == [] and "events@1 is quarantined" in held.waiting, "version 0 is built already; 1 waits"
     assert open_table(lake, "examples").version() == examples_after_0
