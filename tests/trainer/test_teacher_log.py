@@ -118,3 +118,19 @@ def test_a_sigkill_between_the_write_and_the_checkpoint_then_a_restart_logs_each
         ref = want_by_key[(r["example_id"], r["teacher_step"])]
         assert abs(r["p_click"] - ref["p_click"]) < 1e-6 and abs(r["p_conversion"] - ref["p_conversion"]) < 1e-6
         assert r["teacher_data_ms"] == ref["teacher_data_ms"]
+
+
+def test_prediction_rows_keep_each_vector_whole_and_null_where_the_model_has_none():
+    from trainer.teacher_log import TEACHER_PREDICTIONS_SCHEMA, prediction_rows
+
+    user = [np.array([0.5, -1.0, 2.0], np.float32), np.array([3.0, 0.25, -0.125], np.float32)]
+    ragged = [np.array([1.0], np.float32), None]  # not one width for every row: the per-row path
+    rows = prediction_rows(example_ids=np.array(["x0", "x1"], dtype=object), domains=np.array(["a", None], dtype=object),
+                           probs=np.array([[0.1, 0.2], [0.3, 0.4]]), run_id="r", step=7, checkpoint_ms=5, data_ms=4,
+                           version=2, vectors={"user_vector": user, "candidate_vector": ragged,
+                                               "representation": [None, None]})
+    assert rows.schema.equals(TEACHER_PREDICTIONS_SCHEMA)
+    assert rows["user_vector"].to_pylist() == [[0.5, -1.0, 2.0], [3.0, 0.25, -0.125]]
+    assert rows["candidate_vector"].to_pylist() == [[1.0], None]
+    assert rows["representation"].to_pylist() == [None, None]
+    assert rows["domain"].to_pylist() == ["a", None] and rows["teacher_step"].to_pylist() == [7, 7]
