@@ -19,6 +19,7 @@ BAD = [
     ({"max_volume_change": -0.1}, "validation.max_volume_change must be >= 0, got -0.1"),
     ({"max_null_rate_change": -1.0}, "validation.max_null_rate_change must be >= 0"),
     ({"gx_sample_rows": 0}, "validation.gx_sample_rows must be >= 1 or none, got 0"),
+    ({"follow_report_plots": "never"}, "validation.follow_report_plots must be 'always' or 'quarantined', got 'never'"),
 ]
 
 
