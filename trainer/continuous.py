@@ -327,7 +327,7 @@ def _prune(root: str, keep: int) -> None:
 @holding("train")
 def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
              max_versions: int | None = None, progress: bool = False, nproc: int = 1, root: str | None = None,
-             on_predictions: PredictionsHook | None = None) -> ContinuousResult:
+             on_predictions: PredictionsHook | None = None, write_report: bool = True) -> ContinuousResult:
     """Consume every new, gate-allowed ``examples`` version of ``lake`` once (module docstring) with the model
     and optimisation of ``tc``, checkpoint, return.
 
@@ -343,6 +343,9 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
             run (:func:`continuous_root`). ``gemline compare`` gives each model its own. One process only.
         on_predictions: called with each progressive evaluation's :class:`ProgressivePredictions` (before
             its metrics are written); an exception it raises stops the run as a crash would. One process only.
+        write_report: rewrite the run report after training (False: ``report_path`` stays None; the next
+            report shows everything, being drawn from the checkpoint's lineage and the lake's tables). One
+            process only: with ``nproc > 1`` it is always rewritten.
 
     Returns:
         A :class:`ContinuousResult`.
@@ -375,7 +378,8 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
         torch.set_num_threads(tc.torch_threads)
     try:
         result = consume(lake, tc, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
-                         max_versions=max_versions, root=root, on_predictions=on_predictions)
+                         max_versions=max_versions, root=root, on_predictions=on_predictions,
+                         write_report=write_report)
     finally:
         torch.set_num_threads(previous_threads)
     assert result is not None, "one process is rank 0"
@@ -425,7 +429,7 @@ def _plan(lake: Lake, from_scratch: bool, rank: int, world: int, root: str) -> d
 
 def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
             max_versions: int | None = None, root: str | None = None,
-            on_predictions: PredictionsHook | None = None) -> ContinuousResult | None:
+            on_predictions: PredictionsHook | None = None, write_report: bool = True) -> ContinuousResult | None:
     """:func:`run_once` without the lock, on one process (:func:`trainer.loop.local_engine`) or on every rank
     of an initialised process group (:func:`trainer.sharded_engine.sharded_engine`, called by trainer.launch).
 
@@ -654,7 +658,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     result.step, result.rows_trained_total, result.cursor = counters.step, counters.examples_seen, cursor
     if rank != 0:
         return None
-    if lineage and not idle:
+    if lineage and not idle and write_report:
         result.report_path = write_run_report(lake, run_id, lineage=lineage, step=counters.step,
                                               rows_trained_total=counters.examples_seen, checkpoint=result.checkpoint_path)
     return result
@@ -695,8 +699,15 @@ class _Sources:
         return {"events_versions": versions, "kafka_offsets": offsets}
 
 
+FOLLOW_REPORT_EVERY_S = 60.0
+"""``train --follow`` rewrites the run report after a run that trained only when the last rewrite is at least this
+old (seconds): reading every metric and freshness row and drawing the page after every version was about a tenth
+of training a version of 15-20k rows on the benchmark's lake (2026-12-02); a report a minute behind is as useful."""
+
+
 def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
-           on_result: Any = None, max_polls: int | None = None, nproc: int = 1) -> int:
+           on_result: Any = None, max_polls: int | None = None, nproc: int = 1,
+           report_every_s: float = FOLLOW_REPORT_EVERY_S) -> int:
     """Run :func:`run_once` again every ``poll_interval_s`` seconds until Ctrl-C or SIGTERM (``gemline train
     --follow``); each call resumes from the checkpoint the previous one wrote. Returns the calls made.
 
@@ -708,12 +719,23 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
         on_result: called with each :class:`ContinuousResult` (the CLI prints a JSON line).
         max_polls: stop after this many calls (tests); None: until interrupted.
         nproc: processes of each call (:func:`run_once`); each call with ``nproc > 1`` is one torchrun job.
+        report_every_s: the run report is rewritten by a call that trained only when the last rewrite is at least
+            this many seconds old (:data:`FOLLOW_REPORT_EVERY_S`; 0: after every such call), the first call always.
 
     Raises:
         ValueError: ``poll_interval_s < 0``; and what :func:`run_once` raises.
     """
-    return poll(lambda first: run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc), name="train",
-                interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls)
+    last_report: float | None = None
+
+    def once(first: bool) -> ContinuousResult:
+        nonlocal last_report
+        due = last_report is None or time.monotonic() - last_report >= report_every_s
+        result = run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc, write_report=due)
+        if result.report_path is not None:
+            last_report = time.monotonic()
+        return result
+
+    return poll(once, name="train", interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls)
 
 
 def _published_open(table: pa.Table) -> np.ndarray:

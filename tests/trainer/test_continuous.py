@@ -341,6 +341,28 @@ def test_follow_consumes_what_arrives_between_polls(tmp_path, monkeypatch):
     assert calls == 3 and seen == [[0], [1], []]
 
 
+def test_follow_rewrites_the_run_report_at_most_every_report_every_s(tmp_path, monkeypatch):
+    import time
+    import types
+
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    clock = {"s": 1000.0}
+    monkeypatch.setattr(continuous, "time", types.SimpleNamespace(time=time.time, monotonic=lambda: clock["s"]))
+    reports = []
+
+    def on_result(result):
+        reports.append(result.report_path)
+        _add(lake, len(reports) + 1)  # a new version for every next poll
+        clock["s"] += 40.0
+
+    continuous.follow(*trainer_args(_config(lake)), poll_interval_s=0, on_result=on_result, max_polls=4,
+                      report_every_s=60.0)
+    page = reports[0]
+    # t = 1000 (the first call), 1040 (too soon), 1080 (80 s after the last), 1120 (too soon)
+    assert [r is not None for r in reports] == [True, False, True, False] and reports[2] == page
+
+
 def test_follow_waits_for_the_first_examples_version(tmp_path, monkeypatch, caplog):
     import time
     import types
