@@ -154,10 +154,12 @@ def _events_increment(lake: Lake, version: int, window_ms: int) -> tuple[pa.Tabl
     assert tid is not None, "validate_table opened the table"
     batches = [b for _, b, _ in read_from(root, Table.EVENTS, Cursor(tid, since + 1), until_version=version,
                                           storage_options=opts) if b is not None]
-    dt = open_table(root, Table.EVENTS, version, storage_options=opts)
-    assert dt is not None
-    schema = pa.schema(dt.schema().to_arrow())
-    new = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+    if batches:
+        new = pa.Table.from_batches(batches)
+    else:  # versions without new rows (a metadata change): nothing to judge but the schema
+        dt = open_table(root, Table.EVENTS, version, storage_options=opts)
+        assert dt is not None
+        new = pa.schema(dt.schema().to_arrow()).empty_table()
     times, ids = new["event_time_ms"].drop_null(), pc.unique(new["event_id"].drop_null())
     pair = pa.schema([("event_id", pa.string()), ("event_time_ms", pa.int64())])
     before = open_table(root, Table.EVENTS, since, storage_options=opts)

@@ -59,7 +59,7 @@ CASES = [
      f"(`gemline report --table events --version 1`), {RELEASE_1}"),
     # ... but one already built (since=1) is not read again.
     (_passed(0, 10) + _quarantined(1, 20) + _passed(2, 30), 2, 1, None),
-    # Never-validated versions in between are covered by the target's whole-table validation.
+    # Never-validated versions in between are covered by the target's validation (every row since the last one validated).
     (_passed(3, 30), 3, None, None),
     # The newest run decides: a later passing run opens the gate, a later failing one closes it.
     (_quarantined(0, 10) + _passed(0, 20), 0, None, None),

@@ -277,3 +277,8 @@ def test_events_versions_are_judged_on_their_new_rows_and_agree_with_the_whole_t
     skipped = validate_table(lake, "events", 3, now_ms=NOW, **quality_sections(cfg))
     assert skipped.num_rows == 6 and [f[0] for f in skipped.failures] == ["unique:event_id"]
     assert _unexpected(skipped.failures[0][2]) == 4
+
+    # a version that adds no row has nothing to quarantine (as an empty examples increment)
+    commit_once(again, "events", events_table(0), app_id="ingest:gemline.events", version=4)
+    empty = validate_table(lake, "events", 4, now_ms=NOW, **quality_sections(cfg))
+    assert empty.passed and empty.num_rows == 0 and ("empty", "warning") in [f[:2] for f in empty.failures]
