@@ -17,6 +17,7 @@ flags end up on command lines, which every user of the machine reads (``ps``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -121,9 +122,14 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
         try:
             if annotation is int and isinstance(value, float):
                 raise ValueError
-            return annotation(value)
+            converted = annotation(value)
         except (TypeError, ValueError):
             raise BadConfigError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
+        # nan, inf and 1e400 (which parses as inf) pass float() but no setting means them: a learning rate of nan
+        # reached the optimiser as a traceback.
+        if annotation is float and not math.isfinite(converted):
+            raise BadConfigError(f"{key}: expected a finite float, got {value!r}")
+        return converted
     return value
 
 

@@ -32,6 +32,9 @@ def test_toml_then_overrides(tmp_path):
         ({"kafka.client": "librdkafka"}, "kafka.client: expected one of"),
         ({"kafka.partitions": "0"}, "partitions must be >= 1"),
         ({"validation.min_label_rate": "0.9", "validation.max_label_rate": "0.1"}, "min_label_rate <= max_label_rate"),
+        ({"trainer.learning_rate": "nan"}, "trainer.learning_rate: expected a finite float, got 'nan'"),
+        ({"trainer.learning_rate": "-inf"}, "trainer.learning_rate: expected a finite float, got '-inf'"),
+        ({"trainer.learning_rate": "1e400"}, "trainer.learning_rate: expected a finite float, got '1e400'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -113,6 +116,8 @@ def test_shard_step_is_checked_without_the_loader_too():
         ("lake = 5\n", "lake: expected str, got 5"),
         ("[trainer]\nseed = true\n", "trainer.seed: expected int, got True"),
         ("[trainer]\nlearning_rate = false\n", "trainer.learning_rate: expected float, got False"),
+        ("[trainer]\nlearning_rate = nan\n", "trainer.learning_rate: expected a finite float, got nan"),
+        ("[trainer]\nlearning_rate = inf\n", "trainer.learning_rate: expected a finite float, got inf"),
     ],
 )
 def test_a_toml_value_of_the_wrong_kind_names_the_key(tmp_path, toml, message):
