@@ -81,6 +81,7 @@ from gemline.lake import (
     read_table,
 )
 from gemline.locks import holding
+from gemline.metrics import table_rows
 from gemline.tables import Table, commit_files, write_files
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, examples_schema, pending_schema
@@ -424,11 +425,10 @@ def _rows(lake: str, table: str, opts: StorageOptions | None = None) -> int:
 def _log_rows(dt: Any) -> int:
     """Rows of a Delta snapshot from its log's per-file record counts (no Parquet footer read; a build's
     tables hold hundreds of files), or counted from the files where a file has no count."""
-    actions = pa.table(dt.get_add_actions(flatten=True))
-    if actions.num_rows == 0:
-        return 0
-    counts = actions.column("num_records")
-    return int(pc.sum(counts).as_py()) if counts.null_count == 0 else dt.to_pyarrow_dataset().count_rows()
+    try:
+        return table_rows(dt)
+    except ValueError:  # a file written without statistics
+        return dt.to_pyarrow_dataset().count_rows()
 
 
 def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0,
