@@ -84,17 +84,97 @@ def to_pointers(examples: pa.Table) -> pa.Table:
     return examples.drop_columns([c for c in LIST_COLUMNS if c in examples.column_names])
 
 
-def _candidates(history: pl.DataFrame, pairs: pl.DataFrame, keys: list[str], max_len: int) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(candidates, prior): per pair of ``keys`` + ``_k`` (a build), the events its examples were cut
-    from: the newest ``max_len`` appended before build _k plus those appended by _k; ``prior`` holds
-    the pair's ``_prior`` (events the stored sequence had cut)."""
+@dataclass(frozen=True)
+class HistoryCut:
+    """The events a compacted history left out (:mod:`sequences.history_tail`), counted per key.
+
+    Compacting at ``horizon`` keeps, of the events appended by builds <= ``horizon``, each user's newest
+    ``max_seq_len`` and each (user, domain)'s newest ``same_domain_seq_len`` (by (event_time_ms, event_id));
+    every later event stays. For an example of build k > ``horizon`` all the events left out were appended
+    before k and are older than the ``max_len`` kept of its key, so they only count in its truncation
+    (newest-N of a union is newest-N of the newest-N of its parts): the compacted rows plus these counts
+    rebuild it exactly. Examples of builds <= ``horizon`` need the whole history.
+
+    Attributes:
+        horizon: the newest build whose events were compacted (-1: nothing was).
+        users: ``user_id`` (str), ``cut`` (int64): the user's events left out (users without any absent).
+        domains: ``user_id``, ``domain`` (str), ``cut`` (int64): the same per (user, domain).
+    """
+
+    horizon: int
+    users: pl.DataFrame
+    domains: pl.DataFrame
+
+
+HEAVY_KEY_ROWS = 2048
+"""A key (user, or (user, domain)) with more ``history`` rows than this has its candidates cut per (key, build)
+pair with numpy on its rows sorted once (:func:`_heavy_candidates`) rather than through the join of the pairs
+with its rows, which copies all of them once per pair: one generated user of 75k events with a dozen pairs
+(label corrections of old impressions) made that join 1.5M rows for a 37k-row examples version."""
+
+
+def _candidates_joined(history: pl.DataFrame, pairs: pl.DataFrame, keys: list[str], max_len: int
+                       ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(candidates, older): :func:`_candidates` through one join of ``pairs`` with ``history`` (the reference:
+    every row of a key is copied once per pair); ``older`` holds each pair's ``_n``, its rows appended before _k."""
     rows = (pairs.join(history, on=keys, how="inner").filter(pl.col("build") <= pl.col("_k"))
             .sort([*keys, "_k", *EVENT_ORDER]))
     old = (pl.col("build") < pl.col("_k")).cast(pl.Int64)
     rows = rows.with_columns(old.alias("_old"), old.cum_sum(reverse=True).over([*keys, "_k"]).alias("_newer"))
-    prior = rows.group_by([*keys, "_k"]).agg((pl.col("_old").sum() - max_len).clip(lower_bound=0).alias("_prior"))
+    older = rows.group_by([*keys, "_k"]).agg(pl.col("_old").sum().alias("_n"))
     kept = rows.filter((pl.col("_old") == 0) | (pl.col("_newer") <= max_len))
-    return kept.drop("_old", "_newer"), prior
+    return kept.drop("_old", "_newer"), older
+
+
+def _heavy_candidates(history: pl.DataFrame, pairs: pl.DataFrame, keys: list[str], max_len: int
+                      ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """:func:`_candidates_joined` for keys with many rows: each key's rows sorted once by event order, then per
+    (key, build _k) pair a numpy mask over them (its rows of _k, and the newest ``max_len`` before _k), so a
+    pair costs a scan of its key's build numbers and copies only the rows it keeps."""
+    rows = history.join(pairs.select(keys).unique(), on=keys, how="semi").sort([*keys, *EVENT_ORDER])
+    segments = (rows.with_row_index("_i").group_by(keys, maintain_order=True)
+                .agg(pl.col("_i").first().alias("_s"), (pl.col("_i").last() + 1).alias("_e")))
+    todo = pairs.join(segments, on=keys, how="inner")
+    builds = rows.get_column("build").to_numpy()
+    taken: list[np.ndarray] = []
+    counts, olds = np.zeros(todo.height, np.int64), np.zeros(todo.height, np.int64)
+    for j, (start, end, k) in enumerate(zip(todo.get_column("_s").to_list(), todo.get_column("_e").to_list(),
+                                            todo.get_column("_k").to_list(), strict=True)):
+        b = builds[start:end]
+        old = b < k
+        newer = np.cumsum(old[::-1])[::-1]  # old rows at or after each row: the newest max_len have <= max_len
+        keep = np.flatnonzero((b == k) | (old & (newer <= max_len)))
+        taken.append(start + keep)
+        counts[j], olds[j] = keep.size, int(newer[0]) if b.size else 0
+    index = np.concatenate(taken) if taken else np.zeros(0, np.int64)
+    kept = rows[index].with_columns(pl.Series("_k", np.repeat(todo.get_column("_k").to_numpy(), counts)))
+    older = todo.select(*keys, "_k").with_columns(pl.Series("_n", olds))
+    return kept.select(*keys, "_k", *[c for c in rows.columns if c not in keys]), older
+
+
+def _candidates(history: pl.DataFrame, pairs: pl.DataFrame, keys: list[str], max_len: int,
+                cut: HistoryCut | None = None, heavy_rows: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(candidates, prior): per pair of ``keys`` + ``_k`` (a build), the events its examples were cut
+    from: the newest ``max_len`` appended before build _k plus those appended by _k; ``prior`` holds
+    the pair's ``_prior`` (events the stored sequence had cut: those before _k beyond the newest
+    ``max_len``, plus, for a compacted ``history``, the ones ``cut`` counts). Keys with more than
+    ``heavy_rows`` (None: :data:`HEAVY_KEY_ROWS`) rows go through :func:`_heavy_candidates`, the others
+    through the join (its twin, :func:`_candidates_joined`); candidates come in no particular order."""
+    heavy_rows = HEAVY_KEY_ROWS if heavy_rows is None else heavy_rows
+    sizes = history.join(pairs.select(keys).unique(), on=keys, how="semi").group_by(keys).len()
+    heavy = sizes.filter(pl.col("len") > heavy_rows).select(keys)
+    light_pairs, heavy_pairs = pairs.join(heavy, on=keys, how="anti"), pairs.join(heavy, on=keys, how="semi")
+    kept, older = _candidates_joined(history.join(heavy, on=keys, how="anti"), light_pairs, keys, max_len)
+    if heavy_pairs.height:
+        more_kept, more_older = _heavy_candidates(history.join(heavy, on=keys, how="semi"), heavy_pairs, keys, max_len)
+        kept = pl.concat([kept, more_kept.select(kept.columns)], how="vertical_relaxed")
+        older = pl.concat([older, more_older.select(older.columns)], how="vertical_relaxed")
+    if cut is not None:
+        left_out = cut.domains if len(keys) == 2 else cut.users
+        older = (older.join(left_out, on=keys, how="left")
+                 .with_columns(pl.col("_n") + pl.col("cut").fill_null(0)).drop("cut"))
+    prior = older.select(*keys, "_k", (pl.col("_n") - max_len).clip(lower_bound=0).alias("_prior"))
+    return kept, prior
 
 
 @dataclass(frozen=True)
@@ -188,8 +268,10 @@ def _index(cands: pl.DataFrame, queries: pl.DataFrame, keys: list[str], max_len:
     return b.cands, index, offsets, b.visible
 
 
-def _queries(pointer_rows: pa.Table, history: pa.Table) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(queries, history of their users): one query per pointer row with its build ``_k``."""
+def _queries(pointer_rows: pa.Table, history: pa.Table, cut: HistoryCut | None = None
+             ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(queries, history of their users): one query per pointer row with its build ``_k``; raises
+    ValueError when a query's build is at or before a compacted history's horizon (``cut``)."""
     anchor = pointer_rows.column("example_id")
     if "corrects_example_id" in pointer_rows.column_names:
         anchor = pc.coalesce(pointer_rows.column("corrects_example_id"), anchor)
@@ -207,16 +289,21 @@ def _queries(pointer_rows: pa.Table, history: pa.Table) -> tuple[pl.DataFrame, p
         raise ValueError(f"{lost.height} example(s) point to impressions missing from history, e.g. "
                          f"{lost.get_column('_anchor').head(3).to_list()!r}; read history at or after the examples' "
                          "build, from the same lake")
+    oldest = int(queries.get_column("_k").min())  # type: ignore[arg-type]  # a non-empty int64 column
+    if cut is not None and oldest <= cut.horizon:
+        raise ValueError(f"an example of build {oldest} read with a history compacted up to "
+                         f"build {cut.horizon}; read the whole history (sequences.materialize.read_history)")
     return queries, hist
 
 
 def sequence_index(pointer_rows: pa.Table, history: pa.Table, max_len: int, *, same_domain: bool = False,
-                   check: bool = True) -> SequenceIndex:
+                   check: bool = True, cut: HistoryCut | None = None) -> SequenceIndex:
     """The cross-domain (or, ``same_domain``, the example's-domain) sequence of each pointer row as a
     :class:`SequenceIndex` (rules: the module docstring; arguments: :func:`materialize_examples`).
 
     ``max_len``: ``max_seq_len`` (or ``same_domain_seq_len``) of the build that wrote the rows.
     ``check``: compare the rebuilt length and truncation count with the row's stored ones.
+    ``cut``: what ``history`` left out when it is a compacted one (:class:`HistoryCut`).
 
     Raises:
         ValueError: as :func:`materialize_examples`.
@@ -226,13 +313,13 @@ def sequence_index(pointer_rows: pa.Table, history: pa.Table, max_len: int, *, s
     if pointer_rows.num_rows == 0:
         return SequenceIndex(HISTORY_SCHEMA.empty_table(), np.zeros(0, np.int64), np.zeros(1, np.int64),
                              np.zeros(0, np.int64), np.zeros(0, np.int64))
-    queries, hist = _queries(pointer_rows, history)
-    cands, prior = _candidates(hist, queries.select(*keys, "_k").unique(), keys, max_len)
+    queries, hist = _queries(pointer_rows, history, cut)
+    cands, prior = _candidates(hist, queries.select(*keys, "_k").unique(), keys, max_len, cut)
     cands, index, offsets, visible = _index(cands, queries, keys, max_len)
     lengths = np.diff(offsets)
-    cut = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
-           .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
-    truncated = cut + visible - lengths
+    before = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
+              .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
+    truncated = before + visible - lengths
     if check:
         for name, got in ((f"{prefix}length", lengths), (f"{prefix}truncated", truncated)):
             stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -266,10 +353,11 @@ class SequenceSummary:
 
 
 def sequence_summary(pointer_rows: pa.Table, history: pa.Table, max_len: int, *,
-                     same_domain: bool = False) -> SequenceSummary:
+                     same_domain: bool = False, cut: HistoryCut | None = None) -> SequenceSummary:
     """:class:`SequenceSummary` of the cross-domain (or ``same_domain``) sequence of each pointer row:
     one sorted join of the rows' (user, build) pairs with ``history`` and one ``searchsorted`` per row
-    (:func:`_bounds`); cost O(H log H + n log H) for H history rows, not O(n * max_len).
+    (:func:`_bounds`); cost O(H log H + n log H) for H history rows, not O(n * max_len). ``cut``: as
+    :func:`materialize_examples`.
 
     Raises:
         ValueError: an example's impression is not in ``history`` (as :func:`materialize_examples`).
@@ -280,14 +368,14 @@ def sequence_summary(pointer_rows: pa.Table, history: pa.Table, max_len: int, *,
         empty = np.zeros(0, np.int64)
         return SequenceSummary(empty, empty, empty, empty, np.zeros(0, bool))
     keys = ["user_id", "domain"] if same_domain else ["user_id"]
-    queries, hist = _queries(pointer_rows, history)
-    cands, prior = _candidates(hist, queries.select(*keys, "_k").unique(), keys, max_len)
+    queries, hist = _queries(pointer_rows, history, cut)
+    cands, prior = _candidates(hist, queries.select(*keys, "_k").unique(), keys, max_len, cut)
     b = _bounds(cands, queries, keys, max_len)
     times = b.cands.get_column("event_time_ms").to_numpy()
     created = b.cands.get_column("created_ts_ms").to_numpy()
     codes = b.cands.get_column("_g").to_numpy()
-    cut = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
-           .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
+    before = (queries.select(*keys, "_k").join(prior, on=[*keys, "_k"], how="left", maintain_order="left")
+              .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
     # Descents inside a group, as prefix counts: a contiguous range [start, end) is ordered iff it has none.
     descents = np.concatenate([[0, 0], np.cumsum((codes[1:] == codes[:-1]) & (times[1:] < times[:-1]))])
     running = (pl.DataFrame({"g": codes, "c": created}).select(pl.col("c").cum_max().over("g"))
@@ -301,11 +389,11 @@ def sequence_summary(pointer_rows: pa.Table, history: pa.Table, max_len: int, *,
         if kept.size:
             newest[row], newest_created[row] = times[kept].max(), created[kept].max()
             unordered[row] = bool(np.any(np.diff(times[kept]) < 0))
-    return SequenceSummary(b.lengths, cut + b.visible - b.lengths, newest, newest_created, unordered)
+    return SequenceSummary(b.lengths, before + b.visible - b.lengths, newest, newest_created, unordered)
 
 
 def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildConfig,
-                         schema: pa.Schema | None = None) -> pa.Table:
+                         schema: pa.Schema | None = None, *, cut: HistoryCut | None = None) -> pa.Table:
     """Fat ``examples`` rows from pointer-layout rows and the ``history`` table (rules: module docstring).
 
     Args:
@@ -318,6 +406,8 @@ def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildCo
         cfg: the build config the rows were built with (``max_seq_len``, ``same_domain_seq_len``).
         schema: the output schema (default: :data:`sequences.examples.EXAMPLES_SCHEMA`); its list
             columns are computed, the others taken from ``pointer_rows``.
+        cut: None when ``history`` holds every row of the users; for a compacted history
+            (:class:`sequences.history_tail.HistoryTail`), the events it left out.
 
     Returns:
         One fat row per pointer row, in the same order.
@@ -325,7 +415,8 @@ def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildCo
     Raises:
         ValueError: an example's impression is not in ``history`` (a history read before the
             example's build, or another lake), or a rebuilt length or truncation count differs from
-            the one the row stores (history and pointers disagree, e.g. a changed ``max_seq_len``).
+            the one the row stores (history and pointers disagree, e.g. a changed ``max_seq_len``), or
+            an example's build is at or before ``cut.horizon``.
     """
     from sequences.examples import EXAMPLES_SCHEMA
 
@@ -334,7 +425,7 @@ def materialize_examples(pointer_rows: pa.Table, history: pa.Table, cfg: BuildCo
         return schema.empty_table()
     columns: dict[str, pa.Array] = {}
     for prefix, max_len, same in (("seq_", cfg.max_seq_len, False), ("seq_same_domain_", cfg.same_domain_seq_len, True)):
-        seq = sequence_index(pointer_rows, history, max_len, same_domain=same)
+        seq = sequence_index(pointer_rows, history, max_len, same_domain=same, cut=cut)
         for name, column in (("item_ids", "item_id"), ("categories", "category"), ("event_types", "event_type"),
                              ("domains", "domain")):
             if not (same and name == "domains"):
@@ -466,5 +557,5 @@ def export_examples(lake: Lake | str | Path, out_dir: str | Path, *, version: in
             "materialized": cfg is not None, "fat_rows": layout == "fat" or cfg is not None, "out_dir": str(out)}
 
 
-__all__ = ["SequenceIndex", "SequenceSummary", "sequence_summary", "export_examples", "history_bucket", "history_rows", "layout_config", "materialize_examples",
+__all__ = ["HistoryCut", "SequenceIndex", "SequenceSummary", "sequence_summary", "export_examples", "history_bucket", "history_rows", "layout_config", "materialize_examples",
            "read_examples", "read_history", "sequence_index", "to_pointers"]

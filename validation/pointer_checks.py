@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from sequences.config import BuildConfig
-from sequences.materialize import SequenceSummary, sequence_summary
+from sequences.materialize import HistoryCut, SequenceSummary, sequence_summary
 from validation.suites import CheckResult, _ids, _rows_result
 
 Summaries = dict[str, SequenceSummary]
@@ -43,19 +43,21 @@ Summaries = dict[str, SequenceSummary]
 _PREFIXES = (("seq_", False), ("seq_same_domain_", True))
 
 
-def summarize_pointers(rows: pa.Table, history: pa.Table, build: BuildConfig) -> Summaries:
+def summarize_pointers(rows: pa.Table, history: pa.Table, build: BuildConfig, cut: HistoryCut | None = None) -> Summaries:
     """Both sequences' :class:`~sequences.materialize.SequenceSummary` of ``rows``.
 
     Args:
         rows: pointer-layout ``examples`` rows (no list columns).
         history: the ``history`` rows of at least these rows' users.
         build: ``max_seq_len`` and ``same_domain_seq_len`` the rows are checked against.
+        cut: for a compacted ``history`` (:class:`sequences.history_tail.HistoryTail`), what it left out.
 
     Raises:
         ValueError: an impression is not in ``history``.
     """
     lengths = {"seq_": build.max_seq_len, "seq_same_domain_": build.same_domain_seq_len}
-    return {prefix: sequence_summary(rows, history, lengths[prefix], same_domain=same) for prefix, same in _PREFIXES}
+    return {prefix: sequence_summary(rows, history, lengths[prefix], same_domain=same, cut=cut)
+            for prefix, same in _PREFIXES}
 
 
 def _stored(rows: pa.Table, column: str) -> np.ndarray:
@@ -99,7 +101,7 @@ def check_pointer_order(rows: pa.Table, summaries: Summaries) -> dict[str, Any]:
     return _rows_result(pa.array(np.flatnonzero(bad)), _ids(rows), rows.num_rows)
 
 
-def pointer_sequence_checks(rows: pa.Table, history: pa.Table, build: BuildConfig
+def pointer_sequence_checks(rows: pa.Table, history: pa.Table, build: BuildConfig, cut: HistoryCut | None = None
                             ) -> tuple[dict[str, Callable[[pa.Table], dict[str, Any]]], list[CheckResult]]:
     """(``sequence_checks`` for :func:`validation.suites.validate_examples`, extra results) of one batch.
 
@@ -108,7 +110,7 @@ def pointer_sequence_checks(rows: pa.Table, history: pa.Table, build: BuildConfi
     impression is missing from ``history`` (the three checks then fail with it too).
     """
     try:
-        summaries = summarize_pointers(rows, history, build)
+        summaries = summarize_pointers(rows, history, build, cut)
     except ValueError as exc:
         message = str(exc)
         failed = CheckResult("pointers_materialize", "critical", False, f"error: {message}", "custom",
