@@ -117,11 +117,14 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
     Raises:
         ValueError: ``interval_s < 0`` or no table; and what :func:`validation.run.validate_table` raises.
     """
+    from sequences.history_tail import HistoryTail
     from validation.run import validate_table
 
     if not tables:
         raise ValueError("follow_validate: expected at least one table")
     lake = Lake.for_config(config)
+    # The pointer checks of each examples version read history by increments (sequences.history_tail).
+    tail = HistoryTail(lake, config.build.max_seq_len, config.build.same_domain_seq_len)
 
     def one_pass(state: FollowState) -> None:
         state.waiting = ""
@@ -134,7 +137,8 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
                 todo = [newest] if newest in todo else []
             for version in todo:
                 result = validate_table(lake, table, version, validation=config.validation, ingest=config.ingest,
-                                        build=config.build, plots=config.validation.follow_report_plots)
+                                        build=config.build, plots=config.validation.follow_report_plots,
+                                        history_tail=tail)
                 state.done.append({"table": table, "version": version, "passed": result.passed,
                                    "report": result.report_html})
                 log.info("%s@%d: %s", table, version, "PASSED" if result.passed else "QUARANTINED")

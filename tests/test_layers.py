@@ -27,9 +27,10 @@ CORE = {"gemline", "gemline.plots", "gemline.lake", "gemline.locks", "gemline.er
         "gemline.gate", "gemline.increments", "gemline.metrics", "gemline.polling", "gemline.process", "gemline.supervisor", "gemline.tables"}
 LIBRARIES = ("kernels", "features")
 # sequences.materialize: the pointer layout of ``examples`` (issue 15) is read by rebuilding its lists
-# from ``history``; that reading rule is part of the examples contract, like the schema.
+# from ``history``; that reading rule is part of the examples contract, like the schema; sequences.history_tail
+# is the same rule for a long-running reader (the history read by increments, compacted).
 RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "sequences.materialize",
-           "features.definitions"}
+           "sequences.history_tail", "features.definitions"}
 
 KNOWN: set[tuple[str, str]] = set()
 

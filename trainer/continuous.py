@@ -61,7 +61,7 @@ from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
-from trainer.data import HASH_NAMESPACE, DenseNormalizer, dense_names, encode_for, fit_normalizer, pointer_history
+from trainer.data import HASH_NAMESPACE, DenseNormalizer, PointerReader, dense_names, encode_for, fit_normalizer
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
 from trainer.labels import final_labels
@@ -251,7 +251,7 @@ PredictionsHook = Callable[[ProgressivePredictions], None]
 
 
 def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: DenseNormalizer, mapping: IdMapping,
-                 start: Cursor, version: int, on_predictions: PredictionsHook | None = None,
+                 start: Cursor, version: int, pointers: PointerReader, on_predictions: PredictionsHook | None = None,
                  capture: teacher_log.VectorCapture | None = None) -> dict | None:
     """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
     batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows. Ids are
@@ -266,7 +266,7 @@ def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: Dens
         table = first_publications(pa.Table.from_batches([batch]))
         if table.num_rows == 0:
             continue
-        data = encode_for(table, tc, normalizer, pointer_history(lake, table), ids=mapping)
+        data = encode_for(table, tc, normalizer, pointers(table), ids=mapping)
         labels.append(data.labels)
         final.append(data.final if data.final is not None else np.ones(data.labels.shape, dtype=bool))
         part: np.ndarray | None
@@ -327,7 +327,8 @@ def _prune(root: str, keep: int) -> None:
 @holding("train")
 def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
              max_versions: int | None = None, progress: bool = False, nproc: int = 1, root: str | None = None,
-             on_predictions: PredictionsHook | None = None, write_report: bool = True) -> ContinuousResult:
+             on_predictions: PredictionsHook | None = None, write_report: bool = True,
+             pointers: PointerReader | None = None) -> ContinuousResult:
     """Consume every new, gate-allowed ``examples`` version of ``lake`` once (module docstring) with the model
     and optimisation of ``tc``, checkpoint, return.
 
@@ -346,6 +347,8 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
         write_report: rewrite the run report after training (False: ``report_path`` stays None; the next
             report shows everything, being drawn from the checkpoint's lineage and the lake's tables). One
             process only: with ``nproc > 1`` it is always rewritten.
+        pointers: the pointer-layout history reader to keep across calls (:func:`follow`); None: a new one.
+            One process only (the ranks of a torchrun job read their own).
 
     Returns:
         A :class:`ContinuousResult`.
@@ -379,7 +382,7 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
     try:
         result = consume(lake, tc, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
                          max_versions=max_versions, root=root, on_predictions=on_predictions,
-                         write_report=write_report)
+                         write_report=write_report, pointers=pointers)
     finally:
         torch.set_num_threads(previous_threads)
     assert result is not None, "one process is rank 0"
@@ -429,7 +432,8 @@ def _plan(lake: Lake, from_scratch: bool, rank: int, world: int, root: str) -> d
 
 def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
             max_versions: int | None = None, root: str | None = None,
-            on_predictions: PredictionsHook | None = None, write_report: bool = True) -> ContinuousResult | None:
+            on_predictions: PredictionsHook | None = None, write_report: bool = True,
+            pointers: PointerReader | None = None) -> ContinuousResult | None:
     """:func:`run_once` without the lock, on one process (:func:`trainer.loop.local_engine`) or on every rank
     of an initialised process group (:func:`trainer.sharded_engine.sharded_engine`, called by trainer.launch).
 
@@ -438,7 +442,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     stays one value, the global batches and so the losses stay those of one process, and no rows travel
     between ranks (the reader is several times faster than training, so reading N times costs little).
     Progressive predictions are gathered on rank 0, which alone writes ``training_metrics``, the
-    checkpoint's meta.json, the report and the result. ``root`` and ``on_predictions``: as :func:`run_once`.
+    checkpoint's meta.json, the report and the result. ``root``, ``on_predictions`` and ``pointers``: as
+    :func:`run_once`.
 
     Returns:
         The :class:`ContinuousResult` on rank 0, None on the other ranks.
@@ -447,6 +452,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         As :func:`run_once`.
     """
     opts = lake.storage_options
+    pointers = PointerReader(lake) if pointers is None else pointers
     rank, world = _rank_and_world()
     if world > 1 and is_remote(lake):
         raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
@@ -560,7 +566,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             domains = tuple(sorted(set(first["domain"].to_pylist()) - {None}))
             sized_by_counts = tc.ids.mapping == "managed" or tc.ids.widths == "cardinality"
             ids = start_mapping(tc, _sizing_sample(lake, upto) if sized_by_counts else first, None)
-            first_data = encode_for(first, tc, normalizer, pointer_history(lake, first), ids=ids)
+            first_data = encode_for(first, tc, normalizer, pointers(first), ids=ids)
             torch.manual_seed(tc.seed)
             engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains,
                                  prior_rates(first_data.labels, first_data.final))
@@ -575,7 +581,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                 if on_predictions is not None:
                     on_predictions(predictions)
 
-            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, keep, capture)
+            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, pointers, keep, capture)
             if metrics is not None:
                 evaluations += 1
                 evaluated = True
@@ -605,7 +611,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                  version, unread)
                     noted = noted or bool(unread)
                     ids.observe(first_publications(table))  # each impression counted once, as evaluation does
-                    data = encode_for(table, tc, normalizer, pointer_history(lake, table), ids=ids)
+                    data = encode_for(table, tc, normalizer, pointers(table), ids=ids)
                     # What on_step needs of its rows travels with each global batch: the loop prefetches, so the
                     # next read batch may be drawn before this one's last step is taken.
                     corrected = is_correction(table)
@@ -726,11 +732,13 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
         ValueError: ``poll_interval_s < 0``; and what :func:`run_once` raises.
     """
     last_report: float | None = None
+    pointers = PointerReader(lake) if nproc == 1 else None  # history read by increments across the calls
 
     def once(first: bool) -> ContinuousResult:
         nonlocal last_report
         due = last_report is None or time.monotonic() - last_report >= report_every_s
-        result = run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc, write_report=due)
+        result = run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc, write_report=due,
+                          pointers=pointers)
         if result.report_path is not None:
             last_report = time.monotonic()
         return result

@@ -33,7 +33,8 @@ from torchrec import KeyedJaggedTensor
 from gemline.errors import InputSchemaError, MissingInputError
 from gemline.lake import Lake, StorageOptions, commit_metadata, open_table, read_table
 from gemline.tables import Table
-from sequences.materialize import read_history, sequence_index
+from sequences.history_tail import HistoryTail
+from sequences.materialize import HistoryCut, read_history, sequence_index
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 from trainer.config import TrainerConfig
 from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
@@ -299,6 +300,8 @@ class PointerHistory:
     max_seq_len: int
     same_domain_seq_len: int | None = None
     """The build's ``same_domain_seq_len``; None (a lake built before it was recorded): no same-domain stream."""
+    cut: HistoryCut | None = None
+    """For a compacted ``history`` (:class:`sequences.history_tail.HistoryTail`): what it left out."""
 
 
 @dataclass(frozen=True)
@@ -371,11 +374,26 @@ def load_split(lake: Lake | str | Path, examples_version: int, *,
     return split if pointers is None else dataclasses.replace(split, pointers=pointers)
 
 
-def pointer_history(lake: Lake | str | Path, table: pa.Table, *,
-                    storage_options: StorageOptions | None = None) -> PointerHistory | None:
+def _pointer_lengths(lake: Lake | str | Path, storage_options: StorageOptions | None) -> tuple[int, int | None]:
+    """(``max_seq_len``, ``same_domain_seq_len`` or None) from the build's commit metadata.
+
+    Raises:
+        InputSchemaError: no build metadata naming ``max_seq_len`` (a lake written by another tool).
+    """
+    meta = commit_metadata(lake, Table.EXAMPLES, "build", storage_options=storage_options) or {}
+    if "max_seq_len" not in meta:
+        raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout) but the "
+                               "build's commit metadata has no max_seq_len to rebuild them with; rebuild the lake")
+    same = meta.get("same_domain_seq_len")
+    return int(meta["max_seq_len"]), None if same is None else int(same)
+
+
+def pointer_history(lake: Lake | str | Path, table: pa.Table, *, storage_options: StorageOptions | None = None,
+                    tail: HistoryTail | None = None) -> PointerHistory | None:
     """None for fat examples rows (they carry :data:`SEQUENCE_KEYS`); for pointer-layout rows the
-    ``history`` rows of their users (only those users' buckets are read) and the build's
-    ``max_seq_len`` (from the build's commit metadata).
+    ``history`` rows of their users and the build's ``max_seq_len`` (from the build's commit metadata):
+    read whole (only those users' buckets), or, given the ``tail`` of a long-running reader
+    (:class:`PointerReader`), its compacted rows of those users and what it left out.
 
     Raises:
         InputSchemaError: pointer rows but no build metadata naming ``max_seq_len`` (a lake written by
@@ -383,13 +401,34 @@ def pointer_history(lake: Lake | str | Path, table: pa.Table, *,
     """
     if all(key in table.schema.names for key in SEQUENCE_KEYS):
         return None
-    meta = commit_metadata(lake, Table.EXAMPLES, "build", storage_options=storage_options) or {}
-    if "max_seq_len" not in meta:
-        raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout) but the "
-                               "build's commit metadata has no max_seq_len to rebuild them with; rebuild the lake")
-    same = meta.get("same_domain_seq_len")
-    return PointerHistory(read_history(lake, table.column("user_id"), storage_options=storage_options),
-                          int(meta["max_seq_len"]), None if same is None else int(same))
+    max_seq_len, same = _pointer_lengths(lake, storage_options)
+    if tail is None:
+        return PointerHistory(read_history(lake, table.column("user_id"), storage_options=storage_options),
+                              max_seq_len, same)
+    history, cut = tail.history_for(table)
+    return PointerHistory(history, max_seq_len, same, cut)
+
+
+class PointerReader:
+    """:func:`pointer_history` for a long-running reader (``train --follow``, distillation): one
+    :class:`sequences.history_tail.HistoryTail` kept across its calls, so each read batch costs the history
+    its commits added since the last one and its users' compacted rows, not their whole history.
+    Created on the first pointer-layout batch (the build's lengths are in its commit metadata by then)."""
+
+    def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> None:
+        self.lake, self.storage_options = lake, storage_options
+        self.tail: HistoryTail | None = None
+
+    def __call__(self, table: pa.Table) -> PointerHistory | None:
+        """:func:`pointer_history` of ``table`` through the tail (raises as it does)."""
+        if all(key in table.schema.names for key in SEQUENCE_KEYS):
+            return None
+        if self.tail is None:
+            max_seq_len, same = _pointer_lengths(self.lake, self.storage_options)
+            # Without a recorded same-domain length, compacting by max_seq_len keeps at least what is needed.
+            self.tail = HistoryTail(self.lake, max_seq_len, max_seq_len if same is None else same,
+                                    storage_options=self.storage_options)
+        return pointer_history(self.lake, table, storage_options=self.storage_options, tail=self.tail)
 
 
 def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
@@ -422,7 +461,7 @@ RowsOf = Callable[[pa.Array | pa.ChunkedArray, str], np.ndarray]
 def _pointer_sequences(table: pa.Table, pointers: PointerHistory, rows: RowsOf) -> dict[str, np.ndarray]:
     """SEQUENCE_KEYS -> (T,) ids of pointer-layout rows: each (user, build) pair's candidate events
     are mapped to rows once and the examples gather from them (RecD's inverse indices, arXiv 2211.05239)."""
-    index = sequence_index(table, pointers.history, pointers.max_seq_len)
+    index = sequence_index(table, pointers.history, pointers.max_seq_len, cut=pointers.cut)
     columns = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
     return {key: rows(index.events.column(columns[key]).cast(pa.string()), key)[index.index] for key in SEQUENCE_KEYS}
 
@@ -433,8 +472,8 @@ def _with_pointer_extras(table: pa.Table, pointers: PointerHistory) -> pa.Table:
     same on both layouts; unchanged when ``pointers`` does not know the same-domain length."""
     if pointers.same_domain_seq_len is None:
         return table
-    whole = sequence_index(table, pointers.history, pointers.max_seq_len)
-    same = sequence_index(table, pointers.history, pointers.same_domain_seq_len, same_domain=True)
+    whole = sequence_index(table, pointers.history, pointers.max_seq_len, cut=pointers.cut)
+    same = sequence_index(table, pointers.history, pointers.same_domain_seq_len, same_domain=True, cut=pointers.cut)
     columns = {
         "seq_time_delta_ms": whole.time_deltas(),
         "seq_same_domain_item_ids": same.lists("item_id", pa.string()),

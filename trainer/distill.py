@@ -65,7 +65,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import TrainerConfig
-from trainer.data import DenseNormalizer, EncodedExamples, encode_for, fit_normalizer, make_batch, pointer_history
+from trainer.data import DenseNormalizer, EncodedExamples, PointerReader, encode_for, fit_normalizer, make_batch
 from trainer.delayed import is_correction, to_torch
 from trainer.loop import domain_ids
 from trainer.metrics import TASKS, auc
@@ -388,10 +388,11 @@ def _train(students: _Students, domain: str, variant: VariantName, version: int,
 
 @holding("distill")
 def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool = False,
-                     max_versions: int | None = None) -> DistillResult:
+                     max_versions: int | None = None, pointers: PointerReader | None = None) -> DistillResult:
     """Distill every examples version the teacher has consumed since the students' cursor (module docstring).
 
     Holds ``LAKE/_locks/distill.lock``. ``tc``: the teacher's section (its vectors' widths and hashed id space).
+    ``pointers``: the pointer-layout history reader kept across calls (:func:`follow`); None: a new one.
 
     Returns:
         A :class:`DistillResult`; its report covers the whole history of the students.
@@ -405,13 +406,14 @@ def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_s
     if tc.torch_threads is not None:  # as trainer.train: tiny ops run several times slower with more threads
         torch.set_num_threads(tc.torch_threads)
     try:
-        return _run_distill(lake, tc, dc, from_scratch=from_scratch, max_versions=max_versions)
+        return _run_distill(lake, tc, dc, from_scratch=from_scratch, max_versions=max_versions,
+                            pointers=PointerReader(lake) if pointers is None else pointers)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool,
-                 max_versions: int | None) -> DistillResult:
+                 max_versions: int | None, pointers: PointerReader) -> DistillResult:
     """:func:`run_distill_once` without the lock and the thread setting."""
     tid = table_id(lake.root, EXAMPLES, storage_options=lake.storage_options)
     if tid is None:
@@ -494,7 +496,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
                 logged = logged.filter(pc.equal(logged["run_id"], teacher_run))
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
-                data = encode_for(table, tc, normalizer, pointer_history(lake, table))
+                data = encode_for(table, tc, normalizer, pointers(table))
                 _distill_version(students, version, table, data, joined, history, evaluate=not is_released)
                 measure = sum(1 for r in passed if r["rows"]) % INFERENCE_EVERY == 0
                 counts, rates = joined.counts, inference_rates(students, tc, data, joined) if measure else None
@@ -702,8 +704,11 @@ def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s:
            from_scratch: bool = False, on_result: Callable[[DistillResult], object] | None = None,
            max_polls: int | None = None) -> int:
     """:func:`run_distill_once` again every ``poll_interval_s`` seconds until interrupted (``gemline distill
-    --follow``); returns the calls made. Raises ValueError for ``poll_interval_s < 0``."""
-    return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first), name="distill",
+    --follow``); returns the calls made. Raises ValueError for ``poll_interval_s < 0``. The history of
+    pointer-layout rows is read by increments across the calls (:class:`trainer.data.PointerReader`)."""
+    pointers = PointerReader(lake)
+    return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers),
+                name="distill",
                 interval_s=poll_interval_s, on_result=on_result, waiting=_waiting, max_polls=max_polls)
 
 

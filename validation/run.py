@@ -40,6 +40,7 @@ from gemline.lake import Lake, lake_fs, open_table, read_table
 from gemline.tables import Table
 from ingest.config import IngestConfig
 from sequences.config import BuildConfig
+from sequences.history_tail import HistoryTail
 from sequences.materialize import read_history
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.config import ValidationConfig
@@ -113,14 +114,19 @@ def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
     return batch, checks
 
 
-def _pointer_checks(lake: Lake, build: BuildConfig, table: str, data: pa.Table) -> tuple[dict | None, list[CheckResult]]:
+def _pointer_checks(lake: Lake, build: BuildConfig, table: str, data: pa.Table, tail: HistoryTail | None = None
+                    ) -> tuple[dict | None, list[CheckResult]]:
     """For pointer-layout ``examples`` rows (no list columns, ``build.examples_layout = "pointer"``): the
     suite's sequence checks computed exactly on the pointers and ``history`` without materializing the
-    lists (:mod:`validation.pointer_checks`), and the ``pointers_materialize`` result; (None, []) otherwise."""
+    lists (:mod:`validation.pointer_checks`), and the ``pointers_materialize`` result; (None, []) otherwise.
+    ``tail``: a long-running validator's history (read by increments, compacted), else the users' whole one."""
     if table != Table.EXAMPLES or SEQUENCE_TIME_COLUMN in data.column_names:
         return None, []
-    history = read_history(lake.root, data.column("user_id"), storage_options=lake.delta_options)
-    return pointer_sequence_checks(data, history, build)
+    if tail is None:
+        return pointer_sequence_checks(data, read_history(lake.root, data.column("user_id"),
+                                                          storage_options=lake.delta_options), build)
+    history, cut = tail.history_for(data)
+    return pointer_sequence_checks(data, history, build, cut)
 
 
 INCREMENTAL = (Table.EXAMPLES,)
@@ -182,6 +188,7 @@ def validate_table(
     build: BuildConfig,
     now_ms: int | None = None,
     plots: Literal["always", "quarantined"] = "always",
+    history_tail: HistoryTail | None = None,
 ) -> QualityResult:
     """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
 
@@ -201,6 +208,9 @@ def validate_table(
             timestamp in ``quality``); None reads the wall clock.
         plots: draw the report's plots always, or only when the version is quarantined
             (``validate --follow``: ``ValidationConfig.follow_report_plots``).
+        history_tail: pointer-layout ``examples`` only: the ``history`` a long-running validator keeps
+            (``validate --follow``, :class:`sequences.history_tail.HistoryTail`, built with ``build``'s
+            lengths); None reads the whole history of the version's users.
 
     Returns:
         The :class:`QualityResult`; its reports are under ``LAKE/_quality/<table>/<version>/``.
@@ -233,7 +243,7 @@ def validate_table(
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(root, table, table_version, storage_options=opts)
     steps.update()
-    sequence_checks, pointer_results = _pointer_checks(lake, build, table, data)
+    sequence_checks, pointer_results = _pointer_checks(lake, build, table, data, history_tail)
     results = pointer_results + _run_suite(validation, ingest, build, table, data, ts, sequence_checks, earlier)
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)

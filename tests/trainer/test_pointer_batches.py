@@ -116,3 +116,28 @@ def test_continuous_run_on_pointer_lake_equals_fat_lake(lakes):
         params[layout] = torch.load(f"{out.checkpoint_path}/state.pt", weights_only=False)["model"]
     assert params["fat"].keys() == params["pointer"].keys()
     assert all(torch.equal(params["fat"][k], params["pointer"][k]) for k in params["fat"])
+
+
+@pytest.mark.slow
+def test_pointer_reader_equals_the_whole_history(lakes):
+    """A long-running reader's history (read once, then by increments) encodes each build's rows, and the first
+    build's again, as the whole history does (compaction and its fallback: tests/sequences/test_history_tail.py)."""
+    from gemline.increments import rows_added
+    from gemline.lake import read_table
+    from sequences.history_tail import HistoryTail
+    from trainer.data import PointerReader, pointer_history
+
+    lake = lakes["pointer"]
+    reader = PointerReader(lake)
+    reader.tail = HistoryTail(lake, 4, 2, margin_builds=0, min_compact_rows=0)
+    tables = [rows_added(lake, "examples", version) for version in (1, 2, 1)]
+    for table in tables:
+        assert table is not None and table.num_rows
+        normalizer = fit_normalizer(table)
+        got = encode_examples(table, 1_000, normalizer, reader(table), sequence_extras=True)
+        want = encode_examples(table, 1_000, normalizer, pointer_history(lake, table), sequence_extras=True)
+        for key in ("seq_item_ids", "seq_same_domain_item_ids"):
+            g, w = (make_batch(d, np.arange(len(d))).sequence[key] for d in (got, want))
+            assert torch.equal(g.values(), w.values()) and torch.equal(g.lengths(), w.lengths())
+    history = read_table(lake, "history")
+    assert history is not None and reader.tail.rows.height == history.num_rows  # each event once, nothing cut
