@@ -101,9 +101,11 @@ def main() -> None:
               f"horizon {tail.cut.horizon}, whole reads {tail.full_reads}", flush=True)
     if not costs:
         return
-    for title, part in (("all versions", costs), ("second half", costs[len(costs) // 2:])):
-        first_events = part[0][1] if part is not costs else 0
-        events = part[-1][1] - first_events
+    half = len(costs) // 2
+    for title, first in (("all versions", 0), ("second half", half)):
+        part = costs[first:]
+        # The events of a part: those its versions' builds added, from the history of the version before it.
+        events = part[-1][1] - (costs[first - 1][1] if first else 0)
         old = sum(c[2] + c[3] for c in part)
         new = sum(c[4] + c[5] for c in part)
         print(f"{title} ({len(part)} versions, {events} history events): CPU-s per 1k events old "
