@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -74,8 +75,15 @@ class BuildConfig:
     files. "auto": per build, the fewest that keep one shard's working set within
     ``memory_budget_bytes`` (``sequences.pipeline.shards_for``)."""
     memory_budget_bytes: int = 2**30
-    """With ``shards = "auto"``: bytes one shard step may hold (its working set; the build process adds
-    its own ~0.3-0.6 GB: the default keeps a million-user build at max length 4096 under 2 GB)."""
+    """With ``shards = "auto"``: bytes the shard steps running at once may hold together (their working
+    sets; the build process adds its own ~0.3-0.6 GB: the default keeps a million-user build at max length
+    4096 under 2 GB)."""
+    parallelism: int | Literal["auto"] = "auto"
+    """In-process build: shard steps computed at once, each in its own thread (polars, Arrow and numpy
+    release the GIL while they work); "auto": the machine's cores (``os.cpu_count()``). With
+    ``shards = "auto"`` a build large enough gets at least this many shards, and the memory budget is
+    shared by the shards running at once (``sequences.pipeline.shards_for``). 1: one after the other. The
+    tables are the same whatever the value. A Beam build ignores it (its runner's flags set its workers)."""
     events_gate: Literal["required", "off"] = "required"
     """Which ``events`` versions the build reads: "required" only those the quality gate allows
     (validated and passed, or released; a quarantined or never-validated version stops the build,
@@ -135,6 +143,8 @@ class BuildConfig:
             raise BadConfigError(f"build.interval_s must be >= 0 seconds, got {self.interval_s}")
         if self.shards != "auto" and (not isinstance(self.shards, int) or self.shards < 1):
             raise BadConfigError(f"build.shards must be 'auto' or an integer >= 1, got {self.shards!r}")
+        if self.parallelism != "auto" and (not isinstance(self.parallelism, int) or self.parallelism < 1):
+            raise BadConfigError(f"build.parallelism must be 'auto' or an integer >= 1, got {self.parallelism!r}")
         if self.memory_budget_bytes < 2**20:
             raise BadConfigError(f"build.memory_budget_bytes must be >= 1 MiB (1048576 bytes), got {self.memory_budget_bytes}")
         if self.max_seq_len < 1:
@@ -162,6 +172,11 @@ class BuildConfig:
         if self.shards == "auto":
             raise ValueError('build.shards = "auto" is resolved per build (sequences.pipeline.shards_for)')
         return self.shards
+
+    @property
+    def parallel_shards(self) -> int:
+        """``parallelism`` as a number: "auto" is ``os.cpu_count()`` (1 where Python cannot tell)."""
+        return (os.cpu_count() or 1) if self.parallelism == "auto" else self.parallelism
 
     @property
     def same_domain_seq_len(self) -> int:

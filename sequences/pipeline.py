@@ -49,7 +49,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -304,7 +304,7 @@ def _run_on_beam(sources: dict[str, tuple], steps: dict[str, Any], write: tuple,
 
 
 _WRITERS = 2
-"""Threads writing parts while :func:`_run_in_process` computes the next shard (Parquet encoding and
+"""Threads writing parts while :func:`_run_in_process` computes the next shards (Parquet encoding and
 compression release the GIL, so the writes and the computation share the cores)."""
 
 
@@ -315,10 +315,10 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     so the same parts are written, without Beam's graph construction, DoFn inspection and per-element
     bookkeeping: CPU every build pays whatever its size (0.5-1.5 s per build in issue 15's profiles).
 
-    A shard's parts are written by :data:`_WRITERS` threads while the next shard is computed; they must
-    be written before the shard after next starts, so at most two shards' outputs are held at once. A
-    failed write is raised once the writes under way end (queued ones are cancelled): nothing is
-    committed, and a rerun rewrites the same file names.
+    ``build.parallelism`` (P) shard steps are computed at once, in threads (:func:`_run_shards`); a shard's
+    parts are written by :data:`_WRITERS` threads while the next shards are computed. A failed step or write
+    is raised once the work under way ends (queued work is cancelled): nothing is committed, and a rerun
+    rewrites the same file names.
 
     Raises:
         whatever a step or a write raises.
@@ -332,29 +332,67 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
             for _, _, kind, key, keep in routes:
                 for shard, piece in _shard_pieces(table, name, key, shards, spill, keep):
                     pieces[kind][shard].append(piece)
-    pool = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="build-write")
-    previous: list[Future] = []
-    try:
-        for kind in ("item", "user"):
-            for shard in sorted(pieces[kind]):
-                keyed = (shard, pieces[kind].pop(shard))
-                outputs = (_item_shard_step(keyed, config, steps["watermark_ms"], shards, spill) if kind == "item"
-                           else _user_shard_step(keyed, config, steps["watermark_ms"], steps["old_close_ms"],
-                                                 steps["close_ms"], steps["build"]))
-                current = []
-                for out in outputs:
-                    if isinstance(out, beam.pvalue.TaggedOutput):  # an item shard's counters for a user shard
-                        user_shard, piece = out.value
-                        pieces["user"][user_shard].append(piece)
-                    else:
-                        current.append(pool.submit(_write_part, out, *write))
-                for future in previous:
+
+    def item_step(keyed: tuple) -> list:
+        return list(_item_shard_step(keyed, config, steps["watermark_ms"], shards, spill))
+
+    def user_step(keyed: tuple) -> list:
+        return list(_user_shard_step(keyed, config, steps["watermark_ms"], steps["old_close_ms"], steps["close_ms"],
+                                     steps["build"]))
+
+    def route(outputs: list) -> list[tuple[str, str, pa.Table]]:
+        parts = []
+        for out in outputs:
+            if isinstance(out, beam.pvalue.TaggedOutput):  # an item shard's counters for a user shard
+                user_shard, piece = out.value
+                pieces["user"][user_shard].append(piece)
+            else:
+                parts.append(out)
+        return parts
+
+    parallel = min(config.parallel_shards, shards)
+    with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="build-shard") as compute, \
+            ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="build-write") as writers:
+        try:
+            written: list[list[Future]] = []
+            for kind, step in (("item", item_step), ("user", user_step)):
+                # Every item shard is routed (its counters reach the user shards) before a user shard starts.
+                keyed = [(shard, pieces[kind].pop(shard)) for shard in sorted(pieces[kind])]
+                _run_shards(keyed, step, route, compute, writers, write, written, parallel)
+            for futures in written:
+                for future in futures:
                     future.result()
-                previous = current
-        for future in previous:
-            future.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:
+            for pool in (compute, writers):
+                pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _run_shards(keyed: list[tuple[int, list]], step: Any, route: Any, compute: ThreadPoolExecutor,
+                writers: ThreadPoolExecutor, write: tuple, written: list[list[Future]], parallel: int) -> None:
+    """Compute ``step`` of each ``(shard, pieces)`` of ``keyed`` in ``compute``, ``parallel`` at a time, and
+    hand each result, in shard order, to ``route`` (which keeps the item counters for the user shards and
+    returns the parts) and its parts to ``writers`` (futures appended to ``written``, one list per shard).
+
+    At most ``parallel`` shards are computed and ``parallel`` shards' parts written at once (a shard's
+    results are routed only after the writes of the shard ``parallel`` places before it end), so the build
+    holds about 2 x ``parallel`` shards' outputs: with ``parallel = 1`` a shard is written while the next
+    one is computed."""
+    running: deque[Future] = deque()
+
+    def finish_oldest() -> None:
+        parts = route(running.popleft().result())
+        while len(written) >= parallel:
+            for future in written.pop(0):
+                future.result()
+        written.append([writers.submit(_write_part, part, *write) for part in parts])
+
+    for item in keyed:
+        if len(running) >= parallel:
+            finish_oldest()
+        running.append(compute.submit(step, item))
+    while running:
+        finish_oldest()
 
 
 def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions | None, manifests: str,
@@ -837,18 +875,32 @@ BEAM_MIN_SHARDS = 4
 worker builds one), so auto keeps the count the default was before it."""
 
 
-def shards_for(config: BuildConfig, rows: int, *, minimum: int = 1) -> int:
+PARALLEL_MIN_SHARD_ROWS = 50_000
+"""With ``shards = "auto"``, the fewest events (new + buffered) a build reads per shard it adds to keep
+``build.parallelism`` shards running at once: below it a shard's fixed costs (its own files in every
+partition of every table, a dozen small polars plans) outweigh the core it would add (issue 15: 200,000
+events cost the same CPU in 1 or 2 shards)."""
+
+
+def shards_for(config: BuildConfig, rows: int, *, minimum: int = 1, parallel: int = 1) -> int:
     """The shard count of a build that reads ``rows`` events (new + buffered): ``build.shards`` when a
-    number, else ("auto") the fewest shards, at least ``minimum``, whose share of the rows, at
+    number, else ("auto") the fewest shards, at least ``minimum``, such that the ``parallel`` of them
+    computed at once fit in ``build.memory_budget_bytes`` together, each holding its share of the rows at
     :data:`SHARD_BYTES_PER_ROW` bytes each (plus :data:`SHARD_BYTES_PER_LIST_ITEM` x ``max_seq_len`` in the
-    fat layout), fits in ``build.memory_budget_bytes``. In process one shard is fastest where it fits:
-    every shard writes its own file into each partition of each table (a 200,000-event build at 4 shards
-    wrote ~340 files); :func:`run_build` passes :data:`BEAM_MIN_SHARDS` for a Beam build."""
+    fat layout). Where all the rows fit, up to ``parallel`` shards of at least :data:`PARALLEL_MIN_SHARD_ROWS`
+    rows each, computed at once; where they do not, a multiple of ``parallel``, so the last round of steps
+    keeps every core busy. One shard is fastest where it fits and one core is all there is: every shard
+    writes its own file into each partition of each table (a 200,000-event build at 4 shards wrote ~340
+    files); :func:`run_build` passes :data:`BEAM_MIN_SHARDS` for a Beam build and ``build.parallelism`` for
+    an in-process one."""
     if config.shards != "auto":
         return config.shards
     per_row = SHARD_BYTES_PER_ROW + (SHARD_BYTES_PER_LIST_ITEM * config.max_seq_len
                                      if config.examples_layout == "fat" else 0)
-    return max(minimum, -(-rows * per_row // config.memory_budget_bytes))
+    if rows * per_row <= config.memory_budget_bytes:
+        return max(minimum, min(parallel, rows // PARALLEL_MIN_SHARD_ROWS), 1)
+    by_memory = max(parallel, -(-rows * per_row * parallel // config.memory_budget_bytes))
+    return max(minimum, -(-by_memory // parallel) * parallel)
 
 
 def _rows_at(lake: str, table: str, version: int | None, opts: StorageOptions | None) -> int:
@@ -977,11 +1029,12 @@ def run_build(
     state[Table.BUILD_PENDING] = ("pending", root, _version_at_build(root, Table.BUILD_PENDING, last_build, opts),
                                   state[Table.BUILD_BUFFER][3], opts, old_version, version, config, old_close, close_ms)
     on_beam = uses_beam(config, beam_args)
+    parallel = 1 if on_beam else config.parallel_shards
     shards = shards_for(config, len(new_times) + _rows_at(root, Table.BUILD_BUFFER, state[Table.BUILD_BUFFER][3], opts),
-                        minimum=BEAM_MIN_SHARDS if on_beam else 1)
+                        minimum=BEAM_MIN_SHARDS if on_beam else 1, parallel=parallel)
     if config.shards == "auto":
-        log.info("build %d: %d shard(s) for %d new events (build.shards = auto, build.memory_budget_bytes = %d)",
-                 build, shards, len(new_times), config.memory_budget_bytes)
+        log.info("build %d: %d shard(s) for %d new events (build.shards = auto, build.memory_budget_bytes = %d, "
+                 "%d at once)", build, shards, len(new_times), config.memory_budget_bytes, min(parallel, shards))
     config = dataclasses.replace(config, shards=shards)
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a

@@ -20,6 +20,8 @@ from sequences.config import BuildConfig
         ("build.engine must be one of .'auto', 'inprocess', 'beam'., got 'spark'", {"engine": "spark"}),
         ("build.shards must be 'auto' or an integer >= 1, got 0", {"shards": 0}),
         ("build.shards must be 'auto' or an integer >= 1, got 'many'", {"shards": "many"}),
+        ("build.parallelism must be 'auto' or an integer >= 1, got 0", {"parallelism": 0}),
+        ("build.parallelism must be 'auto' or an integer >= 1, got 'all'", {"parallelism": "all"}),
         (r"build.memory_budget_bytes must be >= 1 MiB \(1048576 bytes\), got 1000", {"memory_budget_bytes": 1000}),
     ],
 )
