@@ -223,8 +223,12 @@ def _materialize_vs_gem(lake: str, gem_batch: int, gem_steps: int) -> tuple[int,
 
 def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, beam_args: list[str],
                     gem_batch: int = 256, gem_steps: int = 6, layouts: tuple[str, ...] = ("fat", "pointer"),
-                    repeats: int = 1, feed: bool = True, reference: bool = True) -> None:
+                    repeats: int = 1, feed: bool = True, reference: bool = True,
+                    parallelism: tuple[int | str, ...] = ()) -> None:
     """Print the fat/pointer comparison of ``--compare-layouts`` at each max length (module docstring).
+
+    ``parallelism``: with two or more values, each layout is built at each ``build.parallelism`` (rows
+    labelled ``LAYOUT pP``, interleaved like the rounds); with none or one, ``build``'s own.
 
     With ``repeats`` > 1 every (length, layout) build runs that many times, interleaved (round r builds
     every length and layout before round r + 1), so a change of the machine's load hits all of them
@@ -244,18 +248,20 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
     feeds = {}
     refs: dict[int, list[tuple[float, float]]] = {}
     load_before = os.getloadavg()
+    variants = [(f"{layout} p{p}" if len(parallelism) > 1 else layout, layout, p)
+                for layout in layouts for p in (parallelism if len(parallelism) > 1 else (build.parallelism,))]
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(repeats):
             for length in lengths:
-                for layout in layouts:
-                    config = dataclasses.replace(build, examples_layout=layout, max_seq_len=length)
+                for label, layout, workers in variants:
+                    config = dataclasses.replace(build, examples_layout=layout, max_seq_len=length, parallelism=workers)
                     lake = str(Path(tmp) / f"{layout}-{length}")
                     versions = _commit_batches(lake, events, batches)
                     # A fresh (spawned, not forked) process per build: each peak RSS is that build's own.
                     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                        runs.setdefault((layout, length), []).append(
+                        runs.setdefault((label, length), []).append(
                             pool.submit(_build_committed, lake, versions, config, beam_args).result())
-                    if layout == "pointer" and feed and round_ == 0:
+                    if layout == "pointer" and feed and round_ == 0 and length not in feeds:
                         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                             feeds[length] = pool.submit(_materialize_vs_gem, lake, gem_batch, gem_steps).result()
                     shutil.rmtree(lake, ignore_errors=True)
@@ -268,10 +274,10 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
                    "rss_mib": max(r["rss_mib"] for r in done)} for key, done in runs.items()}
     print(f"events: {n}, examples: {stats[next(iter(stats))]['examples']:.0f}, rounds: {repeats}, "
           f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} (cores: {os.cpu_count()})")
-    print(f"{'layout':8s} {'max len':>7s} {'events/s':>10s} {'events/CPU-s':>12s} {'examples B/example':>19s} "
+    print(f"{'layout':11s} {'max len':>7s} {'events/s':>10s} {'events/CPU-s':>12s} {'examples B/example':>19s} "
           f"{'history MiB':>12s} {'peak RSS MiB':>13s}")
     for (layout, length), st in stats.items():
-        print(f"{layout:8s} {length:7d} {n / st['seconds']:10,.0f} {n / st['cpu_seconds']:12,.0f} "
+        print(f"{layout:11s} {length:7d} {n / st['seconds']:10,.0f} {n / st['cpu_seconds']:12,.0f} "
               f"{st['examples_bytes'] / max(st['examples'], 1):19,.0f} "
               f"{st['history_bytes'] / 2**20:12.1f} {st['rss_mib']:13,.0f}")
         if length in refs:
@@ -280,6 +286,13 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
                   f"build / reference: {wall / st['seconds']:.2f} (wall), {cpu / st['cpu_seconds']:.2f} (CPU)")
         for kind, peaks in st["phases"].items():
             print(f"  {kind} peak RSS MiB by phase: {', '.join(f'{k} {v:,.0f}' for k, v in peaks.items())}")
+    for (label, layout, workers), length in ((v, length) for v in variants for length in lengths):
+        first = next(v[0] for v in variants if v[1] == layout)
+        if label != first:  # the same layout at another parallelism: wall and CPU seconds against the first, per round
+            print(f"{label} / {first} at {length}, per round: events/s " + ", ".join(
+                f"{a['seconds'] / b['seconds']:.2f}" for a, b in zip(runs[first, length], runs[label, length], strict=True))
+                + "; events per CPU-s " + ", ".join(f"{a['cpu_seconds'] / b['cpu_seconds']:.2f}" for a, b in zip(
+                    runs[first, length], runs[label, length], strict=True)))
     for length in lengths:
         if length not in feeds:
             continue
@@ -291,7 +304,7 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
               f"(batch {gem_batch}, 1 thread) {gem_rate:,.0f} examples/s: ratio {rate / gem_rate:.1f} (goal >= 5)")
     if len(lengths) > 1:
         lo, hi = min(lengths), max(lengths)
-        for layout in layouts:
+        for layout in dict.fromkeys(label for label, _, _ in variants):
             for clock in ("seconds", "cpu_seconds"):
                 per_round = [a[clock] / b[clock] for a, b in zip(runs[layout, lo], runs[layout, hi], strict=True)]
                 speed = stats[layout, lo][clock] / stats[layout, hi][clock]
@@ -308,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pareto", type=float, default=None, help="Pareto alpha of events per user (else uniform)")
     parser.add_argument("--max-events-per-user", type=int, default=1000)
     parser.add_argument("--shards", default="auto", help="build.shards: a number or auto")
+    parser.add_argument("--parallelism", default="auto",
+                        help="build.parallelism (shard steps at once, in process): a number or auto (the cores); "
+                        "comma-separated with --compare-layouts: each is built, interleaved, e.g. 1,auto")
     parser.add_argument("--beam-args", default="", help="Beam pipeline flags for the build, space-separated "
                         "(e.g. '--direct_num_workers=2 --direct_running_mode=multi_threading')")
     parser.add_argument("--max-seq-lens", default=None,
@@ -330,12 +346,14 @@ def main(argv: list[str] | None = None) -> None:
     events = synthetic_events(args.users, args.events_per_user, pareto=args.pareto,
                               max_events_per_user=args.max_events_per_user)
     shards = args.shards if args.shards == "auto" else int(args.shards)
-    build = BuildConfig(max_seq_len=args.max_seq_len, shards=shards, events_gate="off")  # raw synthetic events
+    parallelism = [p if p == "auto" else int(p) for p in args.parallelism.split(",")]
+    build = BuildConfig(max_seq_len=args.max_seq_len, shards=shards, events_gate="off",  # raw synthetic events
+                        parallelism=parallelism[0])
     if args.compare_layouts:
         lengths = [int(x) for x in args.max_seq_lens.split(",")] if args.max_seq_lens else [args.max_seq_len]
         compare_layouts(events, build, lengths, args.batches, args.beam_args.split(),
                         layouts=tuple(args.layouts.split(",")), repeats=args.repeats, feed=not args.no_feed,
-                        reference=not args.no_reference)
+                        reference=not args.no_reference, parallelism=tuple(parallelism))
         return
     # Warm-up: Beam imports its runner modules lazily on the first pipeline (seconds of one-time
     # start-up); build a tiny lake once so the timed runs measure the build, not the imports.

@@ -65,11 +65,7 @@ def code_groups(frames: list[pl.DataFrame], keys: list[str]) -> list[pl.DataFram
     """Each frame with an int64 ``_g`` column: one code per distinct ``keys`` value across all frames."""
     table = (pl.concat([f.select(keys) for f in frames]).unique().sort(keys)
              .with_row_index("_g").with_columns(pl.col("_g").cast(pl.Int64)))
-    out = []
-    for frame in frames:
-        indexed = frame.with_row_index("_row")
-        out.append(indexed.join(table, on=keys, how="left").sort("_row").drop("_row"))
-    return out
+    return [frame.join(table, on=keys, how="left", maintain_order="left") for frame in frames]
 
 
 def time_bounds(*columns: np.ndarray) -> tuple[int, int]:
@@ -146,8 +142,7 @@ def prior_counts(evicted: pl.DataFrame, entity: str, rows: pl.DataFrame, keys: d
     if "category" not in keys:
         prior = prior.filter(pl.col("category") == "")
     prior = prior.rename({k: v for k, v in keys.items() if k != v}).select(*keys.values(), *COUNTED_TYPES)
-    joined = rows.select(list(keys.values())).with_row_index("_row").join(prior, on=list(keys.values()), how="left")
-    joined = joined.sort("_row")
+    joined = rows.select(list(keys.values())).join(prior, on=list(keys.values()), how="left", maintain_order="left")
     return {name: joined.get_column(name).fill_null(0).cast(pl.Int64).to_numpy() for name in COUNTED_TYPES}
 
 
@@ -161,16 +156,28 @@ def counter_frame(events: pl.DataFrame, keys: list[str], queries: pl.DataFrame, 
 
 def feature_rows(visible: pl.DataFrame, keys: list[str], evicted: pl.DataFrame, entity: str,
                   prior_keys: dict[str, str], as_of_ms: int, ttl_ms: int | None, config: BuildConfig) -> pl.DataFrame:
-    """Feature-view rows: one per ``keys`` group of ``visible`` events whose newest event is in the TTL."""
+    """Feature-view rows: one per ``keys`` group of ``visible`` events whose newest event is in the TTL.
+
+    Every row is as of the same time, ``as_of_ms + 1`` (after every visible event, whose times are <=
+    ``as_of_ms``), so each window's counts are one group-by's conditional sums (events of the type at or
+    after ``as_of_ms + 1 - w``): what :func:`counter_frame`'s grouped searches give for one query per group,
+    without coding and sorting the events by group."""
     if visible.height == 0:
         return pl.DataFrame()
+    t = as_of_ms + 1
+    counted = [((pl.col("event_type") == kind) & (pl.lit(True) if window_ms is None else
+                                                   pl.col("event_time_ms") >= t - window_ms))
+               .sum().cast(pl.Int64).alias(f"{name}_{window}")
+               for window, window_ms in WINDOWS_MS.items() for name, kind in COUNTED_TYPES.items()]
     summary = visible.group_by(keys).agg(
-        pl.col("event_time_ms").max().alias("event_ts_ms"), pl.col("created_ts_ms").max().alias("created_ts_ms"))
+        pl.col("event_time_ms").max().alias("event_ts_ms"), pl.col("created_ts_ms").max().alias("created_ts_ms"),
+        *counted)
     if ttl_ms is not None:
         summary = summary.filter(pl.col("event_ts_ms") >= as_of_ms - ttl_ms)
     summary = summary.sort(keys)
-    queries = summary.with_columns(pl.lit(as_of_ms + 1, dtype=pl.Int64).alias("_t"))
-    counts = counter_frame(visible, keys, queries, "_t", WINDOWS_MS)
+    names = [f"{name}_{window}" for window in WINDOWS_MS for name in COUNTED_TYPES]
+    counts = {name: summary.get_column(name).to_numpy() for name in names}
+    summary = summary.drop(names)
     prior = prior_counts(evicted, entity, summary, prior_keys)
     values = with_ctr(counts, prior, config, WINDOWS_MS)
     return summary.with_columns(

@@ -86,8 +86,8 @@ def _events(table: pa.Table) -> pl.DataFrame:
 
 def _sorted_unique(frame: pl.DataFrame, entity: str) -> pl.DataFrame:
     """Sorted by (entity, time, event_id), first copy of each (entity, event_id) kept."""
-    return (frame.sort([entity, *EVENT_ORDER], maintain_order=True)
-            .unique(subset=[entity, "event_id"], keep="first", maintain_order=True))
+    ordered = frame.sort([entity, *EVENT_ORDER], maintain_order=True)
+    return ordered.filter(pl.struct(entity, "event_id").is_first_distinct())
 
 
 def _stored(seq: pa.Table) -> pl.DataFrame:
@@ -173,9 +173,12 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
     """
     new, buffer = _events(tables["new"]), _events(tables["buffer"])
     # One sort of the buffer, with the new events: a stable sort keeps the buffer's copy of a repeated event.
-    fresh_new = new.join(buffer.select("item_id", "event_id"), on=["item_id", "event_id"], how="anti")
     recent = _sorted_unique(pl.concat([buffer, new]), "item_id")
-    queries = _sorted_unique(fresh_new, "item_id").filter(pl.col("event_type").is_in(_IMPRESSIONS))
+    # The new events the buffer lacks, sorted and deduplicated: recent's rows of the keys the buffer lacks (for
+    # such a key recent kept the first of new's copies in the same order), without a second sort.
+    fresh_new = recent if buffer.height == 0 else recent.join(
+        buffer.select("item_id", "event_id"), on=["item_id", "event_id"], how="anti", maintain_order="left")
+    queries = fresh_new.filter(pl.col("event_type").is_in(_IMPRESSIONS))
     slow = _needs_reference(recent, "item_id", queries)
     if slow:
         fast_tables, slow_tables = _split(tables, {"new": "item_id", "buffer": "item_id", "evicted": "key"}, slow)
@@ -297,8 +300,9 @@ def user_shard_vectorized(
     seq_stored, dseq_stored = _stored(tables["seq"]), _stored(tables["dseq"].select(SEQUENCES_SCHEMA.names))
     known = pl.concat([buffer.select("user_id", "event_id"), seq_stored.select("user_id", "event_id"),
                        dseq_stored.select("user_id", "event_id")])
-    fresh = _sorted_unique(new, "user_id").join(known, on=["user_id", "event_id"], how="anti")
-    recent = _sorted_unique(pl.concat([buffer, fresh]), "user_id")  # one sort of the buffer: fresh events are new to it
+    fresh = _sorted_unique(new, "user_id").join(known, on=["user_id", "event_id"], how="anti", maintain_order="left")
+    # One sort of the buffer (fresh events are new to it); none without one: fresh is sorted and deduplicated.
+    recent = fresh if buffer.height == 0 else _sorted_unique(pl.concat([buffer, fresh]), "user_id")
     queries = fresh.filter(pl.col("event_type").is_in(_IMPRESSIONS))
     minimal = ["user_id", "event_id", "event_time_ms", "created_ts_ms", "item_id", "category", "event_type", "domain"]
     everything = pl.concat([recent.select(minimal), seq_stored.select(minimal), dseq_stored.select(minimal)])
@@ -327,8 +331,8 @@ def user_shard_vectorized(
     if config.label_mode != "wait" and fresh_labels.height:
         # A late positive is due where a label event is new in this build.
         label_keys = fresh_labels.select("user_id", "item_id", "domain").unique().with_columns(pl.lit(True).alias("_hit"))
-        need |= (pl.DataFrame(all_pending.select(["user_id", "item_id", "domain"])).with_row_index("_row")
-                 .join(label_keys, on=["user_id", "item_id", "domain"], how="left").sort("_row")
+        need |= (pl.DataFrame(all_pending.select(["user_id", "item_id", "domain"]))
+                 .join(label_keys, on=["user_id", "item_id", "domain"], how="left", maintain_order="left")
                  .get_column("_hit").fill_null(False).to_numpy())
     latency = label_latencies_vectorized(all_pending, need, recent, config)
     plan = plan_publication(t, due_in, latency, is_new, config, old_close_ms, close_ms)
