@@ -76,18 +76,20 @@ def test_an_append_commit_removes_named_files_in_the_same_commit(tmp_path):
         commit_files_once(tmp_path, "t", rest, data.schema, version=2, mode="overwrite", removes=rest, **kwargs)
 
 
-def test_data_files_encode_ids_plain_and_the_rest_with_dictionaries(tmp_path):
-    """write_data_file: ``*_id`` columns (nearly distinct) skip the dictionary; other columns, list values
-    included, keep it; the rows read back unchanged."""
+def test_data_files_encode_ids_and_times_plain_and_the_rest_with_dictionaries(tmp_path):
+    """write_data_file: ``*_id`` and ``*_ms`` columns (nearly distinct), list values included, skip the
+    dictionary; other columns, list values included, keep it; the rows read back unchanged."""
     import pyarrow.parquet as pq
 
     from gemline.lake import write_data_file
 
     data = pa.table({"event_id": [f"e{i}" for i in range(100)], "domain": ["d1", "d2"] * 50,
-                     "seq_item_ids": [["i1", "i2"]] * 100})
+                     "seq_item_ids": [["i1", "i2"]] * 100, "event_time_ms": list(range(100)),
+                     "seq_event_time_ms": [[i, i + 1] for i in range(100)], "position": [1, 2] * 50})
     (entry,) = write_data_file(tmp_path, "t", data, name="part")
     meta = pq.ParquetFile(tmp_path / "t" / entry["path"]).metadata.row_group(0)
     dictionary = {meta.column(i).path_in_schema: "RLE_DICTIONARY" in meta.column(i).encodings
                   for i in range(meta.num_columns)}
-    assert dictionary == {"event_id": False, "domain": True, "seq_item_ids.list.element": True}
+    assert dictionary == {"event_id": False, "domain": True, "seq_item_ids.list.element": True,
+                          "event_time_ms": False, "seq_event_time_ms.list.element": False, "position": True}
     assert pq.read_table(tmp_path / "t" / entry["path"]).equals(data)
