@@ -49,9 +49,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,12 +340,13 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
         return list(_user_shard_step(keyed, config, steps["watermark_ms"], steps["old_close_ms"], steps["close_ms"],
                                      steps["build"]))
 
-    def route(outputs: list) -> list[tuple[str, str, pa.Table]]:
+    counters: dict[int, list[tuple[int, Any]]] = {}
+
+    def route(shard: int, outputs: list) -> list[tuple[str, str, pa.Table]]:
         parts = []
         for out in outputs:
             if isinstance(out, beam.pvalue.TaggedOutput):  # an item shard's counters for a user shard
-                user_shard, piece = out.value
-                pieces["user"][user_shard].append(piece)
+                counters.setdefault(shard, []).append(out.value)
             else:
                 parts.append(out)
         return parts
@@ -356,9 +357,13 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
         try:
             written: list[list[Future]] = []
             for kind, step in (("item", item_step), ("user", user_step)):
-                # Every item shard is routed (its counters reach the user shards) before a user shard starts.
                 keyed = [(shard, pieces[kind].pop(shard)) for shard in sorted(pieces[kind])]
                 _run_shards(keyed, step, route, compute, writers, write, written, parallel)
+                # Every item shard's counters reach the user shards before a user shard starts, in item shard
+                # order whichever finished first, so a user shard's inputs are the same pieces in the same order.
+                for shard in sorted(counters):
+                    for user_shard, piece in counters.pop(shard):
+                        pieces["user"][user_shard].append(piece)
             for futures in written:
                 for future in futures:
                     future.result()
@@ -371,28 +376,30 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
 def _run_shards(keyed: list[tuple[int, list]], step: Any, route: Any, compute: ThreadPoolExecutor,
                 writers: ThreadPoolExecutor, write: tuple, written: list[list[Future]], parallel: int) -> None:
     """Compute ``step`` of each ``(shard, pieces)`` of ``keyed`` in ``compute``, ``parallel`` at a time, and
-    hand each result, in shard order, to ``route`` (which keeps the item counters for the user shards and
-    returns the parts) and its parts to ``writers`` (futures appended to ``written``, one list per shard).
+    hand each result as it comes to ``route(shard, result)`` (which keeps the item counters for the user
+    shards and returns the parts) and its parts to ``writers`` (futures appended to ``written``, one list
+    per shard): a shard finished early is written while the others are computed.
 
     At most ``parallel`` shards are computed and ``parallel`` shards' parts written at once (a shard's
     results are routed only after the writes of the shard ``parallel`` places before it end), so the build
     holds about 2 x ``parallel`` shards' outputs: with ``parallel = 1`` a shard is written while the next
     one is computed."""
-    running: deque[Future] = deque()
+    running: dict[Future, int] = {}
 
-    def finish_oldest() -> None:
-        parts = route(running.popleft().result())
+    def finish_one() -> None:
+        done = next(iter(wait(running, return_when=FIRST_COMPLETED).done))
+        parts = route(running.pop(done), done.result())
         while len(written) >= parallel:
             for future in written.pop(0):
                 future.result()
         written.append([writers.submit(_write_part, part, *write) for part in parts])
 
-    for item in keyed:
+    for shard, shard_pieces in keyed:
         if len(running) >= parallel:
-            finish_oldest()
-        running.append(compute.submit(step, item))
+            finish_one()
+        running[compute.submit(step, (shard, shard_pieces))] = shard
     while running:
-        finish_oldest()
+        finish_one()
 
 
 def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions | None, manifests: str,
