@@ -698,6 +698,8 @@ def _load(spec: tuple) -> pa.Table | None:
     the labels of the buffer and the new events); ``opts``: storage options or None."""
     if spec[0] == "pending":
         _, lake, pending_version, buffer_version, opts, old_version, version, config, old_close_ms, close_ms = spec
+        if pending_version is None:
+            return None  # no pending state yet: no label to read
         columns = ["user_id", "item_id", "domain", "event_type", "event_time_ms"]
         labels = [new_event_rows(lake, old_version, version, columns=columns, storage_options=opts)]
         buffer = open_table(lake, Table.BUILD_BUFFER, buffer_version, storage_options=opts) if buffer_version is not None else None
