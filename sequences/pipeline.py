@@ -380,8 +380,9 @@ def _run_shards(keyed: list[tuple[int, list]], step: Any, route: Any, compute: T
     shards and returns the parts) and its parts to ``writers`` (futures appended to ``written``, one list
     per shard): a shard finished early is written while the others are computed.
 
-    At most ``parallel`` shards are computed and ``parallel`` shards' parts written at once (a shard's
-    results are routed only after the writes of the shard ``parallel`` places before it end), so the build
+    At most ``parallel`` shards are computed and ``parallel`` shards' parts written at once (a finished
+    shard's parts go to the writers once the writes of the shard finished ``parallel`` places before it
+    end; ``parallel`` >= 1), so the build
     holds about 2 x ``parallel`` shards' outputs: with ``parallel = 1`` a shard is written while the next
     one is computed."""
     running: dict[Future, int] = {}

@@ -244,6 +244,53 @@ def _files(lake: str) -> dict[str, list[str]]:
     return out
 
 
+def _sharded_batches(make_event) -> tuple[list, list]:
+    """Two batches of events over 12 users: enough that every one of 4 shards gets some."""
+    users = [f"u{i}" for i in range(12)]
+    first = [make_event(f"{u}_imp{k}", 1_000 + 10 * k + i, "impression", user=u, item=f"i{(i + k) % 5}")
+             for i, u in enumerate(users) for k in range(3)]
+    first += [make_event(f"{u}_click", 1_030 + i, "click", user=u, item=f"i{(i + 1) % 5}") for i, u in enumerate(users)]
+    second = [make_event(f"{u}_late{k}", 2_000 + 7 * k + i, "impression" if k else "conversion", user=u,
+                         item=f"i{(i + k) % 5}") for i, u in enumerate(users) for k in range(2)]
+    return first, second
+
+
+@pytest.mark.slow
+def test_a_failed_parallel_step_commits_nothing_and_the_rerun_writes_what_a_clean_run_writes(tmp_path, make_event,
+                                                                                            monkeypatch):
+    """3 shard steps at once over 4 shards: user shard 2 fails in the incremental build; the error reaches the
+    caller, no table gets a commit of that build, and the rerun leaves the rows of an uncrashed run."""
+    import dataclasses
+
+    import sequences.pipeline as pipeline
+
+    batches = _sharded_batches(make_event)
+    snapshots = {}
+    for name in ("crashed", "clean"):
+        lake = str(tmp_path / name)
+        config = GemlineConfig(lake=lake, build=dataclasses.replace(CONFIG, shards=4, parallelism=3,
+                                                                    engine="inprocess"))
+        for n, batch in enumerate(batches):
+            write_events(lake, batch, version=n)
+            if name == "crashed" and n == 1:
+                real = pipeline._user_shard_step
+
+                def failing(keyed, *args, real=real):
+                    if keyed[0] == 2:
+                        raise RuntimeError("injected failure in user shard 2")
+                    yield from real(keyed, *args)
+
+                monkeypatch.setattr(pipeline, "_user_shard_step", failing)
+                with pytest.raises(RuntimeError, match="injected failure in user shard 2"):
+                    run_build(*build_args(config), final=True)
+                monkeypatch.undo()
+                assert all(_commits_of_build(lake, table, 1) == 0 for table in _OUTPUTS)
+            run_build(*build_args(config), final=n == 1)
+        snapshots[name] = _snapshot(lake)
+    assert snapshots["crashed"] == snapshots["clean"]
+    assert len(snapshots["clean"]["examples"]) == 12 * 3 + 12
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fat", "pointer"])
 def test_parallel_shard_steps_write_what_sequential_steps_write(tmp_path, make_event, layout):
@@ -252,12 +299,7 @@ def test_parallel_shard_steps_write_what_sequential_steps_write(tmp_path, make_e
     one-shard build's tables (rows sorted), the clean run's twin."""
     import dataclasses
 
-    users = [f"u{i}" for i in range(12)]  # enough users that every one of the 4 shards gets some
-    first = [make_event(f"{u}_imp{k}", 1_000 + 10 * k + i, "impression", user=u, item=f"i{(i + k) % 5}")
-             for i, u in enumerate(users) for k in range(3)]
-    first += [make_event(f"{u}_click", 1_030 + i, "click", user=u, item=f"i{(i + 1) % 5}") for i, u in enumerate(users)]
-    second = [make_event(f"{u}_late{k}", 2_000 + 7 * k + i, "impression" if k else "conversion", user=u,
-                         item=f"i{(i + k) % 5}") for i, u in enumerate(users) for k in range(2)]
+    first, second = _sharded_batches(make_event)
     snapshots, files = {}, {}
     for parallelism, shards in ((1, 4), (3, 4), (1, 1)):
         lake = str(tmp_path / f"p{parallelism}-s{shards}")
