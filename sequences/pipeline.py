@@ -198,6 +198,11 @@ def _shard_pieces(table: pa.Table, name: str, key: str, shards: int, spill: str 
         yield shard, spill_piece(name, part, spill)
 
 
+def _split_pieces(table: pa.Table, name: str, key: str, shards: int, spill: str | None, keep: Any = None) -> list:
+    """:func:`_shard_pieces` as a list (a task of the in-process build's thread pool)."""
+    return list(_shard_pieces(table, name, key, shards, spill, keep))
+
+
 def _is_item(table: pa.Table):
     return pc.equal(table.column("entity"), "item")
 
@@ -326,12 +331,6 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     config: BuildConfig = steps["config"]
     shards, spill = config.shard_count, steps["spill_dir"]
     pieces: dict[str, dict[int, list]] = {"item": defaultdict(list), "user": defaultdict(list)}
-    for name, spec in sources.items():
-        routes = [r for r in _ROUTES if r[1] == name]
-        for table in _emit_table(None, spec):
-            for _, _, kind, key, keep in routes:
-                for shard, piece in _shard_pieces(table, name, key, shards, spill, keep):
-                    pieces[kind][shard].append(piece)
 
     def item_step(keyed: tuple) -> list:
         return list(_item_shard_step(keyed, config, steps["watermark_ms"], shards, spill))
@@ -355,6 +354,16 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="build-shard") as compute, \
             ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="build-write") as writers:
         try:
+            for name, spec in sources.items():
+                routes = [r for r in _ROUTES if r[1] == name]
+                for table in _emit_table(None, spec):
+                    # A table's routes (by item and by user) are split at once; each table is split before
+                    # the next is read, so one table (a chunk of the new events) is held at a time.
+                    splits = [compute.submit(_split_pieces, table, name, key, shards, spill, keep)
+                              for _, _, _, key, keep in routes]
+                    for (_, _, kind, _, _), split in zip(routes, splits, strict=True):
+                        for shard, piece in split.result():
+                            pieces[kind][shard].append(piece)
             written: list[list[Future]] = []
             for kind, step in (("item", item_step), ("user", user_step)):
                 keyed = [(shard, pieces[kind].pop(shard)) for shard in sorted(pieces[kind])]
