@@ -80,7 +80,7 @@ class BuildConfig:
     4096 under 2 GB)."""
     parallelism: int | Literal["auto"] = "auto"
     """In-process build: shard steps computed at once, each in its own thread (polars, Arrow and numpy
-    release the GIL while they work); "auto": the machine's cores (``os.cpu_count()``). With
+    release the GIL while they work); "auto": the cores this process may run on. With
     ``shards = "auto"`` a build large enough gets at least this many shards, and the memory budget is
     shared by the shards running at once (``sequences.pipeline.shards_for``). 1: one after the other. The
     tables are the same whatever the value. A Beam build ignores it (its runner's flags set its workers)."""
@@ -175,8 +175,13 @@ class BuildConfig:
 
     @property
     def parallel_shards(self) -> int:
-        """``parallelism`` as a number: "auto" is ``os.cpu_count()`` (1 where Python cannot tell)."""
-        return (os.cpu_count() or 1) if self.parallelism == "auto" else self.parallelism
+        """``parallelism`` as a number: "auto" is the cores this process may run on (``os.sched_getaffinity``
+        where the platform has it, else ``os.cpu_count()``; 1 where Python cannot tell)."""
+        if self.parallelism != "auto":
+            return self.parallelism
+        if hasattr(os, "sched_getaffinity"):
+            return len(os.sched_getaffinity(0)) or 1
+        return os.cpu_count() or 1
 
     @property
     def same_domain_seq_len(self) -> int:

@@ -304,7 +304,8 @@ def test_auto_shards_share_the_memory_budget_between_parallel_steps(config, rows
 def test_parallelism_auto_is_the_cores():
     import os
 
-    assert BuildConfig().parallelism == "auto" and BuildConfig().parallel_shards == (os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert BuildConfig().parallelism == "auto" and BuildConfig().parallel_shards == cores
     assert BuildConfig(parallelism=3).parallel_shards == 3
 
 
