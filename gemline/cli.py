@@ -408,8 +408,9 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
     plan = RunPlan(bootstrap=args.bootstrap, broker_port=args.broker_port, generate_rate=args.generate_rate,
                    interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, train=not args.no_train,
-                   metrics_port=args.metrics_port)
-    return run_pipeline(_config(args), plan)
+                   metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout_s)
+    code = run_pipeline(_config(args), plan)
+    return _interrupted(args.command) if code == 130 else code
 
 
 def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
@@ -674,6 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between build/validate passes (default: build.interval_s, validation every 10 s)")
     p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training (and distill) runs")
     p.add_argument("--no-train", action="store_true", help="run every stage but the trainer (and its students, distill --follow)")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0,
+                   help="embedded broker: at a stop, wait at most this long for ingest to consume what it holds")
     _metrics_flag(p, "")
     p.set_defaults(func=cmd_run, passthrough=False)
 

@@ -7,7 +7,12 @@
 predictions (:func:`runs_distill`).
 
 A :class:`gemline.supervisor.Supervisor` starts them, restarts a crashed stage with backoff and stops them all
-on Ctrl-C or SIGTERM. Each stage is the same command a person would run alone (a deployment runs them on
+on Ctrl-C or SIGTERM: the generator first, then (with the embedded broker, whose records end with its process)
+ingest is left to catch up with what the broker holds, bounded by ``RunPlan.drain_timeout_s``, then the other
+stages, then the broker. Before any stage starts, the topic is created (embedded broker, or a generator), so ingest
+never starts on a missing topic; and with the embedded broker on a lake that already ingested from an earlier
+one (a restart of ``gemline run``), ingest first starts over on the new broker's topic (``gemline ingest
+--reset-topic``): the lake's offsets are of a broker that no longer exists. Each stage is the same command a person would run alone (a deployment runs them on
 separate machines the same way); each commits idempotently, so a restarted stage neither loses nor doubles
 anything. The configuration reaches the children as ``--set`` flags of every non-default setting, except the
 lake's storage options (they may hold secrets, which never go on a command line: ``ps`` shows it to every user),
@@ -20,6 +25,7 @@ newest version of the lake's main tables; without one, one line per start, exit 
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +41,11 @@ from rich.table import Table as RichTable
 from gemline.config import GemlineConfig, config_overrides
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
-from gemline.metrics import LagSource, PipelineCollector, StageSample, serve
+from gemline.metrics import LagSource, PipelineCollector, StageSample, lake_offsets, serve
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
 from ingest.broker import accepts, free_port
+from ingest.replay import ensure_topic
 
 GEMLINE = (sys.executable, "-m", "gemline.cli")
 """How a child runs a gemline command: the same interpreter and code as the supervisor."""
@@ -58,6 +65,8 @@ class RunPlan:
         train: run the continuous trainer.
         metrics_port: serve Prometheus metrics (:mod:`gemline.metrics`) on this port from the supervisor
             process (0: a free one, printed); None: no metrics endpoint.
+        drain_timeout_s: with the embedded broker, the longest wait (s) at a stop for ingest to consume what the
+            broker holds, after the generator stopped (what is left then is lost with the broker, and said).
     """
 
     bootstrap: str | None = None
@@ -67,6 +76,13 @@ class RunPlan:
     poll_interval_s: float = 10.0
     train: bool = True
     metrics_port: int | None = None
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        from gemline.errors import BadConfigError
+
+        if not self.drain_timeout_s >= 0:
+            raise BadConfigError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
@@ -101,9 +117,10 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str], *, distill: 
     kafka = ["--bootstrap", bootstrap]
     stages = []
     if plan.generate_rate is not None:
-        # A finite synthetic log: done when it exits 0; restarted only after a failure.
+        # A finite synthetic log: done when it exits 0; restarted only after a failure. Stopped first, so ingest
+        # can still consume what it sent.
         stages.append(StageCommand("generate", (*GEMLINE, "generate", "--rate", str(plan.generate_rate), *kafka,
-                                                *flags), restart="on-failure"))
+                                                *flags), restart="on-failure", stop_first=True))
     # The build's cadence is build.interval_s (in ``flags``) unless the plan sets one for both stages.
     build_interval = [] if plan.interval_s is None else ["--interval-s", str(plan.interval_s)]
     stages += [
@@ -194,6 +211,9 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
 
     Raises:
         gemline.errors.BrokerUnreachableError: the embedded broker did not listen within 60 s.
+        gemline.errors.MissingInputError: ingest could not start over on a new embedded broker's topic.
+        gemline.errors.BadConfigError: the topic exists with another partition count than ``kafka.partitions``.
+        gemline.supervisor.StageGaveUpError: a stage kept exiting with a permanent error (its message).
     """
     from gemline.errors import BrokerUnreachableError
     from trainer.launch import write_private_config  # the spelling of a config file's lake and its options
@@ -215,21 +235,85 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
             broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)), stop_last=True)]
         stages = stage_commands(plan, bootstrap, flags, distill=runs_distill(config))
         sup = Supervisor([*broker, *stages], log_dir=logs, on_event=say)
-        if broker:
-            sup.start(["broker"])
-            if not wait_for_port("127.0.0.1", port, 60.0):
-                sup.stop(grace_s=5)
-                raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within 60 s; "
-                                             f"its log: {sup.stages[0].log_path}")
+        try:
+            if broker:
+                sup.start(["broker"])
+                if not wait_for_port("127.0.0.1", port, 60.0):
+                    raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within "
+                                                 f"60 s; its log: {sup.stages[0].log_path}")
+            if broker or plan.generate_rate is not None:
+                ensure_topic(bootstrap, config.kafka.topic, config.kafka.partitions)
+            if broker and _ingested_offsets(config, lake):
+                say(f"the lake's Kafka offsets are of an earlier embedded broker, whose records were in memory and "
+                    f"are gone: ingest starts over on this broker's topic ({config.kafka.topic!r}, `gemline ingest "
+                    "--reset-topic`, recorded as `reset` in the events commit)")
+                _reset_topic(bootstrap, flags, sup.log_dir / "ingest.log")
+        except BaseException:
+            sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start
+            raise
         say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
+        drain = _ingest_lag(config, lake, bootstrap, sup) if broker and any(
+            s.name == "ingest" for s in stages) else None
         with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
                              say=say):
-            return _supervise(sup, lake, live, None if until is None else (lambda: until(sup)))
+            return _supervise(sup, lake, live, None if until is None else (lambda: until(sup)), drain,
+                              plan.drain_timeout_s)
 
 
-def _supervise(sup: Supervisor, lake: Lake, live: bool, stop: Callable[[], bool] | None) -> int:
+def _ingested_offsets(config: GemlineConfig, lake: Lake) -> bool:
+    """Whether the lake's ingest committed any record of ``config.kafka.topic`` (an end offset above 0)."""
+    from ingest.pipeline import app_id_for
+
+    return any(offset > 0 for offset in lake_offsets(lake, app_id_for(config.kafka.topic)).values())
+
+
+def _reset_topic(bootstrap: str, flags: list[str], log_path: Path) -> None:
+    """Run ``gemline ingest --reset-topic`` once (its output appended to ``log_path``): a batch that records the
+    new topic's identity and offsets, so the streaming ingest and its restarts read it as the lake's own.
+
+    Raises:
+        gemline.errors.MissingInputError: it failed (the message names its log).
+    """
+    from gemline.errors import MissingInputError
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        code = subprocess.run([*GEMLINE, "ingest", "--reset-topic", "--bootstrap", bootstrap, *flags], stdout=log,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False).returncode
+    if code != 0:
+        raise MissingInputError(f"`gemline ingest --reset-topic` on the new embedded broker exited with {code}; "
+                                f"its log: {log_path}")
+
+
+def _ingest_lag(config: GemlineConfig, lake: Lake, bootstrap: str, sup: Supervisor) -> Callable[[], int]:
+    """Records the broker holds that the lake's ingest has not committed yet, summed over the partitions (the
+    drain at a stop). The ends are read as ingest's planner reads them (:func:`ingest.kafka_source.plan_topic`:
+    past a high watermark that lags the last record batch).
+
+    Raises (from the callable):
+        RuntimeError: the ingest stage is not running (nothing would consume the rest).
+    """
+    from ingest.kafka_source import plan_topic
+    from ingest.pipeline import app_id_for
+
+    app_id = app_id_for(config.kafka.topic)
+    ingest = next(s for s in sup.stages if s.command.name == "ingest")
+
+    def remaining() -> int:
+        if ingest.process is None or ingest.process.poll() is not None:
+            raise RuntimeError("ingest is not running")
+        snapshot = plan_topic(bootstrap, config.kafka.topic, {}, previous=None, client=config.kafka.client,
+                              timeout_s=config.ingest.read_timeout_s)
+        done = lake_offsets(lake, app_id)
+        return sum(max(0, r.end - done.get(r.partition, r.start)) for r in snapshot.ranges)
+
+    return remaining
+
+
+def _supervise(sup: Supervisor, lake: Lake, live: bool, stop: Callable[[], bool] | None,
+               drain: Callable[[], int] | None, drain_timeout_s: float) -> int:
     if not live:
-        return sup.run(until=stop)
+        return sup.run(until=stop, drain=drain, drain_timeout_s=drain_timeout_s)
     with Live(status_view(sup, lake), console=Console(), refresh_per_second=2, transient=False) as view:
         last = {"t": 0.0}
 
@@ -238,4 +322,4 @@ def _supervise(sup: Supervisor, lake: Lake, live: bool, stop: Callable[[], bool]
                 view.update(status_view(s, lake))
                 last["t"] = time.monotonic()
 
-        return sup.run(until=stop, render=render)
+        return sup.run(until=stop, render=render, drain=drain, drain_timeout_s=drain_timeout_s)

@@ -4,8 +4,17 @@
 as a child process under a :class:`Supervisor`. A child that exits while the supervisor is not stopping (a crash,
 a SIGKILL, an unexpected exit 0) is started again after an exponential backoff, and the supervisor says so. Each
 stage commits idempotently to the lake, so a restarted stage redoes at most its half-done batch and writes
-nothing twice. Stopping (Ctrl-C or SIGTERM to the supervisor) sends SIGTERM to every child, which finishes its
-step in flight and exits, and SIGKILLs a child still running after the grace period.
+nothing twice. Stopping (Ctrl-C or SIGTERM to the supervisor) goes in phases: the ``stop_first`` stages (a
+producer), then an optional drain (``gemline run``: ingest catches up with what the producer sent), then the other
+stages, last started first, then the ``stop_last`` stages (the broker they use). Each phase sends SIGTERM, so a
+child finishes its step in flight and exits, and SIGKILLs a child still running after the grace period. A second
+Ctrl-C or SIGTERM while stopping skips the rest of the grace and the drain: every stage left is SIGKILLed with its
+process group and reaped, so none outlives the supervisor holding the lake's locks.
+
+A stage that keeps exiting with :data:`PERMANENT_EXIT` (a :class:`gemline.errors.GemlineError`: bad config, missing
+input...) is given up after ``max_permanent_exits`` starts in a row, and the run stops with its error
+(:class:`StageGaveUpError`). Not at the first: exit 2 also covers conditions that heal on their own (the lake
+lock of a stage still exiting, a broker not answering yet, a commit conflict), so a few backed-off tries are kept.
 
 Children run in their own sessions (``start_new_session``): a Ctrl-C in the terminal reaches the supervisor only,
 which then stops the children in order, instead of every process at once. Their stdout and stderr go to one log
@@ -19,16 +28,28 @@ stayed up for ``healthy_after_s`` seconds counts as healthy again, so its next c
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+from gemline.errors import GemlineError
+
 log = logging.getLogger(__name__)
+
+PERMANENT_EXIT = 2
+"""The exit status of a gemline command that ended with a :class:`gemline.errors.GemlineError` of exit 2."""
+
+
+class StageGaveUpError(GemlineError, RuntimeError):
+    """A supervised stage exited with :data:`PERMANENT_EXIT` ``max_permanent_exits`` times in a row (exit 2); the
+    message names the stage, its last ``error:`` line and its log."""
 
 RELAYED = re.compile(r"^(?:(?:WARNING|ERROR|CRITICAL):(?:ingest|sequences|features|trainer|validation|gemline)"
                      r"(?:\.(?!rdkafka:)[\w.]+)?:|error: )")
@@ -42,12 +63,22 @@ class StageCommand:
     """One supervised stage: a name, the command line of its process (``argv[0]`` an executable), and when it
     is started again after it exits: ``always`` (a stage that runs until stopped), ``on-failure`` (a job that
     may finish: exit 0 is done) or ``never``. A ``stop_last`` stage (a service the others use, the embedded
-    broker) is stopped only once the others have exited, so they finish their step in flight against it."""
+    broker) is stopped only once the others have exited, so they finish their step in flight against it; a
+    ``stop_first`` stage (a producer, ``gemline generate``) before them, so what it sent can still be drained.
+
+    Raises:
+        ValueError: both ``stop_first`` and ``stop_last``.
+    """
 
     name: str
     argv: tuple[str, ...]
     restart: Literal["always", "on-failure", "never"] = "always"
     stop_last: bool = False
+    stop_first: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop_first and self.stop_last:
+            raise ValueError(f"StageCommand {self.name!r}: stop_first and stop_last exclude each other")
 
 
 def restart_delay_s(failures: int, *, base_s: float, cap_s: float) -> float:
@@ -78,6 +109,10 @@ class StageState:
     restart_at: float | None = None
     """Monotonic seconds when a restart is due; None when running or stopped."""
     stopped: bool = False
+    permanent_exits: int = 0
+    """Consecutive exits with :data:`PERMANENT_EXIT` without a healthy run in between."""
+    last_error: str = ""
+    """The stage's last relayed ``error: ...`` line (its one-line error), or ''."""
     _log: IO[bytes] | None = field(default=None, repr=False)
     _read_to: int | None = field(default=None, repr=False)
     """Byte offset of the log up to which :meth:`new_log_lines` has read; None: not started (the log's end)."""
@@ -136,26 +171,36 @@ class Supervisor:
         backoff_s: the first restart delay (s); it doubles with each consecutive failure.
         max_backoff_s: the longest restart delay (s).
         healthy_after_s: a process that ran this long (s) resets its stage's failure count.
+        max_permanent_exits: starts in a row ending with :data:`PERMANENT_EXIT` after which a stage is given up
+            and the run stops (module docstring).
         on_event: called with one line per start, exit and restart (besides the log).
 
     Raises:
-        ValueError: two stages with one name, or a negative delay.
+        ValueError: two stages with one name, a negative delay, or ``max_permanent_exits < 1``.
     """
 
     def __init__(self, commands: Sequence[StageCommand], *, log_dir: Path, backoff_s: float = 1.0,
-                 max_backoff_s: float = 60.0, healthy_after_s: float = 60.0,
+                 max_backoff_s: float = 60.0, healthy_after_s: float = 60.0, max_permanent_exits: int = 5,
                  on_event: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         names = [c.name for c in commands]
         if len(set(names)) != len(names):
             raise ValueError(f"Supervisor: stage names must be unique, got {names}")
         if min(backoff_s, max_backoff_s, healthy_after_s) < 0:
             raise ValueError("Supervisor: delays must be >= 0")
+        if max_permanent_exits < 1:
+            raise ValueError(f"Supervisor: max_permanent_exits must be >= 1, got {max_permanent_exits}")
         self.log_dir = Path(log_dir)
         self.stages = [StageState(c, self.log_dir / f"{c.name}.log") for c in commands]
         self.backoff_s, self.max_backoff_s, self.healthy_after_s = backoff_s, max_backoff_s, healthy_after_s
         self.on_event = on_event
         self.clock = clock
+        self.max_permanent_exits = max_permanent_exits
         self.stopping = False
+        self.escalated = False
+        """A second signal came while stopping: what is left is SIGKILLed at once."""
+        self.gave_up: str | None = None
+        """Why the run stops on its own: a stage given up (module docstring); None while none is."""
+        self._signal: int | None = None
 
     def _say(self, line: str) -> None:
         log.info("%s", line)
@@ -191,6 +236,8 @@ class Supervisor:
                 for line in stage.new_log_lines():
                     if RELAYED.match(line):
                         self._say(f"{stage.command.name}: {line}")
+                        if line.startswith("error: "):
+                            stage.last_error = line
             if stage.process is not None:
                 code = stage.process.poll()
                 if code is None:
@@ -205,7 +252,17 @@ class Supervisor:
                     self._say(f"{stage.command.name}: exited with {_describe(code)} after {ran:.1f} s; not restarted "
                               f"(restart={policy})")
                     continue
-                stage.failures = 1 if ran >= self.healthy_after_s else stage.failures + 1
+                healthy = ran >= self.healthy_after_s
+                stage.failures = 1 if healthy else stage.failures + 1
+                stage.permanent_exits = (0 if code != PERMANENT_EXIT else 1 if healthy else stage.permanent_exits + 1)
+                if stage.permanent_exits >= self.max_permanent_exits:
+                    stage.stopped = True
+                    self.gave_up = (f"{stage.command.name} exited with exit {code} (a permanent error) "
+                                    f"{stage.permanent_exits} times in a row; not restarted: "
+                                    f"{stage.last_error or 'no error line'} (its log: {stage.log_path})")
+                    self._say(f"{stage.command.name}: exited with {_describe(code)} after {ran:.1f} s; given up, "
+                              "stopping the run")
+                    continue
                 delay = restart_delay_s(stage.failures, base_s=self.backoff_s, cap_s=self.max_backoff_s)
                 stage.restart_at = now + delay
                 self._say(f"{stage.command.name}: exited with {_describe(code)} after {ran:.1f} s; restarting in "
@@ -214,13 +271,26 @@ class Supervisor:
                 stage.restarts += 1
                 self._spawn(stage)
 
-    def stop(self, grace_s: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM every running stage (last started first), wait up to ``grace_s`` for all, SIGKILL the rest;
-        then the same for the ``stop_last`` stages. Return each stage's exit code (None: was not running)."""
+    def stop(self, grace_s: float = 30.0, *, drain: Callable[[], int] | None = None,
+             drain_timeout_s: float = 60.0) -> dict[str, int | None]:
+        """Stop every stage in phases (module docstring): the ``stop_first`` stages; ``drain`` (when given); the
+        others, last started first; the ``stop_last`` stages. Each phase SIGTERMs its running stages, waits up to
+        ``grace_s`` for all and SIGKILLs the rest; after :meth:`escalate`, at once. Return each stage's exit code
+        (None: was not running).
+
+        Args:
+            drain: the number of records still to consume (ingest's lag); called about once a second until it
+                returns 0, ``drain_timeout_s`` seconds passed (said, with what was left) or :meth:`escalate`.
+                An exception it raises ends the drain (said).
+        """
         self.stopping = True
         for stage in self.stages:
             stage.restart_at = None
-        self._stop_group([s for s in reversed(self.stages) if not s.command.stop_last], grace_s)
+        self._stop_group([s for s in reversed(self.stages) if s.command.stop_first], grace_s)
+        if drain is not None:
+            self._drain(drain, drain_timeout_s)
+        self._stop_group([s for s in reversed(self.stages) if not (s.command.stop_first or s.command.stop_last)],
+                         grace_s)
         self._stop_group([s for s in reversed(self.stages) if s.command.stop_last], grace_s)
         for stage in self.stages:
             if stage._log is not None:
@@ -228,56 +298,107 @@ class Supervisor:
                 stage._log = None
         return {s.command.name: s.last_exit_code for s in self.stages}
 
+    def escalate(self) -> None:
+        """Stop without grace: the stop in progress SIGKILLs every stage left (with its process group) at once and
+        skips the drain. Safe in a signal handler."""
+        if not self.escalated:
+            self.escalated = True
+            self._say("second signal: killing every stage left now (SIGKILL)")
+
+    def _drain(self, remaining: Callable[[], int], timeout_s: float) -> None:
+        started = time.monotonic()
+        while not self.escalated:
+            try:
+                left = remaining()
+            except Exception as exc:  # noqa: BLE001 (a drain that cannot measure must not block the stop)
+                self._say(f"drain: stopped ({exc}); stopping the stages")
+                return
+            waited = time.monotonic() - started
+            if left <= 0:
+                self._say(f"drain: every record in the broker is consumed ({waited:.1f} s)")
+                return
+            if waited >= timeout_s:
+                self._say(f"drain: {left} records still not consumed after {timeout_s:.0f} s; stopping the stages "
+                          "anyway")
+                return
+            time.sleep(min(1.0, max(0.0, timeout_s - waited)))
+
     def _stop_group(self, stages: list[StageState], grace_s: float) -> None:
-        for stage in stages:
-            if stage.process is not None and stage.process.poll() is None:
+        running = [s for s in stages if s.process is not None]
+        for stage in running:
+            if not self.escalated and stage.process is not None and stage.process.poll() is None:
                 stage.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for stage in stages:
-            if stage.process is None:
-                continue
-            try:
-                stage.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._say(f"{stage.command.name}: still running {grace_s:.0f} s after SIGTERM; killed")
-                stage.process.kill()
-                stage.process.wait()
+        while any(s.process is not None and s.process.poll() is None for s in running):
+            if self.escalated or time.monotonic() >= deadline:
+                for stage in running:
+                    if stage.process is not None and stage.process.poll() is None:
+                        if not self.escalated:
+                            self._say(f"{stage.command.name}: still running {grace_s:.0f} s after SIGTERM; killed")
+                        _kill_group(stage.process)
+                break
+            time.sleep(0.05)
+        for stage in running:
+            assert stage.process is not None
+            stage.process.wait()
             stage.last_exit_code = stage.process.returncode
             stage.process, stage.stopped = None, True
 
     def run(self, *, poll_interval_s: float = 0.5, until: Callable[[], bool] | None = None,
-            render: Callable[[Supervisor], None] | None = None, grace_s: float = 30.0) -> int:
-        """Start the stages and keep them running until ``until()`` is true, Ctrl-C or SIGTERM; then stop them.
+            render: Callable[[Supervisor], None] | None = None, grace_s: float = 30.0,
+            drain: Callable[[], int] | None = None, drain_timeout_s: float = 60.0) -> int:
+        """Start the stages and keep them running until ``until()`` is true, Ctrl-C or SIGTERM; then :meth:`stop`
+        them (with ``drain``). A second Ctrl-C or SIGTERM while stopping :meth:`escalate` s. Signals are handled
+        only when called from the main thread.
 
         Returns:
             0 when stopped by ``until`` or SIGTERM, 130 after Ctrl-C.
-        """
-        def on_sigterm(signum: int, frame: object) -> None:
-            raise _Terminated()
 
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        code = 0
+        Raises:
+            StageGaveUpError: a stage was given up (module docstring); every stage is stopped first.
+        """
+        def on_signal(signum: int, frame: object) -> None:
+            if self._signal is None:
+                self._signal = signum  # the loop ends at its next check; stop() runs outside the handler
+            else:
+                self.escalate()
+
+        handled = (signal.SIGINT, signal.SIGTERM)
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, on_signal) for sig in handled} if main else {}
         try:
             self.start()
-            while until is None or not until():
+            while self._signal is None and self.gave_up is None and (until is None or not until()):
                 self.poll()
                 if render is not None:
                     render(self)
-                time.sleep(poll_interval_s)
-        except KeyboardInterrupt:
-            code = 130
-        except _Terminated:
-            code = 0
+                if self._signal is None and self.gave_up is None:
+                    time.sleep(poll_interval_s)
+        except KeyboardInterrupt:  # a SIGINT before the handler was in place, or raised by a callback
+            self._signal = signal.SIGINT
         finally:
-            signal.signal(signal.SIGTERM, previous)
-            self._say("stopping every stage (SIGTERM; each finishes its step in flight)")
-            codes = self.stop(grace_s)
+            if self._signal is None:
+                self._signal = -1  # stopping for another reason: a signal from here on escalates
+            self._say("stopping every stage (SIGTERM; each finishes its step in flight; a second Ctrl-C kills them)")
+            try:
+                codes = self.stop(grace_s, drain=drain, drain_timeout_s=drain_timeout_s)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
             self._say("stopped: " + ", ".join(f"{name} {_describe(c)}" for name, c in codes.items()))
-        return code
+        if self.gave_up is not None:
+            raise StageGaveUpError(self.gave_up)
+        return 130 if self._signal == signal.SIGINT else 0
 
 
-class _Terminated(Exception):
-    """SIGTERM reached the supervisor."""
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` and its process group (it leads one: ``start_new_session``), so a worker it forked
+    does not outlive it holding an inherited lock."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:  # the group is gone, or the process leads none: the process alone
+        pass
+    process.kill()
 
 
 def _describe(code: int | None) -> str:

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from gemline.supervisor import StageCommand, Supervisor, restart_delay_s
+from gemline.locks import LakeBusyError, exclusive
+from gemline.supervisor import StageCommand, StageGaveUpError, Supervisor, restart_delay_s
 
 
 def _python(code: str) -> tuple[str, ...]:
@@ -171,3 +172,99 @@ def test_a_stages_own_warnings_and_errors_reach_the_console_and_noise_does_not(t
     assert relayed() == ["ingest: WARNING:ingest.streaming:ingest: Kafka at h:1 is unreachable",
                          "ingest: error: examples@3 is quarantined"]
     sup.stop(grace_s=5)
+
+
+def test_a_stage_that_keeps_exiting_with_a_permanent_error_stops_the_run_with_its_message(tmp_path):
+    """Exit 2 (a GemlineError: bad config, missing input) is tried max_permanent_exits times, then the run stops
+    every stage and raises the stage's one-line error; another exit code keeps being restarted."""
+    counter = tmp_path / "starts"
+    bad = (f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); p.write_text(str(int(p.read_text()) + 1) "
+           "if p.exists() else '1'); print('error: topic t does not exist', file=sys.stderr); sys.exit(2)")
+    deadline = time.monotonic() + 60
+    events: list[str] = []
+    sup = Supervisor([StageCommand("ingest", _python(bad)), StageCommand("other", _python("import time; "
+                                                                                          "time.sleep(600)"))],
+                     log_dir=tmp_path / "logs", backoff_s=0.01, max_backoff_s=0.05, max_permanent_exits=3,
+                     on_event=events.append)
+    with pytest.raises(StageGaveUpError, match=r"ingest exited with exit 2 \(a permanent error\) 3 times in a "
+                                               r"row; not restarted: error: topic t does not exist"):
+        sup.run(poll_interval_s=0.02, until=lambda: time.monotonic() > deadline, grace_s=5)
+    assert counter.read_text() == "3", "exactly max_permanent_exits starts"
+    assert [s.process for s in sup.stages] == [None, None] and sup.stages[1].last_exit_code == -signal.SIGTERM
+    assert any(e.startswith("ingest: exited with exit 2") and "given up" in e for e in events)
+    with pytest.raises(ValueError, match="max_permanent_exits"):
+        Supervisor([], log_dir=tmp_path, max_permanent_exits=0)
+
+
+def test_a_second_signal_while_stopping_kills_every_stage_and_frees_the_lake_lock(tmp_path):
+    """A stage that ignores SIGTERM and forked a worker sharing its lock: the first Ctrl-C starts a graceful stop
+    (60 s of grace), the second kills the stage's whole process group at once; nothing is orphaned, the lock is free."""
+    lake = tmp_path / "lake"
+    stage = ("import fcntl, os, pathlib, signal, time\n"
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             f"path = pathlib.Path({str(lake)!r}, '_locks', 'ingest.lock'); path.parent.mkdir(parents=True)\n"
+             "fd = os.open(path, os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "if os.fork() == 0: time.sleep(600)\n"  # the worker inherits the locked descriptor
+             "print('up', flush=True); time.sleep(600)")
+    said: list[str] = []
+
+    def on_event(line: str) -> None:
+        said.append(line)
+        if line.startswith("stopping every stage"):
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the stop waits on the grace
+
+    sup = Supervisor([StageCommand("ingest", _python(stage))], log_dir=tmp_path / "logs", on_event=on_event)
+
+    def first_ctrl_c() -> bool:
+        if sup.stages[0].last_log_line() == "up" and "sent" not in said:
+            said.append("sent")
+            os.kill(os.getpid(), signal.SIGINT)
+        return False
+
+    assert sup.run(poll_interval_s=0.02, until=first_ctrl_c, grace_s=60) == 130
+    assert sup.stages[0].last_exit_code == -signal.SIGKILL and sup.stages[0].process is None
+    assert any(line.startswith("second signal: killing") for line in said)
+    for _ in range(200):  # the worker's SIGKILL is delivered asynchronously: bounded by a count of tries
+        try:
+            with exclusive(lake, "ingest"):
+                break
+        except LakeBusyError:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the lake's ingest lock is still held: a stage's process outlived the supervisor")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the caller's handler is back"
+
+
+def test_stop_phases_producer_then_drain_then_stages_then_service(tmp_path):
+    """The producer stops first; the drain runs while the consumer and the service still run (until nothing is
+    left, or its timeout, said with what is left); then the consumer, then the service."""
+    def stage(name: str) -> tuple[str, ...]:
+        return _python("import signal, sys, time, pathlib\n"
+                       f"def done(*_): pathlib.Path({str(tmp_path)!r}, {name!r}).write_text(str(time.monotonic_ns()))"
+                       "; sys.exit(0)\n"
+                       "signal.signal(signal.SIGTERM, done)\nprint('up', flush=True)\nwhile True: time.sleep(0.02)")
+
+    sup = Supervisor([StageCommand("broker", stage("broker"), stop_last=True),
+                      StageCommand("generate", stage("generate"), stop_first=True),
+                      StageCommand("ingest", stage("ingest"))], log_dir=tmp_path / "logs")
+    sup.start()
+    _wait(lambda: all(s.last_log_line() == "up" for s in sup.stages))
+    seen: list[tuple[int | None, ...]] = []
+
+    def lag() -> int:
+        seen.append(tuple(s.pid for s in sup.stages))
+        return 2 - len(seen)  # 1 record left, then caught up
+
+    assert sup.stop(grace_s=10, drain=lag) == {"broker": 0, "generate": 0, "ingest": 0}
+    assert len(seen) == 2 and all(b is not None and g is None and i is not None for b, g, i in seen)
+    stopped = {name: int((tmp_path / name).read_text()) for name in ("generate", "ingest", "broker")}
+    assert stopped["generate"] < stopped["ingest"] < stopped["broker"]
+
+    said: list[str] = []
+    sup = Supervisor([StageCommand("ingest", stage("ingest2"))], log_dir=tmp_path / "logs2", on_event=said.append)
+    sup.start()
+    _wait(lambda: sup.stages[0].last_log_line() == "up")
+    assert sup.stop(grace_s=10, drain=lambda: 7, drain_timeout_s=0.0) == {"ingest": 0}
+    assert "drain: 7 records still not consumed after 0 s; stopping the stages anyway" in said
+    with pytest.raises(ValueError, match="exclude"):
+        StageCommand("x", ("true",), stop_first=True, stop_last=True)
