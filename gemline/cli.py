@@ -399,7 +399,11 @@ def _train_continuous(args: argparse.Namespace) -> int:
         follow(lake, config.trainer, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch,
                on_result=show, nproc=args.nproc)
         return 0
-    show(run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc))
+    result = run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc)
+    show(result)
+    if not result.versions and result.waiting_for is not None:
+        print(f"train: nothing trained: examples@{result.waiting_for} is not validated yet; run `gemline validate "
+              "--table examples`, then this command again", file=sys.stderr)
     return 0
 
 

@@ -596,6 +596,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                                "auc": nan_to_none(click["auc"]), "ne": nan_to_none(click["ne"])})
         rows, losses_before = 0, len(counters.losses)
         counted = {"corrections": 0, "examples_final": 0}  # of ``rows``, for the lineage (lineage())
+        usable = [0]  # labels the loss may use (final, or trainer.final_labels off): 0 for every row is said
         clock = freshness.VersionClock()
 
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
@@ -619,6 +620,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                     final = data.final if data.final is not None else final_labels(table, tc.click_window_ms)
                     counted["corrections"] += int(corrected.sum())
                     counted["examples_final"] += int((final.all(axis=1) & ~_published_open(table) & ~corrected).sum())
+                    usable[0] += int(final.sum()) if tc.final_labels else final.size
                     position = cursor if version == cursor.version else start
                     seed = [tc.seed, version, position.file_index, position.row_offset]
                     order = np.random.default_rng(seed).permutation(len(data))
@@ -642,6 +644,11 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
             if rank == 0:
                 published = freshness.commit_times(lake) if published is None or version not in published else published
                 result.freshness += _measure(lake, run_id, measured, version, clock, published.get(version))
+        if rows and not usable[0] and rank == 0:
+            log.warning("examples@%d: every label of its %d rows is still open (label_window_closed false, the click "
+                        "window not passed: e.g. a `build --final` of less than a window of traffic), and "
+                        "trainer.final_labels=true masks open labels: nothing was learned from it; --set "
+                        "trainer.final_labels=false trains on the labels as logged", version, rows)
         losses = counters.losses[losses_before:]
         quality = "released" if version in skipped else "passed"
         if version in skipped:

@@ -440,3 +440,33 @@ def test_a_poll_with_nothing_new_builds_no_model_and_the_next_version_trains_as_
     mark_quality(lake, 1, passed=True)
     after = run_once(*trainer_args(_config(lake)))
     assert len(built) == 2 and [v["version"] for v in after.versions] == [1] and after.step > first.step
+
+
+def test_train_once_says_when_nothing_was_validated_or_every_label_was_masked(tmp_path, capsys, caplog):
+    """A never-validated version: exit 0 with one hint naming the command to run. A version whose labels are all
+    open (a `build --final` of less than a click window): trained, and one warning naming trainer.final_labels."""
+    from gemline.cli import main
+
+    lake = tmp_path / "lake"
+    table = synthetic_examples(["2026-01-01"], 100, seed=1)  # one day: no click window (1 day) passed within it
+    table = table.set_column(table.schema.get_field_index("label_window_closed"), "label_window_closed",
+                             pa.array([False] * table.num_rows))
+    _add(lake, 1, table=table, passed=None)
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    assert main(["train", "--once", "--lake", str(lake), *sets]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["train: nothing trained: examples@0 is not validated yet; run `gemline validate --table examples`, "
+                   "then this command again"]
+    mark_quality(lake, 0, passed=True)
+    with caplog.at_level("WARNING", logger="trainer.continuous"):
+        res = run_once(*trainer_args(_config(lake)))
+    assert res.versions[0]["rows_trained"] == 100
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.continuous"]
+    assert len(said) == 1 and "every label of its 100 rows is still open" in said[0] and \
+        "trainer.final_labels=false" in said[0], said
+    caplog.clear()
+    _add(lake, 2, table=table.set_column(table.schema.get_field_index("label_window_closed"), "label_window_closed",
+                                         pa.array([True] * table.num_rows)))
+    with caplog.at_level("WARNING", logger="trainer.continuous"):
+        run_once(*trainer_args(_config(lake)))
+    assert not [r for r in caplog.records if r.name == "trainer.continuous"], "closed labels: nothing to say"
