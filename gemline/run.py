@@ -249,9 +249,9 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
                     "--reset-topic`, recorded as `reset` in the events commit)")
                 _reset_topic(bootstrap, flags, sup.log_dir / "ingest.log")
                 if plan.generate_rate is not None:
-                    say(f"generate: generate.seed={config.generate.seed} sends the event ids it sent before: ingest "
-                        "drops them as duplicates (or dead-letters them as conflicts); set another generate.seed "
-                        "for new traffic")
+                    say(f"generate: if generate.seed={config.generate.seed} generated into this lake before, it sends "
+                        "the same event ids again: ingest drops them as duplicates (or dead-letters them as "
+                        "conflicts); another generate.seed sends new traffic")
         except BaseException:
             sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start
             raise

@@ -313,6 +313,8 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 (a drain that cannot measure must not block the stop)
                 self._say(f"drain: stopped ({exc}); stopping the stages")
                 return
+            if self.escalated:
+                return
             waited = time.monotonic() - started
             if left <= 0:
                 self._say(f"drain: every record in the broker is consumed ({waited:.1f} s)")
