@@ -64,7 +64,7 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
     """Convert a TOML value or a flag's text (:class:`FlagText`) to the field's declared type.
 
     A TOML value must already have the field's type (an int is taken for a float); only flag text is parsed
-    (``"64"`` -> 64, ``"yes"`` -> True, ``"64,32"`` or ``"[64, 32]"`` -> (64, 32)).
+    (``"64"`` -> 64, ``"true"`` -> True, ``"64,32"`` or ``"[64, 32]"`` -> (64, 32)).
 
     Raises:
         BadConfigError: a value of another type, or text that does not parse; the message names ``key``, the
@@ -106,11 +106,10 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, FlagText) and value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, FlagText) and value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise _wrong_type(key, "a boolean", value)
+        # true/false only, as TOML spells them: yes/on/1 would be a second spelling that a config file refuses
+        if isinstance(value, FlagText) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise _wrong_type(key, "a boolean (true or false)", value)
     if annotation in (int, float, str):
         # TOML's true is a Python int too, and 5 would pass str(): a typed TOML value of the wrong kind is refused.
         if annotation is str:

@@ -141,7 +141,7 @@ def _cli_error(argv: list[str], capsys) -> tuple[int, str]:
     ('[trainer]\nbatch_size = "64"\n',
      "trainer.batch_size: expected int, got '64' (a string in the TOML: write it without quotes)"),
     ('[trainer]\ncompile = "yes"\n',
-     "trainer.compile: expected a boolean, got 'yes' (a string in the TOML: write it without quotes)"),
+     "trainer.compile: expected a boolean (true or false), got 'yes' (a string in the TOML: write it without quotes)"),
     ('[trainer]\nlearning_rate = "0.01"\n',
      "trainer.learning_rate: expected float, got '0.01' (a string in the TOML: write it without quotes)"),
     ('[trainer]\nhidden_dims = ["64", "32"]\n',
@@ -158,7 +158,7 @@ def test_a_quoted_toml_value_is_refused_in_one_line(tmp_path, capsys, toml, mess
 
 
 def test_flag_text_is_still_parsed_into_the_field_type():
-    config = load_config(overrides={"trainer.batch_size": "64", "trainer.compile": "yes", "trainer.learning_rate": "0.5",
+    config = load_config(overrides={"trainer.batch_size": "64", "trainer.compile": "True", "trainer.learning_rate": "0.5",
                                     "trainer.hidden_dims": "128,16", "ingest.domains": "facebook,instagram"})
     assert (config.trainer.batch_size, config.trainer.compile, config.trainer.learning_rate) == (64, True, 0.5)
     assert (config.trainer.hidden_dims, config.ingest.domains) == ((128, 16), ("facebook", "instagram"))
@@ -189,3 +189,10 @@ def test_an_empty_lake_path_is_refused(capsys, argv):
     assert _cli_error(argv, capsys) == (
         2, "error: lake: expected a directory or an object-store URI, got '': pass --lake DIR or --set lake=DIR "
            "(default ./lake)\n")
+
+
+@pytest.mark.parametrize("text", ["yes", "no", "on", "off", "1", "0", "", "t"])
+def test_a_boolean_flag_is_true_or_false_only(capsys, text):
+    assert _cli_error(["--set", f"trainer.compile={text}"], capsys) == (
+        2, f"error: trainer.compile: expected a boolean (true or false), got {text!r}\n")
+    assert load_config(overrides={"trainer.compile": "false"}).trainer.compile is False
