@@ -60,6 +60,13 @@ def _wrong_type(key: str, expected: str, value: Any, fix: str = "write it withou
     return BadConfigError(f"{key}: expected {expected}, got {value!r}" + (f" (a string in the TOML: {fix})" if quoted else ""))
 
 
+def _expected(annotation: Any) -> str:
+    """How an error names a type: ``int``, or the values of a Literal (``'auto'``)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation))
+
+
 def coerce(value: Any, annotation: Any, key: str) -> Any:
     """Convert a TOML value or a flag's text (:class:`FlagText`) to the field's declared type.
 
@@ -79,15 +86,17 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
         if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in args):
             return None
+        arms = [arg for arg in args if arg is not type(None)]
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in arms:
             try:
                 return coerce(value, arg, key)
             except ValueError as exc:
                 errors.append(str(exc))
-        raise BadConfigError("; ".join(errors))
+        if len(errors) == 1:
+            raise BadConfigError(errors[0])
+        # One line for the whole union ("int or 'auto'"), not one per arm, each naming the key again.
+        raise BadConfigError(f"{key}: expected {' or '.join(_expected(arg) for arg in arms)}, got {value!r}")
     if origin is typing.Literal:
         if value not in args:
             raise BadConfigError(f"{key}: expected one of {args}, got {value!r}")

@@ -196,3 +196,10 @@ def test_a_boolean_flag_is_true_or_false_only(capsys, text):
     assert _cli_error(["--set", f"trainer.compile={text}"], capsys) == (
         2, f"error: trainer.compile: expected a boolean (true or false), got {text!r}\n")
     assert load_config(overrides={"trainer.compile": "false"}).trainer.compile is False
+
+
+def test_a_union_setting_is_refused_in_one_line_naming_every_choice(capsys):
+    assert _cli_error(["--set", "build.shards=AUTO"], capsys) == (
+        2, "error: build.shards: expected int or 'auto', got 'AUTO'\n")
+    assert load_config(overrides={"build.shards": "auto"}).build.shards == "auto"
+    assert load_config(overrides={"build.shards": "3"}).build.shards == 3
