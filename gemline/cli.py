@@ -541,8 +541,15 @@ def _at_least_one(text: str) -> int:
 
 
 def _seed_list(text: str) -> tuple[int, ...]:
-    """argparse type: comma-separated distinct ints (training seeds), at least one."""
-    seeds = tuple(int(x) for x in text.split(","))
+    """argparse type: comma-separated distinct ints >= 0 (training seeds: numpy's generators take no negative
+    one), at least one. An ArgumentTypeError (not a ValueError) so argparse prints its message, not this function's
+    name."""
+    try:
+        seeds = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are comma-separated integers >= 0, got {text!r}") from None
+    if min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"seeds must be >= 0, got {text!r}")
     if len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"seeds must be distinct, got {text}")
     return seeds

@@ -584,3 +584,15 @@ def test_known_harmless_log_lines_are_gone_and_other_lines_stay(tmp_path):
     for name in ("torch.fx._symbolic_trace", "great_expectations.data_context.types.base", "root"):
         assert sum(f"control line of {name}" in line for line in lines) == 1, proc.stderr
     assert len(lines) == 4, proc.stderr  # nothing else
+
+
+@pytest.mark.parametrize(("seeds", "message"), [
+    ("0,x", "argument --seeds: seeds are comma-separated integers >= 0, got '0,x'"),
+    ("-1", "argument --seeds: seeds must be >= 0, got '-1'"),
+    ("1,1", "argument --seeds: seeds must be distinct, got 1,1"),
+])
+def test_compare_seeds_are_distinct_non_negative_integers(tmp_path, capsys, seeds, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", "--lake", str(tmp_path / "lake"), f"--seeds={seeds}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.rstrip().endswith(message) and "_seed_list" not in err, err
