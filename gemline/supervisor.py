@@ -112,7 +112,7 @@ class StageState:
     permanent_exits: int = 0
     """Consecutive exits with :data:`PERMANENT_EXIT` without a healthy run in between."""
     last_error: str = ""
-    """The stage's last relayed ``error: ...`` line (its one-line error), or ''."""
+    """The stage's last relayed one-line error (its ``error: ...`` line without that prefix), or ''."""
     _log: IO[bytes] | None = field(default=None, repr=False)
     _read_to: int | None = field(default=None, repr=False)
     """Byte offset of the log up to which :meth:`new_log_lines` has read; None: not started (the log's end)."""
@@ -237,7 +237,7 @@ class Supervisor:
                     if RELAYED.match(line):
                         self._say(f"{stage.command.name}: {line}")
                         if line.startswith("error: "):
-                            stage.last_error = line
+                            stage.last_error = line.removeprefix("error: ")
             if stage.process is not None:
                 code = stage.process.poll()
                 if code is None:
@@ -258,8 +258,8 @@ class Supervisor:
                 if stage.permanent_exits >= self.max_permanent_exits:
                     stage.stopped = True
                     self.gave_up = (f"{stage.command.name} exited with exit {code} (a permanent error) "
-                                    f"{stage.permanent_exits} times in a row; not restarted: "
-                                    f"{stage.last_error or 'no error line'} (its log: {stage.log_path})")
+                                    f"{stage.permanent_exits} times in a row; not restarted. Its error: "
+                                    f"{stage.last_error or 'none printed'} (its log: {stage.log_path})")
                     self._say(f"{stage.command.name}: exited with {_describe(code)} after {ran:.1f} s; given up, "
                               "stopping the run")
                     continue

@@ -187,7 +187,7 @@ def test_a_stage_that_keeps_exiting_with_a_permanent_error_stops_the_run_with_it
                      log_dir=tmp_path / "logs", backoff_s=0.01, max_backoff_s=0.05, max_permanent_exits=3,
                      on_event=events.append)
     with pytest.raises(StageGaveUpError, match=r"ingest exited with exit 2 \(a permanent error\) 3 times in a "
-                                               r"row; not restarted: error: topic t does not exist"):
+                                               r"row; not restarted. Its error: topic t does not exist \(its log: "):
         sup.run(poll_interval_s=0.02, until=lambda: time.monotonic() > deadline, grace_s=5)
     assert counter.read_text() == "3", "exactly max_permanent_exits starts"
     assert [s.process for s in sup.stages] == [None, None] and sup.stages[1].last_exit_code == -signal.SIGTERM
