@@ -802,6 +802,12 @@ def _interrupted(command: str) -> int:
               "traffic again from its start: into the same topic, give it a later generate.start_ms (or another "
               "topic), else its events sit behind the first run's and go to late_events", file=sys.stderr)
         return 130
+    if command == "replay":
+        # A producer too, but of a dataset's own event ids: a rerun sends them again and ingest keeps one copy.
+        print(f"\ninterrupted: {command} stopped; the records it sent stay in the topic. Running it again sends the "
+              "dataset again from its start: ingest keeps one copy of each event id (a repeat within "
+              "ingest.dedup_window_ms of event time is dropped as a duplicate)", file=sys.stderr)
+        return 130
     # Every stage commits idempotently, so a rerun finishes an interrupted batch; no traceback.
     print(f"\ninterrupted: {command} stopped; run the same command again to finish "
           "(committed work is kept, a half-done batch is redone, nothing is written twice)", file=sys.stderr)

@@ -205,6 +205,12 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "interrupted: generate stopped; the records it sent stay in the topic" in err and "generate.start_ms" in err
     assert "run the same command again to finish" not in err
+    # neither does replay: a rerun sends the dataset again, and ingest drops the repeated event ids
+    monkeypatch.setattr(cli, "cmd_replay", interrupted)
+    assert cli.main(["replay", "--dataset", "movielens", "--bootstrap", "127.0.0.1:1"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: replay stopped; the records it sent stay in the topic" in err and "dedup_window_ms" in err
+    assert "run the same command again to finish" not in err
 
 
 def test_report_on_a_table_without_a_quality_suite_says_so(tmp_path, capsys):
