@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     log_path = Path(lake) / "_run" / "benchmark.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "gemline.cli", "run", "--broker-port", str(port), "--generate-rate", str(args.rate),
-               "--interval-s", str(args.interval_s), "--poll-interval-s", str(args.poll_interval_s), *flags]
+               "--interval-s", str(args.interval_s), "--poll-interval-s", str(args.poll_interval_s),
+               "--drain-timeout-s", "0", *flags]  # measured already: the stop need not wait for ingest's backlog
     print(f"lake {lake}; {' '.join(command[2:])}; stage logs in {lake}/_run/logs", flush=True)
     run_s = args.minutes * 60
     samples: list[Sample] = []
