@@ -227,21 +227,26 @@ class Supervisor:
                     and stage.restart_at is None and not stage.stopped and stage.process is None:
                 self._spawn(stage)
 
+    def _relay(self, stage: StageState) -> None:
+        if stage._log is None:
+            return
+        for line in stage.new_log_lines():
+            if RELAYED.match(line):
+                self._say(f"{stage.command.name}: {line}")
+                if line.startswith("error: "):
+                    stage.last_error = line.removeprefix("error: ")
+
     def poll(self) -> None:
         """Relay the stages' new warnings and errors (:data:`RELAYED`), notice exited processes, schedule their
         restarts, and start the restarts that are due."""
         now = self.clock()
         for stage in self.stages:
-            if stage._log is not None:
-                for line in stage.new_log_lines():
-                    if RELAYED.match(line):
-                        self._say(f"{stage.command.name}: {line}")
-                        if line.startswith("error: "):
-                            stage.last_error = line.removeprefix("error: ")
+            self._relay(stage)
             if stage.process is not None:
                 code = stage.process.poll()
                 if code is None:
                     continue
+                self._relay(stage)  # what it wrote between the read above and its exit (its error line)
                 ran = now - (stage.started_at or now)
                 stage.process, stage.started_at, stage.last_exit_code = None, None, code
                 if self.stopping or stage.stopped:
