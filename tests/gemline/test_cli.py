@@ -211,6 +211,13 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "interrupted: replay stopped; the records it sent stay in the topic" in err and "dedup_window_ms" in err
     assert "run the same command again to finish" not in err
+    # gemline run handles Ctrl-C itself (it stops its stages in order) and returns 130: the same advice, now true
+    # with the embedded broker too (a rerun starts ingest over on the new broker's topic: tests/gemline/test_run.py)
+    import gemline.run
+
+    monkeypatch.setattr(gemline.run, "run_pipeline", lambda config, plan: 130)
+    assert cli.main(["run", "--lake", str(tmp_path)]) == 130
+    assert "interrupted: run stopped; run the same command again to finish" in capsys.readouterr().err
 
 
 def test_report_on_a_table_without_a_quality_suite_says_so(tmp_path, capsys):
