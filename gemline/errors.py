@@ -16,6 +16,7 @@ its traceback. So raise one of these only where the message tells the user what 
     2     TableSpecError             a write names a table the registry lacks, or breaks its spec
     2     ingest.kafka_source.TopicChangedError   the topic is not the one the lake read
     2     ClusterJobTimeoutError     a Dask job did not finish in time, or its cluster had no worker
+    2     gemline.supervisor.StageGaveUpError   a stage of ``gemline run`` kept exiting 2
     3     gemline.gate.GateClosedError     the quality gate refuses a version a stage would read
     3     trainer.train.QuarantinedError      the quality gate refuses the examples version to train on
     4     RetentionGapError          Kafka retention deleted records before ingest read them
