@@ -253,7 +253,11 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
                         "the same event ids again: ingest drops them as duplicates (or dead-letters them as "
                         "conflicts); another generate.seed sends new traffic")
         except BaseException:
-            sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start
+            try:
+                sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start
+            except KeyboardInterrupt:  # a second Ctrl-C: kill it now rather than leave it
+                sup.escalate()
+                sup.stop(grace_s=0)
             raise
         say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
         drain = _ingest_lag(config, lake, bootstrap, sup) if broker and any(

@@ -229,3 +229,20 @@ def test_a_stopped_run_keeps_every_acknowledged_record_and_starts_again_on_its_o
     assert not any(line.startswith("ingest: exited") for line in said), said
     ids = [i for t in ("events", "late_events") for i in read_table(str(lake), t)["event_id"].to_pylist()]
     assert len(_ingested_keys(lake)) == len(ids) == len(set(ids)) == first + _produced(lake), "each record once"
+
+
+@pytest.mark.integration
+def test_a_ctrl_c_before_the_stages_start_leaves_no_broker(tmp_path, monkeypatch):
+    """Ctrl-C while the topic is being created (the embedded broker already up): the interrupt propagates (the CLI's
+    one line) and the broker is stopped, not left listening."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gemline.run, "ensure_topic", interrupted)
+    said: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(load_config(overrides={"lake": str(tmp_path / "lake")}), RunPlan(train=False),
+                     say=said.append, live=False)
+    pid = int(next(line for line in said if line.startswith("broker: started")).split("pid ")[1].rstrip(")"))
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
