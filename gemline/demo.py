@@ -27,6 +27,7 @@ from gemline.lake import Lake, is_remote, lake_fs
 from gemline.tables import Table as LakeTable
 from ingest.broker import EmbeddedBroker
 from ingest.datasets import EARLIEST_EVENT_MS
+from sequences.config import MS_PER_DAY
 from trainer.metrics import describe_undefined, nan_to_none
 
 log = logging.getLogger(__name__)
@@ -196,25 +197,34 @@ def run_demo(
     return _finish(config, console, run_id, summary, started)
 
 
-SHORT_WINDOWS_MS = {"openbandit": 3_600_000}
-"""Attribution windows (ms) of the datasets whose labels are known at the impression: the Open Bandit Dataset logs
-its click with its round and has no conversion, and spans 7 days, so the default 7-day conversion window would
-hold every example back to the last increment, leaving the continuous run (and its students) nothing to
-evaluate."""
+DATASET_WINDOWS_MS: dict[str, tuple[int, int]] = {
+    "openbandit": (3_600_000, 3_600_000),
+    "taobao": (MS_PER_DAY, MS_PER_DAY),
+}
+"""The demo's attribution windows (click, conversion; ms) of the datasets whose span the defaults (1 day, 7 days)
+do not fit. Open Bandit logs its click with its round, has no conversion and spans 7 days: the 7-day window
+would hold every example back to the last increment, leaving the continuous run (and its students) nothing to
+evaluate. The Taobao UserBehavior sample spans 9 days (2017-11-25 to 12-03, China time): under the 7-day
+conversion window a ``wait`` build publishes nothing until the 7th day, so the progressive protocol scored 92% of
+the rows with a model trained on the first 1.2 days' 6,309, and only the first 2 days' impressions (15,803 of
+75,872) ever had a closed window. One day keeps 840 of the 918 buys (92%) that follow a view of the same item within 7 days (carts: the
+click window is 1 day either way) and publishes each increment 1 day after its events (README, "Comparing models
+on the progressive protocol")."""
 
 
 def _dataset_windows(config: GemlineConfig, dataset: str) -> GemlineConfig:
-    """``config`` with the build's attribution windows of :data:`SHORT_WINDOWS_MS` for ``dataset``, where it keeps
+    """``config`` with the build's attribution windows of :data:`DATASET_WINDOWS_MS` for ``dataset``, where it keeps
     the default windows (a window set in the file or by --set stays)."""
-    window = SHORT_WINDOWS_MS.get(dataset)
+    windows = DATASET_WINDOWS_MS.get(dataset)
     defaults = type(config.build)()
-    if window is None or (config.build.click_window_ms, config.build.conversion_window_ms) != (
+    if windows is None or (config.build.click_window_ms, config.build.conversion_window_ms) != (
             defaults.click_window_ms, defaults.conversion_window_ms):
         return config
-    log.warning("demo: %s labels are known at the impression: build.click_window_ms and build.conversion_window_ms "
-                "are %d ms here (set either to keep your own)", dataset, window)
-    return dataclasses.replace(config, build=dataclasses.replace(config.build, click_window_ms=window,
-                                                                 conversion_window_ms=window))
+    click_ms, conversion_ms = windows
+    log.warning("demo: %s gets its own attribution windows: build.click_window_ms=%d, build.conversion_window_ms=%d "
+                "(set either to keep your own)", dataset, click_ms, conversion_ms)
+    return dataclasses.replace(config, build=dataclasses.replace(config.build, click_window_ms=click_ms,
+                                                                 conversion_window_ms=conversion_ms))
 
 
 def _increments(n: int, parts: int) -> list[tuple[int, int]]:
