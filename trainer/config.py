@@ -185,6 +185,15 @@ class GemConfig:
     pooled_history: bool = _PRESET
     """Add the mean of each history key's rows over the whole stored history (item, category, event type: 3 tokens)
     to the Wukong inputs, DLRM's bag-of-ids view of the history beside the attention over the newest events."""
+    wide: bool = True
+    """Add a wide part to the logits (Wide & Deep, Cheng et al. 2016, arXiv 1606.07792, section 3: a generalized linear
+    model trained jointly with the deep part): a linear term on the dense features, from zero, per task. On by
+    default: at three seeds it raised GEM's progressive click AUC on the Taobao sample from 0.565 to 0.630 (LR's
+    0.634) and on MovieLens from 0.7436 to 0.7483 (README "GEM's wide part"); False: the deep part alone (a GEM
+    checkpoint written under one setting does not resume under the other)."""
+    wide_learning_rate: float | None = None
+    """Adam rate of the wide part; None: ``trainer.learning_rate``, the rate the LR baseline's linear term trains at
+    (Wide & Deep gives each part its own optimiser, §3.3: FTRL for the wide, AdaGrad for the deep)."""
     kernel_backend: KernelBackendName = "reference"
     """Jagged kernels of the sequence arch: the PyTorch reference (CPU) or Triton (GPU)."""
     learning_rate: float | None = 1e-3
@@ -219,7 +228,7 @@ class GemConfig:
             raise BadConfigError(f"trainer.gem.recency_branches must be distinct lengths >= 0 (0: all), got {v['recency_branches']}")
         if v["same_domain_stream"] and not v["recency_branches"]:
             raise BadConfigError("trainer.gem.same_domain_stream needs trainer.gem.recency_branches (the pyramid reads one stream)")
-        for name in ("learning_rate", "embedding_learning_rate"):
+        for name in ("learning_rate", "embedding_learning_rate", "wide_learning_rate"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise BadConfigError(f"trainer.gem.{name} must be > 0 or none, got {getattr(self, name)}")
         if self.embedding_optimizer is not None and self.embedding_optimizer not in get_args(EmbeddingOptimizerName):
@@ -385,6 +394,12 @@ class TrainerConfig:
     def dense_learning_rate(self) -> float:
         """The Adam rate of ``model``'s dense part: ``gem.learning_rate`` for GEM when set, else ``learning_rate``."""
         own = self.gem.learning_rate if self.model == "gem" else None
+        return self.learning_rate if own is None else own
+
+    @property
+    def wide_learning_rate(self) -> float:
+        """The Adam rate of GEM's wide part (``gem.wide_learning_rate``, else ``learning_rate``)."""
+        own = self.gem.wide_learning_rate
         return self.learning_rate if own is None else own
 
     @property

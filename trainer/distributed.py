@@ -70,6 +70,7 @@ from trainer.data import SEQUENCE_KEYS, Batch, validate_batch
 from trainer.id_mapping import table_rows
 from trainer.labels import loss_terms
 from trainer.model import TwoTaskRanker, segment_mean_pool, segment_softmax_pool
+from trainer.models.gem import dense_param_groups
 from trainer.sparse_optim import fused_optimizer
 
 if TYPE_CHECKING:
@@ -362,10 +363,10 @@ def shard_ranker(model: Ranker, tc: TrainerConfig, world_size: int) -> ShardedRa
         getattr(inner, name).set_force_sum_reduction_for_comms(True)
     if tc.compile:
         compile_dense(inner)
-    dense_params = [p for name, p in dmp.named_parameters() if name.split(".")[0] in dense_modules]
+    dense_params = [(name, p) for name, p in dmp.named_parameters() if name.split(".")[0] in dense_modules]
     return ShardedRanker(
         model=dmp,
-        dense_optimizer=torch.optim.Adam(dense_params, lr=tc.dense_learning_rate),
+        dense_optimizer=torch.optim.Adam(dense_param_groups(tc, dense_params)),
         mesh=mesh,
         num_dense=model.num_dense,
         dense_modules=dense_modules,

@@ -50,6 +50,7 @@ from trainer.config import PrecisionName, TrainerConfig
 from trainer.data import Batch, EncodedExamples, iter_batches, make_batch, validate_batch
 from trainer.labels import loss_terms
 from trainer.models import build_model, encode_domains
+from trainer.models.gem import dense_param_groups
 from trainer.models.towers import RankingModel
 from trainer.prefetch import Prefetcher
 from trainer.sparse_optim import embedding_optimizer
@@ -283,12 +284,14 @@ def local_optimizers(tc: TrainerConfig, model: Ranker) -> dict[str, torch.optim.
     """``{"dense": Adam, "embeddings": trainer.embedding_optimizer}`` of a one-process ``model``, its tables switched
     to sparse gradients (:func:`sparse_table_gradients`).
 
-    Adam (as DLRM-v3 trains the dense part) gets ``dense_parameters()``, which leave out every table parameter.
+    Adam (as DLRM-v3 trains the dense part) gets ``dense_parameters()``, which leave out every table parameter, in
+    :func:`trainer.models.gem.dense_param_groups` (GEM's wide part at its own rate).
     """
     tables = model.embedding_parameters()
     sparse_table_gradients(model, tables)
+    dense = {id(p) for p in model.dense_parameters()}
     return {
-        "dense": torch.optim.Adam(model.dense_parameters(), lr=tc.dense_learning_rate),
+        "dense": torch.optim.Adam(dense_param_groups(tc, ((n, p) for n, p in model.named_parameters() if id(p) in dense))),
         "embeddings": embedding_optimizer(tc, tables),
     }
 

@@ -70,6 +70,9 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
         with pytest.raises(BadConfigError, match=f"ablation '{name}'.*changes nothing"):
             ablated_config(TrainerConfig(), name)
     assert ablated_config(TrainerConfig(), "final_labels").final_labels is False
+    assert ablated_config(TrainerConfig(), "wide").gem.wide is False  # on by default
+    with pytest.raises(BadConfigError, match="ablation 'wide'.*changes nothing"):
+        ablated_config(TrainerConfig(gem=GemConfig(wide=False)), "wide")
     narrow = replace(full, ids=replace(full.ids, widths="cardinality"))
     assert ablated_config(narrow, "widths").ids == full.ids
     with pytest.raises(BadConfigError, match="ablation 'widths'.*changes nothing"):
@@ -77,7 +80,7 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("interformer", "unknown ablation 'interformer'; known: collisions, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, widths"),
+    ("interformer", "unknown ablation 'interformer'; known: collisions, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, widths"),
     ("collisions", "ablation 'collisions' \\(trainer.ids.mapping=hash\\) changes nothing"),
 ])
 def test_an_unknown_or_empty_ablation_is_refused_before_training(tmp_path, name, message):
@@ -94,7 +97,7 @@ def test_cli_reports_an_unknown_ablation_in_one_line(tmp_path, capsys):
 
     assert main(["compare", "--set", f"lake={tmp_path}", "--ablate", "nope", "--json"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: unknown ablation 'nope'; known: collisions, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, widths"]
+    assert err == ["error: unknown ablation 'nope'; known: collisions, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, widths"]
 
 
 def test_compare_json_of_a_tiny_run_with_an_ablation(tmp_path):

@@ -127,3 +127,57 @@ def test_compare_max_versions_screens_the_first_versions_only(tmp_path):
                          max_versions=2)
     assert result.versions == [1]
     assert [r["rows"] for r in result.rows if r["task"] == "click"] == [40]
+
+
+@pytest.mark.parametrize("preset", ["gem_small", "gem_cpu"])
+def test_wide_part_adds_a_linear_term_on_the_dense_features(preset, encoded):
+    """Wide & Deep: with ``wide`` the logits are the deep part's plus W·dense + b per task; W and b start at zero, so
+    the untrained model scores as the same deep part without it."""
+    _, data = encoded
+    gem = replace(SMALL.gem, preset=preset, max_sequence_len=4, recency_branches=(2, 0) if preset == "gem_cpu" else None,
+                  attention_len=2)
+    rows = np.arange(6)
+    batch = make_batch(data, rows)
+    domains = torch.tensor([0, 1, 0, 1, 0, 1])
+    torch.manual_seed(0)
+    deep = build_model(replace(SMALL, gem=replace(gem, wide=False)), data.dense.shape[1], ("feed", "reels")).eval()
+    torch.manual_seed(0)
+    wide = build_model(replace(SMALL, gem=replace(gem, wide=True)), data.dense.shape[1], ("feed", "reels")).eval()
+    with torch.no_grad():
+        before = wide(batch.sparse, batch.sequence, batch.dense, domains)
+        assert torch.equal(before, deep(batch.sparse, batch.sequence, batch.dense, domains))
+        weight = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.25, -0.5]])
+        wide.dense_arch.wide.weight.copy_(weight)
+        wide.dense_arch.wide.bias.copy_(torch.tensor([0.1, -0.2]))
+        after = wide(batch.sparse, batch.sequence, batch.dense, domains)
+    dense = batch.dense.double().numpy()
+    expected = dense @ weight.double().numpy().T + np.array([0.1, -0.2])
+    np.testing.assert_allclose((after - before).double().numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert "wide.weight" in {n.split("dense_arch.")[-1] for n, _ in wide.named_parameters()}
+    # The wide part draws nothing from the RNG: every other parameter is the deep model's, value for value.
+    deep_state = deep.state_dict()
+    assert all(torch.equal(v, deep_state[k]) for k, v in wide.state_dict().items() if ".wide." not in k)
+    assert any(p is wide.dense_arch.wide.weight for p in wide.dense_parameters())
+
+
+def test_wide_part_trains_at_its_own_rate():
+    from gemline.errors import BadConfigError
+    from trainer.loop import local_engine
+
+    torch.manual_seed(0)
+    engine = local_engine(replace(SMALL, learning_rate=3e-3, gem=replace(SMALL.gem, learning_rate=1e-3, wide=True)),
+                          3, ("feed",), None)
+    deep, wide = engine.optimizers["dense"].param_groups
+    assert (deep["lr"], wide["lr"]) == (1e-3, 3e-3)  # the wide part at the LR baseline's rate by default
+    linear = engine.model.dense_arch.wide
+    assert [p.shape for p in wide["params"]] == [(2, 3), (2,)]
+    assert wide["params"][0] is linear.weight and not any(p is linear.weight for p in deep["params"])
+    assert GemConfig().wide  # on by default (README "GEM's wide part")
+    own = local_engine(replace(SMALL, gem=replace(SMALL.gem, wide=True, wide_learning_rate=5e-4)), 3, ("feed",), None)
+    assert own.optimizers["dense"].param_groups[1]["lr"] == 5e-4
+    # Without the wide part (and for DLRM) one group, as before.
+    deep_only = replace(SMALL, gem=replace(SMALL.gem, wide=False))
+    assert len(local_engine(deep_only, 3, ("feed",), None).optimizers["dense"].param_groups) == 1
+    assert len(local_engine(replace(SMALL, model="dlrm"), 3, ("feed",), None).optimizers["dense"].param_groups) == 1
+    with pytest.raises(BadConfigError, match="trainer.gem.wide_learning_rate must be > 0"):
+        GemConfig(wide_learning_rate=0.0)

@@ -24,8 +24,8 @@ stream through a pyramid of causal attention layers (:class:`trainer.models.inte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from torchrec import KeyedJaggedTensor
 from kernels.segments import token_rows
 from kernels.types import Jagged
 from sequences.schema import SPARSE_FEATURES
-from trainer.config import GemConfig
+from trainer.config import GemConfig, TrainerConfig
 from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_KEYS, TIME_BUCKETS_KEY
 from trainer.models.interformer import BranchedInterFormer, InterFormer
 from trainer.models.sequence import SequenceStream, SequenceSummary, keep_newest
@@ -268,6 +268,13 @@ class GemDenseArch(nn.Module):
         else:
             self.towers = DomainTowers(hidden_dims[-1], tower_hidden, num_domains)
         self.num_dense = num_dense
+        # The wide part (Wide & Deep §3): a logistic regression on the dense features beside the deep stack, from zero
+        # as LR's (trainer.models.baselines), so the untrained model is the deep part alone. skip_init: no draw from
+        # the RNG, so every other parameter and the data order are those of the same seed without it.
+        self.wide = nn.utils.skip_init(nn.Linear, max(num_dense, 1), 2) if config.wide else None
+        if self.wide is not None:
+            nn.init.zeros_(self.wide.weight)
+            nn.init.zeros_(self.wide.bias)
 
     def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
@@ -312,9 +319,23 @@ class GemDenseArch(nn.Module):
             interaction, _, summary = self.interformer(interaction_in, tokens, target)
         hidden = self.backbone(torch.cat([interaction, summary], dim=1).flatten(1))
         if isinstance(self.towers, nn.ModuleList):
-            return torch.cat([tower(layer(hidden), domain_ids, validate=False)
-                              for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
-        return self.towers(hidden, domain_ids, validate=False)
+            logits = torch.cat([tower(layer(hidden), domain_ids, validate=False)
+                                for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
+        else:
+            logits = self.towers(hidden, domain_ids, validate=False)
+        return logits if self.wide is None else logits + self.wide(dense)
+
+
+def dense_param_groups(tc: TrainerConfig, named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    """Adam parameter groups of a model's dense parameters ``named`` (name, parameter): GEM's wide part
+    (``dense_arch.wide``, :class:`GemDenseArch`) at ``tc.wide_learning_rate``, the rest at ``tc.dense_learning_rate``;
+    one group when there is no wide part (every model but GEM with ``trainer.gem.wide``)."""
+    deep: list[nn.Parameter] = []
+    wide: list[nn.Parameter] = []
+    for name, param in named:
+        (wide if name.split(".")[:2] == ["dense_arch", "wide"] else deep).append(param)
+    groups: list[dict[str, Any]] = [{"params": deep, "lr": tc.dense_learning_rate}]
+    return groups + ([{"params": wide, "lr": tc.wide_learning_rate}] if wide else [])
 
 
 class GemModel(RankingModel):
