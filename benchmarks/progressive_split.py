@@ -11,8 +11,8 @@ sets every dense feature to 0 (in training and scoring), to see which inputs a r
 
 Why: with ``wait`` labels and a 7-day window, the Taobao sample (9 days) publishes 92% of its rows in the
 last commit, judged by a model of 13 steps on the first 1.2 days' rows (README, "Comparing models on the
-progressive protocol"); the demo now builds that sample with 1-day windows, "The Taobao split repaired"). Prints
-one line per (seed, steps).
+progressive protocol"). The demo now builds that sample with 1-day windows (README, "The Taobao split
+repaired"). Prints one line per (seed, steps).
 """
 
 from __future__ import annotations
