@@ -210,7 +210,7 @@ def load_checkpoint(
             f"checkpoint {path} was written with other optimisers ({named}): resume with {hint}, "
             "or start a new run with --from-scratch"
         )
-    model.load_state_dict(payload["model"])
+    _load_model(path, model, payload["model"])
     for name, opt in optimizers.items():
         opt.load_state_dict(payload["optimizers"][name])
     rng = payload["rng"]
@@ -235,8 +235,32 @@ def load_weights(path: str | Path, model: nn.Module) -> TrainState:
     path = Path(path)
     if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
-    model.load_state_dict(torch.load(path / "state.pt", weights_only=False, map_location="cpu")["model"])
+    _load_model(path, model, torch.load(path / "state.pt", weights_only=False, map_location="cpu")["model"])
     return read_state(path)
+
+
+def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any]) -> None:
+    """``model.load_state_dict(saved)``, refusing first, in one line, a checkpoint of another model shape (parameters
+    missing or extra: another ``trainer.model`` or GEM switch, e.g. a GEM checkpoint from before its wide part).
+
+    Raises:
+        gemline.errors.BadConfigError: parameter names differ (the first few of each side are named).
+        RuntimeError: same names, other shapes (torch's message).
+    """
+    built = set(model.state_dict())
+    missing, extra = sorted(built - set(saved)), sorted(set(saved) - built)
+    if missing or extra:
+        def few(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names else "none"
+
+        hint = (" (a GEM checkpoint from before its wide part resumes with --set trainer.gem.wide=false)"
+                if any(".wide." in name for name in missing) else "")
+        raise BadConfigError(
+            f"checkpoint {path} holds another model: this run's model has parameters the checkpoint lacks "
+            f"({few(missing)}) and the checkpoint has parameters this model lacks ({few(extra)}); resume with the "
+            f"settings that wrote it{hint}, or start a new run with --from-scratch"
+        )
+    model.load_state_dict(saved)
 
 
 def _save_remote(lake: Lake | str | Path, state: TrainState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],

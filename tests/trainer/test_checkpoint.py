@@ -105,3 +105,33 @@ def test_load_rejects(tmp_path):
     path = save_checkpoint(tmp_path, TrainState(step=1, examples_seen=0, examples_version=0), model, optimizers)
     with pytest.raises(ValueError, match="optimisers"):
         load_checkpoint(path, model, {"dense": optimizers["dense"]})
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self, wide: bool) -> None:
+        super().__init__()
+        self.deep = torch.nn.Linear(4, 2)
+        self.dense_arch = torch.nn.ModuleDict({"wide": torch.nn.Linear(4, 2)} if wide else {})
+
+
+def test_load_refuses_another_model_in_one_line(tmp_path):
+    """A checkpoint of another model shape is a BadConfigError naming the parameters and the way back, not torch's
+    multi-line state-dict message; the model keeps its own parameters."""
+    from gemline.errors import BadConfigError
+
+    old = _Deep(wide=False)
+    path = save_checkpoint(tmp_path, TrainState(step=1, examples_seen=0, examples_version=0), old, {})
+    new = _Deep(wide=True)
+    before = {k: v.clone() for k, v in new.state_dict().items()}
+    with pytest.raises(BadConfigError, match=r"lacks \(dense_arch\.wide\.bias, dense_arch\.wide\.weight\).*"
+                                             r"lacks \(none\).*trainer\.gem\.wide=false") as err:
+        load_checkpoint(path, new, {})
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in new.state_dict().items())
+    # The other way round: extra saved parameters, no wide hint.
+    path = save_checkpoint(tmp_path, TrainState(step=2, examples_seen=0, examples_version=0), new, {})
+    with pytest.raises(BadConfigError, match=r"lacks \(none\).*lacks \(dense_arch\.wide\.bias, "
+                                             r"dense_arch\.wide\.weight\); resume with the settings that wrote it, "):
+        load_checkpoint(path, _Deep(wide=False), {})
+    # Same names, the same model: loads.
+    load_checkpoint(path, _Deep(wide=True), {})
