@@ -13,6 +13,8 @@ Three parts, each printing its rows as they finish (flushed, so a long run shows
    the speed-up. Before timing, both outputs (and the Triton gradients) are compared with
    the reference twin on a subset of rows whose float32 reference fits in memory (its
    bytes are estimated first; rows that would not fit are skipped and counted).
+   On CPU, :func:`cpu_attention_benchmark` instead times the dispatcher's "sdpa" twin (the fast
+   path the CPU trainer runs) against the reference, forward and forward+backward, same process.
 3. The memory-bound ops (to_padded, segment_sum, softmax): padded PyTorch, the jagged
    reference, fbgemm (``torch.ops.fbgemm`` after ``import fbgemm_gpu``) and Triton on
    CUDA, each output compared with the reference before it is timed.
@@ -375,6 +377,67 @@ def attention_benchmark(
     return results
 
 
+def cpu_attention_benchmark(
+    batch: int,
+    max_len: int,
+    sparsity: float,
+    repeats: int,
+    *,
+    heads: int = 2,
+    head_dim: int = 8,
+    window: int | None = None,
+    seed: int = 0,
+    echo: Echo | None = _print,
+) -> list[dict[str, Any]]:
+    """The "sdpa" causal attention twin against the reference on CPU, through the dispatcher, in float32.
+
+    Defaults are gem_small's shape (trainer.embedding_dim 16 over 2 heads; rows up to max_sequence_len 32
+    at B=512 in the trainer). Both outputs and gradients are compared first (float32 atol/rtol 1e-4, see
+    :data:`TOLERANCE`). Passes: "fwd" under ``torch.inference_mode`` (progressive evaluation), "fwd+bwd"
+    (a training step). Returns one dict per pass with reference_ms, sdpa_ms (median wall ms; run both in
+    the same process, a busy machine moves both) and speedup (reference_ms / sdpa_ms, > 1: sdpa faster).
+    """
+    from kernels.causal_attention import causal_attention
+
+    lengths = draw_lengths(batch, max_len, sparsity, seed)
+    gen = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(int(lengths.sum()), heads, head_dim, generator=gen) for _ in range(3)]
+    offsets = Jagged.from_lengths(qkv[0], lengths).offsets
+    upstream = torch.randn(qkv[0].shape, generator=gen)
+    leaves = [t.detach().requires_grad_(True) for t in qkv]
+
+    def fwd(backend: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+        j = [Jagged(t, offsets) for t in inputs]
+        return causal_attention(*j, window=window, backend=backend).values  # type: ignore[arg-type]
+
+    def train(backend: str) -> tuple[torch.Tensor, ...]:
+        out = fwd(backend, leaves)
+        return (out, *torch.autograd.grad(out, leaves, upstream))
+
+    def infer(backend: str) -> Callable[[], object]:
+        def run() -> object:
+            with torch.inference_mode():
+                return fwd(backend, qkv)
+
+        return run
+
+    parity = _worst([_err(g, r, torch.float32) for g, r in zip(train("sdpa"), train("reference"))])
+    cpu = torch.device("cpu")
+    results = []
+    for name, ref, fast in (("fwd", infer("reference"), infer("sdpa")),
+                            ("fwd+bwd", partial(train, "reference"), partial(train, "sdpa"))):
+        ref_ms, sdpa_ms = time_ms(ref, repeats, cpu), time_ms(fast, repeats, cpu)
+        row = {"op": "causal_attention_cpu", "pass": name, "batch": batch, "max_len": max_len, "sparsity": sparsity,
+               "heads": heads, "head_dim": head_dim, "window": window, "reference_ms": ref_ms, "sdpa_ms": sdpa_ms,
+               "speedup": ref_ms / sdpa_ms, "parity": parity}
+        results.append(row)
+        if echo is not None:
+            echo(f"cpu attention B={batch} L_max={max_len} H={heads} Dh={head_dim} window={window} {name:<7} "
+                 f"reference {ref_ms:8.3f} ms  sdpa {sdpa_ms:8.3f} ms  speed-up {row['speedup']:5.2f}x  "
+                 f"(parity: max abs err {parity['max_abs_err']:.1e}, {'ok' if parity['ok'] else 'FAIL'})")
+    return results
+
+
 def _no_grad(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
         with torch.no_grad():
@@ -529,6 +592,11 @@ def main(argv: list[str] | None = None) -> None:
         _print("Triton runs in its CPU interpreter here: the parity checks count, the timings and speed-ups do not")
     report = parity_report(args.device, dtype, tiny=args.tiny or args.device == "cpu", seed=args.seed)
     _print(f"parity {'ok' if report['ok'] else 'FAILED'} in {report['seconds']:.1f} s")
+    if args.device == "cpu":
+        for max_len in args.max_len:
+            for window in (None, 8):
+                cpu_attention_benchmark(args.batch, max_len, args.sparsity, args.repeats, heads=args.heads,
+                                        head_dim=args.head_dim, window=window, seed=args.seed)
     if args.device != "cpu" or args.tiny:
         for max_len in args.max_len:
             attention_benchmark(args.device, args.batch, max_len, args.sparsity, dtype, args.repeats,

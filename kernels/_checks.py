@@ -7,10 +7,10 @@ from kernels.types import BACKENDS, Jagged, validate_jagged
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_backend(backend: str) -> None:
-    """Raise ValueError unless backend is "reference" or "triton"."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def check_backend(backend: str, allowed: tuple[str, ...] = BACKENDS) -> None:
+    """Raise ValueError unless backend is one of ``allowed`` (default: "reference" or "triton")."""
+    if backend not in allowed:
+        raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
 
 
 def check_float(t: torch.Tensor, name: str) -> None:

@@ -10,7 +10,8 @@ import math
 
 from kernels._checks import check_attention_shapes, check_backend, check_jagged_float, check_same_offsets
 from kernels.reference import causal_attention as _ref
-from kernels.types import Backend, Jagged
+from kernels.sdpa import causal_attention as _sdpa
+from kernels.types import ATTENTION_BACKENDS, AttentionBackend, Jagged
 
 
 def causal_attention(
@@ -20,17 +21,19 @@ def causal_attention(
     *,
     window: int | None = None,
     scale: float | None = None,
-    backend: Backend = "reference",
+    backend: AttentionBackend = "reference",
     validate: bool = True,
 ) -> Jagged:
     """``q, k, v .values (T, H, Dh)`` sharing offsets -> Jagged ``(T, H, Dh)`` in q's dtype.
 
     scale None means 1/sqrt(Dh); window None means full causal. Differentiable in
     q, k, v. Raises ValueError on shape/offset mismatch or window < 1, TypeError on
-    non-float or mixed dtypes. ``validate=False`` skips the checks that read offsets (host syncs, graph breaks
-    under torch.compile), for callers whose offsets were validated where the batch was built.
+    non-float or mixed dtypes. backend: "reference" (the oracle), "sdpa" (its fused PyTorch twin, the CPU
+    fast path, benchmarks.kernels ``--cpu-attention``) or "triton" (CUDA). ``validate=False`` skips the checks
+    that read offsets (host syncs, graph breaks under torch.compile), for callers whose offsets were validated
+    where the batch was built.
     """
-    check_backend(backend)
+    check_backend(backend, ATTENTION_BACKENDS)
     if validate:
         check_jagged_float(q, "q")
     if q.values.dim() != 3:
@@ -49,6 +52,8 @@ def causal_attention(
     max_len = q.max_length()
     if backend == "reference":
         out = _ref.causal_attention(q.values, k.values, v.values, q.offsets, max_len, window, scale)
+    elif backend == "sdpa":
+        out = _sdpa.causal_attention(q.values, k.values, v.values, q.offsets, max_len, window, scale)
     else:
         from kernels.triton.causal_attention import causal_attention as _tri
 

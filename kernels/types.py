@@ -17,6 +17,12 @@ Backend = Literal["reference", "triton"]
 
 BACKENDS: tuple[Backend, ...] = ("reference", "triton")
 
+AttentionBackend = Literal["reference", "sdpa", "triton"]
+"""Causal attention's twins: :data:`Backend`'s, plus "sdpa", PyTorch's fused
+``scaled_dot_product_attention`` on one padded copy (kernels.sdpa; the CPU fast path)."""
+
+ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("reference", "sdpa", "triton")
+
 
 @dataclass(frozen=True)
 class Jagged:

@@ -74,3 +74,12 @@ def test_cuda_without_cuda_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cuda"])
     assert "torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_cpu_attention_benchmark_checks_parity_then_times_both():
+    rows = bench.cpu_attention_benchmark(5, 12, 0.3, 1, window=3, echo=None)
+    assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+    for r in rows:
+        assert r["parity"]["ok"] and r["parity"]["ref_max"] > 0.1, r
+        assert r["reference_ms"] > 0 and r["sdpa_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["reference_ms"] / r["sdpa_ms"])

@@ -29,7 +29,7 @@ from torch import nn
 from kernels.causal_attention import causal_attention
 from kernels.segments import token_rows
 from kernels.target_attention import target_attention
-from kernels.types import Backend, Jagged
+from kernels.types import AttentionBackend, Backend, Jagged
 
 
 def pyramid_lengths(lengths: torch.Tensor, ratio: float, layer: int) -> torch.Tensor:
@@ -94,7 +94,7 @@ class SequenceLayer(nn.Module):
     Args:
         dim: D.
         heads: H (must divide D).
-        backend: jagged kernel backend ("reference" on CPU).
+        backend: jagged kernel backend ("reference" on CPU: causal attention then runs its "sdpa" twin).
         pffn_rank: r (0: the gate).
     """
 
@@ -103,6 +103,9 @@ class SequenceLayer(nn.Module):
         if dim % heads:
             raise ValueError(f"model width {dim} must be divisible by heads={heads}")
         self.dim, self.heads, self.backend, self.pffn_rank = dim, heads, backend, pffn_rank
+        # The reference kernels' causal attention runs through its fused twin (tested equal in
+        # tests/kernels/test_sdpa_twin.py): forward+backward about 2x cheaper on CPU (benchmarks.kernels).
+        self.attention_backend: AttentionBackend = "sdpa" if backend == "reference" else backend
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.attn_out = nn.Linear(dim, dim)
@@ -124,8 +127,8 @@ class SequenceLayer(nn.Module):
             raise ValueError(f"condition must be (B={x.batch_size}, D={self.dim}), got {tuple(condition.shape)}")
         num_tokens, head_dim = x.num_tokens, self.dim // self.heads
         q, k, v = self.qkv(self.attn_norm(x.values)).view(num_tokens, 3, self.heads, head_dim).unbind(1)
-        attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v), backend=self.backend,
-                                    validate=False)
+        attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v),
+                                    backend=self.attention_backend, validate=False)
         h = x.values + self.attn_out(attended.values.reshape(num_tokens, self.dim))
         rows = token_rows(x.offsets, num_tokens)
         if self.pffn_rank == 0:
