@@ -107,3 +107,25 @@ def test_sparse_table_gradients_update_only_the_rows_looked_up_and_match_dense_a
     assert untouched and all(rows.any() for _, rows in untouched), "rows no batch looked up keep their values"
     for name, rows in untouched:
         assert torch.equal(after[name][rows], reference[name][rows]), name
+
+
+def test_predict_runs_in_eval_and_inference_mode_and_matches_a_grad_forward():
+    """predict's probabilities equal sigmoid of the model's forward with autograd on (the same rows, one batch),
+    it ran under torch.inference_mode in eval mode, and it hands the model back in train mode."""
+    from trainer.loop import forward as loop_forward
+    from trainer.loop import predict, prepare_batch
+
+    table = synthetic_examples(["2026-01-01"], 40, seed=2)
+    data = encode_examples(table, 50, fit_normalizer(table))
+    tc = TrainerConfig(model="dlrm", num_embeddings=50, embedding_dim=4, hidden_dims=(8,), batch_size=16)
+    torch.manual_seed(0)
+    model = local_engine(tc, data.dense.shape[1], ("feed", "marketplace", "reels"), None).model
+    seen: list[tuple[bool, bool]] = []
+    hook = model.register_forward_pre_hook(lambda m, _: seen.append((torch.is_inference_mode_enabled(), m.training)))
+    probs = predict(model, data, 16)
+    hook.remove()
+    assert seen == [(True, False)] * 3 and model.training  # 40 rows in batches of 16
+    model.eval()
+    expected = torch.sigmoid(loop_forward(model, prepare_batch(model, make_batch(data, np.arange(40))))).double()
+    assert expected.requires_grad  # the reference ran with autograd on
+    np.testing.assert_allclose(probs, expected.detach().numpy(), rtol=1e-6, atol=1e-7)
