@@ -847,21 +847,24 @@ def compact_state(lake: str, table: str, hygiene: HygieneConfig, *,
     return int(dt.optimize.compact(target_size=STATE_FILE_BYTES, writer_properties=groups).get("numFilesRemoved", 0))
 
 
-def build_hygiene(build: BuildConfig) -> HygieneConfig:
+def build_hygiene(build: BuildConfig, *, auto_shards: bool = False) -> HygieneConfig:
     """The hygiene :func:`run_build` applies to the build tables: ``build.hygiene`` with
     ``compact_min_files`` raised to at least 2 x ``build.shards`` + 1.
 
     Each build writes up to one file per shard into a partition, so a lower threshold would
-    compact after every build or two; a raised value is logged as a warning naming the key, the
-    configured value and the value used.
+    compact after every build or two; a raised value is logged naming the key, the configured value
+    and the value used: a warning when the shard count was set (``build.shards`` a number), at INFO when
+    ``build.shards = "auto"`` chose it (``auto_shards``: nothing the user set conflicts, and the count
+    changes with the data, so "set it to >= N" would be no advice).
     """
     floor = 2 * build.shard_count + 1
     configured = build.hygiene.compact_min_files
     if configured >= floor:
         return build.hygiene
-    log.warning("build.hygiene.compact_min_files=%d is overridden at run time: using %d (2 x build.shards + 1; "
-                "a build writes up to one file per shard into a partition); set it to >= %d to silence this",
-                configured, floor, floor)
+    log.log(logging.INFO if auto_shards else logging.WARNING,
+            "build.hygiene.compact_min_files=%d is overridden at run time: using %d (2 x build.shards + 1; "
+            "a build writes up to one file per shard into a partition); set it to >= %d to silence this",
+            configured, floor, floor)
     return dataclasses.replace(build.hygiene, compact_min_files=floor)
 
 
@@ -1054,7 +1057,7 @@ def run_build(
     if config.shards == "auto":
         log.info("build %d: %d shard(s) for %d new events (build.shards = auto, build.memory_budget_bytes = %d, "
                  "%d at once)", build, shards, len(new_times), config.memory_budget_bytes, min(parallel, shards))
-    config = dataclasses.replace(config, shards=shards)
+    auto_shards, config = config.shards == "auto", dataclasses.replace(config, shards=shards)
     # Workers write data files straight into the tables (uncommitted) and list them in manifests;
     # DirectRunner workers share this machine's disk, so a remote lake keeps its manifests in a
     # local temp dir (multi-machine runners need a shared one).
@@ -1106,7 +1109,7 @@ def run_build(
             storage_options=opts, removes=removes,
         )
     shutil.rmtree(staging, ignore_errors=True)
-    hygiene = build_hygiene(config)
+    hygiene = build_hygiene(config, auto_shards=auto_shards)
     row_state = {table for table, _ in _ROW_STATE.values()}
     for name in _OUTPUTS:
         if name in row_state:

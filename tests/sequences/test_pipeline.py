@@ -111,17 +111,21 @@ def test_run_build_without_impressions_writes_empty_typed_examples(tmp_path, mak
     assert committed_version(lake, "examples", "build") == 0 and open_table(lake, "examples").version() == 1
 
 
+@pytest.mark.parametrize("auto_shards", [False, True])
 @pytest.mark.parametrize(("shards", "configured", "used"), [(8, 16, 17), (8, 2, 17), (4, 16, 16), (8, 17, 17)])
-def test_build_hygiene_raises_compact_min_files_with_a_warning(caplog, shards, configured, used):
-    """run_build compacts at >= 2 x shards + 1 files; raising a configured value is logged, naming the key."""
+def test_build_hygiene_raises_compact_min_files_with_a_warning(caplog, shards, configured, used, auto_shards):
+    """run_build compacts at >= 2 x shards + 1 files; raising a configured value is logged, naming the key: a
+    warning for a shard count the user set, INFO for one build.shards = "auto" chose."""
     from gemline.hygiene import HygieneConfig
     from sequences.pipeline import build_hygiene
 
     build = BuildConfig(shards=shards, hygiene=HygieneConfig(compact_min_files=configured, checkpoint_every=3))
-    with caplog.at_level("WARNING", logger="sequences.pipeline"):
-        hygiene = build_hygiene(build)
+    with caplog.at_level("INFO", logger="sequences.pipeline"):
+        hygiene = build_hygiene(build, auto_shards=auto_shards)
     assert hygiene == HygieneConfig(compact_min_files=used, checkpoint_every=3)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "sequences.pipeline" and r.levelname == "WARNING"]
+    level = "INFO" if auto_shards else "WARNING"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sequences.pipeline" and r.levelname == level]
+    assert not [r for r in caplog.records if r.name == "sequences.pipeline" and r.levelname not in (level, "DEBUG")]
     if used == configured:
         assert warnings == [] and hygiene is build.hygiene
     else:
