@@ -284,25 +284,23 @@ def test_auto_shards_keep_a_shard_within_the_memory_budget(config, rows, shards)
 
 @pytest.mark.parametrize(("config", "rows", "parallel", "shards"), [
     (BuildConfig(), 0, 2, 1),
-    (BuildConfig(), 99_999, 2, 1),  # fewer than 2 x PARALLEL_MIN_SHARD_ROWS: one shard, one core
-    (BuildConfig(), 100_000, 2, 2),
-    (BuildConfig(), 200_000, 2, 2),  # 2 at once x 100,000 x 2,560 B = 488 MiB
-    (BuildConfig(), 200_000, 16, 4),  # every shard keeps 50,000 rows
-    (BuildConfig(), 419_430, 2, 2),  # 2 at once x 209,715 x 2,560 = 1,073,740,800 B: just within 2**30
+    (BuildConfig(), 200_000, 2, 1),  # all rows fit the budget: one shard (two at once were slower, issue 15)
+    (BuildConfig(), 200_000, 16, 1),
+    (BuildConfig(), 419_430, 2, 1),  # 419,430 x 2,560 = 1,073,740,800 B: just within 2**30
     (BuildConfig(), 419_431, 2, 4),  # 3 would fit; a multiple of 2 keeps both cores busy in the last round
     (BuildConfig(), 2_555_249, 2, 14),  # 13 by memory (2 at once), rounded up to a multiple of 2
     (BuildConfig(), 2_555_249, 3, 21),
     (BuildConfig(shards=3), 10**6, 2, 3),  # a number is kept
 ])
 def test_auto_shards_share_the_memory_budget_between_parallel_steps(config, rows, parallel, shards):
-    """``build.parallelism`` P: P shard steps at once hold the budget together, and a build with enough rows
-    gets P shards (a multiple of P) so every core works; P = 1 is the sequential count."""
-    from sequences.pipeline import PARALLEL_MIN_SHARD_ROWS, SHARD_BYTES_PER_ROW, shards_for
+    """``build.parallelism`` P: P shard steps at once hold the budget together; a build that needs several shards
+    gets a multiple of P so every core works, one that fits the budget one shard; P = 1 is the sequential count."""
+    from sequences.pipeline import SHARD_BYTES_PER_ROW, shards_for
 
     assert shards_for(config, rows, parallel=parallel) == shards
     if config.shards == "auto" and shards > 1:
         assert min(parallel, shards) * -(-rows // shards) * SHARD_BYTES_PER_ROW <= config.memory_budget_bytes
-        assert rows // shards >= min(PARALLEL_MIN_SHARD_ROWS, rows // shards_for(config, rows))
+        assert rows * SHARD_BYTES_PER_ROW > config.memory_budget_bytes  # split only where one shard would not fit
 
 
 def test_parallelism_auto_is_the_cores():
