@@ -90,6 +90,9 @@ class DistributedConfig:
 
 
 GemPresetName = Literal["gem_small", "gem_cpu", "gem"]
+
+WideName = Literal["dense", "full"]
+"""``trainer.gem.wide``'s modes besides true (= "dense") and false: see :attr:`GemConfig.wide`."""
 """``trainer.gem.preset``: the shape every unset ``trainer.gem.*`` key takes (:data:`GEM_PRESETS`)."""
 
 GEM_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
@@ -185,12 +188,16 @@ class GemConfig:
     pooled_history: bool = _PRESET
     """Add the mean of each history key's rows over the whole stored history (item, category, event type: 3 tokens)
     to the Wukong inputs, DLRM's bag-of-ids view of the history beside the attention over the newest events."""
-    wide: bool = True
-    """Add a wide part to the logits (Wide & Deep, Cheng et al. 2016, arXiv 1606.07792, section 3: a generalized linear
-    model trained jointly with the deep part): a linear term on the dense features, from zero, per task. On by
-    default: at three seeds it raised GEM's progressive click AUC on the Taobao sample from 0.565 to 0.630 (LR's
-    0.634) and left MovieLens's level (0.7482 -> 0.7483; click NE 0.884 -> 0.870) (README "GEM's wide part"); False:
-    the deep part alone (a GEM checkpoint written under one setting does not resume under the other)."""
+    wide: WideName | bool = True
+    """The wide part added to the logits (Wide & Deep, Cheng et al. 2016, arXiv 1606.07792, section 3: a generalized
+    linear model trained jointly with the deep part), per task, from zero. ``"dense"`` (or true): a linear term on the
+    dense features. On by default: at three seeds it raised GEM's progressive click AUC on the Taobao sample from
+    0.565 to 0.630 (LR's 0.634) and left MovieLens's level (0.7482 -> 0.7483; click NE 0.884 -> 0.870) (README "GEM's
+    wide part"). ``"full"``: the whole LR baseline (trainer.models.baselines.LogisticRegression) as the wide part: the
+    dense term, a bias per domain (from zero) and a weight per id of the sparse features and of the mean-pooled
+    history, 2-wide tables at LR's near-zero start trained by GEM's table optimiser (LR's unless
+    ``embedding_optimizer`` / ``embedding_learning_rate`` below are set); one-process training only. False: the deep
+    part alone. A GEM checkpoint written under one setting does not resume under another."""
     wide_learning_rate: float | None = None
     """Adam rate of the wide part; None: ``trainer.learning_rate``, the rate the LR baseline's linear term trains at
     (Wide & Deep gives each part its own optimiser, §3.3: FTRL for the wide, AdaGrad for the deep)."""
@@ -228,6 +235,8 @@ class GemConfig:
             raise BadConfigError(f"trainer.gem.recency_branches must be distinct lengths >= 0 (0: all), got {v['recency_branches']}")
         if v["same_domain_stream"] and not v["recency_branches"]:
             raise BadConfigError("trainer.gem.same_domain_stream needs trainer.gem.recency_branches (the pyramid reads one stream)")
+        if not isinstance(self.wide, bool) and self.wide not in get_args(WideName):
+            raise BadConfigError(f"trainer.gem.wide must be one of {get_args(WideName)}, true or false, got {self.wide!r}")
         for name in ("learning_rate", "embedding_learning_rate", "wide_learning_rate"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise BadConfigError(f"trainer.gem.{name} must be > 0 or none, got {getattr(self, name)}")
@@ -241,6 +250,13 @@ class GemConfig:
     def _values(self) -> dict[str, Any]:
         preset = GEM_PRESETS[self.preset]
         return {name: preset[name] if getattr(self, name) is None else getattr(self, name) for name in preset}
+
+    @property
+    def wide_mode(self) -> WideName | None:
+        """:attr:`wide` as one name: "dense" (also for true), "full", or None (false: no wide part)."""
+        if self.wide is False:
+            return None
+        return "dense" if self.wide is True else self.wide
 
     def resolved(self) -> GemConfig:
         """This config with every unset key at its preset's value (what the model is built from)."""

@@ -213,7 +213,7 @@ def build_shardable_model(tc: TrainerConfig, num_dense: int, domains: tuple[str,
     candidate to the history lookup, trainer.models.gem.SparseArch) and reads pooled outputs by key.
 
     Raises:
-        ValueError: a model outside :data:`SHARDABLE_MODELS`.
+        ValueError: a model outside :data:`SHARDABLE_MODELS`, or GEM with ``trainer.gem.wide = "full"``.
     """
     from trainer.models import build_model
 
@@ -221,6 +221,11 @@ def build_shardable_model(tc: TrainerConfig, num_dense: int, domains: tuple[str,
         raise ValueError(
             f"--nproc > 1 shards trainer.model in {SHARDABLE_MODELS}; got {tc.model!r}. Train it in one process"
         )
+    if tc.model == "gem" and tc.gem.wide_mode == "full":
+        # Its 2-wide id tables are a second EmbeddingBagCollection named as GEM's own (t_item_id, ...), which no
+        # sharding plan here has been checked against.
+        raise ValueError('--nproc > 1 does not shard trainer.gem.wide = "full" (LR\'s id tables as GEM\'s wide part); '
+                         'train it in one process or set trainer.gem.wide = "dense"')
     if tc.model == "ranker":
         return ShardableRanker(
             num_embeddings=table_rows(tc), embedding_dim=tc.embedding_dim, num_dense=num_dense,

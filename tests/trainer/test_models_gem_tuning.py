@@ -181,3 +181,96 @@ def test_wide_part_trains_at_its_own_rate():
     assert len(local_engine(replace(SMALL, model="dlrm"), 3, ("feed",), None).optimizers["dense"].param_groups) == 1
     with pytest.raises(BadConfigError, match="trainer.gem.wide_learning_rate must be > 0"):
         GemConfig(wide_learning_rate=0.0)
+
+
+@pytest.mark.parametrize("preset", ["gem_small", "gem_cpu"])
+def test_full_wide_part_is_lrs_linear_model(preset, encoded):
+    """``wide = "full"``: the logits are the deep part's plus LR's linear model, a weight per sparse id and per
+    mean-pooled history key, the dense term and a domain bias. At zero it is the deep model exactly (same parameters
+    under the same seed); with every row of each id table set to one known pair the added logit is, per row, the sum
+    of the sparse features' pairs, each non-empty history key's pair (a mean of equal rows; a sum would scale it
+    by the length), the domain's bias and W·dense + b."""
+    table, data = encoded
+    gem = replace(SMALL.gem, preset=preset, max_sequence_len=4, recency_branches=(2, 0) if preset == "gem_cpu" else None,
+                  attention_len=2)
+    batch = make_batch(data, np.array([0, 1, 2, 3, 4, int(np.argmin(table["seq_length"].to_pylist()))]))
+    domains = torch.tensor([0, 1, 2, 1, 0, 2])  # 2: unknown (K = 2 known domains)
+    torch.manual_seed(0)
+    deep = build_model(replace(SMALL, gem=replace(gem, wide=False)), data.dense.shape[1], ("feed", "reels")).eval()
+    torch.manual_seed(0)
+    full = build_model(replace(SMALL, gem=replace(gem, wide="full")), data.dense.shape[1], ("feed", "reels")).eval()
+    deep_state, full_state = deep.state_dict(), full.state_dict()
+    assert all(torch.equal(v, full_state[k]) for k, v in deep_state.items())
+    tables = full.sparse_arch.wide.embedding_bags
+    assert sorted(tables) == sorted([f"t_{name}" for name in SPARSE_FEATURES] + ["t_seq_item_ids", "t_seq_categories",
+                                                                                   "t_seq_event_types"])
+    assert all(t.weight.shape == (SMALL.num_embeddings, 2) for t in tables.values())
+    assert max(float(t.weight.detach().abs().max()) for t in tables.values()) <= 0.01  # LR's near-zero start
+    assert full.dense_arch.wide_bias.weight.shape == (3, 2) and not full.dense_arch.wide_bias.weight.any()
+    found = full.sparse_arch(batch.sparse, batch.sequence)
+    assert found.wide is not None and found.wide.shape == (6, 2) and found.wide.dtype == torch.float32
+    pairs = {name: (0.1 * (i + 1), -0.05 * (i + 1)) for i, name in enumerate(sorted(tables))}
+    weight = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.25, -0.5]])
+    bias = torch.tensor([[0.3, 0.0], [-0.4, 0.1], [0.0, 0.7]])
+    with torch.no_grad():
+        for t in tables.values():
+            t.weight.zero_()
+        zero = full(batch.sparse, batch.sequence, batch.dense, domains)
+        assert torch.equal(zero, deep(batch.sparse, batch.sequence, batch.dense, domains))
+        for name, t in tables.items():
+            t.weight.copy_(torch.tensor(pairs[name]).expand_as(t.weight))
+        full.dense_arch.wide.weight.copy_(weight)
+        full.dense_arch.wide_bias.weight.copy_(bias)
+        after = full(batch.sparse, batch.sequence, batch.dense, domains)
+    ids = sum(np.array(pairs[f"t_{name}"]) for name in SPARSE_FEATURES)
+    nonempty = (batch.sequence["seq_item_ids"].lengths() > 0).numpy()
+    assert nonempty.any() and not nonempty.all(), "the hand case needs an empty and a non-empty history"
+    history = sum(np.array(pairs[t]) for t in ("t_seq_item_ids", "t_seq_categories", "t_seq_event_types"))
+    expected = (ids + nonempty[:, None] * history + bias.numpy()[domains.numpy()]
+                + batch.dense.double().numpy() @ weight.double().numpy().T)
+    np.testing.assert_allclose((after - zero).double().numpy(), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match='wide = "full".*pass wide_ids'):
+        full.dense_arch(found.pooled, found.values, found.offsets, found.target, batch.dense, domains,
+                        found.same_values, found.same_offsets, found.history_means)
+
+
+def test_full_wide_part_trains_at_lrs_rates():
+    """The id tables go to the table optimiser (LR's rule and rate under the defaults), the dense term and the
+    domain bias to Adam at the wide rate (LR's ``trainer.learning_rate``), the deep part at GEM's own."""
+    from trainer.loop import local_engine
+
+    torch.manual_seed(0)
+    tc = replace(SMALL, learning_rate=3e-3, gem=replace(SMALL.gem, learning_rate=1e-3, wide="full"))
+    engine = local_engine(tc, 3, ("feed",), None)
+    deep, wide = engine.optimizers["dense"].param_groups
+    arch = engine.model.dense_arch
+    assert (deep["lr"], wide["lr"]) == (1e-3, 3e-3)
+    assert [id(p) for p in wide["params"]] == [id(arch.wide.weight), id(arch.wide.bias), id(arch.wide_bias.weight)]
+    tables = {id(p) for p in engine.model.sparse_arch.wide.parameters()}
+    table_params = [p for g in engine.optimizers["embeddings"].param_groups for p in g["params"]]
+    assert tables <= {id(p) for p in table_params}
+    lr = local_engine(replace(tc, model="lr"), 3, ("feed",), None).optimizers["embeddings"]
+    assert type(lr) is type(engine.optimizers["embeddings"])
+    assert lr.param_groups[0]["lr"] == engine.optimizers["embeddings"].param_groups[0]["lr"] == 3e-3
+
+
+@pytest.mark.parametrize(("value", "expected"), [("full", "full"), ("dense", "dense"), ("true", "dense"), ("false", None)])
+def test_wide_setting_parses(value, expected):
+    from gemline.config import load_config
+
+    assert load_config(overrides={"trainer.gem.wide": value}).trainer.gem.wide_mode == expected
+    assert GemConfig().wide_mode == "dense"  # the default: the dense term alone (README "GEM's wide part")
+
+
+def test_wide_setting_errors():
+    from gemline.config import load_config
+    from gemline.errors import BadConfigError
+    from trainer.distributed import build_shardable_model
+
+    with pytest.raises(BadConfigError, match="trainer.gem.wide: expected 'dense' or 'full' or bool, got 'fully'"):
+        load_config(overrides={"trainer.gem.wide": "fully"})
+    with pytest.raises(BadConfigError, match=r"trainer.gem.wide must be one of \('dense', 'full'\), true or false, got 'ful'"):
+        GemConfig(wide="ful")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match='--nproc > 1 does not shard trainer.gem.wide = "full"'):
+        build_shardable_model(replace(SMALL, gem=replace(SMALL.gem, wide="full")), 3, ("feed",))
+    assert build_shardable_model(replace(SMALL, gem=replace(SMALL.gem, wide="dense")), 3, ("feed",)) is not None

@@ -32,6 +32,7 @@ from trainer.models.towers import (
     TableRows,
     TableWidths,
     base_logits,
+    linear_id_tables,
     merge_sequence_kjt,
     mlp,
     pad_width,
@@ -51,7 +52,7 @@ class LogisticRegression(RankingModel):
     def __init__(self, *, num_embeddings: TableRows, num_dense: int, domains: Sequence[str]) -> None:
         super().__init__()
         self.num_dense, self.domains = num_dense, tuple(domains)
-        self.sparse_arch = sparse_bags(num_embeddings, 2, sequence_pooling=PoolingType.MEAN)
+        self.sparse_arch = linear_id_tables(num_embeddings)
         domain_bias = nn.Embedding(len(self.domains) + 1, 2)
         self.dense_arch = nn.ModuleDict({"linear": nn.Linear(num_dense, 2), "domain_bias": domain_bias})
         nn.init.zeros_(domain_bias.weight)
@@ -63,10 +64,6 @@ class LogisticRegression(RankingModel):
         linear = cast(nn.Linear, self.dense_arch["linear"])
         nn.init.zeros_(linear.weight)
         nn.init.zeros_(linear.bias)
-        # Ids start near zero weight, as a logistic regression would.
-        with torch.no_grad():
-            for p in self.sparse_arch.parameters():
-                p.mul_(0.1)
 
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
         """Every domain's intercept (click, conversion) starts at the log-odds of ``base_rates`` (2,).

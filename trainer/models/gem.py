@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torchrec import KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 from kernels.segments import token_rows
 from kernels.types import Jagged
@@ -44,6 +44,8 @@ from trainer.models.towers import (
     TableRows,
     TableWidths,
     base_logits,
+    linear_id_tables,
+    merge_sequence_kjt,
     mlp,
     pad_width,
     sequence_tables,
@@ -72,6 +74,9 @@ class Lookups(NamedTuple):
     history_means: torch.Tensor | None = None
     """(B, Q, D) each history key's rows averaged over the whole stored history (zeros for an empty one); None
     without ``pooled_history``."""
+    wide: torch.Tensor | None = None
+    """(B, 2) float32 the wide part's id weights (click, conversion), summed over the sparse features and the
+    mean-pooled history keys; None without ``wide_ids``."""
 
 
 class SparseArch(nn.Module):
@@ -99,16 +104,18 @@ class SparseArch(nn.Module):
         time_buckets: rows of the time-delta table (0: none); same_domain: read the same-domain history.
         widths: width of each pooled id table (at most D); None: D.
         pooled_history: also return each history key's mean row over the whole history (``history_means``).
+        wide_ids: also the wide part's id weights (``wide``): LR's 2-wide tables, one per sparse feature and history key.
     """
 
     def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False,
-                 widths: TableWidths | None = None, pooled_history: bool = False) -> None:
+                 widths: TableWidths | None = None, pooled_history: bool = False, wide_ids: bool = False) -> None:
         super().__init__()
         self.dim, self.time_buckets, self.same_domain, self.pooled_history = dim, time_buckets, same_domain, pooled_history
         self.keys = [*SEQUENCE_KEYS, *([TIME_BUCKETS_KEY] if time_buckets else [])]
         self.bags = sparse_bags(num_embeddings, dim if widths is None else widths)
         # TorchRec's EmbeddingCollection needs one width for all its tables: the history tables stay D wide.
         self.sequence = sequence_tables(num_embeddings, dim, time_buckets=time_buckets, time_keys=[TIME_BUCKETS_KEY])
+        self.wide = wide_id_tables(num_embeddings) if wide_ids else None
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> Lookups:
         """The batch's :class:`Lookups`; the keys of SEQUENCE_EXTRA_KEYS a batch lacks read as unknown time buckets
@@ -123,14 +130,25 @@ class SparseArch(nn.Module):
         target = _total([jagged[key][total: total + batch] for key in CANDIDATE_KEYS])
         means = (torch.stack([segment_mean(jagged[key][:total], main.offsets()) for key in SEQUENCE_KEYS], dim=1)
                  if self.pooled_history else None)
+        wide = None if self.wide is None else self.wide(merge_sequence_kjt(sparse, sequence)).values().view(batch, -1, 2).sum(1)
         if not self.same_domain:
-            return Lookups(pooled, values, main.offsets(), target, None, None, means)
+            return Lookups(pooled, values, main.offsets(), target, None, None, means, wide)
         # Rows 2B..3B-1 of every key: the same-domain history, after each key's candidate rows.
         first = found[SEQUENCE_KEYS[0]].offsets()
         same_offsets = first[2 * batch:] - first[2 * batch]
         start = {key: total + (batch if key in CANDIDATE_KEYS else 0) for key in self.keys}
         same_values = _total([jagged[key][start[key]:] for key in self.keys])
-        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets, means)
+        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets, means, wide)
+
+
+def wide_id_tables(num_embeddings: TableRows) -> EmbeddingBagCollection:
+    """The id tables of GEM's full wide part: LR's (:func:`trainer.models.towers.linear_id_tables`).
+
+    Drawn from a fork of the RNG: every other parameter, and the data order, stay those of the same seed without
+    them. Their own tables, not rows of the deep part's: an id's linear weight moves by its own gradient, as LR's.
+    """
+    with torch.random.fork_rng(devices=[]):
+        return linear_id_tables(num_embeddings)
 
 
 def segment_mean(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -271,10 +289,14 @@ class GemDenseArch(nn.Module):
         # The wide part (Wide & Deep §3): a logistic regression on the dense features beside the deep stack, from zero
         # as LR's (trainer.models.baselines), so the untrained model is the deep part alone. skip_init: no draw from
         # the RNG, so every other parameter and the data order are those of the same seed without it.
-        self.wide = nn.utils.skip_init(nn.Linear, max(num_dense, 1), 2) if config.wide else None
+        self.wide = nn.utils.skip_init(nn.Linear, max(num_dense, 1), 2) if config.wide_mode else None
         if self.wide is not None:
             nn.init.zeros_(self.wide.weight)
             nn.init.zeros_(self.wide.bias)
+        # "full" adds LR's domain bias, from zero: the towers' output bias already starts at the base rates' log-odds.
+        self.wide_bias = nn.utils.skip_init(nn.Embedding, num_domains + 1, 2) if config.wide_mode == "full" else None
+        if self.wide_bias is not None:
+            nn.init.zeros_(self.wide_bias.weight)
 
     def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
@@ -289,13 +311,15 @@ class GemDenseArch(nn.Module):
         self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, target: torch.Tensor,
         dense: torch.Tensor, domain_ids: torch.Tensor, same_values: torch.Tensor | None = None,
         same_offsets: torch.Tensor | None = None, history_means: torch.Tensor | None = None,
+        wide_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,),
         same-domain same_values (T', D) and same_offsets (B+1,) (with the same-domain stream), history_means
-        (B, Q, D) (with ``pooled_history``) -> logits (B, 2).
+        (B, Q, D) (with ``pooled_history``), wide_ids (B, 2) the summed id weights (with ``wide = "full"``,
+        :attr:`Lookups.wide`) -> logits (B, 2).
 
         Raises:
-            ValueError: the same-domain stream or ``pooled_history`` is on and its input is missing.
+            ValueError: the same-domain stream, ``pooled_history`` or the full wide part is on and its input is missing.
         """
         batch = pooled.shape[0]
         if self.num_dense == 0:
@@ -323,17 +347,28 @@ class GemDenseArch(nn.Module):
                                 for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
         else:
             logits = self.towers(hidden, domain_ids, validate=False)
-        return logits if self.wide is None else logits + self.wide(dense)
+        return logits if self.wide is None else logits + self._wide(dense, domain_ids, wide_ids)
+
+    def _wide(self, dense: torch.Tensor, domain_ids: torch.Tensor, wide_ids: torch.Tensor | None) -> torch.Tensor:
+        """(B, 2) the wide part's logits: the dense term, plus with "full" the domain bias and the id weights."""
+        assert self.wide is not None
+        if self.wide_bias is None:
+            return self.wide(dense)
+        if wide_ids is None:
+            raise ValueError("this GEM's wide part is LR's (trainer.gem.wide = \"full\"): pass wide_ids")
+        return self.wide(dense) + self.wide_bias(domain_ids) + wide_ids
 
 
 def dense_param_groups(tc: TrainerConfig, named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
     """Adam parameter groups of a model's dense parameters ``named`` (name, parameter): GEM's wide part
-    (``dense_arch.wide``, :class:`GemDenseArch`) at ``tc.wide_learning_rate``, the rest at ``tc.dense_learning_rate``;
-    one group when there is no wide part (every model but GEM with ``trainer.gem.wide``)."""
+    (``dense_arch.wide`` and ``dense_arch.wide_bias``, :class:`GemDenseArch`) at ``tc.wide_learning_rate``, the rest at
+    ``tc.dense_learning_rate``; one group when there is no wide part (every model but GEM with ``trainer.gem.wide``).
+    The full wide part's id tables are tables (``sparse_arch.wide``): the table optimiser's, not Adam's."""
     deep: list[nn.Parameter] = []
     wide: list[nn.Parameter] = []
     for name, param in named:
-        (wide if name.split(".")[:2] == ["dense_arch", "wide"] else deep).append(param)
+        parts = name.split(".")
+        (wide if parts[0] == "dense_arch" and parts[1:2] in (["wide"], ["wide_bias"]) else deep).append(param)
     groups: list[dict[str, Any]] = [{"params": deep, "lr": tc.dense_learning_rate}]
     return groups + ([{"params": wide, "lr": tc.wide_learning_rate}] if wide else [])
 
@@ -369,7 +404,7 @@ class GemModel(RankingModel):
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim, time_buckets=config.time_delta_buckets,
                                       same_domain=config.same_domain_stream, widths=embedding_widths,
-                                      pooled_history=config.pooled_history)
+                                      pooled_history=config.pooled_history, wide_ids=config.wide_mode == "full")
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
@@ -390,7 +425,7 @@ class GemModel(RankingModel):
         self.check_inputs(dense, domain_ids)
         found = self.sparse_arch(sparse, sequence)
         return self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
-                               found.same_values, found.same_offsets, found.history_means)
+                               found.same_values, found.same_offsets, found.history_means, found.wide)
 
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
         """Every output (one tower's two, or each task tower's one) starts at the log-odds of ``base_rates`` (2,)

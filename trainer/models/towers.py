@@ -80,6 +80,17 @@ def sparse_bags(num_embeddings: TableRows, dim: TableWidths, *, sequence_pooling
     return EmbeddingBagCollection(tables=tables)
 
 
+def linear_id_tables(num_embeddings: TableRows) -> EmbeddingBagCollection:
+    """A logistic regression's id weights: :func:`sparse_bags` 2 wide (click, conversion), the history keys
+    mean-pooled, every weight uniform in +-INIT_RANGE / 10 (near zero, as a fitted-from-scratch LR starts; McMahan
+    et al. 2013, "Ad Click Prediction: a View from the Trenches", §3). Output (B, (S + Q) * 2) float32."""
+    tables = sparse_bags(num_embeddings, 2, sequence_pooling=PoolingType.MEAN)
+    with torch.no_grad():
+        for p in tables.parameters():
+            p.mul_(0.1)
+    return tables
+
+
 def sequence_tables(num_embeddings: TableRows, dim: int, *, time_buckets: int = 0, time_keys: Sequence[str] = ()) -> EmbeddingCollection:
     """Unpooled tables of the history keys: each gives jagged (T, dim) token embeddings; with ``time_buckets`` > 0
     also a table of that many rows for the ``time_keys`` (time-delta bucket ids). One ``dim`` for all: TorchRec's
