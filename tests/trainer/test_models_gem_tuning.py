@@ -234,9 +234,10 @@ def test_full_wide_part_is_lrs_linear_model(preset, encoded):
                         found.same_values, found.same_offsets, found.history_means)
 
 
-def test_full_wide_part_trains_at_lrs_rates():
+def test_full_wide_part_trains_at_lrs_rates(encoded):
     """The id tables go to the table optimiser (LR's rule and rate under the defaults), the dense term and the
-    domain bias to Adam at the wide rate (LR's ``trainer.learning_rate``), the deep part at GEM's own."""
+    domain bias to Adam at the wide rate (LR's ``trainer.learning_rate``), the deep part at GEM's own; one step
+    moves the rows of the batch's ids and no other row."""
     from trainer.loop import local_engine
 
     torch.manual_seed(0)
@@ -252,6 +253,15 @@ def test_full_wide_part_trains_at_lrs_rates():
     lr = local_engine(replace(tc, model="lr"), 3, ("feed",), None).optimizers["embeddings"]
     assert type(lr) is type(engine.optimizers["embeddings"])
     assert lr.param_groups[0]["lr"] == engine.optimizers["embeddings"].param_groups[0]["lr"] == 3e-3
+    _, data = encoded
+    item = engine.model.sparse_arch.wide.embedding_bags["t_item_id"].weight
+    before, bias = item.detach().clone(), arch.wide_bias.weight.detach().clone()
+    rows = np.arange(8)
+    engine.train_step(data, rows)
+    seen = torch.unique(make_batch(data, rows).sparse["item_id"].values())
+    moved = (item.detach() != before).any(dim=1)
+    assert bool(moved[seen].all()) and int(moved.sum()) == len(seen)
+    assert not torch.equal(arch.wide_bias.weight.detach(), bias)
 
 
 @pytest.mark.parametrize(("value", "expected"), [("full", "full"), ("dense", "dense"), ("true", "dense"), ("false", None)])
