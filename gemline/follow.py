@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gemline.config import GemlineConfig
 from gemline.gate import GateClosedError, gate_decisions
@@ -26,6 +26,10 @@ from gemline.increments import latest_version
 from gemline.lake import Lake
 from gemline.polling import sleep_or_stop
 from gemline.tables import Table
+
+if TYPE_CHECKING:
+    from sequences.config import BuildConfig
+    from sequences.pipeline import BuildResult
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +63,32 @@ def _latest(lake: Lake, table: str) -> int | None:
     return latest_version(lake.root, table, storage_options=lake.storage_options)
 
 
-def _newest_allowed(lake: Lake) -> tuple[int | None, str]:
-    """The newest ``events`` version the gate allows (None if none), and why the newest version is not
-    allowed ('' when it is, or when there is no events table)."""
+def _newest_allowed(lake: Lake) -> tuple[int | None, str, bool]:
+    """The newest ``events`` version the gate allows (None if none), why the newest version is not allowed
+    ('' when it is, or when there is no events table), and whether that newest version was validated at all
+    (False: validation has not reached it yet, the usual lag of a stage behind the one before it)."""
     newest = _latest(lake, Table.EVENTS)
     if newest is None:
-        return None, ""
+        return None, "", True
     decisions = gate_decisions(lake, Table.EVENTS, range(newest + 1))
     allowed = [v for v, d in decisions.items() if d.allowed]
-    return (max(allowed) if allowed else None), ("" if decisions[newest].allowed else decisions[newest].reason)
+    last = decisions[newest]
+    return (max(allowed) if allowed else None), ("" if last.allowed else last.reason), last.validated
+
+
+def nothing_published_hint(build: BuildConfig, result: BuildResult) -> str | None:
+    """One line when a ``label_mode = "wait"`` build has published nothing yet while impressions wait for their
+    attribution windows (a synthetic or replayed log shorter than the longest window never publishes: the
+    trainer then waits with nothing said); None otherwise."""
+    if build.label_mode != "wait" or result.num_examples or not result.num_pending:
+        return None
+    longest_ms = max(build.click_window_ms, build.conversion_window_ms)
+    longest = (f"{longest_ms / 86_400_000:g} days" if longest_ms >= 86_400_000 else
+               f"{longest_ms / 3_600_000:g} h" if longest_ms >= 3_600_000 else f"{longest_ms / 1000:g} s")
+    return (f"nothing published yet: {result.num_pending} impressions wait for their attribution windows "
+            f"(build.label_mode=wait publishes an impression once its longest window, {longest}, has "
+            f"closed); to train sooner, publish early with late-label corrections: --set "
+            "build.label_mode=defer --set build.publish_delay_ms=60000 (README \"Late labels: wait, fnw, defer\")")
 
 
 def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam_args: Sequence[str] | None = None,
@@ -88,10 +109,12 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
     from sequences.pipeline import run_build
 
     lake = Lake.for_config(config)
+    hinted = False
 
     def one_pass(state: FollowState) -> None:
+        nonlocal hinted
         before = state.waiting
-        version, state.waiting = _newest_allowed(lake)
+        version, state.waiting, validated = _newest_allowed(lake)
         if version is not None:
             try:
                 result = run_build(lake, config.build, events_version=version, beam_args=list(beam_args or []))
@@ -101,8 +124,13 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
                 if not result.skipped:
                     state.done.append({"table": str(Table.EVENTS), "version": version, "published": result.num_published})
                     log.info("built events@%d: %d examples published", version, result.num_published)
+                    hint = None if hinted else nothing_published_hint(config.build, result)
+                    if hint is not None:
+                        log.warning("%s", hint)
+                        hinted = True
         if state.waiting and state.waiting != before:  # said once, not at every pass
-            log.warning("build waits: %s", state.waiting)
+            # Validation a pass behind is the normal lag of a follower (INFO); a quarantine is news.
+            log.log(logging.INFO if not validated else logging.WARNING, "build waits: %s", state.waiting)
         if on_pass is not None:
             on_pass(state)
 

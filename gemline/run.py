@@ -251,7 +251,8 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
                 if plan.generate_rate is not None:
                     say(f"generate: if generate.seed={config.generate.seed} generated into this lake before, it sends "
                         "the same event ids again: ingest drops them as duplicates (or dead-letters them as "
-                        "conflicts); another generate.seed sends new traffic")
+                        "conflicts); new traffic needs another generate.seed and a generate.start_ms after the lake's newest "
+                        "event (traffic from an earlier start lands behind the watermark, in late_events)")
         except BaseException:
             try:
                 sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start

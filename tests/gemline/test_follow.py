@@ -32,7 +32,7 @@ def _write(lake: str, rows: list[dict], version: int) -> None:
                 metadata={"offset_ranges": [[0, first, first + len(rows)]]})
 
 
-def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path, examples_layout):
+def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path, examples_layout, caplog):
     lake = str(tmp_path / "lake")
     config = GemlineConfig(lake=lake, ingest=IngestConfig(domains=("facebook",)),
                            build=BuildConfig(max_seq_len=4, click_window_ms=10_000, conversion_window_ms=20_000,
@@ -40,13 +40,22 @@ def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path,
                            validation=ValidationConfig(min_event_time_ms=T0_MS - 1000, dead_letter_min_records=0))
     _write(lake, [_event("a1", 0, "impression", "u1", "i1"), _event("a2", 1, "click", "u1", "i1")], 0)
 
-    nothing = follow_build(config, interval_s=0, max_passes=1)
+    with caplog.at_level("INFO", logger="gemline.follow"):
+        nothing = follow_build(config, interval_s=0, max_passes=1)
     assert nothing.done == [] and "never validated" in str(nothing.waiting), "the build waits for validation"
+    # Validation a pass behind is a follower's normal lag: said at INFO, not as a warning.
+    assert [r.levelname for r in caplog.records if "build waits" in r.getMessage()] == ["INFO"]
     checked = follow_validate(config, ["events", "examples"], interval_s=0, max_passes=2)
     assert [(d["table"], d["version"], d["passed"]) for d in checked.done] == [("events", 0, True)], \
         "one validation per version: the second pass finds nothing new"
-    built = follow_build(config, interval_s=0, max_passes=2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gemline.follow"):
+        built = follow_build(config, interval_s=0, max_passes=2)
     assert [(d["table"], d["version"]) for d in built.done] == [("events", 0)] and built.waiting == ""
+    # The one impression waits for its 20 s window (wait mode): said once, with the way to publish sooner.
+    assert [r.getMessage().split(";")[0] for r in caplog.records if r.levelname == "WARNING"] == [
+        "nothing published yet: 1 impressions wait for their attribution windows (build.label_mode=wait publishes "
+        "an impression once its longest window, 20 s, has closed)"]
     examples_after_0 = open_table(lake, "examples").version()
 
     # events@1 repeats an event id: validation quarantines it and the build waits at it.
@@ -62,8 +71,11 @@ def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path,
     assert "data:image/png;base64," in pages[1]
     assert "data:image/png;base64," not in (tmp_path / "lake/_quality/events/0/report.html").read_text()
     assert "validation.follow_report_plots" in (tmp_path / "lake/_quality/events/0/report.html").read_text()
-    held = follow_build(config, interval_s=0, max_passes=2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gemline.follow"):
+        held = follow_build(config, interval_s=0, max_passes=2)
     assert held.done == [] and "events@1 is quarantined" in held.waiting, "version 0 is built already; 1 waits"
+    assert [r.levelname for r in caplog.records if "build waits" in r.getMessage()] == ["WARNING"], "a quarantine is news"
     assert open_table(lake, "examples").version() == examples_after_0
 
     release(lake, "events", 1, "a known replay duplicate")
@@ -112,7 +124,7 @@ def test_build_follow_interval_is_the_config_key_and_the_flag_overrides_it(tmp_p
     from gemline.cli import main
 
     slept: list[float] = []
-    monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, ""))  # an empty lake: nothing to build
+    monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, "", True))  # an empty lake: nothing to build
     monkeypatch.setattr(follow, "sleep_or_stop", lambda seconds: slept.append(seconds) or True)
     config = tmp_path / "gemline.toml"
     config.write_text("[build]\ninterval_s = 4.5\n")
@@ -125,3 +137,24 @@ def test_build_follow_interval_is_the_config_key_and_the_flag_overrides_it(tmp_p
     assert slept == [10.0, 4.5, 7.0, 2.0]
     assert main(["build", "--follow", "--set", "build.interval_s=-1", *lake]) == 2
     assert "build.interval_s must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+
+
+def test_nothing_published_hint_only_for_a_wait_build_with_impressions_waiting():
+    """Hand cases: the hint names the longest window and the settings that publish sooner; no hint once anything
+    was published, with nothing pending, or in an early-publishing mode."""
+    from gemline.follow import nothing_published_hint
+    from sequences.pipeline import BuildResult
+
+    def result(examples: int, pending: int) -> BuildResult:
+        return BuildResult(events_version=3, examples_version=2, num_examples=examples, num_sequences=5,
+                           num_user_features=5, num_item_features=5, seq_length_p50=None, seq_length_p99=None,
+                           skipped=False, num_published=0, num_pending=pending)
+
+    hint = nothing_published_hint(BuildConfig(), result(0, 40))
+    assert hint is not None and hint.startswith("nothing published yet: 40 impressions wait for their attribution "
+                                                "windows (build.label_mode=wait publishes an impression once its "
+                                                "longest window, 7 days, has closed)")
+    assert "--set build.label_mode=defer --set build.publish_delay_ms=60000" in hint
+    assert nothing_published_hint(BuildConfig(), result(1, 40)) is None
+    assert nothing_published_hint(BuildConfig(), result(0, 0)) is None
+    assert nothing_published_hint(BuildConfig(label_mode="defer", publish_delay_ms=60_000), result(0, 40)) is None
