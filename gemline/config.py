@@ -22,13 +22,31 @@ from gemline.configtree import build, load_tree
 from gemline.configtree import config_overrides as config_overrides  # re-exported: the application's spelling
 from gemline.configtree import parse_set_flags as parse_set_flags  # re-exported: the application's spelling
 from gemline.errors import BadConfigError
-from gemline.lake import redact
+from gemline.lake import is_remote, redact
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.generate import GenerateConfig
 from sequences.config import BuildConfig
 from trainer.config import TrainerConfig
 from trainer.students import DistillConfig
 from validation.config import ValidationConfig
+
+
+def _refuse_a_file_as_lake(lake: str) -> None:
+    """Refuse a local lake root that is, or lies under, an existing file (every command loads its config first, so
+    each refuses it before touching the lake; otherwise the first mkdir under it fails with ``NotADirectoryError``).
+
+    Raises:
+        BadConfigError: the path, or its nearest existing ancestor, exists and is not a directory.
+    """
+    if is_remote(lake):
+        return
+    root = Path(lake)
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is None or existing.is_dir():
+        return
+    where = "is a file" if existing == root else f"is under a file ({existing})"
+    raise BadConfigError(f"--lake {lake} {where}, not a directory: pass --lake DIR (an existing lake, or a path to "
+                         "create one at) or --set lake=DIR")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +78,7 @@ class GemlineConfig:
         if not self.lake.strip():
             raise BadConfigError(f"lake: expected a directory or an object-store URI, got {self.lake!r}: pass --lake DIR "
                                  "or --set lake=DIR (default ./lake)")
+        _refuse_a_file_as_lake(self.lake)
         # Messages name the bad option but never show a secret's value (gemline.lake.redact).
         if not isinstance(self.lake_storage_options, dict):
             raise BadConfigError(f"lake_storage_options: expected a table of strings ([lake_storage_options] in the "

@@ -203,3 +203,25 @@ def test_a_union_setting_is_refused_in_one_line_naming_every_choice(capsys):
         2, "error: build.shards: expected int or 'auto', got 'AUTO'\n")
     assert load_config(overrides={"build.shards": "auto"}).build.shards == "auto"
     assert load_config(overrides={"build.shards": "3"}).build.shards == 3
+
+
+@pytest.mark.parametrize("command", [
+    ["build"], ["train", "--once"], ["train"], ["ingest", "--bootstrap", "127.0.0.1:1"], ["report"],
+    ["validate", "--table", "examples"], ["run", "--generate-rate", "10"]])
+def test_a_lake_path_that_is_a_file_is_refused_by_every_command(tmp_path, capsys, command):
+    from gemline.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a lake")
+    assert main([*command, "--lake", str(afile)]) == 2
+    assert capsys.readouterr().err == (f"error: --lake {afile} is a file, not a directory: pass --lake DIR (an existing "
+                                       "lake, or a path to create one at) or --set lake=DIR\n")
+    assert main([*command, "--lake", str(afile / "lake")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --lake {afile / 'lake'} is under a file ({afile}), not a directory")
+    assert afile.read_text() == "not a lake"
+
+
+def test_a_lake_directory_or_a_new_path_is_accepted(tmp_path):
+    assert load_config(overrides={"lake": str(tmp_path)}).lake == str(tmp_path)
+    assert load_config(overrides={"lake": str(tmp_path / "new" / "lake")}).lake == str(tmp_path / "new" / "lake")
+    assert load_config(overrides={"lake": "s3://bucket/afile"}).lake == "s3://bucket/afile"
