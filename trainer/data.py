@@ -317,6 +317,11 @@ class ExamplesSplit:
     pointers: PointerHistory | None = None
 
 
+NOTHING_PUBLISHED = ("nothing published yet (build.label_mode=wait publishes an impression when its longest attribution "
+                     "window closes; fnw/defer after build.publish_delay_ms)")
+"""Why an examples version can hold no rows although its build ran: the clause the trainer's messages end with."""
+
+
 def latest_examples_version(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> int:
     """Newest Delta version of ``examples`` (``lake``: a Lake, or a root with its ``storage_options``);
     raises MissingInputError (a FileNotFoundError) if the table does not exist."""
@@ -330,8 +335,12 @@ def temporal_split(table: pa.Table, examples_version: int) -> ExamplesSplit:
     """Split by ``event_date``: the last date is eval, every earlier date is train.
 
     Raises:
+        MissingInputError: the version holds no rows (nothing published yet: :data:`NOTHING_PUBLISHED`).
         ValueError: fewer than 2 distinct dates (names the dates found).
     """
+    if table.num_rows == 0:
+        raise MissingInputError(f"examples@{examples_version} holds no rows: {NOTHING_PUBLISHED}; train once the build "
+                                "has published examples on >= 2 event dates")
     dates = sorted(pc.unique(table["event_date"]).to_pylist())
     if len(dates) < 2:
         raise ValueError(
@@ -356,7 +365,7 @@ def load_split(lake: Lake | str | Path, examples_version: int, *,
     See :func:`temporal_split`.
 
     Raises:
-        FileNotFoundError: the table or version does not exist.
+        FileNotFoundError: the table or version does not exist (MissingInputError, as when the version holds no rows).
         ValueError: fewer than 2 dates, or a missing required column.
     """
     table = read_table(lake, Table.EXAMPLES, examples_version, storage_options=storage_options)

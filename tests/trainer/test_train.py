@@ -252,3 +252,20 @@ def test_the_held_out_day_is_judged_on_every_label_its_open_windows_included(tmp
         want = pc.mean(table.filter(is_eval)[label].cast(pa.float64())).as_py()
         assert overall["num_examples"] == 120 and overall["base_rate"] == pytest.approx(want)
         assert math.isfinite(overall["ne"]), overall
+
+
+def test_one_shot_train_on_a_validated_version_with_no_rows_is_one_line(tmp_path, capsys, make_examples):
+    """A `label_mode=wait` build whose windows are all open publishes a version with 0 rows: exit 2 with the cause,
+    not the temporal split's traceback."""
+    from gemline.cli import main
+
+    from .conftest import mark_quality, write_examples
+
+    lake = str(tmp_path / "lake")
+    mark_quality(lake, write_examples(lake, make_examples(["2026-01-01"], 0, 0)), passed=True)
+    capsys.readouterr()
+    assert main(["train", "--lake", lake]) == 2
+    assert capsys.readouterr().err == (
+        "error: examples@0 holds no rows: nothing published yet (build.label_mode=wait publishes an impression when its "
+        "longest attribution window closes; fnw/defer after build.publish_delay_ms); train once the build has published "
+        "examples on >= 2 event dates\n")
