@@ -377,9 +377,19 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _version_span(versions: list[int]) -> str:
+    """``examples@3 holds`` / ``examples@0..4 hold`` / ``examples@1,3 hold`` for sorted, distinct ``versions``."""
+    if len(versions) == 1:
+        return f"examples@{versions[0]} holds"
+    contiguous = versions[-1] - versions[0] == len(versions) - 1
+    named = f"{versions[0]}..{versions[-1]}" if contiguous else ",".join(map(str, versions))
+    return f"examples@{named} hold"
+
+
 def _train_continuous(args: argparse.Namespace) -> int:
     """``train --once`` / ``--follow``: the continuous trainer (trainer.continuous), one JSON line per run."""
     from trainer.continuous import follow, run_once
+    from trainer.data import NOTHING_PUBLISHED
 
     if args.version is not None:
         raise BadConfigError("train --once/--follow consume every new examples version; --version is for one-shot runs")
@@ -404,6 +414,9 @@ def _train_continuous(args: argparse.Namespace) -> int:
     if not result.versions and result.waiting_for is not None:
         print(f"train: nothing trained: examples@{result.waiting_for} is not validated yet; run `gemline validate "
               "--table examples`, then this command again", file=sys.stderr)
+    if not result.versions and result.empty_versions:
+        print(f"train: nothing trained: {_version_span(sorted(result.empty_versions))} no rows: {NOTHING_PUBLISHED}",
+              file=sys.stderr)
     return 0
 
 

@@ -160,6 +160,9 @@ class ContinuousResult:
     call had already committed that version's."""
     report_path: str | None = None
     """``LAKE/_runs/<run_id>/report.html``: the run's curves and lineage (:mod:`trainer.run_report`)."""
+    empty_versions: list[int] = field(default_factory=list)
+    """Allowed versions a new run passed over because they hold no rows yet (:data:`trainer.data.NOTHING_PUBLISHED`);
+    a later call reads them again, so a run starts on the first version with rows."""
 
 
 def _metric_rows(run_id: str, step: int, version: int, metrics: dict, now_ms: int) -> list[dict[str, Any]]:
@@ -556,6 +559,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         if engine is None:  # a new run: the first version's rows fit the input statistics and the output bias
             first = _bootstrap_sample(lake, tc, start, version)
             if first.num_rows == 0:
+                result.empty_versions.append(version)
                 cursor = Cursor(tid, version + 1) if version == cursor.version else cursor
                 continue
             normalizer = fit_normalizer(first)

@@ -4,6 +4,7 @@ parameters of an uninterrupted run; the same lake and seed give the same checkpo
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -470,3 +471,25 @@ def test_train_once_says_when_nothing_was_validated_or_every_label_was_masked(tm
     with caplog.at_level("WARNING", logger="trainer.continuous"):
         run_once(*trainer_args(_config(lake)))
     assert not [r for r in caplog.records if r.name == "trainer.continuous"], "closed labels: nothing to say"
+
+
+def test_train_once_says_when_the_validated_versions_hold_no_rows(tmp_path, capsys):
+    """Versions that passed validation but hold no rows (a `label_mode=wait` build whose windows are all open): exit 0,
+    nothing trained, and one line naming the versions and the cause; the first version with rows starts the run."""
+    from gemline.cli import main
+
+    lake = tmp_path / "lake"
+    for day in (1, 2):
+        _add(lake, day, rows=0)
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    capsys.readouterr()
+    assert main(["train", "--once", "--lake", str(lake), *sets]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["versions"] == []
+    assert err.strip().splitlines() == [
+        "train: nothing trained: examples@0..1 hold no rows: nothing published yet (build.label_mode=wait publishes an "
+        "impression when its longest attribution window closes; fnw/defer after build.publish_delay_ms)"]
+    _add(lake, 3)
+    res = run_once(*trainer_args(_config(lake)))
+    assert [v["version"] for v in res.versions] == [2] and res.versions[0]["rows_trained"] == 200
+    assert res.empty_versions == [0, 1]
