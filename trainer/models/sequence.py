@@ -127,8 +127,12 @@ class SequenceLayer(nn.Module):
             raise ValueError(f"condition must be (B={x.batch_size}, D={self.dim}), got {tuple(condition.shape)}")
         num_tokens, head_dim = x.num_tokens, self.dim // self.heads
         q, k, v = self.qkv(self.attn_norm(x.values)).view(num_tokens, 3, self.heads, head_dim).unbind(1)
-        attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v),
-                                    backend=self.attention_backend, validate=False)
+        # Under torch.compile the reference itself: the fused twin's padding to a data-dependent max length
+        # guards on it (graph breaks, tests/trainer/test_device.py), and compiled code fuses the reference anyway.
+        backend = "reference" if self.attention_backend == "sdpa" and torch.compiler.is_compiling() else \
+            self.attention_backend
+        attended = causal_attention(x.with_values(q), x.with_values(k), x.with_values(v), backend=backend,
+                                    validate=False)
         h = x.values + self.attn_out(attended.values.reshape(num_tokens, self.dim))
         rows = token_rows(x.offsets, num_tokens)
         if self.pffn_rank == 0:
