@@ -430,19 +430,33 @@ def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions
 
 
 PENDING_ROW_GROUP_ROWS = 256
-"""Rows per Parquet row group of the pending state's files, which hold their rows in event-time order: a
-pass reads the few rows it publishes or corrects (:func:`due_pending`) and decodes only the row groups
-whose time range holds one; a fat-layout row carries its sequences, so a group of 256 is ~1 MB."""
+"""Rows per Parquet row group of fat-layout pending files (a row carries its sequences: 256 rows are ~1 MB). The
+pending state's files hold their rows in event-time order: a pass reads the few rows it publishes or corrects
+(:func:`due_pending`) and decodes only the row groups whose time range holds one."""
+
+POINTER_PENDING_ROW_GROUP_ROWS = 16_384
+"""Rows per row group of pointer-layout pending files (no lists: ~65 bytes a row, so 16,384 rows are ~1 MB). At
+256 rows a late pass of the 10-minute freshness run decoded 2,463 of 2,607 row groups (the cost is per group and
+column, and corrections are scattered over the whole time range): 8.4 of its 19.2 CPU-s; the same rows in 64k-row
+groups read their keys in 0.09 CPU-s instead of 1.09 and the due rows in 0.39 instead of 4.6."""
+
+
+def pending_row_group_rows(schema: pa.Schema) -> int:
+    """Rows per row group of pending-state files of ``schema``: :data:`PENDING_ROW_GROUP_ROWS` when its rows carry
+    list columns (the fat layout), else :data:`POINTER_PENDING_ROW_GROUP_ROWS`; each is about 1 MB a group."""
+    fat = any(pa.types.is_list(f.type) or pa.types.is_large_list(f.type) for f in schema)
+    return PENDING_ROW_GROUP_ROWS if fat else POINTER_PENDING_ROW_GROUP_ROWS
 
 
 def _write_state_aware(lake: str, name: str, table: pa.Table, file_name: str,
                        opts: StorageOptions | None) -> list[dict[str, Any]]:
-    """:func:`gemline.tables.write_files`; the pending state's rows sorted by event time, in small row
-    groups (:data:`PENDING_ROW_GROUP_ROWS`)."""
+    """:func:`gemline.tables.write_files`; the pending state's rows sorted by event time, in row groups of
+    about 1 MB (:func:`pending_row_group_rows`)."""
     if name != Table.BUILD_PENDING:
         return write_files(lake, name, table, name=file_name, storage_options=opts)
     ordered = table.take(pc.sort_indices(table, sort_keys=[("event_time_ms", "ascending"), ("example_id", "ascending")]))
-    return write_files(lake, name, ordered, name=file_name, storage_options=opts, row_group_rows=PENDING_ROW_GROUP_ROWS)
+    return write_files(lake, name, ordered, name=file_name, storage_options=opts,
+                       row_group_rows=pending_row_group_rows(table.schema))
 
 
 def _manifest_files(directory: Path) -> list[dict[str, Any]]:
@@ -842,8 +856,9 @@ def compact_state(lake: str, table: str, hygiene: HygieneConfig, *,
         return 0
     from deltalake import WriterProperties
 
-    # Compaction keeps the files' order, so pending rows stay roughly in time order, in small row groups.
-    groups = WriterProperties(max_row_group_size=PENDING_ROW_GROUP_ROWS) if table == Table.BUILD_PENDING else None
+    # Compaction keeps the files' order, so pending rows stay roughly in time order, in ~1 MB row groups.
+    groups = (WriterProperties(max_row_group_size=pending_row_group_rows(pa.schema(dt.schema().to_arrow())))
+              if table == Table.BUILD_PENDING else None)
     return int(dt.optimize.compact(target_size=STATE_FILE_BYTES, writer_properties=groups).get("numFilesRemoved", 0))
 
 
