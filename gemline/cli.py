@@ -388,8 +388,8 @@ def _version_span(versions: list[int]) -> str:
 
 def _train_continuous(args: argparse.Namespace) -> int:
     """``train --once`` / ``--follow``: the continuous trainer (trainer.continuous), one JSON line per run."""
+    from sequences.config import NOTHING_PUBLISHED
     from trainer.continuous import follow, run_once
-    from trainer.data import NOTHING_PUBLISHED
 
     if args.version is not None:
         raise BadConfigError("train --once/--follow consume every new examples version; --version is for one-shot runs")

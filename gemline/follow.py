@@ -80,14 +80,15 @@ def nothing_published_hint(build: BuildConfig, result: BuildResult) -> str | Non
     """One line when a ``label_mode = "wait"`` build has published nothing yet while impressions wait for their
     attribution windows (a synthetic or replayed log shorter than the longest window never publishes: the
     trainer then waits with nothing said); None otherwise."""
+    from sequences.config import NOTHING_PUBLISHED
+
     if build.label_mode != "wait" or result.num_examples or not result.num_pending:
         return None
     longest_ms = max(build.click_window_ms, build.conversion_window_ms)
     longest = (f"{longest_ms / 86_400_000:g} days" if longest_ms >= 86_400_000 else
                f"{longest_ms / 3_600_000:g} h" if longest_ms >= 3_600_000 else f"{longest_ms / 1000:g} s")
-    return (f"nothing published yet: {result.num_pending} impressions wait for their attribution windows "
-            f"(build.label_mode=wait publishes an impression once its longest window, {longest}, has "
-            f"closed); to train sooner, publish early with late-label corrections: --set "
+    return (f"{NOTHING_PUBLISHED}: {result.num_pending} impressions wait for their attribution windows (the "
+            f"longest: {longest}); to train sooner, publish early with late-label corrections: --set "
             "build.label_mode=defer --set build.publish_delay_ms=60000 (README \"Late labels: wait, fnw, defer\")")
 
 

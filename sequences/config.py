@@ -13,6 +13,11 @@ from gemline.hygiene import HygieneConfig
 
 MS_PER_DAY = 24 * 3600 * 1000
 
+NOTHING_PUBLISHED = ("nothing published yet (build.label_mode=wait publishes an impression when its longest attribution "
+                     "window closes; fnw/defer after build.publish_delay_ms)")
+"""Why an examples version can hold no rows although its build ran: the clause the build's and the trainer's
+messages share (the build's hint adds the counts and the flags that publish sooner)."""
+
 LabelMode = Literal["wait", "fnw", "defer"]
 """``build.label_mode``: when an impression is published and how late labels reach the trainer
 (:mod:`sequences.publish`)."""

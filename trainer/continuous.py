@@ -161,7 +161,7 @@ class ContinuousResult:
     report_path: str | None = None
     """``LAKE/_runs/<run_id>/report.html``: the run's curves and lineage (:mod:`trainer.run_report`)."""
     empty_versions: list[int] = field(default_factory=list)
-    """Allowed versions a new run passed over because they hold no rows yet (:data:`trainer.data.NOTHING_PUBLISHED`);
+    """Allowed versions a new run passed over because they hold no rows yet (:data:`sequences.config.NOTHING_PUBLISHED`);
     a later call reads them again, so a run starts on the first version with rows."""
 
 

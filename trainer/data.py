@@ -33,6 +33,7 @@ from torchrec import KeyedJaggedTensor
 from gemline.errors import InputSchemaError, MissingInputError
 from gemline.lake import Lake, StorageOptions, commit_metadata, open_table, read_table
 from gemline.tables import Table
+from sequences.config import NOTHING_PUBLISHED
 from sequences.history_tail import HistoryTail
 from sequences.materialize import HistoryCut, read_history, sequence_index
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
@@ -317,11 +318,6 @@ class ExamplesSplit:
     pointers: PointerHistory | None = None
 
 
-NOTHING_PUBLISHED = ("nothing published yet (build.label_mode=wait publishes an impression when its longest attribution "
-                     "window closes; fnw/defer after build.publish_delay_ms)")
-"""Why an examples version can hold no rows although its build ran: the clause the trainer's messages end with."""
-
-
 def latest_examples_version(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> int:
     """Newest Delta version of ``examples`` (``lake``: a Lake, or a root with its ``storage_options``);
     raises MissingInputError (a FileNotFoundError) if the table does not exist."""
@@ -335,7 +331,7 @@ def temporal_split(table: pa.Table, examples_version: int) -> ExamplesSplit:
     """Split by ``event_date``: the last date is eval, every earlier date is train.
 
     Raises:
-        MissingInputError: the version holds no rows (nothing published yet: :data:`NOTHING_PUBLISHED`).
+        MissingInputError: the version holds no rows (:data:`sequences.config.NOTHING_PUBLISHED`).
         ValueError: fewer than 2 distinct dates (names the dates found).
     """
     if table.num_rows == 0:

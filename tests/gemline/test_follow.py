@@ -53,9 +53,10 @@ def test_validate_and_build_follow_the_events_and_wait_at_a_quarantine(tmp_path,
         built = follow_build(config, interval_s=0, max_passes=2)
     assert [(d["table"], d["version"]) for d in built.done] == [("events", 0)] and built.waiting == ""
     # The one impression waits for its 20 s window (wait mode): said once, with the way to publish sooner.
-    assert [r.getMessage().split(";")[0] for r in caplog.records if r.levelname == "WARNING"] == [
-        "nothing published yet: 1 impressions wait for their attribution windows (build.label_mode=wait publishes "
-        "an impression once its longest window, 20 s, has closed)"]
+    assert [r.getMessage().split("; to train sooner")[0] for r in caplog.records if r.levelname == "WARNING"] == [
+        "nothing published yet (build.label_mode=wait publishes an impression when its longest attribution window "
+        "closes; fnw/defer after build.publish_delay_ms): 1 impressions wait for their attribution windows (the "
+        "longest: 20 s)"]
     examples_after_0 = open_table(lake, "examples").version()
 
     # events@1 repeats an event id: validation quarantines it and the build waits at it.
@@ -143,6 +144,7 @@ def test_nothing_published_hint_only_for_a_wait_build_with_impressions_waiting()
     """Hand cases: the hint names the longest window and the settings that publish sooner; no hint once anything
     was published, with nothing pending, or in an early-publishing mode."""
     from gemline.follow import nothing_published_hint
+    from sequences.config import NOTHING_PUBLISHED
     from sequences.pipeline import BuildResult
 
     def result(examples: int, pending: int) -> BuildResult:
@@ -151,9 +153,8 @@ def test_nothing_published_hint_only_for_a_wait_build_with_impressions_waiting()
                            skipped=False, num_published=0, num_pending=pending)
 
     hint = nothing_published_hint(BuildConfig(), result(0, 40))
-    assert hint is not None and hint.startswith("nothing published yet: 40 impressions wait for their attribution "
-                                                "windows (build.label_mode=wait publishes an impression once its "
-                                                "longest window, 7 days, has closed)")
+    assert hint is not None and hint.startswith(f"{NOTHING_PUBLISHED}: 40 impressions wait for their attribution "
+                                                "windows (the longest: 7 days)")
     assert "--set build.label_mode=defer --set build.publish_delay_ms=60000" in hint
     assert nothing_published_hint(BuildConfig(), result(1, 40)) is None
     assert nothing_published_hint(BuildConfig(), result(0, 0)) is None
