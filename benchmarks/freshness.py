@@ -59,15 +59,13 @@ import psutil  # type: ignore[import-untyped]  # pinned in requirements.lock
 from scipy import stats  # type: ignore[import-untyped]  # pinned in requirements.lock
 
 from gemline.config import GemlineConfig, load_config
-from gemline.increments import latest_version
-from gemline.lake import Lake, commit_metadata, read_table
-from gemline.metrics import consumer_lag, lake_offsets
+from gemline.lake import Lake, read_table
+from gemline.progress import build_progress, ingest_progress, train_progress
 from gemline.tables import Table
 from ingest.broker import free_port
 from ingest.generate import GenerateConfig
 from ingest.kafka_clients import make_client
 from ingest.pipeline import app_id_for
-from sequences.pipeline import APP_ID as BUILD_APP
 from trainer.freshness import HOPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,33 +238,16 @@ def generator_settings(rate: float, minutes: float, batch_messages: int = 1) -> 
 
 
 def sample(config: GemlineConfig, bootstrap: str, t_s: float, cpu_s: dict[str, float] | None = None) -> Sample:
-    """Each stage's backlog now (module docstring), the events generated so far and ``cpu_s``."""
+    """Each stage's backlog now (module docstring; read as ``gemline run``'s status table reads it,
+    :mod:`gemline.progress`), the events generated so far and ``cpu_s``."""
     lake = Lake.for_config(config)
     try:
         high = make_client(config.kafka.client, bootstrap, timeout_s=10).end_offsets(config.kafka.topic)
     except (ValueError, TimeoutError, OSError):  # no topic yet
         high = {}
-    ingest = sum(consumer_lag(high, lake_offsets(lake, app_id_for(config.kafka.topic))).values()) if high else None
-    events = latest_version(lake.root, Table.EVENTS)
-    built = (commit_metadata(lake, Table.EXAMPLES, BUILD_APP) or {}).get("events_version")
-    build = None if events is None or built is None else events - int(built)
-    examples = latest_version(lake.root, Table.EXAMPLES)
-    trained = _trained_version(lake)
-    # Before the trainer's first checkpoint every examples version waits for it.
-    trainer = None if examples is None else examples - (-1 if trained is None else trained)
+    ingest = ingest_progress(lake, app_id_for(config.kafka.topic), lambda: high).lag if high else None
     generated = sum(h for _, h in high.values()) if high else None
-    return Sample(t_s, ingest, build, trainer, generated, cpu_s)
-
-
-def _trained_version(lake: Lake) -> int | None:
-    from gemline.errors import MissingInputError
-    from trainer.continuous import lineage
-
-    try:
-        versions = lineage(lake)["examples_versions"]
-    except (MissingInputError, FileNotFoundError, OSError, KeyError, ValueError):
-        return None  # no checkpoint yet, or one being written
-    return max((int(v["version"]) for v in versions), default=None)
+    return Sample(t_s, ingest, build_progress(lake).lag, train_progress(lake).lag, generated, cpu_s)
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:

@@ -18,8 +18,9 @@ anything. The configuration reaches the children as ``--set`` flags of every non
 lake's storage options (they may hold secrets, which never go on a command line: ``ps`` shows it to every user),
 which go in a 0600 TOML file in a private temporary folder, as for torchrun's ranks.
 
-With a terminal, a live status table (rich) shows each stage's state, restarts and last log line, and the
-newest version of the lake's main tables; without one, one line per start, exit and restart.
+With a terminal, a live status table (rich) shows each stage's state, restarts and last log line, its last
+version, rows done and lag (:mod:`gemline.progress`), and the newest version of the lake's main tables; without
+one, one line per start, exit and restart.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from gemline.config import GemlineConfig, config_overrides
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.metrics import LagSource, PipelineCollector, StageSample, lake_offsets, serve
+from gemline.progress import StageProgress, pipeline_progress
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
 from ingest.broker import accepts, free_port
@@ -184,15 +186,33 @@ def stage_samples(sup: Supervisor) -> list[StageSample]:
     return [StageSample(s.command.name, s.restarts, s.process is not None) for s in sup.stages]
 
 
-def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EVENTS, Table.EXAMPLES)) -> Group:
-    """The live status: one row per stage, then the newest version of ``tables``."""
+STATUS_COLUMNS = ("stage", "state", "pid", "up", "restarts", "last", "rows", "lag", "last log line")
+NARROW_COLUMNS = ("stage", "state", "restarts", "last", "rows", "lag")
+"""The status table's columns on a terminal narrower than 120 characters: the numbers, not the log line."""
+_MIN_WIDTHS = {"stage": 8, "rows": 9, "lag": 14}
+_NARROW_MAX_WIDTHS = {"state": 11, "restarts": 3, "last": 15}
+
+
+def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EVENTS, Table.EXAMPLES),
+                progress: Mapping[str, StageProgress] | None = None, width: int | None = None) -> Group:
+    """The live status: one row per stage (state, restarts, and from ``progress`` the last version, rows done and
+    lag: :mod:`gemline.progress`), then the newest version of ``tables``; ``width``: the terminal's columns
+    (under 120: :data:`NARROW_COLUMNS`)."""
     now = time.monotonic()
+    progress = progress or {}
+    columns = NARROW_COLUMNS if width is not None and width < 120 else STATUS_COLUMNS
     stages = RichTable(title="gemline run (Ctrl-C stops every stage)", expand=True)
-    for column in ("stage", "state", "pid", "up", "restarts", "last log line"):
-        stages.add_column(column, overflow="ellipsis", no_wrap=column == "last log line")
+    for column in columns:
+        stages.add_column(column, overflow="ellipsis", no_wrap=True, ratio=1 if column == "last log line" else None,
+                          min_width=_MIN_WIDTHS.get(column), justify="right" if column in ("rows", "lag") else "left",
+                          max_width=_NARROW_MAX_WIDTHS.get(column) if columns is NARROW_COLUMNS else None)
     for s in sup.stages:
-        up = "" if s.started_at is None else f"{now - s.started_at:.0f} s"
-        stages.add_row(s.command.name, s.state(now), str(s.pid or ""), up, str(s.restarts), s.last_log_line()[-120:])
+        p = progress.get(s.command.name, StageProgress())
+        cells = {"stage": s.command.name, "state": s.state(now), "pid": str(s.pid or ""),
+                 "up": "" if s.started_at is None else f"{now - s.started_at:.0f} s", "restarts": str(s.restarts),
+                 "last": p.last, "rows": "" if p.rows is None else f"{p.rows:,}",
+                 "lag": "" if p.lag is None else f"{p.lag:,} {p.lag_unit}", "last log line": s.last_log_line()[-120:]}
+        stages.add_row(*(cells[c] for c in columns))
     versions = ", ".join(f"{t}@{v}" if (v := latest_version(lake.root, t, storage_options=lake.storage_options))
                          is not None else f"{t}: none yet" for t in tables)
     return Group(stages, f"lake {lake.root}: {versions}")
@@ -263,9 +283,11 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
         say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
         drain = _ingest_lag(config, lake, bootstrap, sup) if broker and any(
             s.name == "ingest" for s in stages) else None
+        lag = kafka_lag_source(config, bootstrap, timeout_s=2.0)  # a down broker must not hold the view long
+        progress = (lambda: pipeline_progress(lake, ingest_app_id=lag.app_id, watermarks=lag.watermarks)) if live else None
         with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
                              say=say):
-            return _supervise(sup, lake, live, None if until is None else (lambda: until(sup)), drain,
+            return _supervise(sup, lake, progress, None if until is None else (lambda: until(sup)), drain,
                               plan.drain_timeout_s)
 
 
@@ -319,16 +341,30 @@ def _ingest_lag(config: GemlineConfig, lake: Lake, bootstrap: str, sup: Supervis
     return remaining
 
 
-def _supervise(sup: Supervisor, lake: Lake, live: bool, stop: Callable[[], bool] | None,
-               drain: Callable[[], int] | None, drain_timeout_s: float) -> int:
-    if not live:
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two reads of the stages' progress for the live view (each reads the quality, freshness and
+Delta logs: :mod:`gemline.progress`); the stage states refresh every second."""
+
+
+def _supervise(sup: Supervisor, lake: Lake, progress: Callable[[], Mapping[str, StageProgress]] | None,
+               stop: Callable[[], bool] | None, drain: Callable[[], int] | None, drain_timeout_s: float) -> int:
+    """Run the supervisor; with ``progress`` (a terminal), under the live status table."""
+    if progress is None:
         return sup.run(until=stop, drain=drain, drain_timeout_s=drain_timeout_s)
-    with Live(status_view(sup, lake), console=Console(), refresh_per_second=2, transient=False) as view:
-        last = {"t": 0.0}
+    console = Console()
+    with Live(status_view(sup, lake, width=console.width), console=console, refresh_per_second=2,
+              transient=False) as view:
+        last = {"view": 0.0, "progress": -PROGRESS_EVERY_S}
+        seen: dict[str, Mapping[str, StageProgress]] = {"progress": {}}
 
         def render(s: Supervisor) -> None:
-            if time.monotonic() - last["t"] >= 1.0:  # reading the Delta logs once a second is plenty
-                view.update(status_view(s, lake))
-                last["t"] = time.monotonic()
+            now = time.monotonic()
+            if now - last["view"] < 1.0:  # reading the Delta logs once a second is plenty
+                return
+            if now - last["progress"] >= PROGRESS_EVERY_S:
+                seen["progress"] = progress()
+                last["progress"] = now
+            view.update(status_view(s, lake, progress=seen["progress"], width=console.width))
+            last["view"] = time.monotonic()
 
         return sup.run(until=stop, render=render, drain=drain, drain_timeout_s=drain_timeout_s)

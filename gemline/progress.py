@@ -1,0 +1,151 @@
+"""How far each stage of ``gemline run`` has got, read from what the stages committed (the live status table).
+
+Every number comes from the lake (and Kafka for ingest), never from a stage's process, so it is the same for a
+stage run alone with ``--follow`` on another machine, and a stage restarted mid-pass shows what it committed:
+
+==========  ===============================  ==================================  ==========================================
+stage       last                             rows                                lag
+==========  ===============================  ==================================  ==========================================
+ingest      newest ``events`` version        events committed (Kafka records)    messages in Kafka not committed yet
+validate    newest validated events/examples versions validated                  versions not validated yet
+build       ``events`` version built         examples published                  events versions not built yet
+train       newest examples version trained  rows trained by the current run     examples versions not trained yet
+==========  ===============================  ==================================  ==========================================
+
+"Trained" is read from the ``freshness`` table the continuous trainer writes once per version it has trained,
+before its checkpoint (``trainer.freshness``): no checkpoint is opened, so an object-store lake costs a Delta read,
+not a download. Each part is read on its own: one that fails (a table being created, Kafka unreachable) shows as
+unknown, never stops the view.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import pyarrow.compute as pc
+
+from gemline.gate import gate_decisions
+from gemline.increments import latest_version
+from gemline.lake import Lake, commit_metadata, open_table, read_table
+from gemline.metrics import consumer_lag, lake_offsets, table_rows
+from gemline.tables import Table
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class StageProgress:
+    """One stage's progress (module docstring's table).
+
+    Attributes:
+        last: the newest version it committed or consumed (``"events@12"``); '' when none yet.
+        rows: rows done so far (for validate: versions validated); None when unknown.
+        lag: how far it is behind its input, in ``lag_unit``; None when unknown (no input yet, a read failed).
+        lag_unit: ``"messages"`` (ingest) or ``"versions"``.
+    """
+
+    last: str = ""
+    rows: int | None = None
+    lag: int | None = None
+    lag_unit: str = "versions"
+
+
+Watermarks = Callable[[], Mapping[int, tuple[int, int]]]
+"""Per Kafka partition, (low, high) watermark offsets now (:class:`gemline.metrics.LagSource`'s ``watermarks``)."""
+
+
+def _guarded(stage: str, read: Callable[[], StageProgress]) -> StageProgress:
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - a status line must not stop the run (module docstring)
+        log.debug("progress of %s unknown: %s", stage, exc)
+        return StageProgress()
+
+
+def ingest_progress(lake: Lake, app_id: str, watermarks: Watermarks | None) -> StageProgress:
+    """``last``: the newest ``events`` version; ``rows``: the events table's rows (file statistics, no data
+    read); ``lag``: Kafka messages not committed to the lake yet (None without ``watermarks`` or when they
+    raise: Kafka unreachable)."""
+    events = open_table(lake, Table.EVENTS)
+    if events is None:
+        return StageProgress(lag_unit="messages")
+    lag = None
+    if watermarks is not None:
+        try:
+            lag = sum(consumer_lag(watermarks(), lake_offsets(lake, app_id)).values())
+        except Exception as exc:  # noqa: BLE001 - Kafka unreachable: the lake's part still shows
+            log.debug("ingest lag unknown: %s", exc)
+    return StageProgress(f"events@{events.version()}", table_rows(events), lag, "messages")
+
+
+def validate_progress(lake: Lake) -> StageProgress:
+    """``last``: the newest validated version of ``events`` and of ``examples``; ``rows``: versions validated;
+    ``lag``: versions not validated yet. Events validation judges every version since the last one validated, so
+    only the newest events version counts as waiting (``gemline.follow``)."""
+    last, validated, waiting, seen = [], 0, 0, False
+    for table in (Table.EVENTS, Table.EXAMPLES):
+        newest = latest_version(lake.root, table, storage_options=lake.storage_options)
+        if newest is None:
+            continue
+        seen = True
+        decisions = gate_decisions(lake, table, range(newest + 1))
+        done = [v for v, d in decisions.items() if d.validated]
+        validated += len(done)
+        if done:
+            last.append(f"{table}@{max(done)}")
+        if table == Table.EVENTS:
+            waiting += int(not decisions[newest].validated)
+        else:
+            waiting += sum(not d.validated for d in decisions.values())
+    if not seen:
+        return StageProgress()
+    return StageProgress(" ".join(last), validated, waiting)
+
+
+def build_progress(lake: Lake) -> StageProgress:
+    """``last``: the ``events`` version the newest build read; ``rows``: examples published (file statistics);
+    ``lag``: ``events`` versions committed since."""
+    from sequences.pipeline import APP_ID  # the build's writer id: its commits name the events version read
+
+    examples = open_table(lake, Table.EXAMPLES)
+    built = (commit_metadata(lake, Table.EXAMPLES, APP_ID) or {}).get("events_version")
+    if examples is None or built is None:
+        return StageProgress()
+    events = latest_version(lake.root, Table.EVENTS, storage_options=lake.storage_options)
+    lag = None if events is None else max(0, events - int(built))
+    return StageProgress(f"events@{int(built)}", table_rows(examples), lag)
+
+
+def train_progress(lake: Lake) -> StageProgress:
+    """``last``: the newest examples version the current trainer run trained (the run of the newest
+    ``freshness`` row); ``rows``: the rows that run trained; ``lag``: ``examples`` versions committed since."""
+    from trainer.freshness import HOPS
+
+    rows = read_table(lake, Table.FRESHNESS, columns=["run_id", "examples_version", "hop", "rows", "wall_time_ms"])
+    examples = latest_version(lake.root, Table.EXAMPLES, storage_options=lake.storage_options)
+    if rows is None or rows.num_rows == 0:
+        # Before the first trained version every examples version waits for the trainer.
+        return StageProgress(lag=None if examples is None else examples + 1)
+    newest = rows.slice(int(pc.index(rows["wall_time_ms"], pc.max(rows["wall_time_ms"])).as_py()), 1)
+    run = rows.filter(pc.equal(rows["run_id"], newest["run_id"][0]))
+    trained = int(pc.max(run["examples_version"]).as_py())
+    trained_hop = HOPS[1]  # published->trained: every trained row, corrections included
+    done = int(pc.sum(run.filter(pc.equal(run["hop"], trained_hop))["rows"]).as_py() or 0)
+    return StageProgress(f"examples@{trained}", done, None if examples is None else max(0, examples - trained))
+
+
+def pipeline_progress(lake: Lake, *, ingest_app_id: str | None = None,
+                      watermarks: Watermarks | None = None) -> dict[str, StageProgress]:
+    """Each stage's progress (module docstring), keyed by the stage names of ``gemline run``; ingest's only with
+    its writer id ``ingest_app_id`` (``ingest.pipeline.app_id_for(topic)``)."""
+    out = {"validate": _guarded("validate", lambda: validate_progress(lake)),
+           "build": _guarded("build", lambda: build_progress(lake)),
+           "train": _guarded("train", lambda: train_progress(lake))}
+    if ingest_app_id is not None:
+        out["ingest"] = _guarded("ingest", lambda: ingest_progress(lake, ingest_app_id, watermarks))
+    return out
+
+
+__all__ = ["StageProgress", "Watermarks", "build_progress", "ingest_progress",
+           "pipeline_progress", "train_progress", "validate_progress"]
