@@ -108,9 +108,11 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
             :class:`~gemline.gate.GateClosedError`, which makes the loop wait.
     """
     from sequences.pipeline import run_build
+    from sequences.state_cache import BuildStateCache
 
     lake = Lake.for_config(config)
     hinted = False
+    cache = BuildStateCache()  # the buffer a pass reads, kept for the next one (sequences.state_cache)
 
     def one_pass(state: FollowState) -> None:
         nonlocal hinted
@@ -118,7 +120,8 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
         version, state.waiting, validated = _newest_allowed(lake)
         if version is not None:
             try:
-                result = run_build(lake, config.build, events_version=version, beam_args=list(beam_args or []))
+                result = run_build(lake, config.build, events_version=version, beam_args=list(beam_args or []),
+                                   state_cache=cache)
             except GateClosedError as exc:  # a version on the way is quarantined or not validated yet
                 state.waiting = str(exc)
             else:

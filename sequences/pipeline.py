@@ -101,6 +101,7 @@ from sequences.shards import (
     user_inputs,
     user_shard_reference,
 )
+from sequences.state_cache import BuildStateCache, HeldBuffer
 from sequences.vectorized import item_shard_vectorized, label_latencies_vectorized, user_shard_vectorized
 
 log = logging.getLogger(__name__)
@@ -313,7 +314,8 @@ _WRITERS = 2
 compression release the GIL, so the writes and the computation share the cores)."""
 
 
-def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tuple) -> None:
+def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tuple,
+                    held: HeldBuffer | None = None) -> None:
     """:func:`_run_on_beam`'s work in this process, without Beam: the same functions (:func:`_emit_table`,
     :func:`_shard_pieces` along :data:`_ROUTES`, :func:`_item_shard_step`, :func:`_user_shard_step`,
     :func:`_write_part`) in the order the two shuffles impose (every item shard before any user shard),
@@ -324,6 +326,10 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     parts are written by :data:`_WRITERS` threads while the next shards are computed. A failed step or write
     is raised once the work under way ends (queued work is cancelled): nothing is committed, and a rerun
     rewrites the same file names.
+
+    ``held``: the buffer of ``sources["buffer"]``'s snapshot already split into this build's shards, and its
+    labels (:class:`sequences.state_cache.BuildStateCache`): its pieces go to the shards as they are (in
+    memory, not spilled) and the pending state's labels are taken from it, instead of reading the buffer.
 
     Raises:
         whatever a step or a write raises.
@@ -356,7 +362,13 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
         try:
             for name, spec in sources.items():
                 routes = [r for r in _ROUTES if r[1] == name]
-                for table in _emit_table(None, spec):
+                if name == "buffer" and held is not None:
+                    for _, _, kind, key, _ in routes:  # the buffer's routes keep every row
+                        for shard, table in held.pieces[key].items():
+                            pieces[kind][shard].append(spill_piece(name, table, None))
+                    continue
+                labels = held.labels if name == "pending" and held is not None else None
+                for table in _emit_table(None, spec, buffer_labels=labels):
                     # A table's routes (by item and by user) are split at once; each table is split before
                     # the next is read, so one table (a chunk of the new events) is held at a time.
                     splits = [compute.submit(_split_pieces, table, name, key, shards, spill, keep)
@@ -714,20 +726,25 @@ def _relative(path: str) -> str:
     return path.lstrip("/")
 
 
-def _load(spec: tuple) -> pa.Table | None:
+def _load(spec: tuple, buffer_labels: pa.Table | None = None) -> pa.Table | None:
     """Read an input inside the pipeline (a table passed as an argument would be pickled into the
     graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version, opts),
     ("state", lake, table, delta_version | None, opts) or ("pending", lake, pending_version | None,
     buffer_version | None, opts, old_version, version, config, old_close_ms, close_ms) (:func:`due_pending`, with
-    the labels of the buffer and the new events); ``opts``: storage options or None."""
+    the labels of the buffer and the new events); ``opts``: storage options or None. ``buffer_labels``: the
+    buffer's clicks and conversions (:data:`sequences.state_cache.LABEL_COLUMNS`) as the buffer at
+    ``buffer_version`` holds them, in its order, instead of reading them (a pending spec only)."""
     if spec[0] == "pending":
         _, lake, pending_version, buffer_version, opts, old_version, version, config, old_close_ms, close_ms = spec
         if pending_version is None:
             return None  # no pending state yet: no label to read
         columns = ["user_id", "item_id", "domain", "event_type", "event_time_ms"]
         labels = [new_event_rows(lake, old_version, version, columns=columns, storage_options=opts)]
-        buffer = open_table(lake, Table.BUILD_BUFFER, buffer_version, storage_options=opts) if buffer_version is not None else None
-        if buffer is not None:
+        buffer = (None if buffer_version is None or buffer_labels is not None
+                  else open_table(lake, Table.BUILD_BUFFER, buffer_version, storage_options=opts))
+        if buffer_labels is not None:
+            labels.append(buffer_labels.cast(labels[0].schema))
+        elif buffer is not None:
             labels.append(buffer.to_pyarrow_dataset().to_table(
                 columns=columns, filter=pc.field("event_type").isin(list(TASKS))).cast(labels[0].schema))
         return due_pending(lake, pending_version, pa.concat_tables(labels), config, old_close_ms, close_ms,
@@ -744,7 +761,7 @@ into its shards' pieces and spilled before the next is read, so the whole increm
 once (at ~150 bytes per event in Arrow, a chunk is ~75 MB)."""
 
 
-def _emit_table(_: Any, spec: tuple):
+def _emit_table(_: Any, spec: tuple, buffer_labels: pa.Table | None = None):
     if spec[0] == "new":
         _, lake, old_version, version, opts = spec
         for chunk in new_event_chunks(lake, old_version, version, chunk_rows=NEW_EVENTS_CHUNK_ROWS,
@@ -752,7 +769,7 @@ def _emit_table(_: Any, spec: tuple):
             if chunk.num_rows:
                 yield chunk
         return
-    table = _load(spec)
+    table = _load(spec, buffer_labels)
     if table is not None and table.num_rows:
         yield table
 
@@ -961,6 +978,7 @@ def run_build(
     beam_args: list[str] | None = None,
     final: bool = False,
     close_windows_at: int | None = None,
+    state_cache: BuildStateCache | None = None,
 ) -> BuildResult:
     """Build the events gained since the last build into examples, sequences, features and state.
 
@@ -995,6 +1013,11 @@ def run_build(
         beam_args: Beam pipeline flags (DirectRunner unless they name another runner); with
             ``build.engine = "auto"`` (the default) any flag runs the build on Beam.
         final, close_windows_at: close attribution windows beyond the watermark (see above).
+        state_cache: the buffer kept in memory across the passes of one process (``build --follow``): this
+            build reads from Delta only the buffer files its snapshot gained since the cache's copy and neither
+            re-reads nor re-splits the rest (:mod:`sequences.state_cache`: used only for the files of the very
+            snapshot this build reads; the same tables either way). None: everything read from Delta. Ignored
+            by a Beam build.
 
     Raises:
         MissingInputError: no ``events`` table (run ingest first; a ValueError).
@@ -1092,7 +1115,10 @@ def run_build(
     if on_beam:
         _run_on_beam(sources, steps, write, list(beam_args or []))
     else:
-        _run_in_process(sources, steps, write)
+        buffer_version = state[Table.BUILD_BUFFER][3]
+        held = (None if state_cache is None or buffer_version is None else
+                state_cache.buffer(root, buffer_version, shards, config.memory_budget_bytes, opts))
+        _run_in_process(sources, steps, write, held)
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):

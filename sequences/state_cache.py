@@ -1,0 +1,178 @@
+"""The build's event buffer kept in memory across the passes of one ``build --follow`` process.
+
+Each pass of :func:`sequences.pipeline.run_build` reads the buffer (``_build_state/buffer``, every event of the
+last ``build.state_lookback_ms``) as the previous build left it, splits it by item shard and by user shard, and
+filters its clicks and conversions out for the pending state's labels. The buffer only grows by the events a
+pass first keeps and shrinks by the files expiry removes or rewrites, so nearly all of it is the same from one
+pass to the next. A :class:`BuildStateCache` keeps, per data file of the buffer's snapshot, the file's rows
+already split into shard pieces (by ``item_id`` and by ``user_id``) and its label rows; a pass then reads from
+Delta only the files its snapshot added since (the new events kept, files rewritten by expiry or a compaction).
+
+Exactness: the Delta table stays the source of truth. Data files are immutable and a snapshot's rows are the
+rows of its add actions' files, so a copy is used only for a file of the very snapshot the pass reads
+(:func:`sequences.pipeline.run_build` names its version: the one the previous build committed, by time travel
+after a crash) with the same table id, path, size and modification time; every other cached file is dropped,
+every file not cached is read. The pieces come in the snapshot's file order, each file's rows in file order,
+so every shard receives the rows the fresh read and split gives, in the same order (the twin test:
+``tests/sequences/test_state_cache.py``). A new process starts with an empty cache, i.e. from Delta as before.
+
+Memory: at most ``build.memory_budget_bytes // 2`` bytes of Arrow data (two copies of the buffer's rows, one per
+split key, plus its labels); a buffer larger than that is not cached (passes read it from Delta as without a
+cache), so a build process holds at most 1.5x the budget its shard steps are sized for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gemline.lake import StorageOptions, open_table
+from gemline.tables import Table
+from sequences.publish import TASKS
+from sequences.shards import split_by_shard
+
+log = logging.getLogger(__name__)
+
+SPLIT_KEYS = ("item_id", "user_id")
+"""The columns the buffer is split by (the item shards' and the user shards' routes of the build)."""
+
+LABEL_COLUMNS = ["user_id", "item_id", "domain", "event_type", "event_time_ms"]
+"""The buffer's columns the pending state's labels read (its clicks and conversions)."""
+
+
+@dataclass(frozen=True)
+class _File:
+    """One buffer data file as cached: its identity in the snapshot, its rows by shard and its labels."""
+
+    identity: tuple[int, int]
+    """(size_bytes, modification_time in ms since epoch UTC) of the add action: a file rewritten under the same
+    path differs."""
+    pieces: dict[str, list[tuple[int, pa.Table]]]
+    """Split key -> ``[(shard, rows)]`` (:func:`sequences.shards.split_by_shard`)."""
+    labels: pa.Table
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class HeldBuffer:
+    """The buffer of one snapshot as a pass uses it: per split key, per shard that has rows, the rows in snapshot
+    order (:data:`sequences.shards.EVENT_SCHEMA` columns); and its label rows (:data:`LABEL_COLUMNS`, the clicks and conversions, in snapshot order)."""
+
+    pieces: dict[str, dict[int, pa.Table]]
+    labels: pa.Table
+    rows: int
+
+
+@dataclass
+class CacheStats:
+    """What a :class:`BuildStateCache` did so far (tests and the benchmark read it)."""
+
+    files_read: int = 0
+    """Buffer files read from Delta (not cached, or cached under another identity)."""
+    files_reused: int = 0
+    """Buffer files a pass took from memory."""
+    refused: list[str] = field(default_factory=list)
+    """Why the cache was emptied, once per occasion (another lake or table id, another shard count, over budget)."""
+
+
+class BuildStateCache:
+    """The buffer of successive :func:`sequences.pipeline.run_build` passes in one process (module docstring).
+
+    Pass one instance to every ``run_build(..., state_cache=cache)`` of a follow loop; ``None`` (the default of
+    ``run_build``) reads everything from Delta. Not thread-safe: one build at a time uses it (``run_build`` holds
+    the lake's build lock). A Beam build does not use it (its workers read their own inputs).
+    """
+
+    def __init__(self) -> None:
+        self.stats = CacheStats()
+        self._where: tuple[str, str, int] | None = None  # (lake root, table id, shards) the files belong to
+        self._files: dict[str, _File] = {}
+
+    def clear(self, reason: str) -> None:
+        """Drop every cached file (``reason`` is logged and kept in :attr:`stats`)."""
+        if self._files:
+            log.info("build state cache emptied: %s", reason)
+            self.stats.refused.append(reason)
+        self._files, self._where = {}, None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the Arrow data held (both splits and the labels)."""
+        return sum(f.nbytes for f in self._files.values())
+
+    def buffer(self, lake: str, version: int, shards: int, budget_bytes: int,
+               storage_options: StorageOptions | None = None) -> HeldBuffer | None:
+        """The buffer at Delta ``version`` split into ``shards`` shards, reading only the files not held; None (and
+        nothing held) where its Arrow data would exceed ``budget_bytes // 2`` (read it from Delta instead).
+
+        Raises:
+            ValueError: ``lake`` has no buffer table at ``version``.
+        """
+        dt = open_table(lake, Table.BUILD_BUFFER, version, storage_options=storage_options)
+        if dt is None:
+            raise ValueError(f"{lake}: no {Table.BUILD_BUFFER} table at version {version}")
+        where = (lake, str(dt.metadata().id), shards)
+        if self._where != where:
+            self.clear(f"the buffer is now {where[0]} (table id {where[1]}) in {shards} shard(s), "
+                       f"not {self._where}")
+            self._where = where
+        actions = pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes", "modification_time"])
+        snapshot = {row["path"]: (row["size_bytes"], row["modification_time"]) for row in actions.to_pylist()}
+        kept = {path: f for path, f in self._files.items() if snapshot.get(path) == f.identity}
+        dataset = dt.to_pyarrow_dataset()
+        fragments = list(dataset.get_fragments())
+        new_rows = sum(f.count_rows() for f in fragments if _path(f) not in kept)
+        held_rows = sum(sum(t.num_rows for _, t in f.pieces[SPLIT_KEYS[0]]) for f in kept.values())
+        limit = budget_bytes // 2
+        per_row = sum(f.nbytes for f in kept.values()) / held_rows if held_rows else 0.0
+        if per_row and (held_rows + new_rows) * per_row > limit:
+            self.clear(f"the buffer's {held_rows + new_rows} rows would take ~{(held_rows + new_rows) * per_row:,.0f} "
+                       f"bytes, over half of build.memory_budget_bytes ({limit:,} bytes)")
+            return None
+        files: dict[str, _File] = {}
+        for fragment in fragments:
+            path = _path(fragment)
+            if path in kept:
+                files[path] = kept[path]
+                self.stats.files_reused += 1
+                continue
+            files[path] = _split_file(fragment.to_table(schema=dataset.schema), snapshot[path], shards)
+            self.stats.files_read += 1
+        self._files = files
+        if self.nbytes > limit:
+            self.clear(f"the buffer's copy takes {self.nbytes:,} bytes, over half of build.memory_budget_bytes "
+                       f"({limit:,} bytes)")
+            return None
+        return _held(files.values(), dataset.schema)
+
+
+def _path(fragment: Any) -> str:
+    """A fragment's path as the add actions name it (relative to the table root)."""
+    return str(fragment.path).lstrip("/")
+
+
+def _split_file(rows: pa.Table, identity: tuple[int, int], shards: int) -> _File:
+    pieces = {key: split_by_shard(rows, key, shards) for key in SPLIT_KEYS}
+    labels = rows.select(LABEL_COLUMNS).filter(pc.is_in(rows.column("event_type"), value_set=pa.array(list(TASKS))))
+    nbytes = sum(t.nbytes for split in pieces.values() for _, t in split) + labels.nbytes
+    return _File(identity, pieces, labels, nbytes)
+
+
+def _held(files: Any, schema: pa.Schema) -> HeldBuffer:
+    pieces: dict[str, dict[int, list[pa.Table]]] = {key: {} for key in SPLIT_KEYS}
+    labels, rows = [], 0
+    for f in files:
+        for key in SPLIT_KEYS:
+            for shard, table in f.pieces[key]:
+                pieces[key].setdefault(shard, []).append(table)
+        labels.append(f.labels)
+        rows += sum(t.num_rows for _, t in f.pieces[SPLIT_KEYS[0]])
+    empty = pa.schema([schema.field(c) for c in LABEL_COLUMNS]).empty_table()
+    # One table per shard (a zero-copy concatenation), as the fresh read's split gives.
+    joined = {key: {shard: pa.concat_tables(tables) for shard, tables in by_shard.items()}
+              for key, by_shard in pieces.items()}
+    return HeldBuffer(joined, pa.concat_tables(labels) if labels else empty, rows)
