@@ -31,6 +31,13 @@ times, interleaved, and prints medians and per-round ratios; ``--no-feed`` skips
 ``--max-events-per-user`` instead (the one-million-user run:
 ``--users 1000000 --pareto 1.5 --max-events-per-user 1000``), and the peak RSS (``ru_maxrss`` of
 this process, MiB) and the Delta size of the lake (bytes on disk) are printed with the rates.
+
+``--follow-cache`` instead builds the ``--batches`` increments twice in this process, pass for pass
+interleaved on two lakes: each pass read fresh from Delta, and each pass sharing one
+:class:`sequences.state_cache.BuildStateCache` (what ``build --follow`` does); it prints the CPU seconds
+(user + system of this process, polars' threads included) of every pass of both, their ratio, and
+checks that the two lakes hold the same rows (``--batches 4 --parallelism 1``: README "Pointer layout"'s
+4 x 50,000-event measurement).
 """
 
 from __future__ import annotations
@@ -312,6 +319,49 @@ def compare_layouts(events: pa.Table, build, lengths: list[int], batches: int, b
                       f"{speed:.2f} of the medians, per round {', '.join(f'{x:.2f}' for x in per_round)} (goal >= 0.8)")
 
 
+def follow_passes(events: pa.Table, build, batches: int) -> None:
+    """Print the CPU seconds of each incremental pass without and with a shared state cache (``--follow-cache``,
+    module docstring); both lakes are built in this process, pass by pass, which of the two first alternating."""
+    import os
+
+    from gemline.lake import Lake, commit_once, read_table
+    from sequences.pipeline import _OUTPUTS, run_build
+    from sequences.state_cache import BuildStateCache
+
+    with tempfile.TemporaryDirectory() as tmp:  # warm-up (imports, first-call costs), as main's
+        warm = str(Path(tmp) / "lake")
+        commit_once(warm, "events", synthetic_events(5, 4, seed=1), app_id="bench", version=0,
+                    partition_by=["event_date"])
+        run_build(Lake(warm), build, final=True)
+    cache = BuildStateCache()
+    order = np.argsort(events.column("event_time_ms").to_numpy(), kind="stable")
+    parts = np.array_split(order, batches)
+    load_before = os.getloadavg()[0]
+    cpu: dict[str, list[float]] = {"fresh": [], "cached": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        lakes = {kind: str(Path(tmp) / kind) for kind in cpu}
+        for k, part in enumerate(parts):
+            # The order alternates: the second build of a pair ran ~0.2 CPU-s cheaper even with no buffer to cache.
+            for kind in (("fresh", "cached") if k % 2 == 0 else ("cached", "fresh")):
+                lake = lakes[kind]
+                commit_once(lake, "events", events.take(pa.array(part)), app_id="bench", version=k,
+                            partition_by=["event_date"])
+                start = time.process_time()
+                run_build(Lake(lake), build, final=k == len(parts) - 1,
+                          state_cache=cache if kind == "cached" else None)
+                cpu[kind].append(time.process_time() - start)
+        same = all(sorted(map(str, read_table(lakes["fresh"], name).to_pylist()))
+                   == sorted(map(str, read_table(lakes["cached"], name).to_pylist())) for name in _OUTPUTS)
+    print(f"events: {events.num_rows} in {batches} passes; load average before {load_before:.1f}, "
+          f"after {os.getloadavg()[0]:.1f} (cores: {os.cpu_count()}); same rows in every table: {same}")
+    print(f"{'pass':>4s} {'fresh CPU-s':>12s} {'cached CPU-s':>13s} {'cached / fresh':>15s}")
+    for k, (a, b) in enumerate(zip(cpu["fresh"], cpu["cached"], strict=True)):
+        print(f"{k:4d} {a:12.2f} {b:13.2f} {b / a:15.2f}")
+    print(f"all  {sum(cpu['fresh']):12.2f} {sum(cpu['cached']):13.2f} {sum(cpu['cached']) / sum(cpu['fresh']):15.2f}; "
+          f"cache: {cache.stats.files_read} buffer files read, {cache.stats.files_reused} reused, "
+          f"{cache.nbytes / 2**20:.0f} MiB held")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=2000)
@@ -335,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--compare-layouts: skip the materialization vs GEM training measurement")
     parser.add_argument("--no-reference", action="store_true",
                         help="--compare-layouts: skip the polars reference (its compute time in a child process)")
+    parser.add_argument("--follow-cache", action="store_true",
+                        help="CPU-s per incremental pass, fresh vs sharing a state cache (build --follow), same process")
     parser.add_argument("--compare-layouts", action="store_true",
                         help="build with examples_layout fat and pointer, and time the pointer materialization vs GEM")
     args = parser.parse_args(argv)
@@ -349,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     parallelism = [p if p == "auto" else int(p) for p in args.parallelism.split(",")]
     build = BuildConfig(max_seq_len=args.max_seq_len, shards=shards, events_gate="off",  # raw synthetic events
                         parallelism=parallelism[0])
+    if args.follow_cache:
+        follow_passes(events, build, args.batches)
+        return
     if args.compare_layouts:
         lengths = [int(x) for x in args.max_seq_lens.split(",")] if args.max_seq_lens else [args.max_seq_len]
         compare_layouts(events, build, lengths, args.batches, args.beam_args.split(),
