@@ -91,6 +91,7 @@ class BuildStateCache:
         self.stats = CacheStats()
         self._where: tuple[str, str, int] | None = None  # (lake root, table id, shards) the files belong to
         self._files: dict[str, _File] = {}
+        self._bytes_per_row: float | None = None  # measured on the files held last; kept when they are dropped
 
     def clear(self, reason: str) -> None:
         """Drop every cached file (``reason`` is logged and kept in :attr:`stats`)."""
@@ -126,10 +127,12 @@ class BuildStateCache:
         dataset = dt.to_pyarrow_dataset()
         fragments = list(dataset.get_fragments())
         new_rows = sum(f.count_rows() for f in fragments if _path(f) not in kept)
-        held_rows = sum(sum(t.num_rows for _, t in f.pieces[SPLIT_KEYS[0]]) for f in kept.values())
+        held_rows = sum(_rows(f) for f in kept.values())
         limit = budget_bytes // 2
-        per_row = sum(f.nbytes for f in kept.values()) / held_rows if held_rows else 0.0
-        if per_row and (held_rows + new_rows) * per_row > limit:
+        # Decided before reading, from the bytes per row measured so far, so an over-budget buffer is not read
+        # twice a pass (once here, once by the pass) but only once, the first time.
+        per_row = self._bytes_per_row
+        if per_row is not None and (held_rows + new_rows) * per_row > limit:
             self.clear(f"the buffer's {held_rows + new_rows} rows would take ~{(held_rows + new_rows) * per_row:,.0f} "
                        f"bytes, over half of build.memory_budget_bytes ({limit:,} bytes)")
             return None
@@ -143,6 +146,9 @@ class BuildStateCache:
             files[path] = _split_file(fragment.to_table(schema=dataset.schema), snapshot[path], shards)
             self.stats.files_read += 1
         self._files = files
+        rows = sum(_rows(f) for f in files.values())
+        if rows:
+            self._bytes_per_row = self.nbytes / rows
         if self.nbytes > limit:
             self.clear(f"the buffer's copy takes {self.nbytes:,} bytes, over half of build.memory_budget_bytes "
                        f"({limit:,} bytes)")
@@ -153,6 +159,10 @@ class BuildStateCache:
 def _path(fragment: Any) -> str:
     """A fragment's path as the add actions name it (relative to the table root)."""
     return str(fragment.path).lstrip("/")
+
+
+def _rows(f: _File) -> int:
+    return sum(t.num_rows for _, t in f.pieces[SPLIT_KEYS[0]])
 
 
 def _split_file(rows: pa.Table, identity: tuple[int, int], shards: int) -> _File:
@@ -170,7 +180,7 @@ def _held(files: Any, schema: pa.Schema) -> HeldBuffer:
             for shard, table in f.pieces[key]:
                 pieces[key].setdefault(shard, []).append(table)
         labels.append(f.labels)
-        rows += sum(t.num_rows for _, t in f.pieces[SPLIT_KEYS[0]])
+        rows += _rows(f)
     empty = pa.schema([schema.field(c) for c in LABEL_COLUMNS]).empty_table()
     # One table per shard (a zero-copy concatenation), as the fresh read's split gives.
     joined = {key: {shard: pa.concat_tables(tables) for shard, tables in by_shard.items()}

@@ -159,5 +159,14 @@ def test_the_cache_refuses_another_table_and_a_buffer_over_half_the_budget(tmp_p
     assert cache.buffer(lakes[1], versions[1], 3, CONFIG.memory_budget_bytes) is not None
     assert len(cache.stats.refused) == 2
     # Over budget: nothing held, and the reason said.
+    read_before = cache.stats.files_read
     assert cache.buffer(lakes[1], versions[1], 3, budget_bytes=2 * 1_000) is None
     assert cache.nbytes == 0 and "memory_budget_bytes" in cache.stats.refused[-1]
+    # Decided from the bytes per row measured before: nothing is read to find out again.
+    assert cache.buffer(lakes[1], versions[1], 3, budget_bytes=2 * 1_000) is None
+    assert cache.stats.files_read == read_before
+    # A fresh cache reads once to measure, then holds nothing.
+    fresh = BuildStateCache()
+    assert fresh.buffer(lakes[1], versions[1], 3, budget_bytes=2 * 1_000) is None and fresh.nbytes == 0
+    assert fresh.buffer(lakes[1], versions[1], 3, budget_bytes=2 * 1_000) is None
+    assert fresh.stats.files_read == len(open_table(lakes[1], Table.BUILD_BUFFER, versions[1]).file_uris()) > 0
