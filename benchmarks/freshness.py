@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                              "1 costs the broker ~50x more CPU per event)")
     parser.add_argument("--interval-s", type=float, default=10.0, help="gemline run --interval-s (build, validate)")
     parser.add_argument("--poll-interval-s", type=float, default=10.0, help="gemline run --poll-interval-s (train)")
+    parser.add_argument("--watch-s", default="1", help="gemline run --watch-s (every follower; none: no watching)")
     parser.add_argument("--lake", help="lake folder (default: a new temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more settings for every stage, e.g. --set trainer.model=dlrm (repeatable)")
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "gemline.cli", "run", "--broker-port", str(port), "--generate-rate", str(args.rate),
                "--interval-s", str(args.interval_s), "--poll-interval-s", str(args.poll_interval_s),
-               "--drain-timeout-s", "0", *flags]  # measured already: the stop need not wait for ingest's backlog
+               "--watch-s", args.watch_s, "--drain-timeout-s", "0", *flags]  # measured already: the stop need not wait for ingest's backlog
     print(f"lake {lake}; {' '.join(command[2:])}; stage logs in {lake}/_run/logs", flush=True)
     run_s = args.minutes * 60
     samples: list[Sample] = []

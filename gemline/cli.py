@@ -5,18 +5,18 @@
     gemline generate [--rate EVENTS_PER_S] [--set generate.num_users=N ...] [--bootstrap HOST:PORT]
     gemline ingest [--bootstrap HOST:PORT] [--streaming [--commit-interval-s S] [--max-batches N] [--metrics-port P]]
                    [--runner dask --dask-address HOST:PORT] [beam flags ...]
-    gemline build [--follow [--interval-s S] [--metrics-port P]] [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
+    gemline build [--follow [--interval-s S] [--watch-s S] [--metrics-port P]] [--runner dask --dask-address HOST:PORT] [beam pipeline flags ...]
     gemline backfill --late-events
     gemline cluster up [--workers N] [--port P]
-    gemline validate --table T [--version V] | --follow [--table T1,T2] [--interval-s S]
+    gemline validate --table T [--version V] | --follow [--table T1,T2] [--interval-s S] [--watch-s S]
     gemline report [--table T] [--version V]
     gemline quality release V --reason "..." [--table T]
-    gemline train [--holdout-last-day] [--version V] [--nproc N] | --once | --follow [--poll-interval-s S]
+    gemline train [--holdout-last-day] [--version V] [--nproc N] | --once | --follow [--poll-interval-s S] [--watch-s S]
                   [--from-scratch]
-    gemline run [--bootstrap HOST:PORT] [--generate-rate R] [--interval-s S] [--poll-interval-s S] [--no-train]
+    gemline run [--bootstrap HOST:PORT] [--generate-rate R] [--interval-s S] [--poll-interval-s S] [--watch-s S] [--no-train]
                 [--metrics-port P]
     gemline lineage [--json]
-    gemline distill --once | --follow [--poll-interval-s S] [--from-scratch]
+    gemline distill --once | --follow [--poll-interval-s S] [--watch-s S] [--from-scratch]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
 
@@ -55,6 +55,25 @@ def _metrics_flag(parser: argparse.ArgumentParser, when: str) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help=f"{when}serve Prometheus metrics (gemline.metrics) on this port, 0: a free one (printed); "
                              "default: none")
+
+
+def _watch_seconds(value: str) -> float | None:
+    """A ``--watch-s`` value: seconds > 0, or ``none`` (no watching: a pass every interval)."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or none, got {value!r}")
+    return seconds
+
+
+def _watch_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--watch-s", type=_watch_seconds, default=1.0,
+                        help=f"--follow: seconds between looks for {what}, which starts the next pass at once "
+                             "(default 1; none: a pass every interval)")
 
 
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +128,8 @@ def _config(args: argparse.Namespace) -> GemlineConfig:
         overrides["ingest.streaming.max_batches"] = args.max_batches
     if getattr(args, "build_interval_s", None) is not None:  # `build --follow --interval-s`, likewise
         overrides["build.interval_s"] = args.build_interval_s
+    if hasattr(args, "build_watch_s"):  # `build --follow --watch-s` (absent when not given: `none` is a value)
+        overrides["build.watch_s"] = args.build_watch_s
     return load_config(args.config, overrides)
 
 
@@ -294,7 +315,7 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         from gemline.follow import follow_validate
 
         follow_validate(_config(args), [t.strip() for t in args.table.split(",")], interval_s=args.interval_s,
-                        on_pass=_print_new_work())
+                        watch_s=args.watch_s, on_pass=_print_new_work())
         return 0
 
     config = _config(args)
@@ -407,7 +428,7 @@ def _train_continuous(args: argparse.Namespace) -> int:
 
     if args.follow:
         follow(lake, config.trainer, poll_interval_s=args.poll_interval_s, from_scratch=args.from_scratch,
-               on_result=show, nproc=args.nproc)
+               on_result=show, nproc=args.nproc, watch_s=args.watch_s)
         return 0
     result = run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc)
     show(result)
@@ -424,7 +445,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from gemline.run import RunPlan, run_pipeline
 
     plan = RunPlan(bootstrap=args.bootstrap, broker_port=args.broker_port, generate_rate=args.generate_rate,
-                   interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, train=not args.no_train,
+                   interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, watch_s=args.watch_s,
+                   train=not args.no_train,
                    metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout_s)
     code = run_pipeline(_config(args), plan)
     return _interrupted(args.command) if code == 130 else code
@@ -471,7 +493,7 @@ def cmd_distill(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.follow:
         follow(lake, config.trainer, config.distill, poll_interval_s=args.poll_interval_s,
-               from_scratch=args.from_scratch, on_result=show)
+               from_scratch=args.from_scratch, on_result=show, watch_s=args.watch_s)
         return 0
     show(run_distill_once(lake, config.trainer, config.distill, from_scratch=args.from_scratch))
     return 0
@@ -617,7 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true",
                    help="keep building each new gate-allowed events version until Ctrl-C/SIGTERM (gemline.follow)")
     p.add_argument("--interval-s", type=float, default=None, dest="build_interval_s",
-                   help="--follow: seconds between passes (sets build.interval_s, default 10)")
+                   help="--follow: the longest wait between passes (sets build.interval_s, default 10)")
+    p.add_argument("--watch-s", type=_watch_seconds, default=argparse.SUPPRESS, dest="build_watch_s",
+                   help="--follow: seconds between looks for a newly validated events version, which starts a pass "
+                        "(sets build.watch_s, default 1; none: a pass every --interval-s)")
     _metrics_flag(p, "--follow: ")
     _runner_flags(p)
     p.set_defaults(func=cmd_build, passthrough=True)
@@ -653,7 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="Delta version (default latest)")
     p.add_argument("--follow", action="store_true",
                    help="keep validating every new version of --table until Ctrl-C/SIGTERM (gemline.follow)")
-    p.add_argument("--interval-s", type=float, default=30.0, help="--follow: seconds between passes (default 30)")
+    p.add_argument("--interval-s", type=float, default=30.0,
+                   help="--follow: the longest wait between passes (default 30)")
+    _watch_flag(p, "a new version of --table")
     p.set_defaults(func=cmd_validate, passthrough=False)
 
     p = sub.add_parser("report", help="print the quality verdict and the path of the HTML report")
@@ -682,7 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="continuous: consume every new gate-allowed examples version once, checkpoint, exit")
     mode.add_argument("--follow", action="store_true",
                       help="continuous: keep consuming new versions until Ctrl-C/SIGTERM")
-    p.add_argument("--poll-interval-s", type=float, default=30.0, help="--follow: seconds between runs")
+    p.add_argument("--poll-interval-s", type=float, default=30.0, help="--follow: the longest wait between runs")
+    _watch_flag(p, "a newly validated examples version")
     p.add_argument("--from-scratch", action="store_true", help="--once/--follow: start a new continuous run")
     _nproc_flag(p)
     _multinode_flags(p)
@@ -696,8 +724,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate-rate", type=float, default=None,
                    help="also produce synthetic traffic at this many events/s ([generate] settings)")
     p.add_argument("--interval-s", type=float, default=None,
-                   help="seconds between build/validate passes (default: build.interval_s, validation every 10 s)")
-    p.add_argument("--poll-interval-s", type=float, default=10.0, help="seconds between continuous training (and distill) runs")
+                   help="the longest wait between build/validate passes (default: build.interval_s, validation 10 s)")
+    p.add_argument("--poll-interval-s", type=float, default=10.0,
+                   help="the longest wait between continuous training (and distill) runs")
+    p.add_argument("--watch-s", type=_watch_seconds, default=1.0,
+                   help="seconds between each follower's looks for new input, which starts its next pass at once "
+                        "(validate, build, train, distill; default 1; none: a pass every interval)")
     p.add_argument("--no-train", action="store_true", help="run every stage but the trainer (and its students, distill --follow)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="embedded broker: at a stop, wait at most this long for ingest to consume what it holds")
@@ -715,7 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--once", action="store_true", help="distill every version the teacher has consumed, then stop")
     mode.add_argument("--follow", action="store_true", help="--once again every --poll-interval-s until Ctrl-C")
-    p.add_argument("--poll-interval-s", type=float, default=30.0, help="--follow: seconds between runs (default 30)")
+    p.add_argument("--poll-interval-s", type=float, default=30.0,
+                   help="--follow: the longest wait between runs (default 30)")
+    _watch_flag(p, "a version the teacher consumed (a new training_metrics commit)")
     p.add_argument("--from-scratch", action="store_true", help="new students instead of resuming the checkpoint")
     p.set_defaults(func=cmd_distill, passthrough=False)
 

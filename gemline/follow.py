@@ -1,30 +1,35 @@
 """``gemline build --follow`` and ``gemline validate --follow``: a stage that keeps up with the one before it.
 
-Each is a loop of the stage's one-shot command, run again every ``interval_s`` seconds, as ``gemline train
---follow`` is for the trainer. Every pass is what a person would run by hand, so the restart story is the
+Each is a loop of the stage's one-shot command, run again as soon as its input has a version it can use, looked
+for every ``watch_s`` seconds (:func:`gemline.polling.wait_for_input`), and at least every ``interval_s``
+seconds, as ``gemline train --follow`` is for the trainer. Every pass is what a person would run by hand, so the restart story is the
 one-shot command's: a pass cut by Ctrl-C, SIGTERM or a crash is redone by the next run from what the lake has
 committed, and nothing is written twice. An interrupt while waiting between passes ends the loop cleanly.
 
 - the build follows ``events``: each pass builds the newest events version the quality gate allows (passed, or
-  released by hand); while the newest is not validated yet, or a version on the way is quarantined, it says so
+  released by hand); it wakes on a new verdict about ``events`` in the gate's ``quality`` table
+  (:class:`gemline.gate.GateWatch`), not on a new events version, which it could not build before validation
+  judged it; while the newest is not validated yet, or a version on the way is quarantined, it says so
   once and waits (the build's own gate check, :func:`gemline.gate.require_allowed`, decides);
 - validation follows the tables it is given: each pass validates every version not validated yet, in order
   (for ``events`` only the newest: events validation judges the rows of every version since the last one
-  validated, so the versions before it are covered, see README "The events gate").
+  validated, so the versions before it are covered, see README "The events gate"); it wakes on a new version of
+  any of them (:class:`gemline.increments.LogTip`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gemline.config import GemlineConfig
-from gemline.gate import GateClosedError, gate_decisions
-from gemline.increments import latest_version
+from gemline.gate import GateClosedError, GateWatch, gate_decisions
+from gemline.increments import LogTip, latest_version
 from gemline.lake import Lake
-from gemline.polling import sleep_or_stop
+from gemline.polling import sleep_or_stop, wait_for_input
 from gemline.tables import Table
 
 if TYPE_CHECKING:
@@ -45,16 +50,44 @@ class FollowState:
     """Why the newest version waited in the last pass (not validated yet, quarantined); '' when nothing waits."""
 
 
-def _loop(one_pass: Callable[[FollowState], None], state: FollowState, interval_s: float,
-          max_passes: int | None) -> FollowState:
-    if interval_s < 0:
-        raise ValueError(f"follow: expected interval_s >= 0, got {interval_s}")
+@dataclass(frozen=True)
+class Waiting:
+    """How a follow loop waits between passes (:func:`gemline.polling.wait_for_input`).
+
+    Attributes:
+        interval_s: the longest wait (seconds, >= 0): a pass runs at least this often.
+        watch_s: seconds between two looks at the input (> 0); None: no looking, a pass every ``interval_s``.
+        sleep: ``sleep(seconds) -> stopped``; None: :func:`gemline.polling.sleep_or_stop` (tests pass a fake).
+        clock: monotonic seconds (tests pass a fake advanced by ``sleep``).
+
+    Raises:
+        ValueError: ``interval_s < 0`` or ``watch_s <= 0``.
+    """
+
+    interval_s: float
+    watch_s: float | None = 1.0
+    sleep: Callable[[float], bool] | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if not self.interval_s >= 0:
+            raise ValueError(f"follow: expected interval_s >= 0, got {self.interval_s}")
+        if self.watch_s is not None and not self.watch_s > 0:
+            raise ValueError(f"follow: expected watch_s > 0 seconds (or None: no watching), got {self.watch_s}")
+
+
+def _loop(one_pass: Callable[[FollowState], None], state: FollowState, waiting: Waiting,
+          probe: Callable[[], Hashable], max_passes: int | None) -> FollowState:
+    watch = probe if waiting.watch_s is not None else None
     while max_passes is None or state.passes < max_passes:
+        seen = None if watch is None else watch()  # before the pass: a version committed during it wakes the next
         one_pass(state)
         state.passes += 1
         if max_passes is not None and state.passes >= max_passes:
             break
-        if sleep_or_stop(interval_s):
+        # sleep_or_stop is looked up here, not bound at import: tests replace it to stand for Ctrl-C.
+        if wait_for_input(watch, seen, interval_s=waiting.interval_s, watch_s=waiting.watch_s,
+                          sleep=waiting.sleep or sleep_or_stop, clock=waiting.clock) == "stopped":
             break
     return state
 
@@ -94,14 +127,15 @@ def nothing_published_hint(build: BuildConfig, result: BuildResult) -> str | Non
 
 def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam_args: Sequence[str] | None = None,
                  on_pass: Callable[[FollowState], None] | None = None,
-                 max_passes: int | None = None) -> FollowState:
+                 max_passes: int | None = None, waiting: Waiting | None = None) -> FollowState:
     """Build each new gate-allowed ``events`` version until interrupted (module docstring).
 
     Args:
-        interval_s: seconds between passes; None: ``config.build.interval_s``.
+        interval_s: the longest wait between passes (s); None: ``config.build.interval_s``.
         beam_args: Beam pipeline flags of every build.
         on_pass: called after each pass with the loop's state.
         max_passes: stop after this many passes (tests); None: until interrupted.
+        waiting: how to wait between passes; None: ``interval_s`` and ``config.build.watch_s``.
 
     Raises:
         ValueError: ``interval_s < 0``; and what :func:`sequences.pipeline.run_build` raises, except
@@ -138,13 +172,21 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
         if on_pass is not None:
             on_pass(state)
 
-    return _loop(one_pass, FollowState(), config.build.interval_s if interval_s is None else interval_s, max_passes)
+    if waiting is None:
+        waiting = Waiting(config.build.interval_s if interval_s is None else interval_s, config.build.watch_s)
+    return _loop(one_pass, FollowState(), waiting, GateWatch(lake, Table.EVENTS), max_passes)
 
 
 def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s: float = 30.0,
                     on_pass: Callable[[FollowState], None] | None = None,
-                    max_passes: int | None = None) -> FollowState:
+                    max_passes: int | None = None, watch_s: float | None = 1.0,
+                    waiting: Waiting | None = None) -> FollowState:
     """Validate each new version of ``tables`` until interrupted (module docstring).
+
+    Args:
+        interval_s: the longest wait between passes (s).
+        watch_s: seconds between two looks for a new version of ``tables``; None: a pass every ``interval_s``.
+        waiting: how to wait between passes (tests); None: ``interval_s`` and ``watch_s``.
 
     Raises:
         ValueError: ``interval_s < 0`` or no table; and what :func:`validation.run.validate_table` raises.
@@ -177,4 +219,6 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
         if on_pass is not None:
             on_pass(state)
 
-    return _loop(one_pass, FollowState(), interval_s, max_passes)
+    tips = [LogTip(lake.root, table, storage_options=lake.storage_options) for table in tables]
+    return _loop(one_pass, FollowState(), Waiting(interval_s, watch_s) if waiting is None else waiting,
+                 lambda: tuple(tip.advance() for tip in tips), max_passes)

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from gemline import tables
 from gemline.errors import BadConfigError, GemlineError, MissingInputError
+from gemline.increments import LogTip, read_increment
 from gemline.lake import Lake, StorageOptions, as_lake, open_table, read_table
 from gemline.tables import Table
 
@@ -144,6 +145,49 @@ def _decide(table: str, table_version: int, rows: list[dict]) -> GateDecision:
     return GateDecision(
         table, table_version, False, f"{table}@{table_version} is quarantined: critical expectations failed: {', '.join(failed)}"
     )
+
+
+class GateWatch:
+    """Counts the ``quality`` commits that concern one table (a validation run of one of its versions, or a
+    release), cheaply enough to ask every second: what a follower of the gate's verdicts waits for (the build
+    for ``events``, the trainer for ``examples``).
+
+    Each call looks for new ``quality`` commits (:class:`~gemline.increments.LogTip`: one file-existence check
+    when there is none) and reads only the log entries of new ones: a commit concerns ``table`` when a file it
+    added holds rows whose ``table`` column may equal it (the per-file minimum and maximum in the log's stats;
+    a file without stats counts). Validation writes one commit per run and table version
+    (:func:`append_quality_rows`), so a run about ``events`` does not wake a follower of ``examples``.
+    Compactions (``dataChange = false``) add no rows and count for nothing.
+    """
+
+    def __init__(self, lake: Lake | str | Path, table: str, *, storage_options: StorageOptions | None = None) -> None:
+        self._lake = as_lake(lake, storage_options)
+        self._table = table
+        self._tip = LogTip(self._lake.root, Table.QUALITY, storage_options=self._lake.storage_options)
+        self._looked = False
+        self.commits = 0
+        """The commits about ``table`` seen since the first call (which counts none: the verdicts so far)."""
+
+    def __call__(self) -> int:
+        """Look for new ``quality`` commits; return :attr:`commits`, which grows by one per new one about the
+        table. Raises CursorError when a new commit's log entry is gone before it was read."""
+        before, looked = self._tip.version, self._looked
+        now, self._looked = self._tip.advance(), True
+        if not looked or now is None or now == before:
+            return self.commits
+        start = 0 if before is None else before + 1
+        for version in range(start, now + 1):
+            increment = read_increment(self._lake.root, Table.QUALITY, version,
+                                       storage_options=self._lake.storage_options)
+            self.commits += any(self._may_hold(f.min_values.get("table"), f.max_values.get("table"))
+                                for f in increment.files)
+        return self.commits
+
+    def _may_hold(self, low: object, high: object) -> bool:
+        if not isinstance(low, str) or not isinstance(high, str):
+            return True  # no stats: it may
+        # delta-rs truncates strings in stats only past 32 characters; table names are shorter.
+        return low <= self._table <= high
 
 
 class GateClosedError(GemlineError, RuntimeError):

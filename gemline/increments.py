@@ -23,6 +23,7 @@ File", ``dataChange``; "Metadata", table ``id``); Spark's Delta streaming source
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyarrow.fs import FileType
 
 from gemline.errors import GemlineError
 from gemline.lake import StorageOptions, lake_fs, open_table
@@ -72,12 +74,16 @@ class Cursor:
 @dataclass(frozen=True)
 class AddedFile:
     """One data file a commit added: path relative to the table root, size in bytes, partition values
-    (strings as the log stores them; None for a null partition), rows (None when the log has no stats)."""
+    (strings as the log stores them; None for a null partition), rows (None when the log has no stats), and the
+    per-column minimum and maximum of its rows the log's stats hold (``minValues``/``maxValues``; empty without
+    stats; long strings may be truncated by the writer, so read them as bounds, not values)."""
 
     path: str
     size: int
     partition_values: dict[str, str | None]
     num_records: int | None
+    min_values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_values: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,38 @@ def _log_path(root: str, table: str, version: int) -> str:
     return f"{root}/{table}/_delta_log/{version:020d}.json"
 
 
+class LogTip:
+    """The newest version of one Delta table, followed by looking for the next commit's log entry.
+
+    A follower asks "did the table gain a version?" every second or so; opening the table
+    (:func:`latest_version`) replays its log from the last checkpoint, a cost that grows with the log. A commit
+    is the creation of ``_delta_log/<N+1>.json`` (Delta protocol, "Delta Log Entries"; on S3 a conditional put,
+    :mod:`gemline.lake`), so once the newest version N is known, one file-existence check (a ``stat``, or a HEAD
+    request on an object store) answers it, whatever the log's length. The table is opened once, at the first
+    :meth:`advance`.
+
+    Not seen: a table deleted and recreated under the same path (its versions start again at 0) until it passes
+    the old newest version; a follower still runs a pass every ``interval_s``.
+    """
+
+    def __init__(self, lake: str | Path, table: str, *, storage_options: StorageOptions | None = None) -> None:
+        self._lake, self._table, self._options = lake, table, storage_options
+        self._fs, self._root = lake_fs(lake, storage_options)
+        self._opened = False
+        self.version: int | None = None
+        """The newest version seen (None: the table did not exist at the last look)."""
+
+    def advance(self) -> int | None:
+        """Look for commits after :attr:`version` and return the newest version (None: no table yet)."""
+        if not self._opened:
+            self.version = latest_version(self._lake, self._table, storage_options=self._options)
+            self._opened = True
+        following = 0 if self.version is None else self.version + 1
+        while self._fs.get_file_info(_log_path(self._root, self._table, following)).type != FileType.NotFound:
+            self.version, following = following, following + 1
+        return self.version
+
+
 def read_increment(lake: str | Path, table: str, version: int, *,
                    storage_options: StorageOptions | None = None) -> Increment:
     """The files commit ``version`` of ``table`` added with ``dataChange = true``, in log order.
@@ -145,7 +183,8 @@ def read_increment(lake: str | Path, table: str, version: int, *,
         stats = json.loads(add["stats"]) if add.get("stats") else {}
         files.append(AddedFile(urllib.parse.unquote(add["path"]), int(add.get("size", 0)),
                                dict(add.get("partitionValues") or {}),
-                               int(stats["numRecords"]) if "numRecords" in stats else None))
+                               int(stats["numRecords"]) if "numRecords" in stats else None,
+                               dict(stats.get("minValues") or {}), dict(stats.get("maxValues") or {})))
     return Increment(version, operation, tuple(files), removed)
 
 

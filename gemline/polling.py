@@ -1,5 +1,12 @@
 """The poll loop of the long-running stages that call a one-shot command again and again (``gemline train
---follow``, ``gemline distill --follow``).
+--follow``, ``gemline distill --follow``), and the wait between two passes of any follower (:func:`wait_for_input`,
+also used by ``build --follow`` and ``validate --follow``, :mod:`gemline.follow`).
+
+A follower does not sleep a fixed interval after every pass: it looks at its input every ``watch_s`` seconds
+(a cheap check, e.g. :class:`gemline.increments.LogTip`: one file-existence check per table) and starts the next
+pass as soon as the input changed, or after ``interval_s`` at the latest. Each of the four hops from an events
+commit to a trained model (validate events, build, validate examples, train) then waits about ``watch_s / 2``
+instead of ``interval_s / 2`` on average.
 
 Each call is the one-shot command a person would run by hand, so the restart story is that command's: a call
 cut by Ctrl-C, SIGTERM or a crash is redone by the next run from what the lake has committed. An interrupt while
@@ -11,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Hashable
+from typing import Literal, TypeVar
 
 from gemline.errors import MissingInputError
 
@@ -30,28 +37,82 @@ def sleep_or_stop(seconds: float) -> bool:
     return False
 
 
+Wake = Literal["changed", "interval", "stopped"]
+"""Why :func:`wait_for_input` returned: the input changed, ``interval_s`` passed, or Ctrl-C/SIGTERM came."""
+
+
+def wait_for_input(probe: Callable[[], Hashable] | None, seen: Hashable, *, interval_s: float,
+                   watch_s: float | None, sleep: Callable[[float], bool] | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> Wake:
+    """Wait until ``probe()`` differs from ``seen`` (looking every ``watch_s`` seconds, first at once) or
+    ``interval_s`` seconds have passed, whichever comes first.
+
+    Args:
+        probe: a cheap look at the follower's input (e.g. Delta log versions); None: no watching, the wait is
+            ``interval_s``.
+        seen: what ``probe()`` returned before the pass that just ended, so a version committed during the pass
+            starts the next one at once.
+        watch_s: seconds between two looks, > 0; None: no watching.
+        sleep: ``sleep(seconds) -> stopped`` (default :func:`sleep_or_stop`); tests pass a fake with ``clock``.
+        clock: seconds, monotonic.
+
+    Returns:
+        "changed", "interval" or "stopped" (Ctrl-C or SIGTERM while waiting).
+
+    Raises:
+        ValueError: ``interval_s < 0`` or ``watch_s <= 0``; and what ``probe`` raises.
+
+    No minimum gap between passes: a follower's input arrives at its writer's cadence (ingest commits every
+    ``ingest.streaming.commit_interval_s``, 5 s; validation and the build once per version), so waking on it
+    cannot run passes more often than that, and a pass that takes longer finds more rows, not more passes.
+    """
+    if not interval_s >= 0 or (watch_s is not None and not watch_s > 0):
+        raise ValueError(f"wait_for_input: expected interval_s >= 0 and watch_s > 0 or None, got {interval_s}, "
+                         f"{watch_s}")
+    sleep = sleep_or_stop if sleep is None else sleep
+    if probe is None or watch_s is None:
+        return "stopped" if sleep(interval_s) else "interval"
+    deadline = clock() + interval_s
+    while True:
+        if probe() != seen:
+            return "changed"
+        if sleep(max(0.0, min(deadline - clock(), watch_s))):
+            return "stopped"
+        if clock() >= deadline:
+            return "interval"
+
+
 def poll(call: Callable[[bool], R], *, name: str, interval_s: float, on_result: Callable[[R], object] | None = None,
-         waiting: Callable[[R], str] | None = None, max_polls: int | None = None) -> int:
-    """Run ``call(first)`` every ``interval_s`` seconds until interrupted; return the calls made.
+         waiting: Callable[[R], str] | None = None, max_polls: int | None = None,
+         watch: Callable[[], Hashable] | None = None, watch_s: float | None = None,
+         sleep: Callable[[float], bool] | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+    """Run ``call(first)`` again whenever ``watch()`` changes (looked at every ``watch_s`` seconds) and at least
+    every ``interval_s`` seconds, until interrupted; return the calls made (:func:`wait_for_input`).
 
     Args:
         call: one pass of the stage; ``first`` is True until a call has returned (a ``--from-scratch`` applies
             to the first pass that found its input, not to one that waited).
         name: the stage in the log lines ("train", "distill").
-        interval_s: seconds between calls, >= 0.
+        interval_s: the longest wait between calls (seconds, >= 0): a call runs at least that often.
         on_result: called with each returned result (the CLI prints a JSON line).
         waiting: why a returned result waits ('' when it does not); logged once per new reason.
         max_polls: stop after this many calls (tests); None: until interrupted.
+        watch: a cheap look at the call's input (what it waits for); None: a call every ``interval_s``.
+        watch_s: seconds between two looks (> 0); None: no watching.
+        sleep, clock: as for :func:`wait_for_input` (tests).
 
     A :class:`~gemline.errors.MissingInputError` of a call (no input table yet) is a wait too, logged once.
 
     Raises:
-        ValueError: ``interval_s < 0``; and what ``call`` raises besides MissingInputError.
+        ValueError: ``interval_s < 0`` or ``watch_s <= 0``; and what ``call`` raises besides MissingInputError.
     """
     if interval_s < 0:
         raise ValueError(f"{name} follow: expected interval_s >= 0, got {interval_s}")
+    if watch_s is not None and not watch_s > 0:
+        raise ValueError(f"{name} follow: expected watch_s > 0 seconds, got {watch_s}")
     calls, started, said = 0, False, ""
     while max_polls is None or calls < max_polls:
+        seen = None if watch is None else watch()
         try:
             result = call(not started)
         except MissingInputError as exc:
@@ -67,9 +128,9 @@ def poll(call: Callable[[bool], R], *, name: str, interval_s: float, on_result: 
         calls += 1
         if max_polls is not None and calls >= max_polls:
             break
-        if sleep_or_stop(interval_s):
+        if wait_for_input(watch, seen, interval_s=interval_s, watch_s=watch_s, sleep=sleep, clock=clock) == "stopped":
             break
     return calls
 
 
-__all__ = ["poll", "sleep_or_stop"]
+__all__ = ["Wake", "poll", "sleep_or_stop", "wait_for_input"]

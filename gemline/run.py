@@ -61,9 +61,11 @@ class RunPlan:
         bootstrap: the Kafka cluster ("HOST:PORT"); None starts the embedded broker on ``broker_port``.
         broker_port: the embedded broker's port (0: a free one, chosen at start).
         generate_rate: events/s of a synthetic ``gemline generate`` stage; None: no generator.
-        interval_s: seconds between the passes of ``build --follow`` and ``validate --follow``; None: the
-            build's ``build.interval_s`` from the configuration, validation every 10 s.
-        poll_interval_s: seconds between the runs of ``train --follow``.
+        interval_s: the longest wait between the passes of ``build --follow`` and ``validate --follow``; None:
+            the build's ``build.interval_s`` from the configuration, validation 10 s.
+        poll_interval_s: the longest wait between the runs of ``train --follow`` (and ``distill --follow``).
+        watch_s: seconds between each follower's looks for new input, which starts its next pass at once
+            (:func:`gemline.polling.wait_for_input`); None: a pass every interval.
         train: run the continuous trainer.
         metrics_port: serve Prometheus metrics (:mod:`gemline.metrics`) on this port from the supervisor
             process (0: a free one, printed); None: no metrics endpoint.
@@ -76,6 +78,7 @@ class RunPlan:
     generate_rate: float | None = None
     interval_s: float | None = None
     poll_interval_s: float = 10.0
+    watch_s: float | None = 1.0
     train: bool = True
     metrics_port: int | None = None
     drain_timeout_s: float = 60.0
@@ -85,6 +88,8 @@ class RunPlan:
 
         if not self.drain_timeout_s >= 0:
             raise BadConfigError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.watch_s is not None and not self.watch_s > 0:
+            raise BadConfigError(f"--watch-s must be > 0 seconds (or none), got {self.watch_s}")
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
@@ -125,18 +130,19 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str], *, distill: 
                                                 *flags), restart="on-failure", stop_first=True))
     # The build's cadence is build.interval_s (in ``flags``) unless the plan sets one for both stages.
     build_interval = [] if plan.interval_s is None else ["--interval-s", str(plan.interval_s)]
+    watch = ["--watch-s", str(plan.watch_s).lower()]  # "none" for None; the build's flag wins over build.watch_s
     stages += [
         StageCommand("ingest", (*GEMLINE, "ingest", "--streaming", *kafka, *flags)),
         StageCommand("validate", (*GEMLINE, "validate", "--follow", "--table", "events,examples", "--interval-s",
-                                  str(10.0 if plan.interval_s is None else plan.interval_s), *flags)),
-        StageCommand("build", (*GEMLINE, "build", "--follow", *build_interval, *flags)),
+                                  str(10.0 if plan.interval_s is None else plan.interval_s), *watch, *flags)),
+        StageCommand("build", (*GEMLINE, "build", "--follow", *build_interval, *watch, *flags)),
     ]
     if plan.train:
         stages.append(StageCommand("train", (*GEMLINE, "train", "--follow", "--poll-interval-s",
-                                             str(plan.poll_interval_s), *flags)))
+                                             str(plan.poll_interval_s), *watch, *flags)))
         if distill:
             stages.append(StageCommand("distill", (*GEMLINE, "distill", "--follow", "--poll-interval-s",
-                                                   str(plan.poll_interval_s), *flags)))
+                                                   str(plan.poll_interval_s), *watch, *flags)))
     return stages
 
 

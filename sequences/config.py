@@ -107,7 +107,12 @@ class BuildConfig:
     (``gemline build --runner dask``, ``-- --direct_num_workers=2``), else in process. Both write the
     same tables (the Beam path is the tested reference twin)."""
     interval_s: float = 10.0
-    """Seconds between the passes of ``gemline build --follow`` (its ``--interval-s`` flag sets it too)."""
+    """The longest wait between two passes of ``gemline build --follow`` (seconds; its ``--interval-s`` flag sets
+    it too): a pass runs at least this often, and sooner when a new events version is validated."""
+
+    watch_s: float | None = 1.0
+    """Seconds between two looks of ``build --follow`` for a new verdict on ``events`` in the ``quality`` table
+    (one file-existence check; ``--watch-s``); None: no looking, a pass every ``interval_s``."""
 
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "checkpoint_every": "hygiene.checkpoint_every", "vacuum_retention_hours": "hygiene.retention_hours",
@@ -146,6 +151,8 @@ class BuildConfig:
             raise BadConfigError(f"build.events_gate must be 'required' or 'off', got {self.events_gate!r}")
         if not self.interval_s >= 0:
             raise BadConfigError(f"build.interval_s must be >= 0 seconds, got {self.interval_s}")
+        if self.watch_s is not None and not self.watch_s > 0:
+            raise BadConfigError(f"build.watch_s must be > 0 seconds (or unset: no watching), got {self.watch_s}")
         if self.shards != "auto" and (not isinstance(self.shards, int) or self.shards < 1):
             raise BadConfigError(f"build.shards must be 'auto' or an integer >= 1, got {self.shards!r}")
         if self.parallelism != "auto" and (not isinstance(self.parallelism, int) or self.parallelism < 1):

@@ -56,3 +56,33 @@ def with_layout(build, layout):
     import dataclasses
 
     return dataclasses.replace(build, examples_layout=layout)
+
+
+class FakeClock:
+    """A monotonic clock that only a follower's sleep moves, for the follow loops (gemline.polling): call it for the
+    time (seconds), pass :meth:`sleep` as their ``sleep``. ``at(t, action)`` runs ``action()`` once the clock
+    reaches ``t`` (a version committed mid-wait); ``stop_at`` makes the first sleep that reaches it report
+    Ctrl-C. No wall clock: a test asserts on :attr:`sleeps` and on the times it records."""
+
+    def __init__(self, stop_at=None):
+        self.now, self.sleeps, self.stop_at, self._due = 0.0, [], stop_at, []
+
+    def __call__(self):
+        return self.now
+
+    def at(self, t, action):
+        self._due = sorted([*self._due, (t, len(self._due), action)], key=lambda d: d[:2])
+
+    def sleep(self, seconds):
+        assert seconds >= 0, f"slept {seconds} s"
+        self.sleeps.append(seconds)
+        self.now += seconds
+        while self._due and self._due[0][0] <= self.now:
+            self._due.pop(0)[2]()
+        return self.stop_at is not None and self.now >= self.stop_at
+
+
+@pytest.fixture
+def fake_clock():
+    """A :class:`FakeClock` at 0 s."""
+    return FakeClock()

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from gemline.errors import BadConfigError, MissingInputError
-from gemline.gate import gate_decisions
+from gemline.gate import GateWatch, gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
 from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table, read_table
 from gemline.locks import holding
@@ -724,9 +724,13 @@ of training a version of 15-20k rows on the benchmark's lake (2026-12-02); a rep
 
 def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
            on_result: Any = None, max_polls: int | None = None, nproc: int = 1,
-           report_every_s: float = FOLLOW_REPORT_EVERY_S) -> int:
-    """Run :func:`run_once` again every ``poll_interval_s`` seconds until Ctrl-C or SIGTERM (``gemline train
-    --follow``); each call resumes from the checkpoint the previous one wrote. Returns the calls made.
+           report_every_s: float = FOLLOW_REPORT_EVERY_S, watch_s: float | None = 1.0,
+           sleep: Callable[[float], bool] | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+    """Run :func:`run_once` again as soon as the quality gate judged an ``examples`` version (validated or
+    released: a new ``quality`` commit about ``examples``, :class:`gemline.gate.GateWatch`, looked for every
+    ``watch_s`` seconds), and at least every ``poll_interval_s`` seconds, until Ctrl-C or SIGTERM (``gemline train
+    --follow``, :func:`gemline.polling.poll`); each call resumes from the checkpoint the previous one wrote. A new
+    examples version not validated yet does not wake it: the gate would hold it back. Returns the calls made.
 
     An interrupt while waiting ends cleanly; one during a call propagates (the CLI prints one line, exit
     130) and the next run resumes from the newest checkpoint, so nothing is trained twice. Before the first
@@ -738,9 +742,11 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
         nproc: processes of each call (:func:`run_once`); each call with ``nproc > 1`` is one torchrun job.
         report_every_s: the run report is rewritten by a call that trained only when the last rewrite is at least
             this many seconds old (:data:`FOLLOW_REPORT_EVERY_S`; 0: after every such call), the first call always.
+        watch_s: seconds between two looks at the gate (> 0); None: a call every ``poll_interval_s``.
+        sleep, clock: the wait's sleep and monotonic clock (tests pass fakes; :func:`gemline.polling.wait_for_input`).
 
     Raises:
-        ValueError: ``poll_interval_s < 0``; and what :func:`run_once` raises.
+        ValueError: ``poll_interval_s < 0`` or ``watch_s <= 0``; and what :func:`run_once` raises.
     """
     last_report: float | None = None
     pointers = PointerReader(lake) if nproc == 1 else None  # history read by increments across the calls
@@ -754,7 +760,8 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
             last_report = time.monotonic()
         return result
 
-    return poll(once, name="train", interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls)
+    return poll(once, name="train", interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls,
+                watch=GateWatch(lake, EXAMPLES), watch_s=watch_s, sleep=sleep, clock=clock)
 
 
 def _published_open(table: pa.Table) -> np.ndarray:

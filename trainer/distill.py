@@ -49,7 +49,7 @@ from torch import nn
 
 from gemline.errors import BadConfigError, InputSchemaError, MissingInputError
 from gemline.gate import gate_decisions
-from gemline.increments import Cursor, latest_version, read_from, table_id
+from gemline.increments import Cursor, LogTip, latest_version, read_from, table_id
 from gemline.lake import Lake, is_remote, lake_fs
 from gemline.locks import holding
 from gemline.plots import png_bytes, subplots
@@ -702,14 +702,19 @@ def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
 
 def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s: float = 30.0,
            from_scratch: bool = False, on_result: Callable[[DistillResult], object] | None = None,
-           max_polls: int | None = None) -> int:
-    """:func:`run_distill_once` again every ``poll_interval_s`` seconds until interrupted (``gemline distill
-    --follow``); returns the calls made. Raises ValueError for ``poll_interval_s < 0``. The history of
-    pointer-layout rows is read by increments across the calls (:class:`trainer.data.PointerReader`)."""
+           max_polls: int | None = None, watch_s: float | None = 1.0) -> int:
+    """:func:`run_distill_once` again as soon as the teacher commits to ``training_metrics`` (it does for every
+    examples version it consumes; looked for every ``watch_s`` seconds, :class:`gemline.increments.LogTip`), and
+    at least every ``poll_interval_s`` seconds, until interrupted (``gemline distill --follow``); returns the calls
+    made. The teacher's checkpoint, which moves its cursor, follows its last commit of a version: a call that
+    comes before it waits for the next commit or ``poll_interval_s``. Raises ValueError for ``poll_interval_s < 0``
+    or ``watch_s <= 0``. The history of pointer-layout rows is read by increments across the calls
+    (:class:`trainer.data.PointerReader`)."""
     pointers = PointerReader(lake)
+    teacher = LogTip(lake.root, Table.TRAINING_METRICS, storage_options=lake.storage_options)
     return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers),
-                name="distill",
-                interval_s=poll_interval_s, on_result=on_result, waiting=_waiting, max_polls=max_polls)
+                name="distill", interval_s=poll_interval_s, on_result=on_result, waiting=_waiting,
+                max_polls=max_polls, watch=teacher.advance, watch_s=watch_s)
 
 
 def _waiting(result: DistillResult) -> str:

@@ -4,6 +4,7 @@ quarantined events version holds the build until it is released."""
 from __future__ import annotations
 
 import pyarrow as pa
+import pytest
 
 from gemline.config import GemlineConfig
 from gemline.follow import follow_build, follow_validate
@@ -120,24 +121,80 @@ def test_the_cli_follow_loops_print_each_version_and_stop_cleanly_while_waiting(
     assert [(r["table"], r["version"]) for r in lines] == [("events", 0)]
 
 
-def test_build_follow_interval_is_the_config_key_and_the_flag_overrides_it(tmp_path, capsys, monkeypatch):
+def test_build_follow_interval_and_watch_are_config_keys_and_the_flags_override_them(tmp_path, capsys, monkeypatch):
     import gemline.follow as follow
     from gemline.cli import main
 
-    slept: list[float] = []
+    waits: list[tuple[float, float | None]] = []
+
+    def stopped(probe, seen, *, interval_s, watch_s, sleep, clock):
+        waits.append((interval_s, watch_s))
+        return "stopped"
+
     monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, "", True))  # an empty lake: nothing to build
-    monkeypatch.setattr(follow, "sleep_or_stop", lambda seconds: slept.append(seconds) or True)
+    monkeypatch.setattr(follow, "wait_for_input", stopped)
     config = tmp_path / "gemline.toml"
-    config.write_text("[build]\ninterval_s = 4.5\n")
+    config.write_text("[build]\ninterval_s = 4.5\nwatch_s = 0.25\n")
     lake = ["--lake", str(tmp_path / "lake")]
     assert main(["build", "--follow", *lake]) == 0
     assert main(["build", "--follow", "--config", str(config), *lake]) == 0
     assert main(["build", "--follow", "--config", str(config), "--set", "build.interval_s=7", *lake]) == 0
     assert main(["build", "--follow", "--config", str(config), "--set", "build.interval_s=7", "--interval-s", "2",
-                 *lake]) == 0
-    assert slept == [10.0, 4.5, 7.0, 2.0]
+                 "--watch-s", "3", *lake]) == 0
+    assert main(["build", "--follow", "--set", "build.watch_s=none", *lake]) == 0
+    assert main(["build", "--follow", "--watch-s", "none", "--config", str(config), *lake]) == 0
+    assert waits == [(10.0, 1.0), (4.5, 0.25), (7.0, 0.25), (2.0, 3.0), (10.0, None), (4.5, None)]
     assert main(["build", "--follow", "--set", "build.interval_s=-1", *lake]) == 2
     assert "build.interval_s must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+    assert main(["build", "--follow", "--set", "build.watch_s=0", *lake]) == 2
+    assert "build.watch_s must be > 0 seconds (or unset: no watching), got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["build", "--follow", "--watch-s", "0", *lake])
+    assert "expected seconds > 0 or none, got '0'" in capsys.readouterr().err
+
+
+def _follow_config(lake: str, examples_layout: str = "fat") -> GemlineConfig:
+    return GemlineConfig(lake=lake, ingest=IngestConfig(domains=("facebook",)),
+                         build=BuildConfig(max_seq_len=4, click_window_ms=10_000, conversion_window_ms=20_000,
+                                           examples_layout=examples_layout),
+                         validation=ValidationConfig(min_event_time_ms=T0_MS - 1000, dead_letter_min_records=0))
+
+
+def test_validate_follow_wakes_on_a_new_events_version_and_is_idle_otherwise(tmp_path, fake_clock):
+    """events@1 lands at 12.3 s, mid-wait of a 60 s interval: validated at the next look (13 s); then nothing new,
+    and the next pass is the interval's."""
+    from gemline.follow import Waiting
+
+    lake = str(tmp_path / "lake")
+    _write(lake, [_event("a1", 0, "impression", "u1", "i1")], 0)
+    fake_clock.at(12.3, lambda: _write(lake, [_event("b1", 30, "impression", "u2", "i2")], 1))
+    passes: list[tuple[float, list]] = []
+    follow_validate(_follow_config(lake), ["events", "examples"], max_passes=3,
+                    waiting=Waiting(60.0, 1.0, sleep=fake_clock.sleep, clock=fake_clock),
+                    on_pass=lambda state: passes.append((fake_clock.now, [d["version"] for d in state.done])))
+    assert passes == [(0.0, [0]), (13.0, [0, 1]), (73.0, [0, 1])]
+    assert fake_clock.sleeps == [1.0] * 13 + [1.0] * 60, "a look a second, no busy loop"
+
+
+def test_build_follow_wakes_on_a_verdict_about_events_not_on_an_unvalidated_version(tmp_path, fake_clock):
+    """events@1 lands at 5 s (not validated: no pass), its verdict at 20.5 s (a pass at 21 s); a verdict about
+    examples at 30 s wakes nothing; the idle pass comes interval_s after the last."""
+    from gemline.follow import Waiting
+    from gemline.gate import append_quality_rows
+
+    lake = str(tmp_path / "lake")
+    config = _follow_config(lake)
+    _write(lake, [_event("a1", 0, "impression", "u1", "i1")], 0)
+    follow_validate(config, ["events"], max_passes=1)
+    examples_verdict = [{"table": "examples", "table_version": 0, "run_id": "x", "run_ts_ms": 1, "expectation": "e",
+                         "severity": "warning", "success": True, "observed": "", "report_path": ""}]
+    fake_clock.at(5.0, lambda: _write(lake, [_event("b1", 30, "impression", "u2", "i2")], 1))
+    fake_clock.at(20.5, lambda: follow_validate(config, ["events"], max_passes=1))
+    fake_clock.at(30.0, lambda: append_quality_rows(lake, examples_verdict))
+    passes: list[tuple[float, list]] = []
+    follow_build(config, max_passes=3, waiting=Waiting(45.0, 1.0, sleep=fake_clock.sleep, clock=fake_clock),
+                 on_pass=lambda state: passes.append((fake_clock.now, [d["version"] for d in state.done])))
+    assert passes == [(0.0, [0]), (21.0, [0, 1]), (66.0, [0, 1])]
 
 
 def test_nothing_published_hint_only_for_a_wait_build_with_impressions_waiting():

@@ -118,3 +118,45 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=">= 0"):
         Cursor("t", -1)
     assert Cursor.from_dict(Cursor("t", 3, 2, 1).to_dict()) == Cursor("t", 3, 2, 1)
+
+
+class _CountingFs:
+    """A pyarrow filesystem that counts ``get_file_info`` calls (the looks of a LogTip)."""
+
+    def __init__(self, fs):
+        self._fs, self.looks = fs, 0
+
+    def get_file_info(self, path):
+        self.looks += 1
+        return self._fs.get_file_info(path)
+
+
+def test_log_tip_follows_commits_with_one_look_when_nothing_is_new(tmp_path):
+    from gemline.increments import LogTip
+
+    tip = LogTip(tmp_path, "examples")
+    tip._fs = fs = _CountingFs(tip._fs)
+    assert tip.advance() is None and fs.looks == 1, "no table yet: one look for version 0's log entry"
+    uri = str(tmp_path / "examples")
+    write_deltalake(uri, _rows(0, 3, "2026-01-01"), partition_by=["event_date"])
+    assert tip.advance() == 0 and fs.looks == 3  # 0 found, 1 not
+    for i in range(30):  # a longer log costs an idle look nothing more
+        write_deltalake(uri, _rows(3 + i, 1, "2026-01-01"), mode="append", partition_by=["event_date"])
+    assert tip.advance() == 30 and fs.looks == 3 + 31
+    before = fs.looks
+    assert [tip.advance() for _ in range(5)] == [30] * 5 and fs.looks - before == 5, "one look per idle check"
+    DeltaTable(uri).optimize.compact()  # a compaction is a commit too: the tip moves (its rows are not new)
+    assert tip.advance() == 31 == latest_version(tmp_path, "examples")
+
+
+def test_log_tip_opens_an_existing_table_once(lake):
+    from gemline.increments import LogTip
+
+    tip = LogTip(lake, "examples")
+    assert tip.version is None and tip.advance() == 3 == tip.version
+
+
+def test_added_files_carry_the_column_bounds_of_their_stats(lake):
+    files = read_increment(lake, "examples", 1).files
+    assert sorted((f.min_values["value"], f.max_values["value"], f.min_values["example_id"]) for f in files) == [
+        (7, 10, "x10"), (11, 16, "x11")]

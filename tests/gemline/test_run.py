@@ -13,6 +13,7 @@ import pytest
 
 import gemline.run
 from gemline.config import load_config
+from gemline.errors import BadConfigError
 from gemline.increments import latest_version
 from gemline.lake import commit_metadata, read_table
 from gemline.run import RunPlan, config_flags, run_pipeline, runs_distill, stage_commands
@@ -38,6 +39,13 @@ def test_stage_commands_carry_the_config_but_never_a_secret(tmp_path):
     assert [s.name for s in plain] == ["ingest", "validate", "build"]
     # Without a plan interval the build keeps build.interval_s (carried in the flags), validation runs every 10 s.
     assert "--interval-s" not in plain[2].argv and "--interval-s 10.0" in " ".join(plain[1].argv)
+    # Every follower looks for new input every second (--watch-s), or only waits its interval with none.
+    for plan, value in ((RunPlan(), "1.0"), (RunPlan(watch_s=0.5), "0.5"), (RunPlan(watch_s=None), "none")):
+        argvs = {s.name: " ".join(s.argv) for s in stage_commands(plan, "h:1", [], distill=True)}
+        assert {name for name, argv in argvs.items() if f"--watch-s {value}" in argv} == {
+            "validate", "build", "train", "distill"}
+    with pytest.raises(BadConfigError, match="--watch-s must be > 0 seconds"):
+        RunPlan(watch_s=0.0)
 
 
 def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_path, monkeypatch):
@@ -47,7 +55,8 @@ def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_
     assert runs_distill(load_config(overrides={"trainer.model": "dlrm", "distill.follow_in_run": "true"}))
     stages = stage_commands(RunPlan(poll_interval_s=7.0), "h:1", ["--set", "lake=L"], distill=True)
     assert [s.name for s in stages] == ["ingest", "validate", "build", "train", "distill"]
-    assert " ".join(stages[-1].argv).endswith("gemline.cli distill --follow --poll-interval-s 7.0 --set lake=L")
+    assert " ".join(stages[-1].argv).endswith(
+        "gemline.cli distill --follow --poll-interval-s 7.0 --watch-s 1.0 --set lake=L")
     assert [s.name for s in stage_commands(RunPlan(train=False), "h:1", [], distill=True)] == ["ingest", "validate",
                                                                                                "build"]
 
@@ -66,7 +75,8 @@ def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_
     assert run_pipeline(config, RunPlan(bootstrap="127.0.0.1:1"), log_dir=tmp_path / "logs", say=said.append,
                         live=False, until=all_up) == 0
     assert list(seen) == ["ingest", "validate", "build", "train", "distill"] and all(seen.values())
-    assert (tmp_path / "logs" / "distill.log").read_text().startswith("distill --follow --poll-interval-s 10.0")
+    assert (tmp_path / "logs" / "distill.log").read_text().startswith(
+        "distill --follow --poll-interval-s 10.0 --watch-s 1.0")
     for name, pid in seen.items():
         assert pid is not None
         with pytest.raises(ProcessLookupError):  # stopped and reaped with the others

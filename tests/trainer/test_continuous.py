@@ -364,24 +364,39 @@ def test_follow_rewrites_the_run_report_at_most_every_report_every_s(tmp_path, m
     assert [r is not None for r in reports] == [True, False, True, False] and reports[2] == page
 
 
-def test_follow_waits_for_the_first_examples_version(tmp_path, monkeypatch, caplog):
+def test_follow_waits_for_the_first_examples_version(tmp_path, caplog):
+    from tests.conftest import FakeClock
+
+    lake = tmp_path / "lake"
+    seen, clock = [], FakeClock()
+    clock.at(1.5, lambda: _add(lake, 1, passed=None))  # the build publishes a first version: not validated yet
+    clock.at(2.5, lambda: mark_quality(lake, 0, passed=True))  # validation passes it: the trainer wakes
+    calls = continuous.follow(*trainer_args(_config(lake)), poll_interval_s=5, watch_s=1,
+                              on_result=lambda r: seen.append((clock.now, r.versions)),
+                              max_polls=3, sleep=clock.sleep, clock=clock)
+    # 0: no examples table (a wait); 3: the first look after the verdict trains version 0; 8: idle, the interval's.
+    assert calls == 3 and clock.sleeps == [1, 1, 1] + [1] * 5
+    assert [(t, [v["version"] for v in versions]) for t, versions in seen] == [(3.0, [0]), (8.0, [])]
+    assert sum("train waits: no examples table" in r.getMessage() for r in caplog.records) == 1, "said once"
+
+
+def test_follow_without_watching_polls_every_interval(tmp_path, monkeypatch):
     import time
     import types
 
     lake = tmp_path / "lake"
-    seen, naps = [], []
+    naps = []
 
-    def nap(seconds):  # the build publishes the first version while the trainer waits
+    def nap(seconds):  # the build publishes and validation passes the first version while the trainer waits
         naps.append(seconds)
         if len(naps) == 2:
             _add(lake, 1)
 
     monkeypatch.setattr(polling, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=nap))
-    calls = continuous.follow(*trainer_args(_config(lake)), poll_interval_s=5, on_result=lambda r: seen.append(r.versions),
-                              max_polls=4)
-    assert calls == 4 and naps == [5, 5, 5]
-    assert [[v["version"] for v in versions] for versions in seen] == [[0], []], "two polls waited, then trained"
-    assert sum("train waits: no examples table" in r.getMessage() for r in caplog.records) == 1, "said once"
+    seen = []
+    calls = continuous.follow(*trainer_args(_config(lake)), poll_interval_s=5, watch_s=None, max_polls=4,
+                              on_result=lambda r: seen.append([v["version"] for v in r.versions]))
+    assert calls == 4 and naps == [5, 5, 5] and seen == [[0], []], "two polls waited, then trained"
 
 
 def test_resuming_with_another_model_or_without_a_run_is_one_line(tmp_path, capsys):
