@@ -1,6 +1,7 @@
 """What a follower's look for new input costs, and what waking on it saves (issue 20, freshness).
 
     python -m benchmarks.follow_watch [--commits 1000] [--checks 1000] [--simulate-minutes 30]
+    python -m benchmarks.follow_watch --hops LAKE    # the hops of a finished `benchmarks.freshness --lake LAKE` run
 
 1. Cost: a ``quality`` table with ``--commits`` commits (a long log: the 10-minute freshness run makes ~500), then
    CPU-seconds (``time.process_time``, this process) of ``--checks`` idle looks of each kind:
@@ -17,12 +18,20 @@
    validates the newest events version and every new examples version). Printed: p50/p99 of each hop's wait
    (input committed -> the pass that takes it starts) and of events commit -> trained. No CPU contention is
    modelled: on a loaded machine passes take longer, which the loop does not change.
+3. ``--hops LAKE``: the same four hops measured on the lake of a ``gemline run`` (e.g. ``benchmarks.freshness``),
+   from the Delta commit times (``commitInfo.timestamp``, ms): events@v committed -> the first ``quality`` commit
+   judging events@v' >= v (validate events) -> the first ``examples`` commit built from events@v'' >= v (build:
+   the ``events_version`` of its commit metadata) -> the ``quality`` commit judging that examples version
+   (validate examples) -> its ``freshness`` row (train: written after the version's last step). Each hop is a
+   wait plus a pass; p50 and p99 per hop.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,9 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from deltalake import DeltaTable
 
 from gemline.gate import GateWatch, append_quality_rows
 from gemline.increments import LogTip, latest_version
+from gemline.lake import read_table, table_uri
 from gemline.tables import Table
 
 
@@ -137,6 +148,53 @@ def simulate(*, minutes: float, commit_s: float, pass_s: tuple[float, float, flo
     return waits
 
 
+def _commits(lake: str, table: str) -> dict[int, tuple[int, dict]]:
+    """``{version: (commit time ms, gemline commit metadata)}`` of a table's log."""
+    return {int(h["version"]): (int(h["timestamp"]), json.loads(h.get("gemline") or "{}"))
+            for h in DeltaTable(table_uri(lake, table)).history()}
+
+
+def measured_hops(lake: str) -> dict[str, list[float]]:
+    """Seconds of each hop of a finished run's lake (module docstring, 3.)."""
+    events = {v: ms for v, (ms, _) in _commits(lake, Table.EVENTS).items()}
+    built = sorted((meta["events_version"], ms, v) for v, (ms, meta) in _commits(lake, Table.EXAMPLES).items()
+                   if meta.get("events_version") is not None)
+    run_ms = {meta["app_id"].split(":", 1)[1]: ms for ms, meta in _commits(lake, Table.QUALITY).values()
+              if str(meta.get("app_id", "")).startswith("validate:")}
+    quality = read_table(lake, Table.QUALITY, columns=["table", "table_version", "run_id"]).to_pylist()
+    judged: dict[tuple[str, int], int] = {}
+    for row in quality:
+        if row["run_id"] in run_ms:
+            key = (row["table"], row["table_version"])
+            judged[key] = min(judged.get(key, run_ms[row["run_id"]]), run_ms[row["run_id"]])
+    events_verdicts = sorted((v, ms) for (t, v), ms in judged.items() if t == Table.EVENTS)
+    freshness = read_table(lake, Table.FRESHNESS)
+    trained = {} if freshness is None else {r["examples_version"]: r["wall_time_ms"] for r in freshness.to_pylist()}
+    hops: dict[str, list[float]] = {"validate events": [], "build": [], "validate examples": [], "train": []}
+    for version, ms in sorted(events.items()):
+        # events validation judges every version since the one judged before: the first verdict at or past v
+        i = bisect.bisect_left(events_verdicts, (version, -1))
+        if i == len(events_verdicts):
+            continue
+        verdict_ms = events_verdicts[i][1]
+        hops["validate events"].append((verdict_ms - ms) / 1000)
+        j = bisect.bisect_left(built, (version, -1, -1))
+        if j < len(built) and built[j][1] >= verdict_ms:
+            hops["build"].append((built[j][1] - verdict_ms) / 1000)
+    for _, ms, examples_version in built:
+        verdict = judged.get((Table.EXAMPLES, examples_version))
+        if verdict is not None:
+            hops["validate examples"].append((verdict - ms) / 1000)
+            if examples_version in trained:
+                hops["train"].append((trained[examples_version] - verdict) / 1000)
+    return hops
+
+
+def _summary(waits: dict[str, list[float]]) -> str:
+    return "; ".join(f"{hop} p50={np.percentile(w, 50):.1f} p99={np.percentile(w, 99):.1f} s (n={len(w)})"
+                     for hop, w in waits.items() if w)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commits", type=int, default=1000, help="commits of the quality table (default 1000)")
@@ -146,7 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pass-s", default="3,8,10", help="seconds of a validate, build, train pass (default 3,8,10)")
     parser.add_argument("--interval-s", type=float, default=10.0)
     parser.add_argument("--watch-s", type=float, default=1.0)
+    parser.add_argument("--hops", metavar="LAKE", help="only print the measured hops of a finished run's lake")
     args = parser.parse_args(argv)
+    if args.hops:
+        print(f"{args.hops}: {_summary(measured_hops(args.hops))}")
+        return
     with tempfile.TemporaryDirectory(prefix="gemline-bench-watch-") as folder:
         cost = measure_cost(str(Path(folder) / "lake"), args.commits, args.checks)
     for name, cpu_s in cost.items():
@@ -160,8 +222,7 @@ def main(argv: list[str] | None = None) -> None:
                                                         pass_s=pass_s, interval_s=args.interval_s,
                                                         watch_s=args.watch_s)}
     for name, waits in runs.items():
-        print(name + ": " + "; ".join(f"{hop} p50={np.percentile(w, 50):.1f} p99={np.percentile(w, 99):.1f} s"
-                                      for hop, w in waits.items() if w))
+        print(f"{name}: {_summary(waits)}")
 
 
 if __name__ == "__main__":

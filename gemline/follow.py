@@ -57,15 +57,17 @@ class Waiting:
     Attributes:
         interval_s: the longest wait (seconds, >= 0): a pass runs at least this often.
         watch_s: seconds between two looks at the input (> 0); None: no looking, a pass every ``interval_s``.
+        min_gap_s: the shortest time from the start of a pass to the start of one woken by new input (>= 0).
         sleep: ``sleep(seconds) -> stopped``; None: :func:`gemline.polling.sleep_or_stop` (tests pass a fake).
         clock: monotonic seconds (tests pass a fake advanced by ``sleep``).
 
     Raises:
-        ValueError: ``interval_s < 0`` or ``watch_s <= 0``.
+        ValueError: ``interval_s < 0``, ``watch_s <= 0`` or ``min_gap_s < 0``.
     """
 
     interval_s: float
     watch_s: float | None = 1.0
+    min_gap_s: float = 0.0
     sleep: Callable[[float], bool] | None = None
     clock: Callable[[], float] = time.monotonic
 
@@ -74,6 +76,8 @@ class Waiting:
             raise ValueError(f"follow: expected interval_s >= 0, got {self.interval_s}")
         if self.watch_s is not None and not self.watch_s > 0:
             raise ValueError(f"follow: expected watch_s > 0 seconds (or None: no watching), got {self.watch_s}")
+        if not self.min_gap_s >= 0:
+            raise ValueError(f"follow: expected min_gap_s >= 0 seconds, got {self.min_gap_s}")
 
 
 def _loop(one_pass: Callable[[FollowState], None], state: FollowState, waiting: Waiting,
@@ -81,12 +85,14 @@ def _loop(one_pass: Callable[[FollowState], None], state: FollowState, waiting: 
     watch = probe if waiting.watch_s is not None else None
     while max_passes is None or state.passes < max_passes:
         seen = None if watch is None else watch()  # before the pass: a version committed during it wakes the next
+        started = waiting.clock()
         one_pass(state)
         state.passes += 1
         if max_passes is not None and state.passes >= max_passes:
             break
         # sleep_or_stop is looked up here, not bound at import: tests replace it to stand for Ctrl-C.
         if wait_for_input(watch, seen, interval_s=waiting.interval_s, watch_s=waiting.watch_s,
+                          earliest=started + waiting.min_gap_s if waiting.min_gap_s else None,
                           sleep=waiting.sleep or sleep_or_stop, clock=waiting.clock) == "stopped":
             break
     return state
@@ -135,7 +141,8 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
         beam_args: Beam pipeline flags of every build.
         on_pass: called after each pass with the loop's state.
         max_passes: stop after this many passes (tests); None: until interrupted.
-        waiting: how to wait between passes; None: ``interval_s`` and ``config.build.watch_s``.
+        waiting: how to wait between passes; None: ``interval_s``, ``config.build.watch_s`` and
+            ``config.build.min_gap_s``.
 
     Raises:
         ValueError: ``interval_s < 0``; and what :func:`sequences.pipeline.run_build` raises, except
@@ -173,7 +180,8 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
             on_pass(state)
 
     if waiting is None:
-        waiting = Waiting(config.build.interval_s if interval_s is None else interval_s, config.build.watch_s)
+        waiting = Waiting(config.build.interval_s if interval_s is None else interval_s, config.build.watch_s,
+                          config.build.min_gap_s)
     return _loop(one_pass, FollowState(), waiting, GateWatch(lake, Table.EVENTS), max_passes)
 
 

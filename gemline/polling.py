@@ -42,8 +42,8 @@ Wake = Literal["changed", "interval", "stopped"]
 
 
 def wait_for_input(probe: Callable[[], Hashable] | None, seen: Hashable, *, interval_s: float,
-                   watch_s: float | None, sleep: Callable[[float], bool] | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> Wake:
+                   watch_s: float | None, earliest: float | None = None,
+                   sleep: Callable[[float], bool] | None = None, clock: Callable[[], float] = time.monotonic) -> Wake:
     """Wait until ``probe()`` differs from ``seen`` (looking every ``watch_s`` seconds, first at once) or
     ``interval_s`` seconds have passed, whichever comes first.
 
@@ -53,6 +53,9 @@ def wait_for_input(probe: Callable[[], Hashable] | None, seen: Hashable, *, inte
         seen: what ``probe()`` returned before the pass that just ended, so a version committed during the pass
             starts the next one at once.
         watch_s: seconds between two looks, > 0; None: no watching.
+        earliest: a change seen before this ``clock()`` time waits until then (a follower's minimum gap between
+            the starts of two passes, for a stage whose pass has a large fixed cost); the interval's pass does
+            not. None: no minimum.
         sleep: ``sleep(seconds) -> stopped`` (default :func:`sleep_or_stop`); tests pass a fake with ``clock``.
         clock: seconds, monotonic.
 
@@ -62,7 +65,7 @@ def wait_for_input(probe: Callable[[], Hashable] | None, seen: Hashable, *, inte
     Raises:
         ValueError: ``interval_s < 0`` or ``watch_s <= 0``; and what ``probe`` raises.
 
-    No minimum gap between passes: a follower's input arrives at its writer's cadence (ingest commits every
+    A follower's input arrives at its writer's cadence (ingest commits every
     ``ingest.streaming.commit_interval_s``, 5 s; validation and the build once per version), so waking on it
     cannot run passes more often than that, and a pass that takes longer finds more rows, not more passes.
     """
@@ -75,6 +78,8 @@ def wait_for_input(probe: Callable[[], Hashable] | None, seen: Hashable, *, inte
     deadline = clock() + interval_s
     while True:
         if probe() != seen:
+            if earliest is not None and (gap := min(earliest, deadline) - clock()) > 0 and sleep(gap):
+                return "stopped"
             return "changed"
         if sleep(max(0.0, min(deadline - clock(), watch_s))):
             return "stopped"

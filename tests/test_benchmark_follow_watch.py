@@ -34,3 +34,26 @@ def test_the_cost_measurement_reports_each_kind_of_look(tmp_path):
     cost = measure_cost(str(tmp_path / "lake"), commits=3, checks=20)
     assert list(cost) == ["LogTip.advance", "GateWatch", "latest_version (baseline)"]
     assert all(v >= 0 for v in cost.values())
+
+
+def test_measured_hops_join_the_commit_times_by_hand(monkeypatch):
+    """events@0,1,2 at 1, 6, 11 s; verdicts on events@0 at 3 s and on events@2 (covering 1) at 13 s; examples@0
+    built from events@2 at 16 s, judged at 20 s, its freshness row at 30 s."""
+    import pyarrow as pa
+
+    import benchmarks.follow_watch as bench
+
+    commits = {"events": {0: (1000, {}), 1: (6000, {}), 2: (11000, {})},
+               "examples": {0: (16000, {"events_version": 2})},
+               "quality": {0: (3000, {"app_id": "validate:r1"}), 1: (13000, {"app_id": "validate:r2"}),
+                           2: (20000, {"app_id": "validate:r3"}), 3: (25000, {"app_id": "quality:release"})}}
+    tables = {"quality": pa.Table.from_pylist([
+                  {"table": "events", "table_version": 0, "run_id": "r1"},
+                  {"table": "events", "table_version": 2, "run_id": "r2"},
+                  {"table": "examples", "table_version": 0, "run_id": "r3"},
+                  {"table": "examples", "table_version": 0, "run_id": "release-1"}]),
+              "freshness": pa.Table.from_pylist([{"examples_version": 0, "wall_time_ms": 30000}])}
+    monkeypatch.setattr(bench, "_commits", lambda lake, table: commits[str(table)])
+    monkeypatch.setattr(bench, "read_table", lambda lake, table, columns=None: tables[str(table)])
+    assert bench.measured_hops("lake") == {"validate events": [2.0, 7.0, 2.0], "build": [13.0, 3.0, 3.0],
+                                           "validate examples": [4.0], "train": [10.0]}

@@ -126,9 +126,11 @@ def test_build_follow_interval_and_watch_are_config_keys_and_the_flags_override_
     from gemline.cli import main
 
     waits: list[tuple[float, float | None]] = []
+    gaps: list[float | None] = []
 
-    def stopped(probe, seen, *, interval_s, watch_s, sleep, clock):
+    def stopped(probe, seen, *, interval_s, watch_s, earliest, sleep, clock):
         waits.append((interval_s, watch_s))
+        gaps.append(None if earliest is None else earliest - clock())
         return "stopped"
 
     monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, "", True))  # an empty lake: nothing to build
@@ -144,6 +146,11 @@ def test_build_follow_interval_and_watch_are_config_keys_and_the_flags_override_
     assert main(["build", "--follow", "--set", "build.watch_s=none", *lake]) == 0
     assert main(["build", "--follow", "--watch-s", "none", "--config", str(config), *lake]) == 0
     assert waits == [(10.0, 1.0), (4.5, 0.25), (7.0, 0.25), (2.0, 3.0), (10.0, None), (4.5, None)]
+    assert all(g is not None and 9.0 < g <= 10.0 for g in gaps), "a woken pass 10 s after the last one started"
+    assert main(["build", "--follow", "--set", "build.min_gap_s=0", *lake]) == 0
+    assert gaps[-1] is None, "no minimum gap"
+    assert main(["build", "--follow", "--set", "build.min_gap_s=-1", *lake]) == 2
+    assert "build.min_gap_s must be >= 0 seconds, got -1.0" in capsys.readouterr().err
     assert main(["build", "--follow", "--set", "build.interval_s=-1", *lake]) == 2
     assert "build.interval_s must be >= 0 seconds, got -1.0" in capsys.readouterr().err
     assert main(["build", "--follow", "--set", "build.watch_s=0", *lake]) == 2

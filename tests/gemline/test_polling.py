@@ -44,6 +44,17 @@ def test_a_version_committed_during_the_pass_starts_the_next_at_once(fake_clock)
     assert fake_clock.sleeps == [] and probe.looks == 1
 
 
+def test_a_minimum_gap_holds_a_woken_pass_but_not_the_interval_s_one(fake_clock):
+    """Seen at the look at 2 s; the pass that just ended started at -1 s with a 7 s gap: it starts at 6 s."""
+    probe = Input(fake_clock, [1.5])
+    wake = wait_for_input(probe, 0, interval_s=30, watch_s=1, earliest=6.0, sleep=fake_clock.sleep, clock=fake_clock)
+    assert (wake, fake_clock.now, fake_clock.sleeps, probe.looks) == ("changed", 6.0, [1, 1, 4], 3)
+    later = Input(fake_clock, [8.2])  # a gap past the interval: the interval's pass comes first
+    assert wait_for_input(later, 0, interval_s=4, watch_s=1, earliest=50.0, sleep=fake_clock.sleep,
+                          clock=fake_clock) == "changed"
+    assert fake_clock.now == 10.0 and fake_clock.sleeps[3:] == [1, 1, 1, 1]
+
+
 def test_without_watching_the_wait_is_one_sleep_of_interval_s(fake_clock):
     probe = Input(fake_clock, [1.0])
     for watch, kept in ((None, probe), (1.0, None)):
