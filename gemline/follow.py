@@ -2,9 +2,10 @@
 
 Each is a loop of the stage's one-shot command, run again as soon as its input has a version it can use, looked
 for every ``watch_s`` seconds (:func:`gemline.polling.wait_for_input`), and at least every ``interval_s``
-seconds, as ``gemline train --follow`` is for the trainer. Every pass is what a person would run by hand, so the restart story is the
-one-shot command's: a pass cut by Ctrl-C, SIGTERM or a crash is redone by the next run from what the lake has
-committed, and nothing is written twice. An interrupt while waiting between passes ends the loop cleanly.
+seconds, as ``gemline train --follow`` is for the trainer (the build no sooner than ``build.min_gap_s`` after its
+last pass started). Every pass is what a person would run by hand, so the restart story is the one-shot
+command's: a pass cut by Ctrl-C, SIGTERM or a crash is redone by the next run from what the lake has committed,
+and nothing is written twice. An interrupt while waiting between passes ends the loop cleanly.
 
 - the build follows ``events``: each pass builds the newest events version the quality gate allows (passed, or
   released by hand); it wakes on a new verdict about ``events`` in the gate's ``quality`` table

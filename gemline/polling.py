@@ -6,7 +6,8 @@ A follower does not sleep a fixed interval after every pass: it looks at its inp
 (a cheap check, e.g. :class:`gemline.increments.LogTip`: one file-existence check per table) and starts the next
 pass as soon as the input changed, or after ``interval_s`` at the latest. Each of the four hops from an events
 commit to a trained model (validate events, build, validate examples, train) then waits about ``watch_s / 2``
-instead of ``interval_s / 2`` on average.
+instead of ``interval_s / 2`` plus a pass on average, when the stage is idle as its input arrives (the build
+keeps a minimum gap between its passes, ``build.min_gap_s``).
 
 Each call is the one-shot command a person would run by hand, so the restart story is that command's: a call
 cut by Ctrl-C, SIGTERM or a crash is redone by the next run from what the lake has committed. An interrupt while
