@@ -61,7 +61,16 @@ from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
 from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
 from trainer.config import TrainerConfig
-from trainer.data import HASH_NAMESPACE, DenseNormalizer, PointerReader, dense_names, encode_for, fit_normalizer
+from trainer.data import (
+    HASH_NAMESPACE,
+    DenseNormalizer,
+    EncodedExamples,
+    PointerReader,
+    dense_names,
+    encode_for,
+    fit_normalizer,
+    take_rows,
+)
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
 from trainer.labels import final_labels
@@ -201,12 +210,39 @@ BOOTSTRAP_ROWS = 100_000
 """Rows of a new run's first version that fit the input normalizer, the domains and the output bias."""
 
 
+def _reads(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> Iterator[tuple[pa.Table | None, Cursor]]:
+    """``(rows, position after them)`` of each read (``trainer.batch_size * 64`` rows at most) of what ``version``
+    added from ``start`` on; rows None for a read that only moves the position (:func:`gemline.increments.read_from`)."""
+    for _, batch, after in read_from(lake.root, EXAMPLES, start, until_version=version, batch_rows=tc.batch_size * 64,
+                                     storage_options=lake.storage_options):
+        yield (None if batch is None else pa.Table.from_batches([batch])), after
+
+
 def _version_batches(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> Iterator[pa.RecordBatch]:
     """The read batches (``trainer.batch_size * 64`` rows at most) ``version`` added from ``start`` on."""
     for _, batch, _ in read_from(lake.root, EXAMPLES, start, until_version=version, batch_rows=tc.batch_size * 64,
                                  storage_options=lake.storage_options):
         if batch is not None:
             yield batch
+
+
+REUSE_MAX_ROWS = 131_072
+"""Rows of a version whose reads and encoding its progressive evaluation keeps for its training (0: none; each
+pass reads and encodes the version itself). Both passes read the same rows from the same position, and with
+hashed ids (``trainer.ids.mapping = "hash"``) an id's row does not depend on what was observed, so one encoding
+serves both (:func:`trainer.data.take_rows` gives evaluation its rows): on the 3-minute freshness lake reading,
+the pointer history and encoding were about a tenth of a version's CPU, half of it evaluation's. Larger versions
+are read twice, as before, so memory stays bounded (~130k encoded rows, a few hundred MB at 256-event histories)."""
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One read of a version, as its training takes it: the rows (None: the read only moved the position), their
+    encoding when kept from the progressive evaluation (None: encode them), and the position after them."""
+
+    table: pa.Table | None
+    data: EncodedExamples | None
+    after: Cursor
 
 
 def _bootstrap_sample(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> pa.Table:
@@ -255,21 +291,47 @@ PredictionsHook = Callable[[ProgressivePredictions], None]
 
 def _progressive(engine: Engine, lake: Lake, tc: TrainerConfig, normalizer: DenseNormalizer, mapping: IdMapping,
                  start: Cursor, version: int, pointers: PointerReader, on_predictions: PredictionsHook | None = None,
-                 capture: teacher_log.VectorCapture | None = None) -> dict | None:
+                 capture: teacher_log.VectorCapture | None = None,
+                 kept: list[_Read] | None = None) -> dict | None:
     """:func:`trainer.metrics.evaluate` of ``engine``'s model on every row ``version`` added, predicted batch by
     batch (memory: the (N, 2) labels and probabilities, not the rows); None for a version without rows. Ids are
     looked up in ``mapping`` as trained so far (not counted).
     ``on_predictions`` sees the predictions before they are evaluated (rank 0); ``capture`` collects the
     model's vectors of every row predicted (a :class:`trainer.loop.LocalEngine` only).
 
+    ``kept``: when given and the mapping hashes ids, every read of the version (up to :data:`REUSE_MAX_ROWS` rows)
+    is appended to it with all its rows encoded once, for the training that follows; it is emptied again when
+    the version is larger, and then training reads the version itself.
+
     Collective on a sharded engine: each rank predicts its share, rank 0 evaluates; the other ranks return
     ``{}`` for a version with rows, so every rank agrees on whether it was evaluated."""
     labels, probs, domains, ids, final = [], [], [], [], []
-    for batch in _version_batches(lake, tc, start, version):
-        table = first_publications(pa.Table.from_batches([batch]))
-        if table.num_rows == 0:
-            continue
-        data = encode_for(table, tc, normalizer, pointers(table), ids=mapping)
+    reuse = kept is not None and mapping.mode == "hash" and REUSE_MAX_ROWS > 0
+    kept_rows = 0
+    for read, after in _reads(lake, tc, start, version):
+        if read is not None and reuse and kept_rows + read.num_rows > REUSE_MAX_ROWS:
+            reuse = False
+            assert kept is not None
+            kept.clear()
+        if not reuse:
+            if read is None:
+                continue
+            table = first_publications(read)
+            if table.num_rows == 0:
+                continue
+            data = encode_for(table, tc, normalizer, pointers(table), ids=mapping)
+        else:
+            assert kept is not None
+            encoded = None if read is None else encode_for(read, tc, normalizer, pointers(read), ids=mapping)
+            kept.append(_Read(read, encoded, after))
+            if read is None or encoded is None:
+                continue
+            kept_rows += read.num_rows
+            first = np.flatnonzero(~is_correction(read))
+            if len(first) == 0:
+                continue
+            table = read if len(first) == read.num_rows else read.take(first)
+            data = encoded if len(first) == read.num_rows else take_rows(encoded, first)
         labels.append(data.labels)
         final.append(data.final if data.final is not None else np.ones(data.labels.shape, dtype=bool))
         part: np.ndarray | None
@@ -576,6 +638,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                  prior_rates(first_data.labels, first_data.final))
         assert engine is not None and normalizer is not None and ids is not None
         evaluated = False
+        kept: list[_Read] = []  # the version's reads as evaluation encoded them (REUSE_MAX_ROWS), for training
         if counters.step > 0 and start.file_index == 0 and start.row_offset == 0:
             capture = teacher_log.VectorCapture() if logs_teacher else None
             seen: list[ProgressivePredictions] = []
@@ -585,7 +648,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                 if on_predictions is not None:
                     on_predictions(predictions)
 
-            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, pointers, keep, capture)
+            metrics = _progressive(engine, lake, tc, normalizer, ids, start, version, pointers, keep, capture, kept)
             if metrics is not None:
                 evaluations += 1
                 evaluated = True
@@ -606,17 +669,19 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         def global_batches(version: int = version) -> Iterator[GlobalBatch]:
             nonlocal rows, cursor, start
             noted = False
-            for _, batch, after in read_from(lake.root, EXAMPLES, start, until_version=version,
-                                             batch_rows=tc.batch_size * 64, storage_options=opts):
-                if batch is not None:
-                    table = pa.Table.from_batches([batch])
+            # Evaluation read the version from this same position: its reads are the ones training would make.
+            reads = kept or (_Read(table, None, after) for table, after in _reads(lake, tc, start, version))
+            for read in reads:
+                table, after = read.table, read.after
+                if table is not None:
                     unread = sorted(set(dense_names(table)) - set(normalizer.names))
                     if unread and not noted and rank == 0:  # a build added features: the model keeps its inputs
                         log.info("examples@%d has dense columns the model does not read, trained as before: %s",
                                  version, unread)
                     noted = noted or bool(unread)
                     ids.observe(first_publications(table))  # each impression counted once, as evaluation does
-                    data = encode_for(table, tc, normalizer, pointers(table), ids=ids)
+                    data = read.data if read.data is not None else encode_for(table, tc, normalizer, pointers(table),
+                                                                               ids=ids)
                     # What on_step needs of its rows travels with each global batch: the loop prefetches, so the
                     # next read batch may be drawn before this one's last step is taken.
                     corrected = is_correction(table)

@@ -633,6 +633,32 @@ def make_batch(data: EncodedExamples, rows: np.ndarray) -> Batch:
     )
 
 
+def take_rows(data: EncodedExamples, rows: np.ndarray) -> EncodedExamples:
+    """The rows ``rows`` (K,) int64 of ``data``, in that order: what :func:`encode_examples` gives for those rows of
+    its table (every column is encoded row by row; jagged values are gathered and their offsets rebuilt), so a
+    version encoded once serves both its progressive evaluation (a subset) and its training (all rows)."""
+    rows = np.asarray(rows, dtype=np.int64)
+
+    def offsets_of(lengths: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out[1:])
+        return out
+
+    gather, lengths = _gather_index(data.seq_offsets, rows)
+    same_offsets, same_gather = None, None
+    if data.same_domain_offsets is not None:
+        same_gather, same_lengths = _gather_index(data.same_domain_offsets, rows)
+        same_offsets = offsets_of(same_lengths)
+    # TIME_BUCKETS_KEY is aligned with the history; SAME_DOMAIN_KEYS with the same-domain offsets.
+    seq_values = {key: values[same_gather if key in SAME_DOMAIN_KEYS and same_gather is not None else gather]
+                  for key, values in data.seq_values.items()}
+    return EncodedExamples(
+        sparse_ids=data.sparse_ids[rows], seq_values=seq_values, seq_offsets=offsets_of(lengths),
+        dense=data.dense[rows], labels=data.labels[rows], domains=data.domains[rows],
+        delayed=None if data.delayed is None else data.delayed.take(rows),
+        final=None if data.final is None else data.final[rows], same_domain_offsets=same_offsets)
+
+
 def iter_batches(data: EncodedExamples, batch_size: int, rng: np.random.Generator | None = None):
     """Yield batches of ``batch_size`` (the last may be smaller); shuffled by ``rng`` when given."""
     order = np.arange(len(data)) if rng is None else rng.permutation(len(data))
