@@ -213,13 +213,24 @@ def load_checkpoint(
     _load_model(path, model, payload["model"])
     for name, opt in optimizers.items():
         opt.load_state_dict(payload["optimizers"][name])
-    rng = payload["rng"]
+    restore_rng_state(payload["rng"], numpy_rng)
+    return read_state(path)
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states a checkpoint saves (torch, python, numpy global; no generator): what :func:`restore_rng_state`
+    takes, for a process that keeps a checkpoint's model in memory instead of loading it (trainer.continuous)."""
+    return _rng_state(None)
+
+
+def restore_rng_state(rng: dict[str, Any], numpy_rng: np.random.Generator | None = None) -> None:
+    """Set every RNG (torch, python, numpy global, and ``numpy_rng`` when both it and a saved state are there) to
+    ``rng``, as :func:`save_checkpoint` or :func:`rng_state` recorded them."""
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy_global"])
     if numpy_rng is not None and rng["numpy_generator"] is not None:
         numpy_rng.bit_generator.state = rng["numpy_generator"]
-    return read_state(path)
 
 
 def load_weights(path: str | Path, model: nn.Module) -> TrainState:

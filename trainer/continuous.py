@@ -59,7 +59,14 @@ from gemline.locks import holding
 from gemline.polling import poll
 from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
-from trainer.checkpoint import CHECKPOINTS_DIR, TrainState, latest_checkpoint, read_state
+from trainer.checkpoint import (
+    CHECKPOINTS_DIR,
+    TrainState,
+    latest_checkpoint,
+    read_state,
+    restore_rng_state,
+    rng_state,
+)
 from trainer.config import TrainerConfig
 from trainer.data import (
     HASH_NAMESPACE,
@@ -204,6 +211,45 @@ def _id_metric_rows(run_id: str, step: int, version: int, ids: IdMapping, now_ms
     return [{"run_id": run_id, "step": step, "examples_version": version, "domain": ns, "task": "ids",
              "metric": name, "value": float(values[name]), "wall_time_ms": now_ms}
             for ns, values in ids.stats().items() for name in ID_METRICS]
+
+
+@dataclass
+class WarmEngine:
+    """A long-running trainer's engine as its newest checkpoint holds it (``train --follow``, one process): kept in
+    memory across :func:`run_once` calls, so a call that resumes from that very checkpoint skips building the model
+    and loading ``state.pt`` (with the model built, about a tenth of a follow call's CPU on the 3-minute freshness
+    lake: GEM's 19M table parameters allocated, initialised, then overwritten).
+
+    It stands for one checkpoint only: :meth:`take` empties it, and a call puts the engine back (:meth:`keep`) right
+    after each checkpoint it writes, so an engine trained past its checkpoint (a call that raised) is never reused.
+    The checkpoint is recognised by its path and its ``saved_ms``: a checkpoint another process wrote in between
+    (another ``train --once``) is loaded from disk as before. The id mapping is kept as the bytes the checkpoint
+    saved and the RNG states as it saved them, so a warm resume restores what loading would, bit for bit.
+    """
+
+    engine: Engine | None = None
+    path: str | None = None
+    saved_ms: int | None = None
+    mapping: bytes = b""
+    rng: dict[str, Any] = field(default_factory=dict)
+
+    def keep(self, engine: Engine, path: str, saved_ms: int, mapping: bytes) -> None:
+        """Hold ``engine``, just saved to checkpoint ``path`` (``saved_ms``, the id mapping ``mapping``)."""
+        self.engine, self.path, self.saved_ms, self.mapping, self.rng = engine, path, saved_ms, mapping, rng_state()
+
+    def clear(self) -> None:
+        """Hold nothing (the engine is about to change)."""
+        self.engine = None
+
+    def take(self, path: str, saved_ms: int) -> tuple[Engine, IdMapping] | None:
+        """The engine and id mapping of checkpoint ``path`` saved at ``saved_ms``, the RNG states restored as it saved
+        them; None (and nothing restored) when another checkpoint's, or none, is held. Empties the holder."""
+        engine, held = self.engine, (self.path, self.saved_ms)
+        self.clear()
+        if engine is None or held != (path, saved_ms):
+            return None
+        restore_rng_state(self.rng)
+        return engine, IdMapping.from_bytes(self.mapping)
 
 
 BOOTSTRAP_ROWS = 100_000
@@ -393,7 +439,7 @@ def _prune(root: str, keep: int) -> None:
 def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_checkpoints: int = 3,
              max_versions: int | None = None, progress: bool = False, nproc: int = 1, root: str | None = None,
              on_predictions: PredictionsHook | None = None, write_report: bool = True,
-             pointers: PointerReader | None = None) -> ContinuousResult:
+             pointers: PointerReader | None = None, warm: WarmEngine | None = None) -> ContinuousResult:
     """Consume every new, gate-allowed ``examples`` version of ``lake`` once (module docstring) with the model
     and optimisation of ``tc``, checkpoint, return.
 
@@ -414,6 +460,8 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
             process only: with ``nproc > 1`` it is always rewritten.
         pointers: the pointer-layout history reader to keep across calls (:func:`follow`); None: a new one.
             One process only (the ranks of a torchrun job read their own).
+        warm: the engine kept across calls (:class:`WarmEngine`, :func:`follow`); None: built and loaded each call.
+            One process only.
 
     Returns:
         A :class:`ContinuousResult`.
@@ -447,7 +495,7 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
     try:
         result = consume(lake, tc, local_engine, from_scratch=from_scratch, keep_checkpoints=keep_checkpoints,
                          max_versions=max_versions, root=root, on_predictions=on_predictions,
-                         write_report=write_report, pointers=pointers)
+                         write_report=write_report, pointers=pointers, warm=warm)
     finally:
         torch.set_num_threads(previous_threads)
     assert result is not None, "one process is rank 0"
@@ -498,7 +546,7 @@ def _plan(lake: Lake, from_scratch: bool, rank: int, world: int, root: str) -> d
 def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_scratch: bool = False, keep_checkpoints: int = 3,
             max_versions: int | None = None, root: str | None = None,
             on_predictions: PredictionsHook | None = None, write_report: bool = True,
-            pointers: PointerReader | None = None) -> ContinuousResult | None:
+            pointers: PointerReader | None = None, warm: WarmEngine | None = None) -> ContinuousResult | None:
     """:func:`run_once` without the lock, on one process (:func:`trainer.loop.local_engine`) or on every rank
     of an initialised process group (:func:`trainer.sharded_engine.sharded_engine`, called by trainer.launch).
 
@@ -507,8 +555,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     stays one value, the global batches and so the losses stay those of one process, and no rows travel
     between ranks (the reader is several times faster than training, so reading N times costs little).
     Progressive predictions are gathered on rank 0, which alone writes ``training_metrics``, the
-    checkpoint's meta.json, the report and the result. ``root``, ``on_predictions`` and ``pointers``: as
-    :func:`run_once`.
+    checkpoint's meta.json, the report and the result. ``root``, ``on_predictions``, ``pointers`` and ``warm``: as
+    :func:`run_once` (``warm`` is ignored on a process group).
 
     Returns:
         The :class:`ContinuousResult` on rank 0, None on the other ranks.
@@ -519,6 +567,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     opts = lake.storage_options
     pointers = PointerReader(lake) if pointers is None else pointers
     rank, world = _rank_and_world()
+    warm = warm if world == 1 else None
     if world > 1 and is_remote(lake):
         raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
                          "sharded checkpoints (DCP) are written to a file system every rank sees; use --nproc 1 here")
@@ -558,10 +607,14 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         if not idle:
             normalizer = DenseNormalizer.from_dict(state.extra["normalizer"])
             domains = tuple(state.extra["domains"])
-            ids = start_mapping(tc, pa.table({}), resume)
-            torch.manual_seed(tc.seed)
-            engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains, None)
-            engine.load(resume, state)
+            held = None if warm is None else warm.take(str(resume), saved_ms)
+            if held is not None:  # this process wrote the checkpoint and kept its engine (WarmEngine)
+                engine, ids = held
+            else:
+                ids = start_mapping(tc, pa.table({}), resume)
+                torch.manual_seed(tc.seed)
+                engine = make_engine(with_rows(tc, ids), len(normalizer.names), domains, None)
+                engine.load(resume, state)
         counters.step, counters.examples_seen = state.step, state.examples_seen
         log.info("continuous run %s resumed from %s at step %d, cursor %s", run_id, resume, counters.step, cursor)
     else:
@@ -592,9 +645,12 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                                 "saved_ms": saved_ms, "trained_until_ms": trained_until_ms}}
         state = TrainState(step=counters.step, examples_seen=counters.examples_seen,
                            examples_version=max(cursor.version - 1, 0), extra=extra)
-        path = engine.save(root, state, files={MAPPING_FILE: ids.to_bytes()}, storage_options=opts)
+        mapping = ids.to_bytes()
+        path = engine.save(root, state, files={MAPPING_FILE: mapping}, storage_options=opts)
         if rank == 0:
             _prune(root, keep_checkpoints)
+        if warm is not None and path is not None:
+            warm.keep(engine, path, saved_ms, mapping)
         return path
 
     sources = _Sources(lake) if rank == 0 else None
@@ -603,6 +659,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     for version in todo:
         if max_versions is not None and consumed >= max_versions:
             break
+        if warm is not None:
+            warm.clear()  # the engine is about to move past the checkpoint it stands for
         decision = decisions[version]
         if decision.validated and not decision.allowed:
             if version not in skipped:
@@ -815,12 +873,13 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
     """
     last_report: float | None = None
     pointers = PointerReader(lake) if nproc == 1 else None  # history read by increments across the calls
+    warm = WarmEngine() if nproc == 1 else None  # the model as the newest checkpoint holds it, across the calls
 
     def once(first: bool) -> ContinuousResult:
         nonlocal last_report
         due = last_report is None or time.monotonic() - last_report >= report_every_s
         result = run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc, write_report=due,
-                          pointers=pointers)
+                          pointers=pointers, warm=warm)
         if result.report_path is not None:
             last_report = time.monotonic()
         return result

@@ -117,3 +117,65 @@ def test_take_rows_equals_encoding_those_rows(rows):
             assert np.array_equal(getattr(got.delayed, field), getattr(want.delayed, field)), field
         assert np.array_equal(got.same_domain_offsets, want.same_domain_offsets)
     assert np.array_equal(got.seq_offsets, want.seq_offsets)  # [0] for no rows
+
+
+def test_a_warm_engine_resumes_as_loading_its_checkpoint(tmp_path, monkeypatch):
+    """Calls of one process keeping its engine (WarmEngine, as train --follow does) write the checkpoints and metrics
+    of calls that each build the model and load the checkpoint; the engine is built again only after a call that
+    raised or a checkpoint another process wrote."""
+    built = [0]
+    make = continuous.local_engine
+
+    def counted(*args, **kwargs):
+        built[0] += 1
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, "local_engine", counted)
+    runs = {}
+    for name, warm in (("cold", None), ("warm", continuous.WarmEngine())):
+        lake = tmp_path / name / "lake"
+        config = load_config(overrides={"lake": str(lake), **SMALL, "trainer.batch_size": "16"})
+        args = trainer_args(config)
+        built[0] = 0
+        results, progressive, builds = [], [], []
+
+        def call(warm=warm, fail: bool = False):
+            def crash(_):
+                raise RuntimeError("crash after the version's predictions")
+
+            try:
+                out = run_once(*args, warm=warm, on_predictions=crash if fail else None)
+            except RuntimeError:
+                builds.append(built[0])
+                return
+            results.append(out.versions)
+            progressive.append(out.progressive)
+            builds.append(built[0])
+
+        for day in (1, 2, 3):
+            _add_day(lake, day)
+            call()
+        _add_day(lake, 4)
+        call(fail=True)  # raised mid-call: the engine it held had moved on, so the next call loads
+        call()
+        _add_day(lake, 5)
+        call(warm=None)  # another process's call writes the newest checkpoint
+        _add_day(lake, 6)
+        call()
+        runs[name] = {"versions": results, "progressive": progressive, "builds": builds,
+                      "params": _params(results and continuous.latest_checkpoint(continuous.current_root(str(lake))))}
+    cold, warm_run = runs["cold"], runs["warm"]
+    assert cold["builds"] == [1, 2, 3, 4, 5, 6, 7]  # every call builds
+    assert warm_run["builds"] == [1, 1, 1, 1, 2, 3, 4]  # first, after the crash, the foreign call, after it
+    assert [[v["version"] for v in vs] for vs in warm_run["versions"]] == [[0], [1], [2], [3], [4], [5]]
+    assert warm_run["versions"] == cold["versions"] and warm_run["progressive"] == cold["progressive"]
+    assert warm_run["params"].keys() == cold["params"].keys()
+    assert all(torch.equal(warm_run["params"][k], cold["params"][k]) for k in cold["params"])
+
+
+def _add_day(lake, day: int) -> None:
+    mark_quality(lake, write_examples(lake, synthetic_examples([f"2026-01-{day:02d}"], 120, seed=day)), passed=True)
+
+
+def _params(path) -> dict[str, torch.Tensor]:
+    return torch.load(f"{path}/state.pt", weights_only=False)["model"]
