@@ -266,6 +266,9 @@ def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any]) -> None:
 
         hint = (" (a GEM checkpoint from before its wide part resumes with --set trainer.gem.wide=false)"
                 if any(".wide." in name for name in missing) else "")
+        gate = {"dense_arch.deep_gate"}
+        if gate & set(missing) or gate & set(extra):  # missing: written without the gate; extra: with it
+            hint += f" (this GEM checkpoint resumes with --set trainer.gem.deep_gate={str(bool(gate & set(extra))).lower()})"
         raise BadConfigError(
             f"checkpoint {path} holds another model: this run's model has parameters the checkpoint lacks "
             f"({few(missing)}) and the checkpoint has parameters this model lacks ({few(extra)}); resume with the "

@@ -81,13 +81,14 @@ ABLATIONS: dict[str, dict[str, str]] = {
     "gem_learning_rate": {"trainer.gem.learning_rate": "none"},
     "final_labels": {"trainer.final_labels": "false"},
     "widths": {"trainer.ids.widths": "fixed"},
-    "wide": {"trainer.gem.wide": "false"},
+    "wide": {"trainer.gem.wide": "false", "trainer.gem.deep_gate": "false"},
+    "deep_gate": {"trainer.gem.deep_gate": "false"},
 }
 """Ablation name -> ``--set`` overrides (full keys, string values as on the command line) that switch one change of
 the full model off (issue 18's switches at their gem_small values; ``recency_branches`` off is gem_small's pyramid,
 which reads one stream; ``widths`` off: every table trainer.embedding_dim wide; ``pooled_history`` off: no whole-history
 means; ``gem_learning_rate`` off: GEM's dense part at ``trainer.learning_rate`` as the other models; ``wide`` off: no
-Wide & Deep linear term)."""
+Wide & Deep linear term, so no deep gate either (it needs one); ``deep_gate`` off: the deep logits added ungated)."""
 
 
 def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:

@@ -199,6 +199,14 @@ class GemConfig:
     ``embedding_optimizer`` / ``embedding_learning_rate`` below are set); one-process training only; not the default:
     at three seeds on Taobao GEM - LR click AUC went -0.0043 -> -0.0037, worse at seed 0, MovieLens level (README
     "Tried, not adopted: LR's whole linear model as the wide part"). False: the deep part alone. A GEM checkpoint written under one setting does not resume under another."""
+    deep_gate: bool = False
+    """Scale the deep part's logits by a learned gate per task (click, conversion) that starts at zero, so the
+    untrained model is its wide part alone (with ``wide = "full"``: the LR baseline) and the deep part enters as the
+    gate's gradient lets it in: ReZero (Bachlechner et al., arXiv 2003.04887, section 1, eq. 1: x + alpha F(x), alpha
+    learned from 0) and SkipInit (De & Smith, NeurIPS 2020, arXiv 2002.10444: a learned scalar at the end of the
+    residual branch, from 0), here on the deep branch of Wide & Deep. The intercepts (the base rates' log-odds) then start on the wide part's bias, outside the
+    gate; the gate trains with the wide part, at ``wide_learning_rate``. Needs ``wide``. A GEM checkpoint written
+    with one setting does not resume under the other."""
     wide_learning_rate: float | None = None
     """Adam rate of the wide part; None: ``trainer.learning_rate``, the rate the LR baseline's linear term trains at
     (Wide & Deep gives each part its own optimiser, §3.3: FTRL for the wide, AdaGrad for the deep)."""
@@ -238,6 +246,9 @@ class GemConfig:
             raise BadConfigError("trainer.gem.same_domain_stream needs trainer.gem.recency_branches (the pyramid reads one stream)")
         if not isinstance(self.wide, bool) and self.wide not in get_args(WideName):
             raise BadConfigError(f"trainer.gem.wide must be one of {get_args(WideName)}, true or false, got {self.wide!r}")
+        if self.deep_gate and self.wide is False:
+            raise BadConfigError("trainer.gem.deep_gate needs trainer.gem.wide (the gated model starts as its wide "
+                                 "part); set trainer.gem.wide=dense or full, or deep_gate=false")
         for name in ("learning_rate", "embedding_learning_rate", "wide_learning_rate"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise BadConfigError(f"trainer.gem.{name} must be > 0 or none, got {getattr(self, name)}")

@@ -73,6 +73,11 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
     assert ablated_config(TrainerConfig(), "wide").gem.wide is False  # on by default
     with pytest.raises(BadConfigError, match="ablation 'wide'.*changes nothing"):
         ablated_config(TrainerConfig(gem=GemConfig(wide=False)), "wide")
+    gated = TrainerConfig(gem=GemConfig(deep_gate=True))
+    assert ablated_config(gated, "deep_gate").gem == GemConfig(deep_gate=False)
+    assert ablated_config(gated, "wide").gem == GemConfig(wide=False, deep_gate=False)  # the gate needs the wide part
+    with pytest.raises(BadConfigError, match="ablation 'deep_gate'.*changes nothing"):
+        ablated_config(TrainerConfig(gem=GemConfig(deep_gate=False)), "deep_gate")
     narrow = replace(full, ids=replace(full.ids, widths="cardinality"))
     assert ablated_config(narrow, "widths").ids == full.ids
     with pytest.raises(BadConfigError, match="ablation 'widths'.*changes nothing"):
@@ -80,7 +85,7 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("interformer", "unknown ablation 'interformer'; known: collisions, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, widths"),
+    ("interformer", "unknown ablation 'interformer'; known: collisions, deep_gate, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, widths"),
     ("collisions", "ablation 'collisions' \\(trainer.ids.mapping=hash\\) changes nothing"),
 ])
 def test_an_unknown_or_empty_ablation_is_refused_before_training(tmp_path, name, message):
@@ -97,7 +102,7 @@ def test_cli_reports_an_unknown_ablation_in_one_line(tmp_path, capsys):
 
     assert main(["compare", "--set", f"lake={tmp_path}", "--ablate", "nope", "--json"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: unknown ablation 'nope'; known: collisions, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, widths"]
+    assert err == ["error: unknown ablation 'nope'; known: collisions, deep_gate, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, widths"]
 
 
 def test_compare_json_of_a_tiny_run_with_an_ablation(tmp_path):

@@ -284,3 +284,81 @@ def test_wide_setting_errors():
     with pytest.raises(ValueError, match='--nproc > 1 does not shard trainer.gem.wide = "full"'):
         build_shardable_model(replace(SMALL, gem=replace(SMALL.gem, wide="full")), 3, ("feed",))
     assert build_shardable_model(replace(SMALL, gem=replace(SMALL.gem, wide="dense")), 3, ("feed",)) is not None
+
+
+@pytest.mark.parametrize("wide", ["dense", "full"])
+def test_deep_gate_at_zero_is_the_wide_part(wide, encoded):
+    """``deep_gate``: logits = gate * deep + wide, the gate (2,) from zero. Untrained, the logits are the wide part's
+    alone: W·dense + b with b at the base rates' log-odds (the towers' output bias left at 0); with the gate at 1 they
+    are the ungated model's (same seed, the gate draws nothing), and at (0.5, 2) each task's deep logit is scaled."""
+    _, data = encoded
+    batch = make_batch(data, np.arange(6))
+    domains = torch.tensor([0, 1, 2, 1, 0, 2])
+    gem = replace(SMALL.gem, wide=wide)
+    torch.manual_seed(0)
+    plain = build_model(replace(SMALL, gem=gem), data.dense.shape[1], ("feed", "reels")).eval()
+    torch.manual_seed(0)
+    gated = build_model(replace(SMALL, gem=replace(gem, deep_gate=True)), data.dense.shape[1], ("feed", "reels")).eval()
+    rates = torch.tensor([0.2, 0.05], dtype=torch.float64)
+    gated.init_output_bias(rates)
+    arch = gated.dense_arch
+    assert arch.deep_gate is not None and arch.deep_gate.tolist() == [0.0, 0.0]
+    weight = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.25, -0.5]])
+    with torch.no_grad():
+        arch.wide.weight.copy_(weight)
+        zero = gated(batch.sparse, batch.sequence, batch.dense, domains)
+    expected = batch.dense.double().numpy() @ weight.double().numpy().T + np.log([0.2 / 0.8, 0.05 / 0.95])
+    if wide == "full":  # LR's id weights (near-zero start) are part of the wide part: add what they give
+        ids = gated.sparse_arch(batch.sparse, batch.sequence).wide
+        assert ids is not None and bool(ids.abs().sum() > 0)
+        expected = expected + ids.detach().double().numpy()
+    np.testing.assert_allclose(zero.double().numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert not arch.towers.shared[-1].bias.any()  # the intercept sits outside the gate
+    with torch.no_grad():
+        plain.load_state_dict({k: v for k, v in gated.state_dict().items() if k != "dense_arch.deep_gate"})
+        arch.deep_gate.fill_(1.0)
+        assert torch.equal(gated(batch.sparse, batch.sequence, batch.dense, domains),
+                           plain(batch.sparse, batch.sequence, batch.dense, domains))
+        arch.deep_gate.copy_(torch.tensor([0.5, 2.0]))
+        scaled = gated(batch.sparse, batch.sequence, batch.dense, domains)
+        deep = plain(batch.sparse, batch.sequence, batch.dense, domains) - zero
+    np.testing.assert_allclose((scaled - zero).numpy(), (deep * torch.tensor([0.5, 2.0])).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_deep_gate_trains_with_the_wide_part(encoded):
+    """The gate is in the wide part's Adam group; one step from zero moves the gate and the wide part, not yet the
+    deep part's parameters (their gradient is the gate times theirs: zero)."""
+    from trainer.loop import local_engine
+
+    torch.manual_seed(0)
+    tc = replace(SMALL, learning_rate=3e-3, gem=replace(SMALL.gem, learning_rate=1e-3, deep_gate=True))
+    engine = local_engine(tc, 3, ("feed",), torch.tensor([0.3, 0.1], dtype=torch.float64))
+    arch = engine.model.dense_arch
+    deep, wide = engine.optimizers["dense"].param_groups
+    assert (deep["lr"], wide["lr"]) == (1e-3, 3e-3)
+    assert sorted(id(p) for p in wide["params"]) == sorted([id(arch.wide.weight), id(arch.wide.bias), id(arch.deep_gate)])
+    backbone = [p.detach().clone() for p in arch.backbone.parameters()]
+    _, data = encoded
+    engine.train_step(data, np.arange(8))
+    assert bool((arch.deep_gate.detach().abs() > 0).all())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(arch.backbone.parameters(), backbone, strict=True))
+    engine.train_step(data, np.arange(8, 16))  # the gate is open now: the deep part moves
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(arch.backbone.parameters(), backbone, strict=True))
+
+
+def test_deep_gate_setting_errors(tmp_path):
+    from gemline.errors import BadConfigError
+    from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+
+    with pytest.raises(BadConfigError, match="trainer.gem.deep_gate needs trainer.gem.wide"):
+        GemConfig(wide=False, deep_gate=True)
+    assert GemConfig().deep_gate is False
+    torch.manual_seed(0)
+    ungated = build_model(SMALL, 3, ("feed",))
+    gated = build_model(replace(SMALL, gem=replace(SMALL.gem, deep_gate=True)), 3, ("feed",))
+    path = save_checkpoint(tmp_path / "a", TrainState(step=1, examples_seen=0, examples_version=0), ungated, {})
+    with pytest.raises(BadConfigError, match=r"lacks \(dense_arch\.deep_gate\).*--set trainer\.gem\.deep_gate=false\)"):
+        load_checkpoint(path, gated, {})
+    path = save_checkpoint(tmp_path / "b", TrainState(step=1, examples_seen=0, examples_version=0), gated, {})
+    with pytest.raises(BadConfigError, match=r"--set trainer\.gem\.deep_gate=true\)"):
+        load_checkpoint(path, ungated, {})

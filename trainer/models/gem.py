@@ -297,6 +297,10 @@ class GemDenseArch(nn.Module):
         self.wide_bias = nn.utils.skip_init(nn.Embedding, num_domains + 1, 2) if config.wide_mode == "full" else None
         if self.wide_bias is not None:
             nn.init.zeros_(self.wide_bias.weight)
+        # The deep gate (trainer.gem.deep_gate; ReZero / SkipInit, sources in GemConfig.deep_gate): one scalar per task
+        # times the deep logits, from 0, so the untrained model is its wide part and the deep part's parameters get a
+        # gradient only once the gate's own gradient (the deep logit's covariance with the residual) has opened it.
+        self.deep_gate = nn.Parameter(torch.zeros(2)) if config.deep_gate else None
 
     def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
@@ -347,6 +351,8 @@ class GemDenseArch(nn.Module):
                                 for layer, tower in zip(self.task_layers, self.towers, strict=True)], dim=1)
         else:
             logits = self.towers(hidden, domain_ids, validate=False)
+        if self.deep_gate is not None:
+            logits = logits * self.deep_gate
         return logits if self.wide is None else logits + self._wide(dense, domain_ids, wide_ids)
 
     def _wide(self, dense: torch.Tensor, domain_ids: torch.Tensor, wide_ids: torch.Tensor | None) -> torch.Tensor:
@@ -361,14 +367,15 @@ class GemDenseArch(nn.Module):
 
 def dense_param_groups(tc: TrainerConfig, named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
     """Adam parameter groups of a model's dense parameters ``named`` (name, parameter): GEM's wide part
-    (``dense_arch.wide`` and ``dense_arch.wide_bias``, :class:`GemDenseArch`) at ``tc.wide_learning_rate``, the rest at
+    (``dense_arch.wide`` and ``dense_arch.wide_bias``, :class:`GemDenseArch`) and its deep gate (``dense_arch.deep_gate``)
+    at ``tc.wide_learning_rate``, the rest at
     ``tc.dense_learning_rate``; one group when there is no wide part (every model but GEM with ``trainer.gem.wide``).
     The full wide part's id tables are tables (``sparse_arch.wide``): the table optimiser's, not Adam's."""
     deep: list[nn.Parameter] = []
     wide: list[nn.Parameter] = []
     for name, param in named:
         parts = name.split(".")
-        (wide if parts[0] == "dense_arch" and parts[1:2] in (["wide"], ["wide_bias"]) else deep).append(param)
+        (wide if parts[0] == "dense_arch" and parts[1:2] in (["wide"], ["wide_bias"], ["deep_gate"]) else deep).append(param)
     groups: list[dict[str, Any]] = [{"params": deep, "lr": tc.dense_learning_rate}]
     return groups + ([{"params": wide, "lr": tc.wide_learning_rate}] if wide else [])
 
@@ -429,9 +436,18 @@ class GemModel(RankingModel):
 
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
         """Every output (one tower's two, or each task tower's one) starts at the log-odds of ``base_rates`` (2,)
-        (:func:`trainer.models.towers.base_logits`, which raises ValueError on a bad rate)."""
+        (:func:`trainer.models.towers.base_logits`, which raises ValueError on a bad rate). With the deep gate the
+        wide part's bias starts there instead, outside the gate, and the towers' output bias at zero (a deep logit
+        centred on 0 as the gate opens): the untrained model is a logistic regression at the base rates, as LR's
+        intercepts start."""
         logits = base_logits(base_rates)
-        towers = self.dense_arch.towers
+        arch = self.dense_arch
+        if arch.deep_gate is not None:
+            assert arch.wide is not None  # GemConfig refuses deep_gate without the wide part
+            with torch.no_grad():
+                arch.wide.bias.copy_(logits)
+            logits = torch.zeros_like(logits)
+        towers = arch.towers
         pairs = zip(towers, logits.split(1), strict=True) if isinstance(towers, nn.ModuleList) else [(towers, logits)]
         for tower, tower_logits in pairs:
             assert isinstance(tower, DomainTowers)
