@@ -86,6 +86,8 @@ from gemline.tables import Table, commit_files, write_files
 from sequences.config import BuildConfig
 from sequences.examples import EXAMPLES_SCHEMA, PENDING_SCHEMA, examples_schema, pending_schema
 from sequences.incremental import EVICTED_SCHEMA
+from sequences.length_counts import METADATA_KEY as LENGTH_COUNTS_KEY
+from sequences.length_counts import add_counts, count_lengths, percentile
 from sequences.materialize import history_rows
 from sequences.publish import ORPHAN_LABELS_SCHEMA, TASKS, deadlines, needs_labels, plan_publication
 from sequences.schema import HISTORY_SCHEMA, SEQUENCES_BY_DOMAIN_SCHEMA, SEQUENCES_SCHEMA
@@ -433,11 +435,22 @@ def _write_part(part: tuple[str, str, pa.Table], lake: str, opts: StorageOptions
     name, part_name, table = part
     if name in done:
         return
-    files = _write_state_aware(lake, name, conform(table, schemas[name]), f"build{build:06d}-{part_name}", opts)
-    directory = Path(manifests) / name
+    table = conform(table, schemas[name])
+    files = _write_state_aware(lake, name, table, f"build{build:06d}-{part_name}", opts)
+    if name == Table.EXAMPLES:  # before the manifest: a listed part always has its counts
+        _write_json(Path(manifests) / _LENGTH_COUNTS_DIR, part_name, count_lengths(table.column("seq_length").to_numpy()))
+    _write_json(Path(manifests) / name, part_name, files)
+
+
+_LENGTH_COUNTS_DIR = "_seq_length_counts"
+"""Folder of the staging manifests holding each examples part's ``seq_length`` counts (:mod:`sequences.length_counts`)."""
+
+
+def _write_json(directory: Path, part_name: str, value: Any) -> None:
+    """``<directory>/<part_name>.json`` written whole or not at all (a temp file renamed)."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{part_name}.json.tmp"
-    tmp.write_text(json.dumps(files))
+    tmp.write_text(json.dumps(value))
     os.replace(tmp, directory / f"{part_name}.json")
 
 
@@ -477,7 +490,8 @@ def _manifest_files(directory: Path) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What one :func:`run_build` did. Percentiles are of ``seq_length`` over all examples (events)."""
+    """What one :func:`run_build` did. Percentiles are of ``seq_length`` over all examples (events), from the counts
+    the examples commit carries (:mod:`sequences.length_counts`)."""
 
     events_version: int
     examples_version: int | None
@@ -512,14 +526,23 @@ def _log_rows(dt: Any) -> int:
         return dt.to_pyarrow_dataset().count_rows()
 
 
+def length_counts(lake: str, meta: dict[str, Any], opts: StorageOptions | None = None) -> dict[str, int]:
+    """``seq_length`` counts of every example in the latest ``examples`` snapshot, whose last build commit carried
+    ``meta``: read from ``meta`` (O(distinct lengths)), or from the table itself when the commit has none (a lake
+    built before the counts were kept; the next build stores them)."""
+    if LENGTH_COUNTS_KEY in meta:
+        return dict(meta[LENGTH_COUNTS_KEY])
+    examples = open_table(lake, Table.EXAMPLES, storage_options=opts)
+    if examples is None:
+        return {}
+    return count_lengths(examples.to_pyarrow_dataset().to_table(columns=["seq_length"]).column("seq_length").to_numpy())
+
+
 def _result_from_lake(lake: str, events_version: int, *, skipped: bool, published: int = 0,
                       opts: StorageOptions | None = None) -> BuildResult:
     examples = open_table(lake, Table.EXAMPLES, storage_options=opts)
-    lengths_np = np.zeros(0) if examples is None else (
-        examples.to_pyarrow_dataset().to_table(columns=["seq_length"]).column("seq_length").to_numpy()
-    )
-    has = lengths_np.size > 0
     meta = commit_metadata(lake, Table.EXAMPLES, APP_ID, storage_options=opts) or {}
+    counts = length_counts(lake, meta, opts)
     return BuildResult(
         events_version=events_version,
         examples_version=None if examples is None else examples.version(),
@@ -527,8 +550,8 @@ def _result_from_lake(lake: str, events_version: int, *, skipped: bool, publishe
         num_sequences=_rows(lake, Table.SEQUENCES, opts),
         num_user_features=_rows(lake, USER_FEATURES.name, opts),
         num_item_features=_rows(lake, ITEM_FEATURES.name, opts),
-        seq_length_p50=float(np.percentile(lengths_np, 50)) if has else None,
-        seq_length_p99=float(np.percentile(lengths_np, 99)) if has else None,
+        seq_length_p50=percentile(counts, 50),
+        seq_length_p99=percentile(counts, 99),
         skipped=skipped,
         num_published=published,
         num_pending=_rows(lake, Table.BUILD_PENDING, opts),
@@ -1125,8 +1148,13 @@ def run_build(
         if name in done:
             continue  # committed before a crash: the rerun computed the same rows
         files = _manifest_files(staging / name)
+        counts: dict[str, Any] = {}
         if name == Table.EXAMPLES:
             published = sum(f["num_records"] for f in files)
+            # The last build's commit holds the counts of every example before this one's.
+            counts = {LENGTH_COUNTS_KEY: add_counts(length_counts(root, meta, opts),
+                                                    *(json.loads(p.read_text()) for p in
+                                                      sorted((staging / _LENGTH_COUNTS_DIR).glob("*.json"))))}
         removes: list[dict[str, Any]] = []
         if name == Table.BUILD_BUFFER:
             kept, removes = expire_rows(root, name, _buffer_leaves(watermark_ms - config.state_lookback_ms),
@@ -1140,7 +1168,7 @@ def run_build(
         commit_files(
             root, name, files, schemas[name], app_id=APP_ID, version=0 if last is None else last + 1,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build,
-                      **layout_metadata(config)},
+                      **layout_metadata(config), **counts},
             storage_options=opts, removes=removes,
         )
     shutil.rmtree(staging, ignore_errors=True)
