@@ -359,6 +359,7 @@ def follow_passes(events: pa.Table, build, batches: int) -> None:
         print(f"{k:4d} {a:12.2f} {b:13.2f} {b / a:15.2f}")
     print(f"all  {sum(cpu['fresh']):12.2f} {sum(cpu['cached']):13.2f} {sum(cpu['cached']) / sum(cpu['fresh']):15.2f}; "
           f"cache: {cache.stats.files_read} buffer files read, {cache.stats.files_reused} reused, "
+          f"{cache.stats.files_resplit} split again for another shard count, "
           f"{cache.nbytes / 2**20:.0f} MiB held")
 
 

@@ -103,8 +103,14 @@ def shard_of(keys: pa.Array | pa.ChunkedArray, shards: int) -> np.ndarray:
 
 def split_by_shard(table: pa.Table, key: str, shards: int) -> list[tuple[int, pa.Table]]:
     """``[(shard, rows of that shard)]`` for the shards that have rows, shard-ascending."""
+    return split_by_shard_with_order(table, key, shards)[0]
+
+
+def split_by_shard_with_order(table: pa.Table, key: str, shards: int) -> tuple[list[tuple[int, pa.Table]], np.ndarray]:
+    """:func:`split_by_shard` and ``order`` ((N,) int64): row ``j`` of the pieces concatenated is row ``order[j]``
+    of ``table`` (each shard's rows keep their order in ``table``), so ``table`` can be put back from the pieces."""
     if table.num_rows == 0:
-        return []
+        return [], np.zeros(0, dtype=np.int64)
     ids = shard_of(table.column(key), shards)
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
@@ -112,7 +118,7 @@ def split_by_shard(table: pa.Table, key: str, shards: int) -> list[tuple[int, pa
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [ids.size]])
     taken = table.take(pa.array(order))
-    return [(int(sorted_ids[s]), taken.slice(s, e - s)) for s, e in zip(starts, ends, strict=True)]
+    return [(int(sorted_ids[s]), taken.slice(s, e - s)) for s, e in zip(starts, ends, strict=True)], order
 
 
 def gather_inputs(pieces: list[tuple[str, pa.Table]], schemas: Mapping[str, pa.Schema]) -> dict[str, pa.Table]:

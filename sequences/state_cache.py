@@ -7,6 +7,9 @@ pass first keeps and shrinks by the files expiry removes or rewrites, so nearly 
 pass to the next. A :class:`BuildStateCache` keeps, per data file of the buffer's snapshot, the file's rows
 already split into shard pieces (by ``item_id`` and by ``user_id``) and its label rows; a pass then reads from
 Delta only the files its snapshot added since (the new events kept, files rewritten by expiry or a compaction).
+When the pass's shard count differs from the copy's (``build.shards = "auto"`` adding shards as the buffer grows,
+2-3 times a run), each held file's rows are put back in file order from their pieces and split again, in memory,
+instead of the whole buffer being read from Delta again.
 
 Exactness: the Delta table stays the source of truth. Data files are immutable and a snapshot's rows are the
 rows of its add actions' files, so a copy is used only for a file of the very snapshot the pass reads
@@ -27,13 +30,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from gemline.lake import StorageOptions, open_table
 from gemline.tables import Table
 from sequences.publish import TASKS
-from sequences.shards import split_by_shard
+from sequences.shards import split_by_shard_with_order
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,8 @@ class _File:
     pieces: dict[str, list[tuple[int, pa.Table]]]
     """Split key -> ``[(shard, rows)]`` (:func:`sequences.shards.split_by_shard`)."""
     labels: pa.Table
+    order: np.ndarray
+    """(rows,) int64: row j of the ``SPLIT_KEYS[0]`` pieces concatenated is row ``order[j]`` of the file."""
     nbytes: int
 
 
@@ -75,6 +81,8 @@ class CacheStats:
     """Buffer files read from Delta (not cached, or cached under another identity)."""
     files_reused: int = 0
     """Buffer files a pass took from memory."""
+    files_resplit: int = 0
+    """Held files split again in memory for another shard count (not read from Delta)."""
     refused: list[str] = field(default_factory=list)
     """Why the cache was emptied, once per occasion (another lake or table id, another shard count, over budget)."""
 
@@ -89,7 +97,8 @@ class BuildStateCache:
 
     def __init__(self) -> None:
         self.stats = CacheStats()
-        self._where: tuple[str, str, int] | None = None  # (lake root, table id, shards) the files belong to
+        self._where: tuple[str, str] | None = None  # (lake root, table id) the files belong to
+        self._shards: int | None = None  # the shard count the held files are split into
         self._files: dict[str, _File] = {}
         self._bytes_per_row: float | None = None  # measured on the files held last; kept when they are dropped
 
@@ -98,7 +107,7 @@ class BuildStateCache:
         if self._files:
             log.info("build state cache emptied: %s", reason)
             self.stats.refused.append(reason)
-        self._files, self._where = {}, None
+        self._files, self._where, self._shards = {}, None, None
 
     @property
     def nbytes(self) -> int:
@@ -116,11 +125,11 @@ class BuildStateCache:
         dt = open_table(lake, Table.BUILD_BUFFER, version, storage_options=storage_options)
         if dt is None:
             raise ValueError(f"{lake}: no {Table.BUILD_BUFFER} table at version {version}")
-        where = (lake, str(dt.metadata().id), shards)
+        where = (lake, str(dt.metadata().id))
         if self._where != where:
-            self.clear(f"the buffer is now {where[0]} (table id {where[1]}) in {shards} shard(s), "
-                       f"not {self._where}")
+            self.clear(f"the buffer is now {where[0]} (table id {where[1]}), not {self._where}")
             self._where = where
+        resplit, self._shards = self._shards not in (None, shards), shards
         actions = pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes", "modification_time"])
         snapshot = {row["path"]: (row["size_bytes"], row["modification_time"]) for row in actions.to_pylist()}
         kept = {path: f for path, f in self._files.items() if snapshot.get(path) == f.identity}
@@ -139,6 +148,10 @@ class BuildStateCache:
         files: dict[str, _File] = {}
         for fragment in fragments:
             path = _path(fragment)
+            if path in kept and resplit:
+                files[path] = _split_file(_file_rows(kept[path], dataset.schema), snapshot[path], shards)
+                self.stats.files_resplit += 1
+                continue
             if path in kept:
                 files[path] = kept[path]
                 self.stats.files_reused += 1
@@ -166,10 +179,22 @@ def _rows(f: _File) -> int:
 
 
 def _split_file(rows: pa.Table, identity: tuple[int, int], shards: int) -> _File:
-    pieces = {key: split_by_shard(rows, key, shards) for key in SPLIT_KEYS}
+    split = {key: split_by_shard_with_order(rows, key, shards) for key in SPLIT_KEYS}
+    pieces = {key: by_shard for key, (by_shard, _) in split.items()}
+    order = split[SPLIT_KEYS[0]][1]
     labels = rows.select(LABEL_COLUMNS).filter(pc.is_in(rows.column("event_type"), value_set=pa.array(list(TASKS))))
-    nbytes = sum(t.nbytes for split in pieces.values() for _, t in split) + labels.nbytes
-    return _File(identity, pieces, labels, nbytes)
+    nbytes = sum(t.nbytes for split in pieces.values() for _, t in split) + labels.nbytes + order.nbytes
+    return _File(identity, pieces, labels, order, nbytes)
+
+
+def _file_rows(f: _File, schema: pa.Schema) -> pa.Table:
+    """The file's rows in file order, put back from its ``SPLIT_KEYS[0]`` pieces (``schema``: the buffer's)."""
+    tables = [t for _, t in f.pieces[SPLIT_KEYS[0]]]
+    if not tables:
+        return schema.empty_table()
+    back = np.empty_like(f.order)
+    back[f.order] = np.arange(f.order.size)
+    return pa.concat_tables(tables).take(pa.array(back))
 
 
 def _held(files: Any, schema: pa.Schema) -> HeldBuffer:
