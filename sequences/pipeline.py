@@ -693,7 +693,7 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
         return schema.empty_table()
     t = keys.column("event_time_ms").to_numpy()
     is_new = np.zeros(len(t), dtype=bool)
-    due_in = deadlines(keys.column("domain").to_pylist(), config)
+    due_in = deadlines(keys.column("domain"), config)
     with_labels = np.zeros(len(t), dtype=bool)
     if config.label_mode != "wait" and labels.num_rows:
         # Only a row whose (user, item, domain) has a label can have a late positive due.
@@ -820,7 +820,7 @@ def _pending_leaves(config: BuildConfig, close_ms: int) -> Leaving:
     :attr:`sequences.publish.PublicationPlan.keep` is false)."""
     def mask(rows: pa.Table) -> np.ndarray:
         t = rows.column("event_time_ms").to_numpy()
-        return t + deadlines(rows.column("domain").to_pylist(), config).longest <= close_ms
+        return t + deadlines(rows.column("domain"), config).longest <= close_ms
 
     shortest = min([config.close_delay_ms(entry.split(":")[0]) for entry in config.window_overrides]
                    + [config.close_delay_ms("")])

@@ -63,9 +63,29 @@ ORPHAN_LABELS_SCHEMA = pa.schema(
 """A click or conversion no published example will carry (:func:`orphan_labels`)."""
 
 
-def _per_domain(domains: list[str], value) -> np.ndarray:
+def _per_domain(domains: list[str] | tuple[list[str], np.ndarray], value) -> np.ndarray:
+    """``value(domain)`` of each row, (n,) int64, looked up once per distinct domain: ``domains`` a list of n names
+    (the reference), or ``(names, codes)`` with row i's domain ``names[codes[i]]`` (the fast path: no per-row
+    Python)."""
+    if isinstance(domains, tuple):
+        names, codes = domains
+        return np.array([value(d) for d in names], dtype=np.int64)[codes]
     cache = {d: value(d) for d in set(domains)}
     return np.array([cache[d] for d in domains], dtype=np.int64)
+
+
+def _domain_codes(domains: pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """``(names, codes)``: the distinct domains and each row's index into them, (n,) int64 (Arrow's dictionary
+    encoding).
+
+    Raises:
+        ValueError: a null domain.
+    """
+    if domains.null_count:
+        raise ValueError(f"a pending row needs a domain, got {domains.null_count} null(s)")
+    array = domains.combine_chunks() if isinstance(domains, pa.ChunkedArray) else domains
+    encoded = pc.dictionary_encode(array)
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -79,9 +99,15 @@ class Deadlines:
     longest: np.ndarray
 
 
-def deadlines(domains: Iterable[str], config: BuildConfig) -> Deadlines:
-    """The :class:`Deadlines` of n rows in ``domains`` (each domain looked up once)."""
-    names = list(domains)
+def deadlines(domains: Iterable[str] | pa.Array | pa.ChunkedArray, config: BuildConfig) -> Deadlines:
+    """The :class:`Deadlines` of n rows in ``domains`` (each domain looked up once): names, or an Arrow string
+    column (dictionary-encoded rather than turned into n Python strings: the pending state's rows, every pass).
+
+    Raises:
+        ValueError: a null in an Arrow ``domains``.
+    """
+    names: list[str] | tuple[list[str], np.ndarray] = (
+        _domain_codes(domains) if isinstance(domains, (pa.Array, pa.ChunkedArray)) else list(domains))
     return Deadlines(
         delay=_per_domain(names, config.publish_delay),
         window={task: _per_domain(names, lambda d, task=task: config.window_ms(d, task)) for task in TASKS},

@@ -324,8 +324,7 @@ def user_shard_vectorized(
     all_pending = pa.concat_tables([pending_old, new_pending])
     is_new = np.concatenate([np.zeros(pending_old.num_rows, bool), np.ones(new_pending.num_rows, bool)])
     t = all_pending.column("event_time_ms").to_numpy()
-    domains = all_pending.column("domain").to_pylist()
-    due_in = deadlines(domains, config)
+    due_in = deadlines(all_pending.column("domain"), config)
     need = needs_labels(t, due_in, is_new, config, old_close_ms, close_ms)
     fresh_labels = fresh.filter(pl.col("event_type").is_in(list(TASKS)))
     if config.label_mode != "wait" and fresh_labels.height:

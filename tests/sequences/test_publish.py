@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from sequences.config import BuildConfig
 from sequences.publish import NO_LABEL, ORPHAN_LABELS_SCHEMA, deadlines, orphan_labels, plan_publication
@@ -155,3 +156,25 @@ def test_orphan_labels_no_impression_and_expired():
     # point 500 <= 700: expired; c3 at 650 also <= 700: expired. With the old close point at 600, c3 is not.
     defer = dataclasses.replace(config, label_mode="defer", publish_delay_ms=50)
     assert orphan_labels(labels, impressions, set(), defer, 600, 800).column("event_id").to_pylist() == ["c1", "c2"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["feed", "search", "d", ""]), max_size=60), st.integers(1, 4),
+       st.sampled_from(["wait", "fnw", "defer"]))
+def test_deadlines_of_an_arrow_column_equal_those_of_its_names(domains, chunks, mode):
+    """The fast path (an Arrow column, dictionary-encoded) twins the reference (a list of names, one per row)."""
+    config = BuildConfig(label_mode=mode, publish_delay_ms=500, window_overrides=("feed:click:7000", "search:conversion:9000"),
+                         publish_delay_overrides=("search:200",))
+    column = pa.chunked_array([pa.array(domains[k::chunks], pa.string()) for k in range(chunks)], pa.string())
+    reference, fast = deadlines(column.to_pylist(), config), deadlines(column, config)
+    for name in ("delay", "longest"):
+        assert np.array_equal(getattr(fast, name), getattr(reference, name)) and getattr(fast, name).dtype == np.int64
+    assert fast.window.keys() == reference.window.keys()
+    assert all(np.array_equal(fast.window[task], reference.window[task]) for task in reference.window)
+    if "feed" in domains:  # the overrides are looked up per row, not the first row's for all
+        assert fast.window["click"][column.to_pylist().index("feed")] == 7_000
+
+
+def test_a_null_domain_is_refused():
+    with pytest.raises(ValueError, match=r"a pending row needs a domain, got 1 null\(s\)"):
+        deadlines(pa.array(["feed", None]), BuildConfig())
