@@ -112,9 +112,15 @@ def window_counts(groups: GroupedTimes, prefix: dict[str, np.ndarray], q_codes: 
     return out
 
 
-def prefix_counts(types: np.ndarray) -> dict[str, np.ndarray]:
+def prefix_counts(types: np.ndarray | pl.Series) -> dict[str, np.ndarray]:
     """``{counted name: (n + 1,) int64}`` prefix sums of ``types == t`` for each counted event type, so the
-    count over rows [a, b) is ``p[b] - p[a]``."""
+    count over rows [a, b) is ``p[b] - p[a]``.
+
+    ``types``: (n,) event types, a numpy array (the reference: an object array compares its strings one by one
+    in Python) or a polars string Series (compared in Rust, ~10x less CPU: the build's path)."""
+    if isinstance(types, pl.Series):
+        return {name: np.concatenate([[0], np.cumsum((types == t).fill_null(False).to_numpy())]).astype(np.int64)
+                for name, t in COUNTED_TYPES.items()}
     return {name: np.concatenate([[0], np.cumsum(types == t)]).astype(np.int64) for name, t in COUNTED_TYPES.items()}
 
 
@@ -151,7 +157,7 @@ def counter_frame(events: pl.DataFrame, keys: list[str], queries: pl.DataFrame, 
     """Windowed counts over ``events`` grouped by ``keys`` as of each query row (time < query time)."""
     widest = max((w for w in windows.values() if w is not None), default=0)
     events, groups, q_codes, q_times = grouped(events, queries, keys, query_time, widest)
-    return window_counts(groups, prefix_counts(events.get_column("event_type").to_numpy()), q_codes, q_times, windows)
+    return window_counts(groups, prefix_counts(events.get_column("event_type")), q_codes, q_times, windows)
 
 
 def feature_rows(visible: pl.DataFrame, keys: list[str], evicted: pl.DataFrame, entity: str,
