@@ -269,6 +269,10 @@ def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any]) -> None:
         gate = {"dense_arch.deep_gate"}
         if gate & set(missing) or gate & set(extra):  # missing: written without the gate; extra: with it
             hint += f" (this GEM checkpoint resumes with --set trainer.gem.deep_gate={str(bool(gate & set(extra))).lower()})"
+        ema = {name for name in missing + extra if name.startswith("param_average.")}
+        if ema:  # missing: written without the average; extra: with it (the decay itself is not checked)
+            hint += (" (this GEM checkpoint resumes with --set trainer.gem.ema_decay=none)" if ema <= set(missing)
+                     else " (this GEM checkpoint resumes with --set trainer.gem.ema_decay=<its decay>)")
         raise BadConfigError(
             f"checkpoint {path} holds another model: this run's model has parameters the checkpoint lacks "
             f"({few(missing)}) and the checkpoint has parameters this model lacks ({few(extra)}); resume with the "

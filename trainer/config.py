@@ -209,6 +209,13 @@ class GemConfig:
     seeds on the Taobao sample it moved GEM's progressive click AUC by -0.0014 [-0.0094, +0.0060] (-0.0082 at seed 1)
     and left GEM below LR (README "GEM against LR on Taobao"). A GEM checkpoint written with one setting does not
     resume under the other."""
+    ema_decay: float | None = None
+    """Per-step decay in [0, 1) of an exponential moving average of GEM's dense (non-table) parameters that progressive
+    evaluation and every prediction use, while training steps the raw ones (trainer/ema.py); the id tables stay raw.
+    Polyak-Ruppert averaging in its exponential form (Polyak & Juditsky 1992, SIAM J. Control Optim. 30(4)), the update
+    of ``torch.optim.swa_utils.get_ema_multi_avg_fn`` (PyTorch docs, "Weight averaging (SWA and EMA)"); horizon about
+    1 / (1 - decay) steps. None: off. One process only; a GEM checkpoint written with one setting does not resume
+    under the other (on/off)."""
     wide_learning_rate: float | None = None
     """Adam rate of the wide part; None: ``trainer.learning_rate``, the rate the LR baseline's linear term trains at
     (Wide & Deep gives each part its own optimiser, §3.3: FTRL for the wide, AdaGrad for the deep)."""
@@ -251,6 +258,8 @@ class GemConfig:
         if self.deep_gate and self.wide is False:
             raise BadConfigError("trainer.gem.deep_gate needs trainer.gem.wide (the gated model starts as its wide "
                                  "part); set trainer.gem.wide=dense or full, or deep_gate=false")
+        if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
+            raise BadConfigError(f"trainer.gem.ema_decay must be in [0, 1) or none, got {self.ema_decay}")
         for name in ("learning_rate", "embedding_learning_rate", "wide_learning_rate"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise BadConfigError(f"trainer.gem.{name} must be > 0 or none, got {getattr(self, name)}")

@@ -67,6 +67,9 @@ def check_distributable(tc: TrainerConfig, nproc: int) -> None:
             f"--nproc > 1 shards trainer.model in {SHARDABLE_MODELS}; got {tc.model!r}. "
             "Pick one of those, or train it in one process (--nproc 1)"
         )
+    if nproc > 1 and tc.model == "gem" and tc.gem.ema_decay is not None:
+        raise ValueError("trainer.gem.ema_decay (the evaluation's parameter average) runs in one process only: "
+                         "use --nproc 1 or --set trainer.gem.ema_decay=none")
     if tc.batch_size < nproc:
         raise ValueError(f"trainer.batch_size {tc.batch_size} must be >= the number of processes {nproc}")
 

@@ -36,6 +36,7 @@ from kernels.types import Jagged
 from sequences.schema import SPARSE_FEATURES
 from trainer.config import GemConfig, TrainerConfig
 from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_KEYS, TIME_BUCKETS_KEY
+from trainer.ema import ParameterAverage
 from trainer.models.interformer import BranchedInterFormer, InterFormer
 from trainer.models.sequence import SequenceStream, SequenceSummary, keep_newest
 from trainer.models.towers import (
@@ -416,6 +417,9 @@ class GemModel(RankingModel):
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
         )
+        # Evaluation's EMA of the dense parameters (trainer.gem.ema_decay), registered last: no RNG draw, so every
+        # parameter and the data order are those of the same seed without it.
+        self.param_average = None if config.ema_decay is None else ParameterAverage(self.dense_parameters(), config.ema_decay)
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, 2) float32, columns (click, conversion).
