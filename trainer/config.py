@@ -214,8 +214,13 @@ class GemConfig:
     evaluation and every prediction use, while training steps the raw ones (trainer/ema.py); the id tables stay raw.
     Polyak-Ruppert averaging in its exponential form (Polyak & Juditsky 1992, SIAM J. Control Optim. 30(4)), the update
     of ``torch.optim.swa_utils.get_ema_multi_avg_fn`` (PyTorch docs, "Weight averaging (SWA and EMA)"); horizon about
-    1 / (1 - decay) steps. None: off. One process only; a GEM checkpoint written with one setting does not resume
+    1 / (1 - decay) steps once warmed up (the decay after n updates is min(decay, (1 + n) / (10 + n)), as TensorFlow's
+    ``ExponentialMovingAverage`` with ``num_updates``). None: off. One process only; a GEM checkpoint written with one setting does not resume
     under the other (on/off)."""
+    deep_weight_decay: float = 0.0
+    """L2 coefficient on GEM's deep (non-wide, non-table) parameters, Adam's ``weight_decay`` of that parameter group
+    (PyTorch docs, ``torch.optim.Adam``: added to the gradient, the coupled form; Krogh & Hertz, NIPS 1991, "A simple
+    weight decay can improve generalization"); 0: none. The wide part and the tables are not decayed."""
     wide_learning_rate: float | None = None
     """Adam rate of the wide part; None: ``trainer.learning_rate``, the rate the LR baseline's linear term trains at
     (Wide & Deep gives each part its own optimiser, §3.3: FTRL for the wide, AdaGrad for the deep)."""
@@ -258,6 +263,8 @@ class GemConfig:
         if self.deep_gate and self.wide is False:
             raise BadConfigError("trainer.gem.deep_gate needs trainer.gem.wide (the gated model starts as its wide "
                                  "part); set trainer.gem.wide=dense or full, or deep_gate=false")
+        if not self.deep_weight_decay >= 0:
+            raise BadConfigError(f"trainer.gem.deep_weight_decay must be >= 0, got {self.deep_weight_decay}")
         if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
             raise BadConfigError(f"trainer.gem.ema_decay must be in [0, 1) or none, got {self.ema_decay}")
         for name in ("learning_rate", "embedding_learning_rate", "wide_learning_rate"):
@@ -434,6 +441,11 @@ class TrainerConfig:
         """The Adam rate of ``model``'s dense part: ``gem.learning_rate`` for GEM when set, else ``learning_rate``."""
         own = self.gem.learning_rate if self.model == "gem" else None
         return self.learning_rate if own is None else own
+
+    @property
+    def dense_weight_decay(self) -> float:
+        """Adam's weight decay of ``model``'s dense (deep) parameters: ``gem.deep_weight_decay`` for GEM, else 0."""
+        return self.gem.deep_weight_decay if self.model == "gem" else 0.0
 
     @property
     def wide_learning_rate(self) -> float:

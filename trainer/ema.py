@@ -1,11 +1,16 @@
 """An exponential moving average (EMA) of a model's dense parameters, used for evaluation only.
 
 Training steps the raw parameters; after each step the average moves towards them,
-``avg <- decay * avg + (1 - decay) * param`` (the first update copies them), and every prediction runs on the
+``avg <- d_n * avg + (1 - d_n) * param`` with ``d_n = min(decay, (1 + n) / (10 + n))`` after n updates (the first
+update copies them), and every prediction runs on the
 average, swapped into the parameters for the call and swapped back after (:func:`averaged_parameters`). This is
 Polyak-Ruppert averaging in its exponential form (Polyak & Juditsky 1992, "Acceleration of stochastic approximation
 by averaging", SIAM J. Control Optim. 30(4)); the update is ``torch.optim.swa_utils.get_ema_multi_avg_fn`` (PyTorch
-docs, "Weight averaging (SWA and EMA)"), with ``AveragedModel``'s rule of copying on the first update, but the
+docs, "Weight averaging (SWA and EMA)") with ``AveragedModel``'s rule of copying on the first update, and the
+decay warmed up as TensorFlow's ``tf.train.ExponentialMovingAverage`` does with ``num_updates`` (TF API docs): on the
+Taobao sample a version is scored after 10-44 steps of 512 rows, and a fixed decay of 0.9 / 0.97 let the first steps'
+parameters weigh on the early versions (seed 0 progressive click AUC 0.6294 / 0.6249, warmed up 0.6314 / 0.6312;
+README "GEM against LR on Taobao"). The average is kept as buffers of the model itself rather than an ``AveragedModel`` copy of it: a copy would duplicate the
 average is kept as buffers of the model itself rather than an ``AveragedModel`` copy of it: a copy would duplicate the
 embedding tables, which stay raw here (their rows are updated by the sparse table optimiser, and averaging every row
 at every step would cost a pass over all of them).
@@ -21,7 +26,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 
 class ParameterAverage(nn.Module):
@@ -51,7 +55,6 @@ class ParameterAverage(nn.Module):
         for i, p in enumerate(self._params):
             self.register_buffer(f"avg_{i}", p.detach().clone())
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
-        self._lerp = get_ema_multi_avg_fn(decay)
 
     def averages(self) -> list[torch.Tensor]:
         """The average of each parameter, in the order of ``params``."""
@@ -59,12 +62,14 @@ class ParameterAverage(nn.Module):
 
     @torch.no_grad()
     def update(self) -> None:
-        """Move the average towards the current parameters (the first call copies them)."""
+        """Move the average towards the current parameters by ``1 - d_n`` (module docstring; the first call copies)."""
         avgs, params = self.averages(), [p.detach() for p in self._params]
         if int(self.updates) == 0:
             torch._foreach_copy_(avgs, params)
         else:
-            self._lerp(avgs, params, self.updates)
+            n = int(self.updates)
+            # get_ema_multi_avg_fn's update (a lerp by 1 - decay) at the warmed-up decay
+            torch._foreach_lerp_(avgs, params, 1 - min(self.decay, (1 + n) / (10 + n)))
         self.updates += 1
 
     @torch.no_grad()

@@ -43,17 +43,23 @@ def test_average_hand_case():
     average.update()  # the first update copies
     assert average.avg_0.tolist() == [1.0, 2.0] and int(average.updates) == 1
     with torch.no_grad():
-        weight.copy_(torch.tensor([5.0, -2.0]))
-    average.update()  # 0.75 * [1, 2] + 0.25 * [5, -2]
-    assert average.avg_0.tolist() == [2.0, 1.0] and int(average.updates) == 2
+        weight.copy_(torch.tensor([12.0, -9.0]))
+    average.update()  # n = 1: d = min(0.75, 2 / 11) -> [1, 2] + 9/11 * ([12, -9] - [1, 2]) = [10, -7]
+    torch.testing.assert_close(average.avg_0, torch.tensor([10.0, -7.0]), rtol=0, atol=1e-6)
     with torch.no_grad():
+        average.avg_0.copy_(torch.tensor([2.0, 1.0]))
         weight.copy_(torch.tensor([6.0, 5.0]))
-    average.update()  # 0.75 * [2, 1] + 0.25 * [6, 5]
-    assert average.avg_0.tolist() == [3.0, 2.0]
+    average.update()  # n = 2: d = min(0.75, 3 / 12) = 0.25 -> 0.25 * [2, 1] + 0.75 * [6, 5]
+    assert average.avg_0.tolist() == [5.0, 4.0] and int(average.updates) == 3
+    average.updates.fill_(30)  # n = 30: d = min(0.75, 31 / 40) = 0.75 -> 0.75 * [5, 4] + 0.25 * [1, 0]
+    with torch.no_grad():
+        weight.copy_(torch.tensor([1.0, 0.0]))
+    average.update()
+    assert average.avg_0.tolist() == [4.0, 3.0]
     average.swap()
-    assert weight.tolist() == [3.0, 2.0] and average.avg_0.tolist() == [6.0, 5.0]
+    assert weight.tolist() == [4.0, 3.0] and average.avg_0.tolist() == [1.0, 0.0]
     average.swap()
-    assert weight.tolist() == [6.0, 5.0] and average.avg_0.tolist() == [3.0, 2.0]
+    assert weight.tolist() == [1.0, 0.0] and average.avg_0.tolist() == [4.0, 3.0]
 
 
 @pytest.mark.parametrize("decay", [-0.1, 1.0, 1.5])
@@ -86,10 +92,10 @@ def test_training_steps_raw_parameters_and_predict_uses_the_average(data):
         assert engine.train_step(data, np.arange(start, start + 8)) is not None
         after_steps.append([p.detach().clone() for p in dense])
     assert int(average.updates) == 3
-    # decay 0.5: avg = lerp(lerp(p1, p2, 0.5), p3, 0.5), the hand formula step by step
+    # decay 0.5 warmed up: d_1 = 2/11, d_2 = 3/12 -> avg = lerp(lerp(p1, p2, 9/11), p3, 3/4), step by step
     for i, avg in enumerate(average.averages()):
         p1, p2, p3 = (step[i] for step in after_steps)
-        assert torch.equal(avg, torch.lerp(torch.lerp(p1, p2, 0.5), p3, 0.5)), i
+        assert torch.equal(avg, torch.lerp(torch.lerp(p1, p2, 1 - 2 / 11), p3, 0.75)), i
     raw = {name: t.clone() for name, t in model.state_dict().items()}
     averaged = engine.predict(data, 16)
     # predict left the raw parameters (and the averages) as they were, bit for bit

@@ -362,3 +362,15 @@ def test_deep_gate_setting_errors(tmp_path):
     path = save_checkpoint(tmp_path / "b", TrainState(step=1, examples_seen=0, examples_version=0), gated, {})
     with pytest.raises(BadConfigError, match=r"--set trainer\.gem\.deep_gate=true\)"):
         load_checkpoint(path, ungated, {})
+
+
+def test_deep_weight_decay_reaches_the_deep_group_of_gem_only():
+    from trainer.loop import local_engine
+
+    with pytest.raises(ValueError, match="deep_weight_decay must be >= 0"):
+        GemConfig(deep_weight_decay=-1e-3)
+    tc = replace(SMALL, gem=replace(SMALL.gem, deep_weight_decay=1e-2))
+    torch.manual_seed(0)
+    deep, wide = local_engine(tc, 3, ("feed",), None).optimizers["dense"].param_groups
+    assert (deep["weight_decay"], wide["weight_decay"]) == (1e-2, 0)  # the wide part is not decayed
+    assert replace(tc, model="dlrm").dense_weight_decay == 0.0 and TrainerConfig().dense_weight_decay == 0.0

@@ -370,14 +370,14 @@ def dense_param_groups(tc: TrainerConfig, named: Iterable[tuple[str, nn.Paramete
     """Adam parameter groups of a model's dense parameters ``named`` (name, parameter): GEM's wide part
     (``dense_arch.wide`` and ``dense_arch.wide_bias``, :class:`GemDenseArch`) and its deep gate (``dense_arch.deep_gate``)
     at ``tc.wide_learning_rate``, the rest at
-    ``tc.dense_learning_rate``; one group when there is no wide part (every model but GEM with ``trainer.gem.wide``).
+    ``tc.dense_learning_rate`` with ``tc.dense_weight_decay``; one group when there is no wide part (every model but GEM with ``trainer.gem.wide``).
     The full wide part's id tables are tables (``sparse_arch.wide``): the table optimiser's, not Adam's."""
     deep: list[nn.Parameter] = []
     wide: list[nn.Parameter] = []
     for name, param in named:
         parts = name.split(".")
         (wide if parts[0] == "dense_arch" and parts[1:2] in (["wide"], ["wide_bias"], ["deep_gate"]) else deep).append(param)
-    groups: list[dict[str, Any]] = [{"params": deep, "lr": tc.dense_learning_rate}]
+    groups: list[dict[str, Any]] = [{"params": deep, "lr": tc.dense_learning_rate, "weight_decay": tc.dense_weight_decay}]
     return groups + ([{"params": wide, "lr": tc.wide_learning_rate}] if wide else [])
 
 
