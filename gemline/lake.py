@@ -556,6 +556,26 @@ def commit_metadata(
     return None
 
 
+def commit_version_of(lake: Lake | str | Path, table: str, app_id: str, txn_version: int, *,
+                      storage_options: StorageOptions | None = None, recent: int = 20) -> int | None:
+    """The Delta version of ``table`` that ``app_id``'s app transaction ``txn_version`` committed (the commits of
+    one ingest batch share it across tables), or None when that transaction committed nothing to ``table``
+    (the table's app version is below it: an empty part is not written) or left no ``gemline`` metadata.
+
+    Reads the history newest first as :func:`commit_metadata` does: the newest ``recent`` commits, then all.
+    """
+    dt = open_table(lake, table, storage_options=storage_options)
+    newest = None if dt is None else dt.transaction_version(app_id)
+    if dt is None or newest is None or newest < txn_version:
+        return None
+    for limit in (recent, None):
+        for entry in dt.history(limit=limit):
+            meta = json.loads(entry.get("gemline") or "{}")
+            if meta.get("app_id") == app_id and meta.get("txn_version") == txn_version:
+                return int(entry["version"])
+    return None
+
+
 def read_table(
     lake: Lake | str | Path,
     table: str,

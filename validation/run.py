@@ -36,7 +36,7 @@ from tqdm import tqdm
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import append_quality_rows, last_validated_before
 from gemline.increments import Cursor, read_from, read_increment, rows_added, table_id
-from gemline.lake import Lake, lake_fs, open_table, read_table
+from gemline.lake import Lake, commit_version_of, lake_fs, open_table, read_table
 from gemline.tables import Table
 from ingest.config import IngestConfig
 from sequences.config import BuildConfig
@@ -98,6 +98,22 @@ def _run_suite(validation: ValidationConfig, ingest: IngestConfig, build: BuildC
     )
 
 
+def _batch_dead_letters(lake: Lake, source: dict) -> pa.Table | None:
+    """The ``dead_letter`` rows (partition, offset) of the ingest batch that committed this events version: the
+    dead-letter commit of the same app transaction (ingest commits dead letters, then late events, then events,
+    under one (app_id, batch) pair). Offsets alone would also match an earlier broker's records at the same
+    offsets, after a ``--reset-topic`` (a restarted embedded broker numbers from 0 again). A commit from before
+    the app transaction was recorded in the metadata falls back to the whole table."""
+    columns = ["kafka_partition", "kafka_offset"]
+    app_id, txn = source.get("app_id"), source.get("txn_version")
+    if app_id is None or txn is None:
+        return read_table(lake.root, Table.DEAD_LETTER, columns=columns, storage_options=lake.delta_options)
+    version = commit_version_of(lake.root, Table.DEAD_LETTER, app_id, int(txn), storage_options=lake.delta_options)
+    if version is None:
+        return None  # the batch had no dead letters: its empty part was not committed
+    return rows_added(lake.root, Table.DEAD_LETTER, version, columns=columns, storage_options=lake.delta_options)
+
+
 def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
            source: dict | None) -> tuple[object, list[CheckResult]]:
     """(the batch to profile, the dead-letter checks): for ``events``, the rows of the commit's offset ranges."""
@@ -105,8 +121,7 @@ def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
     if table != Table.EVENTS or not ranges or "kafka_offset" not in data.column_names:
         return data, []
     batch = in_ranges(data, ranges)
-    dead = read_table(lake.root, Table.DEAD_LETTER, columns=["kafka_partition", "kafka_offset"],
-                      storage_options=lake.delta_options)
+    dead = _batch_dead_letters(lake, source or {})
     num_dead = 0 if dead is None else in_ranges(dead, ranges).num_rows
     checks = dead_letter_checks(batch.num_rows, num_dead, warning_rate=validation.dead_letter_warning_rate,
                                 critical_rate=validation.dead_letter_critical_rate,

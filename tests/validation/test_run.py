@@ -179,6 +179,36 @@ def test_dead_letter_rate_of_the_ingest_batch_quarantines_the_events_version(tmp
     assert not decision.allowed and "dead_letter_rate:critical" in decision.reason
 
 
+def test_dead_letters_of_an_earlier_broker_at_the_same_offsets_do_not_count(tmp_path, events_table):
+    """After `ingest --reset-topic` (a restarted embedded broker numbers offsets from 0 again) the new batch's
+    range covers offsets the old broker's dead letters had: only the batch's own dead letters count."""
+    from ingest.schema import DEAD_LETTER_SCHEMA
+
+    app = "ingest:gemline.events"
+    old = {"offset_ranges": [{"topic": "gemline.events", "partition": 0, "start": 0, "end": 12}]}
+    dead = pa.Table.from_pylist(
+        [dict(reason="not_json", detail="x", raw=b"{", kafka_topic="gemline.events", kafka_partition=0, kafka_offset=o,
+              created_ts_ms=T0) for o in range(6, 12)], schema=DEAD_LETTER_SCHEMA)
+    commit_once(tmp_path, "dead_letter", dead, app_id=app, version=0, metadata=old)
+    commit_once(tmp_path, "events", events_table(6), app_id=app, version=0, metadata=old)
+    # The new broker's batch: offsets [0, 12) again, 6 good events, no dead letter (an empty part).
+    new = {"offset_ranges": [{"topic": "gemline.events", "partition": 0, "start": 0, "end": 12}], "reset": "new broker"}
+    commit_once(tmp_path, "dead_letter", dead.slice(0, 0), app_id=app, version=1, metadata=new)
+    commit_once(tmp_path, "events", events_table(6), app_id=app, version=1, metadata=new)
+    lake = Lake.for_config(config(tmp_path))
+    first = validate_table(lake, "events", 0, now_ms=NOW, **quality_sections(config(tmp_path)))
+    second = validate_table(lake, "events", 1, now_ms=NOW + 1, **quality_sections(config(tmp_path)))
+    assert [f[2] for f in first.failures if f[0] == "dead_letter_rate:critical"] == ["0.5 (6 of 12 records); max 0.1"]
+    assert not [f for f in second.failures if f[0].startswith("dead_letter_rate")]  # (event ids repeat: not this test)
+    # A third batch with its own dead letter counts that one only.
+    third = {"offset_ranges": [{"topic": "gemline.events", "partition": 0, "start": 0, "end": 12}]}
+    commit_once(tmp_path, "dead_letter", dead.slice(0, 1), app_id=app, version=2, metadata=third)
+    commit_once(tmp_path, "events", events_table(6), app_id=app, version=2, metadata=third)
+    report = validate_table(lake, "events", 2, now_ms=NOW + 2, **quality_sections(config(tmp_path)))
+    assert [f[2] for f in report.failures if f[0] == "dead_letter_rate:critical"] == [
+        "0.1429 (1 of 7 records); max 0.1"]
+
+
 def test_drift_against_the_previous_passed_batches(tmp_path, examples_table):
     # versions 0 and 1 pass with 8 rows; version 2 is quarantined (a leak) with 2 rows and must not join the
     # baseline; version 3 has 16 rows: +100% against the 8-row baseline of versions 0 and 1
