@@ -117,22 +117,34 @@ def build_progress(lake: Lake) -> StageProgress:
     return StageProgress(f"events@{int(built)}", table_rows(examples), lag)
 
 
+def _versions_with_rows(lake: Lake, after: int, newest: int) -> int:
+    """``examples`` versions in (after, newest] that added rows (one log entry read each; a version without row
+    statistics counts): a version that added none (nothing published yet) leaves the trainer nothing to do."""
+    from gemline.increments import read_increment
+
+    added = (read_increment(lake.root, Table.EXAMPLES, v, storage_options=lake.storage_options).num_records
+             for v in range(after + 1, newest + 1))
+    return sum(n is None or n > 0 for n in added)
+
+
 def train_progress(lake: Lake) -> StageProgress:
-    """``last``: the newest examples version the current trainer run trained (the run of the newest
-    ``freshness`` row); ``rows``: the rows that run trained; ``lag``: ``examples`` versions committed since."""
+    """``last``: the newest examples version the current trainer run trained rows of (the run of the newest
+    ``freshness`` row); ``rows``: the rows that run trained; ``lag``: ``examples`` versions committed since that
+    added rows (the trainer passes over empty ones without a ``freshness`` row)."""
     from trainer.freshness import HOPS
 
     rows = read_table(lake, Table.FRESHNESS, columns=["run_id", "examples_version", "hop", "rows", "wall_time_ms"])
     examples = latest_version(lake.root, Table.EXAMPLES, storage_options=lake.storage_options)
     if rows is None or rows.num_rows == 0:
-        # Before the first trained version every examples version waits for the trainer.
-        return StageProgress(lag=None if examples is None else examples + 1)
+        # Before the first trained version every examples version with rows waits for the trainer.
+        return StageProgress(lag=None if examples is None else _versions_with_rows(lake, -1, examples))
     newest = rows.slice(int(pc.index(rows["wall_time_ms"], pc.max(rows["wall_time_ms"])).as_py()), 1)
     run = rows.filter(pc.equal(rows["run_id"], newest["run_id"][0]))
     trained = int(pc.max(run["examples_version"]).as_py())
     trained_hop = HOPS[1]  # published->trained: every trained row, corrections included
     done = int(pc.sum(run.filter(pc.equal(run["hop"], trained_hop))["rows"]).as_py() or 0)
-    return StageProgress(f"examples@{trained}", done, None if examples is None else max(0, examples - trained))
+    lag = None if examples is None else _versions_with_rows(lake, trained, examples)
+    return StageProgress(f"examples@{trained}", done, lag)
 
 
 def pipeline_progress(lake: Lake, *, ingest_app_id: str | None = None,

@@ -217,7 +217,7 @@ def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EV
         cells = {"stage": s.command.name, "state": s.state(now), "pid": str(s.pid or ""),
                  "up": "" if s.started_at is None else f"{now - s.started_at:.0f} s", "restarts": str(s.restarts),
                  "last": p.last, "rows": "" if p.rows is None else f"{p.rows:,}",
-                 "lag": "" if p.lag is None else f"{p.lag:,} {p.lag_unit}", "last log line": s.last_log_line()[-120:]}
+                 "lag": "" if p.lag is None else f"{p.lag:,} {p.lag_unit if p.lag != 1 else p.lag_unit[:-1]}", "last log line": s.last_log_line()[-120:]}
         stages.add_row(*(cells[c] for c in columns))
     versions = ", ".join(f"{t}@{v}" if (v := latest_version(lake.root, t, storage_options=lake.storage_options))
                          is not None else f"{t}: none yet" for t in tables)
@@ -373,4 +373,6 @@ def _supervise(sup: Supervisor, lake: Lake, progress: Callable[[], Mapping[str, 
             view.update(status_view(s, lake, progress=seen["progress"], width=console.width))
             last["view"] = time.monotonic()
 
-        return sup.run(until=stop, render=render, drain=drain, drain_timeout_s=drain_timeout_s)
+        code = sup.run(until=stop, render=render, drain=drain, drain_timeout_s=drain_timeout_s)
+        view.update(status_view(sup, lake, progress=seen["progress"], width=console.width))  # the stopped states
+        return code

@@ -123,11 +123,13 @@ class StageState:
         return None if self.process is None else self.process.pid
 
     def state(self, now: float) -> str:
-        """``running``, ``restarting in N s`` or ``stopped (exit C)``."""
+        """``running``, ``restarting in N s``, ``not started`` or ``stopped (exit C)``."""
         if self.process is not None:
             return "running"
         if self.restart_at is not None:
             return f"restarting in {max(0.0, self.restart_at - now):.0f} s"
+        if self.last_exit_code is None:
+            return "not started"
         return f"stopped (exit {self.last_exit_code})"
 
     def new_log_lines(self, max_bytes: int = 65536) -> list[str]:

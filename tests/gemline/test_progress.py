@@ -62,6 +62,13 @@ def test_the_trainers_progress_is_its_newest_runs(tmp_path):
     commit_once(lake, "freshness", pa.Table.from_pylist(rows), app_id="trainer", version=0)
     assert pipeline_progress(lake)["train"] == StageProgress("examples@0", 2, 1)
     assert "ingest" not in pipeline_progress(lake)  # no writer id: ingest's row stays blank
+    # Versions that published nothing leave the trainer nothing to do (it writes no freshness rows for them):
+    # they are not lag. examples@2 and @3 are empty, @4 has rows.
+    commit_once(lake, "examples", _rows(0), app_id="build", version=2, metadata={"events_version": 3})
+    commit_once(lake, "examples", _rows(0), app_id="build", version=3, metadata={"events_version": 3})
+    assert pipeline_progress(lake)["train"] == StageProgress("examples@0", 2, 1)
+    commit_once(lake, "examples", _rows(2, 9), app_id="build", version=4, metadata={"events_version": 3})
+    assert pipeline_progress(lake)["train"] == StageProgress("examples@0", 2, 2)
 
 
 def test_an_empty_lake_and_an_unreachable_broker_show_as_unknown(tmp_path):
@@ -93,5 +100,5 @@ def test_the_status_table_shows_each_stages_last_version_rows_and_lag(tmp_path, 
     # On an 80-column terminal the pid, uptime and log line give way; the numbers stay whole.
     first = 4 if width >= 120 else 2
     assert cells["ingest"][first:first + 3] == ["events@3", "12", "1,000 messages"]
-    assert cells["build"][first:first + 3] == ["events@2", "5", "1 versions"]
+    assert cells["build"][first:first + 3] == ["events@2", "5", "1 version"]
     assert cells["train"][first:first + 3] == ["", "", "2 versions"]
