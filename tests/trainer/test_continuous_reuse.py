@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from trainer.data import encode_examples, fit_normalizer, make_batch, take_rows
 
 from .conftest import mark_quality, synthetic_examples, with_build_columns, write_examples
 from .test_continuous import SMALL
-from .test_delayed import _early_columns
+from .test_delayed import _early_columns, click_corrections
 
 BATCH = 4
 """trainer.batch_size: a read is 64 batches, 256 rows, so examples@2's 300 rows take two reads."""
@@ -31,13 +30,7 @@ def _lake(tmp_path):
     n = base.num_rows
     first = _early_columns(base, label_mode=["defer" if i % 5 == 0 else "wait" for i in range(n)],
                            click_open=[i % 5 == 0 for i in range(n)], conversion_open=[False] * n)
-    clicked = first.filter(pc.equal(first.column("label_click"), 1))
-    ids = clicked.column("example_id").to_pylist()
-    corrections = _early_columns(
-        clicked.drop_columns(["label_mode", "click_open", "conversion_open", "corrects_example_id",
-                              "correction_task"]).set_column(0, "example_id", pa.array([f"{i}#click" for i in ids])),
-        click_open=[False] * len(ids), conversion_open=[False] * len(ids), corrects_example_id=ids,
-        correction_task=["click"] * len(ids))
+    corrections, ids = click_corrections(first)
     fresh = _early_columns(synthetic_examples(["2026-01-02"], 100, seed=2), click_open=[False] * 100,
                            conversion_open=[False] * 100)
     # One partition (event_date), so one file: a version's files of several partitions may be read in any order.

@@ -119,6 +119,19 @@ def _early_columns(table: pa.Table, **columns) -> pa.Table:
     return table
 
 
+def click_corrections(early: pa.Table) -> tuple[pa.Table, list[str]]:
+    """(late-click correction rows of ``early``'s clicked rows, the example ids they correct): each carries its
+    impression's features under ``<example_id>#click``, its windows closed (an :func:`_early_columns` table in)."""
+    clicked = early.filter(pa.compute.equal(early.column("label_click"), 1))
+    ids = clicked.column("example_id").to_pylist()
+    corrections = _early_columns(
+        clicked.drop_columns(["label_mode", "click_open", "conversion_open", "corrects_example_id",
+                              "correction_task"]).set_column(0, "example_id", pa.array([f"{i}#click" for i in ids])),
+        click_open=[False] * len(ids), conversion_open=[False] * len(ids), corrects_example_id=ids,
+        correction_task=["click"] * len(ids))
+    return corrections, ids
+
+
 def test_corrections_of_a_quarantined_version_are_trained_on_their_own(tmp_path):
     """examples@1 (first rows) fails validation and is skipped; examples@2 holds only its late-click corrections,
     which carry every feature themselves: they are trained (not evaluated: no impression is new there)."""
@@ -132,14 +145,7 @@ def test_corrections_of_a_quarantined_version_are_trained_on_their_own(tmp_path)
     lake = tmp_path / "lake"
     first = _early_columns(synthetic_examples(["2026-01-01"], 200, seed=1))
     quarantined = _early_columns(synthetic_examples(["2026-01-02"], 200, seed=2))
-    clicked = quarantined.filter(pa.compute.equal(quarantined.column("label_click"), 1))
-    ids = clicked.column("example_id").to_pylist()
-    corrections = _early_columns(
-        clicked.drop_columns(["label_mode", "click_open", "conversion_open", "corrects_example_id",
-                              "correction_task"]).set_column(
-            0, "example_id", pa.array([f"{i}#click" for i in ids])),
-        click_open=[False] * len(ids), conversion_open=[False] * len(ids), corrects_example_id=ids,
-        correction_task=["click"] * len(ids))
+    corrections, ids = click_corrections(quarantined)
     for table, passed in ((first, True), (quarantined, False), (corrections, True)):
         mark_quality(lake, write_examples(lake, table), passed=passed)
     result = run_once(*trainer_args(load_config(overrides={"lake": str(lake), **SMALL})))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from gemline.config import load_config
 from tests.conftest import trainer_args
@@ -11,7 +10,7 @@ from trainer.continuous import lineage, run_once
 
 from .conftest import mark_quality, synthetic_examples, write_examples
 from .test_continuous import SMALL
-from .test_delayed import _early_columns
+from .test_delayed import _early_columns, click_corrections
 
 OPEN = 30
 """Rows of examples@0 whose attribution window was still open when it was built (``build --final``)."""
@@ -31,13 +30,7 @@ def _lake(tmp_path):
         base.set_column(base.schema.get_field_index("label_window_closed"), "label_window_closed",
                         pa.array([i >= OPEN for i in range(n)])),
         label_mode=["defer" if e else "wait" for e in early], click_open=early, conversion_open=[False] * n)
-    clicked = first.filter(pc.equal(first.column("label_click"), 1))
-    ids = clicked.column("example_id").to_pylist()
-    corrections = _early_columns(
-        clicked.drop_columns(["label_mode", "click_open", "conversion_open", "corrects_example_id",
-                              "correction_task"]).set_column(0, "example_id", pa.array([f"{i}#click" for i in ids])),
-        click_open=[False] * len(ids), conversion_open=[False] * len(ids), corrects_example_id=ids,
-        correction_task=["click"] * len(ids))
+    corrections, ids = click_corrections(first)
     for table in (first, corrections):
         mark_quality(lake, write_examples(lake, table), passed=True)
     return lake, len(ids)
