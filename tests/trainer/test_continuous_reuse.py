@@ -45,17 +45,23 @@ def _lake(tmp_path):
     return lake, len(ids)
 
 
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """Wrap ``trainer.continuous.<name>`` so each call adds one to the returned one-item counter."""
+    calls = [0]
+    wrapped = getattr(continuous, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return wrapped(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, name, counted)
+    return calls
+
+
 def _run(tmp_path, monkeypatch, name: str, max_rows: int) -> dict:
     lake, corrections = _lake(tmp_path / name)
     monkeypatch.setattr(continuous, "REUSE_MAX_ROWS", max_rows)
-    encodes = [0]
-    encode = continuous.encode_for
-
-    def counted(*args, **kwargs):
-        encodes[0] += 1
-        return encode(*args, **kwargs)
-
-    monkeypatch.setattr(continuous, "encode_for", counted)
+    encodes = _count_calls(monkeypatch, "encode_for")
     seen = []
     config = load_config(overrides={"lake": str(lake), **SMALL, "trainer.batch_size": str(BATCH)})
     result = run_once(*trainer_args(config), on_predictions=seen.append)
@@ -116,14 +122,7 @@ def test_a_warm_engine_resumes_as_loading_its_checkpoint(tmp_path, monkeypatch):
     """Calls of one process keeping its engine (WarmEngine, as train --follow does) write the checkpoints and metrics
     of calls that each build the model and load the checkpoint; the engine is built again only after a call that
     raised or a checkpoint another process wrote."""
-    built = [0]
-    make = continuous.local_engine
-
-    def counted(*args, **kwargs):
-        built[0] += 1
-        return make(*args, **kwargs)
-
-    monkeypatch.setattr(continuous, "local_engine", counted)
+    built = _count_calls(monkeypatch, "local_engine")
     runs = {}
     for name, warm in (("cold", None), ("warm", continuous.WarmEngine())):
         lake = tmp_path / name / "lake"
