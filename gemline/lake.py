@@ -545,15 +545,17 @@ def commit_metadata(
     dt = open_table(lake, table, storage_options=storage_options)
     if dt is None or dt.transaction_version(app_id) is None:
         return None
+    return next((meta for _, meta in _gemline_commits(dt, recent) if meta.get("app_id") == app_id), None)
+
+
+def _gemline_commits(dt: Any, recent: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(version, gemline metadata) of ``dt``'s commits that carry it, newest first: the newest ``recent``
+    commits, then the whole history (one log file per commit: 61 ms at 1,000 commits, against 7 ms for 20)."""
     for limit in (recent, None):
         for entry in dt.history(limit=limit):
             raw = entry.get("gemline")
-            if raw is None:
-                continue
-            meta = json.loads(raw)
-            if meta.get("app_id") == app_id:
-                return meta
-    return None
+            if raw is not None:
+                yield int(entry["version"]), json.loads(raw)
 
 
 def commit_version_of(lake: Lake | str | Path, table: str, app_id: str, txn_version: int, *,
@@ -568,12 +570,8 @@ def commit_version_of(lake: Lake | str | Path, table: str, app_id: str, txn_vers
     newest = None if dt is None else dt.transaction_version(app_id)
     if dt is None or newest is None or newest < txn_version:
         return None
-    for limit in (recent, None):
-        for entry in dt.history(limit=limit):
-            meta = json.loads(entry.get("gemline") or "{}")
-            if meta.get("app_id") == app_id and meta.get("txn_version") == txn_version:
-                return int(entry["version"])
-    return None
+    return next((version for version, meta in _gemline_commits(dt, recent)
+                 if meta.get("app_id") == app_id and meta.get("txn_version") == txn_version), None)
 
 
 def read_table(
