@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,13 +21,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from pyarrow.fs import FileType
 
 from gemline import tables
 from gemline.errors import BadConfigError, GemlineError, MissingInputError
-from gemline.increments import CursorError, LogTip, read_increment
-from gemline.lake import Lake, StorageOptions, as_lake, lake_fs, open_table, read_table
+from gemline.increments import LogTip, ledger, read_increment
+from gemline.lake import Lake, StorageOptions, as_lake, open_table
 from gemline.tables import Table
 
 RELEASE = "__release__"
@@ -127,93 +124,15 @@ def last_validated_before(lake: Lake | str | Path, table: str, table_version: in
     return pc.max(quality.filter(mask)["table_version"]).as_py()
 
 
-class QualityLedger:
-    """The ``quality`` table's rows in memory, kept current by reading only the commits added since the last look.
-
-    Every follower asks the gate about every version at each pass (:func:`gate_decisions` over ``range(newest +
-    1)``), and ``quality`` gains a commit per validation run: reading it whole each time costs O(commits) per pass
-    (0.23 CPU-s per validation pass over 41 commits, 0.59 over 163, measured on a 3-minute freshness lake), so a
-    long run slows every stage. A ledger reads the table once, then per new commit only the files it added
-    (:func:`gemline.increments.read_increment`: its log entry), after one file-existence check for the next
-    commit (:class:`~gemline.increments.LogTip`) when nothing changed. The reference is a whole read
-    (:func:`gemline.lake.read_table`), tested equal.
-
-    It reads the whole table again when the table was recreated (the first log entry's size or modification time
-    changed), a commit removed rows (any ``remove`` outside a compaction: ``quality`` is append-only, so only a
-    hand edit does), or a log entry or file is gone. Thread-safe.
-    """
-
-    def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> None:
-        self._lake = as_lake(lake, storage_options)
-        self._fs, self._root = lake_fs(self._lake)
-        self._lock = threading.Lock()
-        self._reset()
-
-    def _reset(self) -> None:
-        self._tip = LogTip(self._lake.root, Table.QUALITY, storage_options=self._lake.storage_options)
-        self._version: int | None = None
-        self._rows: pa.Table | None = None
-        self._birth: tuple[int, int | None] | None = None
-
-    def rows(self) -> pa.Table | None:
-        """Every row of ``quality`` at its newest version (QUALITY_SCHEMA), or None when there is no table."""
-        with self._lock:
-            if self._birth is not None and self._birth != self._first_entry():
-                self._reset()  # recreated under the same path: a LogTip would not see it
-            newest = self._tip.advance()
-            if newest is None:
-                self._reset()
-                return None
-            if self._rows is None or self._version is None or newest < self._version:
-                return self._read_whole(newest)
-            try:
-                parts = [self._rows]
-                for version in range(self._version + 1, newest + 1):
-                    increment = read_increment(self._lake.root, Table.QUALITY, version,
-                                               storage_options=self._lake.storage_options)
-                    if increment.removed and increment.operation != "OPTIMIZE":
-                        return self._read_whole(newest)
-                    parts.extend(self._read_file(f.path) for f in increment.files)
-            except (CursorError, FileNotFoundError, OSError):
-                return self._read_whole(newest)
-            self._rows, self._version = pa.concat_tables(parts), newest
-            return self._rows
-
-    def _read_whole(self, version: int) -> pa.Table | None:
-        self._birth = self._first_entry()
-        table = read_table(self._lake, Table.QUALITY, version)
-        self._rows = None if table is None else table.select(QUALITY_SCHEMA.names).cast(QUALITY_SCHEMA)
-        self._version = None if table is None else version
-        return self._rows
-
-    def _read_file(self, path: str) -> pa.Table:
-        with self._fs.open_input_file(f"{self._root}/{Table.QUALITY}/{path}") as handle:
-            return pq.read_table(handle, columns=QUALITY_SCHEMA.names).cast(QUALITY_SCHEMA)
-
-    def _first_entry(self) -> tuple[int, int | None]:
-        info = self._fs.get_file_info(f"{self._root}/{Table.QUALITY}/_delta_log/{0:020d}.json")
-        if info.type == FileType.NotFound:
-            return (-1, None)
-        return (int(info.size or 0), info.mtime_ns)
-
-
-_LEDGERS: dict[tuple[str, str], QualityLedger] = {}
-_LEDGERS_LOCK = threading.Lock()
-
-
 def quality_rows(lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> pa.Table | None:
     """Every row of the lake's ``quality`` table (QUALITY_SCHEMA), or None when it does not exist.
 
-    Served by one :class:`QualityLedger` per lake for the life of the process, so a long-running follower pays
-    for the commits added since its last question, not for the whole table each time.
+    Served by the process's :class:`gemline.increments.TableLedger` of the table: every follower asks the gate
+    about every version at each pass (:func:`gate_decisions` over ``range(newest + 1)``) and ``quality`` gains a
+    commit per validation run, so a whole read each time cost O(commits) per pass (0.23 CPU-s per validation pass
+    over 41 commits, 0.59 over 163, on a 3-minute freshness lake); the ledger's pass costs 12 ms over 163.
     """
-    lake = as_lake(lake, storage_options)
-    key = (lake.root, repr(sorted(dict(lake.storage_options or {}).items())))
-    with _LEDGERS_LOCK:
-        ledger = _LEDGERS.get(key)
-        if ledger is None:
-            ledger = _LEDGERS[key] = QualityLedger(lake)
-    return ledger.rows()
+    return ledger(lake, Table.QUALITY, QUALITY_SCHEMA, storage_options=storage_options).rows()
 
 
 def _decide(table: str, table_version: int, rows: list[dict]) -> GateDecision:

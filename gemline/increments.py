@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -36,7 +37,7 @@ import pyarrow.parquet as pq
 from pyarrow.fs import FileType
 
 from gemline.errors import GemlineError
-from gemline.lake import StorageOptions, lake_fs, open_table
+from gemline.lake import Lake, StorageOptions, as_lake, lake_fs, open_table, read_table
 
 
 class CursorError(GemlineError, ValueError):
@@ -297,3 +298,102 @@ def rows_added(lake: str | Path, table: str, version: int, *, columns: Sequence[
     assert dt is not None
     full = pa.schema(dt.schema().to_arrow())
     return (full if columns is None else pa.schema([full.field(c) for c in columns])).empty_table()
+
+
+class TableLedger:
+    """An append-only table's rows in memory, kept current by reading only the commits added since the last look.
+
+    For the small tables every stage reads whole and a run appends to at each version (``quality``,
+    ``quality_profiles``): a whole read each time costs O(commits) per question, so a long run slows every stage.
+    A ledger reads the table once, then per new commit only the files it added (:func:`read_increment`: its log
+    entry), after one file-existence check for the next commit (:class:`LogTip`) when nothing changed. The
+    reference is a whole read (:func:`gemline.lake.read_table`), tested equal.
+
+    It reads the whole table again when the table was recreated (the first log entry's size or modification time
+    changed), a commit removed rows (any ``remove`` outside a compaction: for an append-only table only a hand
+    edit does), or a log entry or file is gone. Thread-safe.
+
+    Args:
+        table: the name of an unpartitioned table under the lake (a file holds every column).
+        schema: the columns kept and their types (each file's columns are cast to it).
+    """
+
+    def __init__(self, lake: Lake | str | Path, table: str, schema: pa.Schema, *,
+                 storage_options: StorageOptions | None = None) -> None:
+        self._lake = as_lake(lake, storage_options)
+        self._table = table
+        self.schema = schema
+        """The columns kept (read-only)."""
+        self._fs, self._root = lake_fs(self._lake)
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tip = LogTip(self._lake.root, self._table, storage_options=self._lake.storage_options)
+        self._version: int | None = None
+        self._rows: pa.Table | None = None
+        self._birth: tuple[int, int | None] | None = None
+
+    def rows(self) -> pa.Table | None:
+        """Every row of the table at its newest version (the ledger's schema), or None when there is no table."""
+        with self._lock:
+            if self._birth is not None and self._birth != self._first_entry():
+                self._reset()  # recreated under the same path: a LogTip would not see it
+            newest = self._tip.advance()
+            if newest is None:
+                self._reset()
+                return None
+            if self._rows is None or self._version is None or newest < self._version:
+                return self._read_whole(newest)
+            try:
+                parts = [self._rows]
+                for version in range(self._version + 1, newest + 1):
+                    increment = read_increment(self._lake.root, self._table, version,
+                                               storage_options=self._lake.storage_options)
+                    if increment.removed and increment.operation != "OPTIMIZE":
+                        return self._read_whole(newest)
+                    parts.extend(self._read_file(f.path) for f in increment.files)
+            except (CursorError, FileNotFoundError, OSError):
+                return self._read_whole(newest)
+            self._rows, self._version = pa.concat_tables(parts), newest
+            return self._rows
+
+    def _read_whole(self, version: int) -> pa.Table | None:
+        self._birth = self._first_entry()
+        table = read_table(self._lake, self._table, version)
+        self._rows = None if table is None else table.select(self.schema.names).cast(self.schema)
+        self._version = None if table is None else version
+        return self._rows
+
+    def _read_file(self, path: str) -> pa.Table:
+        with self._fs.open_input_file(f"{self._root}/{self._table}/{path}") as handle:
+            return pq.read_table(handle, columns=self.schema.names).cast(self.schema)
+
+    def _first_entry(self) -> tuple[int, int | None]:
+        info = self._fs.get_file_info(f"{self._root}/{self._table}/_delta_log/{0:020d}.json")
+        if info.type == FileType.NotFound:
+            return (-1, None)
+        return (int(info.size or 0), info.mtime_ns)
+
+
+_LEDGERS: dict[tuple[str, str, str], TableLedger] = {}
+_LEDGERS_LOCK = threading.Lock()
+
+
+def ledger(lake: Lake | str | Path, table: str, schema: pa.Schema, *,
+           storage_options: StorageOptions | None = None) -> TableLedger:
+    """The process's :class:`TableLedger` of ``table`` under ``lake`` (one per lake, table and process: a
+    long-running follower pays for the commits added since its last question, not for the whole table each time).
+
+    Raises:
+        ValueError: a ledger of the same table was made with another schema.
+    """
+    lake = as_lake(lake, storage_options)
+    key = (lake.root, repr(sorted(dict(lake.storage_options or {}).items())), table)
+    with _LEDGERS_LOCK:
+        found = _LEDGERS.get(key)
+        if found is None:
+            found = _LEDGERS[key] = TableLedger(lake, table, schema)
+    if found.schema != schema:
+        raise ValueError(f"ledger({table!r}): already kept with schema {found.schema}, asked for {schema}")
+    return found

@@ -30,7 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gemline import tables
-from gemline.lake import StorageOptions, read_table
+from gemline.increments import ledger
+from gemline.lake import StorageOptions
 from gemline.tables import Table
 from sequences.schema import LABELS
 from validation.config import ValidationConfig
@@ -216,7 +217,8 @@ def profile_history(lake: str | Path, table: str, before_version: int, k: int, *
     Only a version whose newest run passed counts (a quarantined batch must not become the baseline).
     Returns [] when ``quality_profiles`` does not exist yet.
     """
-    data = read_table(lake, Table.QUALITY_PROFILES, storage_options=storage_options)
+    # The table gains a commit per validation run: a process's ledger reads only the new ones.
+    data = ledger(lake, Table.QUALITY_PROFILES, PROFILES_SCHEMA, storage_options=storage_options).rows()
     if data is None:
         return []
     mask = pc.and_(pc.equal(data["table"], table), pc.less(data["table_version"], before_version))

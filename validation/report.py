@@ -66,7 +66,8 @@ def source_metadata(lake: str | Path, table: str, table_version: int, *,
     dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         return None
-    for entry in dt.history():
+    # Only the commits from the newest back to table_version: the whole history grows with the run.
+    for entry in dt.history(limit=max(dt.version() - table_version + 1, 1)):
         if entry.get("version") == table_version and "gemline" in entry:
             return json.loads(entry["gemline"])
     return None

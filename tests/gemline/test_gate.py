@@ -52,11 +52,12 @@ def _sorted(table):
 
 
 def test_quality_ledger_equals_a_whole_read_through_appends_releases_compaction_and_deletes(tmp_path, monkeypatch):
-    import gemline.gate as gate
+    from gemline.gate import QUALITY_SCHEMA
+    from gemline.increments import TableLedger
     from gemline.lake import read_table
 
     lake = str(tmp_path / "lake")
-    ledger = gate.QualityLedger(lake)
+    ledger = TableLedger(lake, "quality", QUALITY_SCHEMA)
     assert ledger.rows() is None, "no quality table yet"
     append_quality_rows(lake, _run("events", 0))
     whole_reads = []
@@ -82,12 +83,13 @@ def test_quality_ledger_equals_a_whole_read_through_appends_releases_compaction_
 def test_quality_ledger_sees_a_table_recreated_under_the_same_path(tmp_path):
     import shutil
 
-    import gemline.gate as gate
+    from gemline.gate import QUALITY_SCHEMA
+    from gemline.increments import TableLedger
 
     lake = str(tmp_path / "lake")
     for version in range(3):
         append_quality_rows(lake, _run("events", version))
-    ledger = gate.QualityLedger(lake)
+    ledger = TableLedger(lake, "quality", QUALITY_SCHEMA)
     assert ledger.rows().num_rows == 6
     shutil.rmtree(tmp_path / "lake" / "quality")
     for version in range(7, 11):  # more commits than before: the next log entry the ledger looks for exists

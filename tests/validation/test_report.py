@@ -67,3 +67,17 @@ def test_plots_leave_no_pyplot_figure_open_even_when_one_fails():
     assert not drawn[0]["Sequence length"].startswith("unavailable")
     assert drawn[1]["Sequence length"].startswith("unavailable")
     assert set(plt.get_fignums()) == before
+
+
+def test_source_metadata_names_the_metadata_of_the_version_asked_not_the_newest(tmp_path):
+    import pyarrow as pa
+
+    from gemline.lake import commit_once
+    from validation.report import source_metadata
+
+    lake = str(tmp_path / "lake")
+    for batch in range(4):
+        commit_once(lake, "t", pa.table({"x": [batch]}), app_id="ingest", version=batch,
+                    metadata={"batch": batch})
+    assert [source_metadata(lake, "t", v)["batch"] for v in range(4)] == [0, 1, 2, 3]
+    assert source_metadata(lake, "t", 7) is None, "a version past the newest has no commit"
