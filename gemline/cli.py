@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from gemline.config import GemlineConfig, load_config, parse_set_flags
+from gemline.config import GemlineConfig, load_stage_config, parse_set_flags
 from gemline.errors import BadConfigError, GemlineError, MissingInputError, RetentionGapError
 from gemline.lake import Lake
 from gemline.process import run_and_exit
@@ -130,7 +130,9 @@ def _config(args: argparse.Namespace) -> GemlineConfig:
         overrides["build.interval_s"] = args.build_interval_s
     if hasattr(args, "build_watch_s"):  # `build --follow --watch-s` (absent when not given: `none` is a value)
         overrides["build.watch_s"] = args.build_watch_s
-    return load_config(args.config, overrides)
+    # The settings the last `gemline run` saved with the lake are the defaults, so a stage started alone there
+    # later builds and trains as that run did (gemline.config.load_stage_config).
+    return load_stage_config(args.config, overrides, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _require_bootstrap(config: GemlineConfig) -> str:

@@ -13,7 +13,12 @@ environment: every stage receives its section of this tree.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,3 +121,109 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             section rejects (a ValueError).
     """
     return build(GemlineConfig, load_tree(path, overrides))
+
+
+RUN_SETTINGS = "_config/run.toml"
+"""Where ``gemline run`` saves its effective settings under a local lake (:func:`save_run_settings`)."""
+
+LAKE_BOUND_KEYS = ("build.label_mode", "build.publish_delay_ms", "build.publish_delay_overrides",
+                   "build.click_window_ms", "build.conversion_window_ms", "build.window_overrides")
+"""Settings the lake's examples are built with: changing one on a lake already built mixes labels of two rules
+(published rows are not rebuilt), so a stage given another value than the lake's saved one is refused."""
+
+
+def save_run_settings(config: GemlineConfig) -> Path | None:
+    """Save ``config``'s non-default settings (``--set`` spelling, :func:`config_overrides`; not ``lake``, and
+    never the storage options) to ``LAKE/_config/run.toml``, replaced atomically; return its path, or None for
+    an object-store lake (not saved there yet).
+
+    A stage started alone on the lake later takes them as its defaults (:func:`load_stage_config`).
+    """
+    if is_remote(config.lake):
+        return None
+    pairs = [pair for pair in config_overrides(config) if not pair.startswith("lake=")]
+    path = Path(config.lake) / RUN_SETTINGS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A JSON string is a TOML basic string, so any value round-trips; the --set spelling is the one the stages of
+    # `gemline run` are started with, so the saved settings go through the same typed path (configtree.coerce).
+    body = ("# The settings of the last `gemline run` on this lake, as --set KEY=VALUE; stages started alone on the\n"
+            "# lake take them as defaults (--config and --set override, except the lake-bound build settings).\n"
+            f"set = [{', '.join(json.dumps(pair) for pair in pairs)}]\n")
+    tmp.write_text(body, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _read_run_settings(lake: str) -> tuple[Path, dict[str, str]] | None:
+    """The path and the ``KEY -> VALUE`` settings :func:`save_run_settings` wrote under ``lake``; None if none.
+
+    Raises:
+        BadConfigError: the file is not the list of ``KEY=VALUE`` strings it writes.
+    """
+    path = Path(lake) / RUN_SETTINGS
+    if is_remote(lake) or not path.is_file():
+        return None
+    try:
+        pairs = tomllib.loads(path.read_text(encoding="utf-8"))["set"]
+        return path, parse_set_flags([str(p) for p in pairs])
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, UnicodeDecodeError, BadConfigError) as exc:
+        raise BadConfigError(f"{path} (the settings of `gemline run` on this lake) is unreadable ({exc}): delete it, "
+                             "or run `gemline run` again to rewrite it") from None
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s leaves set on it (tables merged key by key, ``over`` winning)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _has(tree: dict[str, Any], dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _value(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def load_stage_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                      say: Callable[[str], None] | None = None) -> GemlineConfig:
+    """:func:`load_config`, with the settings the last ``gemline run`` saved with the lake (``LAKE/_config/
+    run.toml``, :func:`save_run_settings`) as the defaults under ``path`` and ``overrides``; ``say`` gets one line
+    naming the file when there is one.
+
+    So ``gemline build --follow --lake L`` after ``gemline run --lake L --set build.label_mode=defer`` builds with
+    ``defer``, not the default ``wait``.
+
+    Raises:
+        As :func:`load_config`, and BadConfigError: ``path`` or ``overrides`` set one of :data:`LAKE_BOUND_KEYS` to
+            another value than the saved one (the message names both), or the saved file is unreadable.
+    """
+    explicit = load_tree(path, overrides)
+    config = build(GemlineConfig, copy.deepcopy(explicit))
+    saved = _read_run_settings(config.lake)
+    if saved is None:
+        return config
+    where, settings = saved
+    base = load_tree(None, {**settings, "lake": config.lake})
+    config = build(GemlineConfig, _merge(copy.deepcopy(base), explicit))
+    lake_config = build(GemlineConfig, base)
+    for key in LAKE_BOUND_KEYS:
+        ours, lakes = _value(config, key), _value(lake_config, key)
+        if _has(explicit, key) and ours != lakes:
+            raise BadConfigError(f"{key}={ours!r} conflicts with {key}={lakes!r} that `gemline run` used on this lake "
+                                 f"({where}): its examples are built with that; drop the setting, or use a new lake")
+    if say is not None:
+        shown = " ".join(f"{key}={value}" for key, value in sorted(settings.items())) or "none (all defaults)"
+        say(f"config: defaults from {where} (the last `gemline run` on this lake; --config and --set override): "
+            f"{shown}")
+    return config

@@ -39,7 +39,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table as RichTable
 
-from gemline.config import GemlineConfig, config_overrides
+from gemline.config import GemlineConfig, config_overrides, save_run_settings
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.metrics import LagSource, PipelineCollector, StageSample, lake_offsets, serve
@@ -247,6 +247,8 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
     lake = Lake.for_config(config)
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     live = sys.stdout.isatty() if live is None else live
+    # Saved before any stage starts: a stage run alone on this lake later takes them as defaults (gemline.config).
+    save_run_settings(config)
     with tempfile.TemporaryDirectory(prefix="gemline-run-") as private:  # 0700: only this user reads it
         options_file = (write_private_config(lake, Path(private) / "options.toml")
                         if config.lake_storage_options else None)

@@ -225,3 +225,47 @@ def test_a_lake_directory_or_a_new_path_is_accepted(tmp_path):
     assert load_config(overrides={"lake": str(tmp_path)}).lake == str(tmp_path)
     assert load_config(overrides={"lake": str(tmp_path / "new" / "lake")}).lake == str(tmp_path / "new" / "lake")
     assert load_config(overrides={"lake": "s3://bucket/afile"}).lake == "s3://bucket/afile"
+
+
+def test_stages_alone_take_the_settings_gemline_run_saved_with_the_lake(tmp_path):
+    """Issue 20: `gemline run --set build.label_mode=defer` then `gemline build --follow --lake L` alone built with
+    the default `wait`. The saved settings are the stage's defaults; flags still win, except a lake-bound one."""
+    from gemline.config import load_stage_config, save_run_settings
+
+    lake = tmp_path / "lake"
+    run = load_config(None, {"lake": str(lake), "build.label_mode": "defer", "trainer.learning_rate": "0.005",
+                             "ingest.domains": "facebook,instagram"})
+    path = save_run_settings(run)
+    assert path == lake / "_config" / "run.toml"
+    said: list[str] = []
+    alone = load_stage_config(None, {"lake": str(lake)}, say=said.append)
+    assert alone.build.label_mode == "defer"
+    assert alone.trainer.learning_rate == 0.005
+    assert alone.ingest.domains == ("facebook", "instagram")
+    assert alone == run
+    assert len(said) == 1 and str(path) in said[0] and "build.label_mode=defer" in said[0]
+    # A flag wins over a saved setting that does not bind the lake, and the same value of a bound one is fine.
+    flagged = load_stage_config(None, {"lake": str(lake), "trainer.learning_rate": "0.01",
+                                       "build.label_mode": "defer"})
+    assert flagged.trainer.learning_rate == 0.01 and flagged.build.label_mode == "defer"
+    with pytest.raises(ValueError, match=r"build.label_mode='wait' conflicts with build.label_mode='defer'"):
+        load_stage_config(None, {"lake": str(lake), "build.label_mode": "wait"})
+    toml = tmp_path / "gemline.toml"
+    toml.write_text("[build]\npublish_delay_ms = 5000\n")
+    with pytest.raises(ValueError, match=r"build.publish_delay_ms=5000 conflicts with build.publish_delay_ms=60000"):
+        load_stage_config(toml, {"lake": str(lake)})
+    # Another lake has no saved settings: the plain defaults, and nothing said.
+    other: list[str] = []
+    assert load_stage_config(None, {"lake": str(tmp_path / "other")}, say=other.append).build.label_mode == "wait"
+    assert other == []
+
+
+def test_run_settings_keep_no_secret_and_no_lake(tmp_path):
+    from gemline.config import save_run_settings
+
+    lake = tmp_path / "lake"
+    config = load_config(None, {"lake": str(lake), "lake_storage_options.AWS_SECRET_ACCESS_KEY": "hunter2",
+                                "build.max_seq_len": "64"})
+    text = save_run_settings(config).read_text()
+    assert "hunter2" not in text and str(lake) not in text
+    assert 'set = ["build.max_seq_len=64"]' in text

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import gemline.run
-from gemline.config import load_config
+from gemline.config import load_config, load_stage_config
 from gemline.errors import BadConfigError
 from gemline.increments import latest_version
 from gemline.lake import commit_metadata, read_table
@@ -64,7 +64,7 @@ def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_
     # stops them all.
     sleeper = (sys.executable, "-c", "import sys, time; print(*sys.argv[1:], flush=True); time.sleep(600)")
     monkeypatch.setattr(gemline.run, "GEMLINE", sleeper)
-    config = load_config(overrides={"lake": str(tmp_path / "lake")})
+    config = load_config(overrides={"lake": str(tmp_path / "lake"), "build.label_mode": "defer"})
     seen: dict[str, int | None] = {}
 
     def all_up(sup) -> bool:
@@ -75,6 +75,8 @@ def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_
     assert run_pipeline(config, RunPlan(bootstrap="127.0.0.1:1"), log_dir=tmp_path / "logs", say=said.append,
                         live=False, until=all_up) == 0
     assert list(seen) == ["ingest", "validate", "build", "train", "distill"] and all(seen.values())
+    # The run's settings stay with the lake: a stage started alone there later builds with defer too.
+    assert load_stage_config(None, {"lake": str(tmp_path / "lake")}).build.label_mode == "defer"
     assert (tmp_path / "logs" / "distill.log").read_text().startswith(
         "distill --follow --poll-interval-s 10.0 --watch-s 1.0")
     for name, pid in seen.items():
