@@ -6,7 +6,7 @@ stage run alone with ``--follow`` on another machine, and a stage restarted mid-
 ==========  ===============================  ==================================  ==========================================
 stage       last                             rows                                lag
 ==========  ===============================  ==================================  ==========================================
-ingest      newest ``events`` version        events committed (Kafka records)    messages in Kafka not committed yet
+ingest      newest ``events`` version        events committed (dead-letter rows) messages in Kafka not committed yet
 validate    newest validated events/examples versions validated                  versions not validated yet
 build       ``events`` version built         examples published                  events versions not built yet
 train       newest examples version trained  rows trained by the current run     examples versions not trained yet
@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from gemline.gate import gate_decisions
 from gemline.increments import latest_version
-from gemline.lake import Lake, commit_metadata, open_table, read_table
+from gemline.lake import Lake, commit_metadata, commit_version_of, open_table, read_table
 from gemline.metrics import consumer_lag, lake_offsets, table_rows
 from gemline.tables import Table
 
@@ -43,12 +43,20 @@ class StageProgress:
         rows: rows done so far (for validate: versions validated); None when unknown.
         lag: how far it is behind its input, in ``lag_unit``; None when unknown (no input yet, a read failed).
         lag_unit: ``"messages"`` (ingest) or ``"versions"``.
+        dead_letter: ingest only: the ``dead_letter`` table's rows (records refused); None when unknown or none.
     """
 
     last: str = ""
     rows: int | None = None
     lag: int | None = None
     lag_unit: str = "versions"
+    dead_letter: int | None = None
+
+    def rows_cell(self) -> str:
+        """The status table's rows cell: ``120,000``, with ingest's refused records ``120,000 (dead-letter 5)``."""
+        if self.rows is None:
+            return ""
+        return f"{self.rows:,}" + (f" (dead-letter {self.dead_letter:,})" if self.dead_letter else "")
 
 
 Watermarks = Callable[[], Mapping[int, tuple[int, int]]]
@@ -66,7 +74,7 @@ def _guarded(stage: str, read: Callable[[], StageProgress]) -> StageProgress:
 def ingest_progress(lake: Lake, app_id: str, watermarks: Watermarks | None) -> StageProgress:
     """``last``: the newest ``events`` version; ``rows``: the events table's rows (file statistics, no data
     read); ``lag``: Kafka messages not committed to the lake yet (None without ``watermarks`` or when they
-    raise: Kafka unreachable)."""
+    raise: Kafka unreachable); ``dead_letter``: the ``dead_letter`` table's rows (file statistics)."""
     events = open_table(lake, Table.EVENTS)
     if events is None:
         return StageProgress(lag_unit="messages")
@@ -76,7 +84,77 @@ def ingest_progress(lake: Lake, app_id: str, watermarks: Watermarks | None) -> S
             lag = sum(consumer_lag(watermarks(), lake_offsets(lake, app_id)).values())
         except Exception as exc:  # noqa: BLE001 - Kafka unreachable: the lake's part still shows
             log.debug("ingest lag unknown: %s", exc)
-    return StageProgress(f"events@{events.version()}", table_rows(events), lag, "messages")
+    dead = open_table(lake, Table.DEAD_LETTER)
+    return StageProgress(f"events@{events.version()}", table_rows(events), lag, "messages",
+                         None if dead is None else table_rows(dead))
+
+
+@dataclass(frozen=True)
+class DeadLetterShare:
+    """The records the newest ingest batch refused.
+
+    Attributes:
+        batch: the batch (the ingest writer's transaction version, shared by its events, dead_letter and
+            late_events commits).
+        records: Kafka records the batch read (its offset ranges).
+        dead_letter: of those, the rows it wrote to ``dead_letter``.
+        reasons: dead-letter rows per reason code (``duplicate_conflict``, ``not_json``, ...), most first.
+    """
+
+    batch: int
+    records: int
+    dead_letter: int
+    reasons: dict[str, int]
+
+    @property
+    def share(self) -> float:
+        """``dead_letter / records`` (1.0 for a batch of records that all went there), 0.0 for an empty batch."""
+        return self.dead_letter / max(self.records, self.dead_letter) if self.dead_letter else 0.0
+
+
+def last_ingest_dead_letter(lake: Lake, app_id: str) -> DeadLetterShare | None:
+    """What the newest batch of the ingest writer ``app_id`` dead-lettered (the rows its ``dead_letter`` commit
+    added, ``reason`` column only); None before any batch or when the newest batch dead-lettered nothing (it
+    then commits no ``dead_letter`` part)."""
+    from gemline.increments import rows_added
+
+    batches = [dt.transaction_version(app_id) for table in (Table.EVENTS, Table.DEAD_LETTER, Table.LATE_EVENTS)
+               if (dt := open_table(lake, table)) is not None]
+    newest = max((b for b in batches if b is not None), default=None)
+    if newest is None:
+        return None
+    meta = commit_metadata(lake, Table.DEAD_LETTER, app_id)
+    if meta is None or meta.get("txn_version") != newest:
+        return None
+    version = commit_version_of(lake, Table.DEAD_LETTER, app_id, newest)
+    added = None if version is None else rows_added(lake.root, Table.DEAD_LETTER, version, columns=["reason"],
+                                                      storage_options=lake.storage_options)
+    if added is None or added.num_rows == 0:
+        return None
+    counts = sorted(((str(c["values"]), int(c["counts"])) for c in pc.value_counts(added["reason"]).to_pylist()),
+                    key=lambda rc: (-rc[1], rc[0]))
+    records = sum(int(r["end"]) - int(r["start"]) for r in meta.get("offset_ranges", []))
+    return DeadLetterShare(newest, records, added.num_rows, dict(counts))
+
+
+DEAD_LETTER_WARN_SHARE = 0.5
+"""``gemline run`` warns (once) when more than this share of the newest ingest batch's records went to
+``dead_letter`` (:func:`dead_letter_warning`)."""
+
+
+def dead_letter_warning(share: DeadLetterShare | None) -> str | None:
+    """One line about a batch that dead-lettered more than :data:`DEAD_LETTER_WARN_SHARE` of its records, naming
+    the top reason and, for ``duplicate_conflict``, its likely cause; None below that."""
+    if share is None or share.share <= DEAD_LETTER_WARN_SHARE:
+        return None
+    reason, count = next(iter(share.reasons.items()))
+    line = (f"warning: ingest batch {share.batch} sent {share.dead_letter:,} of its {share.records:,} records "
+            f"({share.share:.0%}) to dead_letter, most as {reason} ({count:,})")
+    if reason == "duplicate_conflict":
+        return line + (": event ids the lake already holds with other payloads, most likely a generator with the "
+                       "same generate.seed (and generate.wall_clock) as an earlier run into this lake; give it "
+                       "another generate.seed and a generate.start_ms after the lake's newest event")
+    return line + ": see the dead_letter table's reason and detail columns"
 
 
 def validate_progress(lake: Lake) -> StageProgress:
@@ -159,5 +237,6 @@ def pipeline_progress(lake: Lake, *, ingest_app_id: str | None = None,
     return out
 
 
-__all__ = ["StageProgress", "Watermarks", "build_progress", "ingest_progress",
-           "pipeline_progress", "train_progress", "validate_progress"]
+__all__ = ["DEAD_LETTER_WARN_SHARE", "DeadLetterShare", "StageProgress", "Watermarks", "build_progress",
+           "dead_letter_warning", "ingest_progress", "last_ingest_dead_letter", "pipeline_progress", "train_progress",
+           "validate_progress"]

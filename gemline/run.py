@@ -26,6 +26,7 @@ one, one line per start, exit and restart.
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
 import tempfile
@@ -43,11 +44,13 @@ from gemline.config import GemlineConfig, config_overrides, save_run_settings
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.metrics import LagSource, PipelineCollector, StageSample, lake_offsets, serve
-from gemline.progress import StageProgress, pipeline_progress
+from gemline.progress import StageProgress, dead_letter_warning, last_ingest_dead_letter, pipeline_progress
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
 from ingest.broker import accepts, free_port
 from ingest.replay import ensure_topic
+
+log = logging.getLogger(__name__)
 
 GEMLINE = (sys.executable, "-m", "gemline.cli")
 """How a child runs a gemline command: the same interpreter and code as the supervisor."""
@@ -216,7 +219,7 @@ def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EV
         p = progress.get(s.command.name, StageProgress())
         cells = {"stage": s.command.name, "state": s.state(now), "pid": str(s.pid or ""),
                  "up": "" if s.started_at is None else f"{now - s.started_at:.0f} s", "restarts": str(s.restarts),
-                 "last": p.last, "rows": "" if p.rows is None else f"{p.rows:,}",
+                 "last": p.last, "rows": p.rows_cell(),
                  "lag": "" if p.lag is None else f"{p.lag:,} {p.lag_unit if p.lag != 1 else p.lag_unit[:-1]}", "last log line": s.last_log_line()[-120:]}
         stages.add_row(*(cells[c] for c in columns))
     versions = ", ".join(f"{t}@{v}" if (v := latest_version(lake.root, t, storage_options=lake.storage_options))
@@ -293,10 +296,32 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
             s.name == "ingest" for s in stages) else None
         lag = kafka_lag_source(config, bootstrap, timeout_s=2.0)  # a down broker must not hold the view long
         progress = (lambda: pipeline_progress(lake, ingest_app_id=lag.app_id, watermarks=lag.watermarks)) if live else None
+        watch = dead_letter_watch(lake, lag.app_id, say)
         with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
                              say=say):
             return _supervise(sup, lake, progress, None if until is None else (lambda: until(sup)), drain,
-                              plan.drain_timeout_s)
+                              plan.drain_timeout_s, watch)
+
+
+def dead_letter_watch(lake: Lake, app_id: str, say: Callable[[str], None]) -> Callable[[], None]:
+    """A check for the run's loop that says :func:`gemline.progress.dead_letter_warning` once, the first time the
+    newest batch of the ingest writer ``app_id`` dead-lettered more than half its records (a rerun with the same
+    ``generate.seed`` dead-letters every record as ``duplicate_conflict``, which the table alone did not show)."""
+    said = [False]
+
+    def check() -> None:
+        if said[0]:
+            return
+        try:
+            line = dead_letter_warning(last_ingest_dead_letter(lake, app_id))
+        except Exception as exc:  # noqa: BLE001 - a table being created; a warning must never stop the run
+            log.debug("dead-letter share unknown: %s", exc)
+            return
+        if line is not None:
+            said[0] = True
+            say(line)
+
+    return check
 
 
 def _ingested_offsets(config: GemlineConfig, lake: Lake) -> bool:
@@ -355,10 +380,19 @@ Delta logs: :mod:`gemline.progress`); the stage states refresh every second."""
 
 
 def _supervise(sup: Supervisor, lake: Lake, progress: Callable[[], Mapping[str, StageProgress]] | None,
-               stop: Callable[[], bool] | None, drain: Callable[[], int] | None, drain_timeout_s: float) -> int:
-    """Run the supervisor; with ``progress`` (a terminal), under the live status table."""
+               stop: Callable[[], bool] | None, drain: Callable[[], int] | None, drain_timeout_s: float,
+               watch: Callable[[], None] | None = None) -> int:
+    """Run the supervisor; with ``progress`` (a terminal), under the live status table; ``watch`` is called every
+    :data:`PROGRESS_EVERY_S` seconds (:func:`dead_letter_watch`)."""
     if progress is None:
-        return sup.run(until=stop, drain=drain, drain_timeout_s=drain_timeout_s)
+        checked = [-PROGRESS_EVERY_S]
+
+        def check(s: Supervisor) -> None:
+            if watch is not None and time.monotonic() - checked[0] >= PROGRESS_EVERY_S:
+                watch()
+                checked[0] = time.monotonic()
+
+        return sup.run(until=stop, render=check, drain=drain, drain_timeout_s=drain_timeout_s)
     console = Console()
     with Live(status_view(sup, lake, width=console.width), console=console, refresh_per_second=2,
               transient=False) as view:
@@ -371,6 +405,8 @@ def _supervise(sup: Supervisor, lake: Lake, progress: Callable[[], Mapping[str, 
                 return
             if now - last["progress"] >= PROGRESS_EVERY_S:
                 seen["progress"] = progress()
+                if watch is not None:
+                    watch()
                 last["progress"] = now
             view.update(status_view(s, lake, progress=seen["progress"], width=console.width))
             last["view"] = time.monotonic()

@@ -102,3 +102,55 @@ def test_the_status_table_shows_each_stages_last_version_rows_and_lag(tmp_path, 
     assert cells["ingest"][first:first + 3] == ["events@3", "12", "1,000 messages"]
     assert cells["build"][first:first + 3] == ["events@2", "5", "1 version"]
     assert cells["train"][first:first + 3] == ["", "", "2 versions"]
+
+
+def _dead(reasons: list[str]) -> pa.Table:
+    return pa.table({"reason": pa.array(reasons, pa.string())})
+
+
+def _ranges(*counts: int) -> dict:
+    return {"offset_ranges": [{"partition": p, "start": 10, "end": 10 + n} for p, n in enumerate(counts)]}
+
+
+def test_the_ingest_row_counts_dead_letter_and_a_mostly_dead_batch_is_said_once(tmp_path):
+    """Issue 20: a rerun with the same generate.seed dead-lettered every record as duplicate_conflict and the live
+    table showed nothing. Hand case: batch 0 reads 4 records (1 dead), batch 1 reads 5 (4 dead, 3 conflicts),
+    batch 2 reads 2 (none dead)."""
+    from gemline.progress import DeadLetterShare, dead_letter_warning, ingest_progress, last_ingest_dead_letter
+    from gemline.run import dead_letter_watch
+
+    lake = Lake(str(tmp_path / "lake"))
+    commit_once(lake, "dead_letter", _dead(["not_json"]), app_id=APP, version=0, metadata=_ranges(3, 1))
+    commit_once(lake, "events", _rows(3), app_id=APP, version=0, metadata=_ranges(3, 1))
+    first = last_ingest_dead_letter(lake, APP)
+    assert first == DeadLetterShare(0, 4, 1, {"not_json": 1}) and first.share == 0.25
+    assert dead_letter_warning(first) is None  # a quarter: no warning
+
+    reasons = ["duplicate_conflict", "not_json", "duplicate_conflict", "duplicate_conflict"]
+    commit_once(lake, "dead_letter", _dead(reasons), app_id=APP, version=1, metadata=_ranges(2, 3))
+    commit_once(lake, "events", _rows(1, 3), app_id=APP, version=1, metadata=_ranges(2, 3))
+    second = last_ingest_dead_letter(lake, APP)
+    assert second == DeadLetterShare(1, 5, 4, {"duplicate_conflict": 3, "not_json": 1})
+    line = dead_letter_warning(second)
+    assert line is not None
+    assert line.startswith("warning: ingest batch 1 sent 4 of its 5 records (80%) to dead_letter, most as "
+                           "duplicate_conflict (3)")
+    assert "same generate.seed" in line
+    # The table's ingest row: 4 events, 5 dead-letter rows in all.
+    progress = ingest_progress(lake, APP, None)
+    assert (progress.rows, progress.dead_letter) == (4, 5)
+    assert progress.rows_cell() == "4 (dead-letter 5)"
+    assert StageProgress(rows=120_000).rows_cell() == "120,000"  # no dead_letter table: the plain count
+
+    said: list[str] = []
+    check = dead_letter_watch(lake, APP, said.append)
+    check()
+    check()
+    assert said == [line]  # once
+
+    # The newest batch dead-lettered nothing: nothing to say about it.
+    commit_once(lake, "events", _rows(2, 4), app_id=APP, version=2, metadata=_ranges(2))
+    assert last_ingest_dead_letter(lake, APP) is None
+    assert dead_letter_warning(DeadLetterShare(3, 10, 5, {"not_json": 5})) is None  # half is not above half
+    other = dead_letter_warning(DeadLetterShare(3, 10, 6, {"too_large": 6}))
+    assert other is not None and "too_large (6)" in other and "generate.seed" not in other
