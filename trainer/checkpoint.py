@@ -5,7 +5,7 @@ when every file is on disk (a rename within one filesystem is atomic), so a cras
 only a ``.tmp-*`` directory that :func:`latest_checkpoint` ignores; the idea follows torchtitan's
 checkpointer, which also counts a step only once its files are complete.
 
-    step-N/state.pt      model, optimisers (and their classes), RNG states (torch.save)
+    step-N/state.pt      model, optimisers (and their classes), RNG states, parameter-average decays (torch.save)
     step-N/meta.json     step, examples_seen, examples_version, extra (written last)
     step-N/*             extra files given by the caller (e.g. loss_curve.png)
 """
@@ -108,6 +108,7 @@ def save_checkpoint(
             "optimizers": {name: opt.state_dict() for name, opt in optimizers.items()},
             "optimizer_types": optimizer_types(optimizers),
             "rng": _rng_state(numpy_rng),
+            "param_average_decays": param_average_decays(model),
         },
         tmp / "state.pt",
     )
@@ -210,7 +211,7 @@ def load_checkpoint(
             f"checkpoint {path} was written with other optimisers ({named}): resume with {hint}, "
             "or start a new run with --from-scratch"
         )
-    _load_model(path, model, payload["model"])
+    _load_model(path, model, payload["model"], payload.get("param_average_decays"))
     for name, opt in optimizers.items():
         opt.load_state_dict(payload["optimizers"][name])
     restore_rng_state(payload["rng"], numpy_rng)
@@ -246,13 +247,30 @@ def load_weights(path: str | Path, model: nn.Module) -> TrainState:
     path = Path(path)
     if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
-    _load_model(path, model, torch.load(path / "state.pt", weights_only=False, map_location="cpu")["model"])
+    payload = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
+    _load_model(path, model, payload["model"], payload.get("param_average_decays"))
     return read_state(path)
 
 
-def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any]) -> None:
+def param_average_decays(model: nn.Module) -> dict[str, float]:
+    """The decay of each parameter average in ``model`` (:class:`trainer.ema.ParameterAverage`, e.g. GEM's
+    ``param_average`` of ``trainer.gem.ema_decay``), by module name: a checkpoint records them, because a decay is an
+    attribute, not a tensor of the state dict, and a refusal names it (:func:`_load_model`)."""
+    from trainer.ema import ParameterAverage
+
+    return {name: float(module.decay) for name, module in model.named_modules() if isinstance(module, ParameterAverage)}
+
+
+def _decay_setting(decay: float | None) -> str:
+    return "none" if decay is None else repr(decay)
+
+
+def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any],
+                saved_decays: Mapping[str, float] | None = None) -> None:
     """``model.load_state_dict(saved)``, refusing first, in one line, a checkpoint of another model shape (parameters
     missing or extra: another ``trainer.model`` or GEM switch, e.g. a GEM checkpoint from before its wide part).
+    ``saved_decays``: the checkpoint's :func:`param_average_decays` (None for one written before they were
+    recorded), so a refusal over ``trainer.gem.ema_decay`` names the checkpoint's decay and this run's.
 
     Raises:
         gemline.errors.BadConfigError: parameter names differ (the first few of each side are named).
@@ -271,8 +289,16 @@ def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any]) -> None:
             hint += f" (this GEM checkpoint resumes with --set trainer.gem.deep_gate={str(bool(gate & set(extra))).lower()})"
         ema = {name for name in missing + extra if name.startswith("param_average.")}
         if ema:  # missing: written without the average; extra: with it (the decay itself is not checked)
-            hint += (" (this GEM checkpoint resumes with --set trainer.gem.ema_decay=none)" if ema <= set(missing)
-                     else " (this GEM checkpoint resumes with --set trainer.gem.ema_decay=<its decay>)")
+            ours = _decay_setting(param_average_decays(model).get("param_average"))
+            if ema <= set(missing):
+                hint += (" (this GEM checkpoint was written with trainer.gem.ema_decay=none, this run has "
+                         f"{ours}: it resumes with --set trainer.gem.ema_decay=none)")
+            elif saved_decays is not None and "param_average" in saved_decays:
+                theirs = _decay_setting(saved_decays["param_average"])
+                hint += (f" (this GEM checkpoint was written with trainer.gem.ema_decay={theirs}, this run has "
+                         f"{ours}: it resumes with --set trainer.gem.ema_decay={theirs})")
+            else:  # written before the decays were recorded
+                hint += " (this GEM checkpoint resumes with --set trainer.gem.ema_decay=<its decay>)"
         raise BadConfigError(
             f"checkpoint {path} holds another model: this run's model has parameters the checkpoint lacks "
             f"({few(missing)}) and the checkpoint has parameters this model lacks ({few(extra)}); resume with the "
