@@ -267,44 +267,58 @@ def _decay_setting(decay: float | None) -> str:
 
 def _load_model(path: Path, model: nn.Module, saved: Mapping[str, Any],
                 saved_decays: Mapping[str, float] | None = None) -> None:
-    """``model.load_state_dict(saved)``, refusing first, in one line, a checkpoint of another model shape (parameters
-    missing or extra: another ``trainer.model`` or GEM switch, e.g. a GEM checkpoint from before its wide part).
-    ``saved_decays``: the checkpoint's :func:`param_average_decays` (None for one written before they were
-    recorded), so a refusal over ``trainer.gem.ema_decay`` names the checkpoint's decay and this run's.
+    """``model.load_state_dict(saved)``, refusing first, in one line, a checkpoint of another model shape
+    (:func:`model_mismatch`). ``saved_decays``: the checkpoint's :func:`param_average_decays` (None for one written
+    before they were recorded).
 
     Raises:
         gemline.errors.BadConfigError: parameter names differ (the first few of each side are named).
         RuntimeError: same names, other shapes (torch's message).
     """
-    built = set(model.state_dict())
-    missing, extra = sorted(built - set(saved)), sorted(set(saved) - built)
-    if missing or extra:
-        def few(names: list[str]) -> str:
-            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names else "none"
-
-        hint = (" (a GEM checkpoint from before its wide part resumes with --set trainer.gem.wide=false)"
-                if any(".wide." in name for name in missing) else "")
-        gate = {"dense_arch.deep_gate"}
-        if gate & set(missing) or gate & set(extra):  # missing: written without the gate; extra: with it
-            hint += f" (this GEM checkpoint resumes with --set trainer.gem.deep_gate={str(bool(gate & set(extra))).lower()})"
-        ema = {name for name in missing + extra if name.startswith("param_average.")}
-        if ema:  # missing: written without the average; extra: with it (the decay itself is not checked)
-            ours = _decay_setting(param_average_decays(model).get("param_average"))
-            if ema <= set(missing):
-                hint += (" (this GEM checkpoint was written with trainer.gem.ema_decay=none, this run has "
-                         f"{ours}: it resumes with --set trainer.gem.ema_decay=none)")
-            elif saved_decays is not None and "param_average" in saved_decays:
-                theirs = _decay_setting(saved_decays["param_average"])
-                hint += (f" (this GEM checkpoint was written with trainer.gem.ema_decay={theirs}, this run has "
-                         f"{ours}: it resumes with --set trainer.gem.ema_decay={theirs})")
-            else:  # written before the decays were recorded
-                hint += " (this GEM checkpoint resumes with --set trainer.gem.ema_decay=<its decay>)"
-        raise BadConfigError(
-            f"checkpoint {path} holds another model: this run's model has parameters the checkpoint lacks "
-            f"({few(missing)}) and the checkpoint has parameters this model lacks ({few(extra)}); resume with the "
-            f"settings that wrote it{hint}, or start a new run with --from-scratch"
-        )
+    refusal = model_mismatch(path, set(model.state_dict()), set(saved), saved_decays, param_average_decays(model))
+    if refusal is not None:
+        raise refusal
     model.load_state_dict(saved)
+
+
+def model_mismatch(path: str | Path, built: set[str], saved: set[str], saved_decays: Mapping[str, float] | None,
+                   built_decays: Mapping[str, float]) -> BadConfigError | None:
+    """The one-line refusal of a checkpoint at ``path`` whose state-dict names ``saved`` differ from those of this
+    run's model, ``built`` (another ``trainer.model`` or GEM switch, e.g. a GEM checkpoint from before its wide part),
+    naming the setting that resumes it where the names tell it; None when the names agree.
+
+    ``saved_decays`` / ``built_decays``: :func:`param_average_decays` of the checkpoint (None for one written before
+    they were recorded: its ``trainer.gem.ema_decay`` is then ``<its decay>``) and of this run's model.
+    """
+    missing, extra = sorted(built - saved), sorted(saved - built)
+    if not missing and not extra:
+        return None
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names else "none"
+
+    hint = (" (a GEM checkpoint from before its wide part resumes with --set trainer.gem.wide=false)"
+            if any(".wide." in name for name in missing) else "")
+    gate = {"dense_arch.deep_gate"}
+    if gate & set(missing) or gate & set(extra):  # missing: written without the gate; extra: with it
+        hint += f" (this GEM checkpoint resumes with --set trainer.gem.deep_gate={str(bool(gate & set(extra))).lower()})"
+    ema = {name for name in missing + extra if name.startswith("param_average.")}
+    if ema:  # missing: written without the average; extra: with it (the decay itself is not checked)
+        ours = _decay_setting(built_decays.get("param_average"))
+        if ema <= set(missing):
+            hint += (" (this GEM checkpoint was written with trainer.gem.ema_decay=none, this run has "
+                     f"{ours}: it resumes with --set trainer.gem.ema_decay=none)")
+        elif saved_decays is not None and "param_average" in saved_decays:
+            theirs = _decay_setting(saved_decays["param_average"])
+            hint += (f" (this GEM checkpoint was written with trainer.gem.ema_decay={theirs}, this run has "
+                     f"{ours}: it resumes with --set trainer.gem.ema_decay={theirs})")
+        else:  # written before the decays were recorded
+            hint += " (this GEM checkpoint resumes with --set trainer.gem.ema_decay=<its decay>)"
+    return BadConfigError(
+        f"checkpoint {path} holds another model: this run's model has parameters the checkpoint lacks "
+        f"({few(missing)}) and the checkpoint has parameters this model lacks ({few(extra)}); resume with the "
+        f"settings that wrote it{hint}, or start a new run with --from-scratch"
+    )
 
 
 def _save_remote(lake: Lake | str | Path, state: TrainState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],

@@ -508,3 +508,36 @@ def test_train_once_says_when_the_validated_versions_hold_no_rows(tmp_path, caps
     res = run_once(*trainer_args(_config(lake)))
     assert [v["version"] for v in res.versions] == [2] and res.versions[0]["rows_trained"] == 200
     assert res.empty_versions == [0, 1]
+
+
+def test_a_changed_model_switch_is_refused_by_a_poll_with_nothing_new(tmp_path):
+    """Issue 20: a poll with nothing to train built no model, so it returned 'nothing new' under a switch that the
+    checkpoint cannot resume with, and the refusal came only with the next version. The checkpoint's model
+    signature is compared first."""
+    from gemline.errors import BadConfigError
+
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    lake_, tc = trainer_args(_config(lake))
+    first = run_once(lake_, tc)
+    saved = json.loads((Path(first.checkpoint_path) / "meta.json").read_text())["extra"]["model_signature"]
+    assert saved["parameters"] == sorted(torch.load(Path(first.checkpoint_path) / "state.pt",
+                                                    weights_only=False)["model"]), "the names the checkpoint holds"
+    assert run_once(lake_, tc).versions == [], "unchanged: an idle poll as before"
+    with pytest.raises(BadConfigError, match=r"holds another model: .*--from-scratch") as err:
+        run_once(lake_, replace(tc, hidden_dims=(64,)))  # one hidden layer fewer: other parameters
+    assert "\n" not in str(err.value)
+
+
+def test_the_signature_names_a_gem_checkpoints_ema_decay_and_this_runs():
+    from trainer.checkpoint import model_mismatch
+
+    tc = load_config(overrides={"trainer.num_embeddings": "100"}).trainer
+    with_ema = continuous.model_signature(replace(tc, gem=replace(tc.gem, ema_decay=0.9)), 3, ("feed",))
+    without = continuous.model_signature(tc, 3, ("feed",))
+    assert with_ema["param_average_decays"] == {"param_average": 0.9} and without["param_average_decays"] == {}
+    refusal = model_mismatch("ckpt", set(without["parameters"]), set(with_ema["parameters"]),
+                             with_ema["param_average_decays"], without["param_average_decays"])
+    assert refusal is not None and ("written with trainer.gem.ema_decay=0.9, this run has none: it resumes with "
+                                    "--set trainer.gem.ema_decay=0.9") in str(refusal)
+    assert model_mismatch("ckpt", set(without["parameters"]), set(without["parameters"]), {}, {}) is None
