@@ -27,6 +27,7 @@ stayed up for ``healthy_after_s`` seconds counts as healthy again, so its next c
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -151,7 +152,8 @@ class StageState:
         return [line.strip() for line in chunk[:end].decode("utf-8", "replace").splitlines() if line.strip()]
 
     def last_log_line(self, max_bytes: int = 4096) -> str:
-        """The last non-empty line of the stage's log (read from its last ``max_bytes``), or ''."""
+        """The last readable line of the stage's log (read from its last ``max_bytes``: :func:`last_readable_line`),
+        or ''."""
         try:
             with open(self.log_path, "rb") as fh:
                 fh.seek(0, 2)
@@ -160,8 +162,58 @@ class StageState:
                 tail = fh.read().decode("utf-8", "replace")
         except OSError:
             return ""
-        lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
-        return lines[-1] if lines else ""
+        # A window that starts inside the file starts inside a line: that part line is no line to show.
+        return last_readable_line(tail if size <= max_bytes else tail.partition("\n")[2])
+
+
+_JSON_OPENERS = ("{", "[")
+_JSON_CLOSERS = ("}", "]")
+
+
+def _json_summary(document: object) -> str:
+    """``JSON: key=value ...`` of a JSON object's top-level entries (a table or list as its size); a list as its
+    length: one line for the live table of what a stage printed as indented JSON."""
+    if not isinstance(document, dict):
+        return f"JSON: a list of {len(document)}" if isinstance(document, list) else f"JSON: {document!r}"
+
+    def shown(value: object) -> str:
+        if isinstance(value, dict):
+            return f"{{{len(value)}}}"
+        if isinstance(value, list):
+            return f"[{len(value)}]"
+        return json.dumps(value)
+
+    return "JSON: " + " ".join(f"{key}={shown(value)}" for key, value in document.items())
+
+
+def last_readable_line(text: str) -> str:
+    """The last line of a log's ``text`` a person can read alone, for the status table's log-line column; '' when
+    none.
+
+    Stages print results as indented JSON (``json.dumps(..., indent=2)``: ``{``, then ``  "key": value,`` lines,
+    then ``}`` at the start of a line), whose last line alone (``}``, or ``"gaps": []``) said nothing: a complete
+    document at the end becomes :func:`_json_summary` of it; its lines, and those of a document still being written
+    or cut by the window, are passed over for the last line before them. A line that starts with whitespace, or is
+    only a bracket, counts as such a fragment (a one-line JSON record is a line like any other).
+    """
+    lines = [line.rstrip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+    i = len(lines) - 1
+    while i >= 0:
+        line = lines[i]
+        if line.rstrip(",") in _JSON_CLOSERS:
+            start = next((j for j in range(i, -1, -1) if lines[j] in _JSON_OPENERS), None)
+            if start is not None:
+                try:
+                    return _json_summary(json.loads("\n".join(lines[start:i + 1])))
+                except ValueError:  # not one document after all: look above its first line
+                    pass
+                i = start - 1
+                continue
+        if line[0].isspace() or line.rstrip(",") in (*_JSON_OPENERS, *_JSON_CLOSERS):
+            i -= 1
+            continue
+        return line.strip()
+    return ""
 
 
 class Supervisor:

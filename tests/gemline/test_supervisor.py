@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gemline.locks import LakeBusyError, exclusive
-from gemline.supervisor import StageCommand, StageGaveUpError, Supervisor, restart_delay_s
+from gemline.supervisor import StageCommand, StageGaveUpError, StageState, Supervisor, restart_delay_s
 
 
 def _python(code: str) -> tuple[str, ...]:
@@ -269,3 +269,32 @@ def test_stop_phases_producer_then_drain_then_stages_then_service(tmp_path):
     assert "drain: 7 records still not consumed after 0 s; stopping the stages anyway" in said
     with pytest.raises(ValueError, match="exclude"):
         StageCommand("x", ("true",), stop_first=True, stop_last=True)
+
+
+def test_the_log_line_column_summarises_indented_json_and_skips_its_fragments(tmp_path):
+    """Issue 20: the live table showed `}` or `"gaps": []` of a stage's indented JSON result. Hand cases."""
+    import json
+
+    from gemline.supervisor import last_readable_line
+
+    result = {"batch_version": 3, "events_written": 120, "offset_ranges": [{"partition": 0}], "skipped": False,
+              "reset": None, "rules": {"a": 1, "b": 2}}
+    printed = "INFO:ingest: batch 3 committed\n" + json.dumps(result, indent=2) + "\n"
+    assert last_readable_line(printed) == ('JSON: batch_version=3 events_written=120 offset_ranges=[1] skipped=false '
+                                           "reset=null rules={2}")
+    # A document still being written (no closing brace yet): what came before it, the previous one's summary.
+    partial = "{\n  \"run_id\": \"abc\",\n  \"versions\": [\n"
+    assert last_readable_line(printed + partial) == last_readable_line(printed)
+    assert last_readable_line("INFO:ingest: batch 3 committed\n" + partial) == "INFO:ingest: batch 3 committed"
+    # A line after the document is the last line; a one-line JSON record is a line like any other.
+    assert last_readable_line(printed + "WARNING: slow\n") == "WARNING: slow"
+    assert last_readable_line('{"produced": 5}\n') == '{"produced": 5}'
+    # Only fragments (the window began inside the document): nothing readable.
+    assert last_readable_line('  "a": 1,\n  "b": 2\n}\n') == ""
+    assert last_readable_line("") == "" and last_readable_line("\r\n  \n") == ""
+    # The stage's method: a 64-byte window that starts inside the log drops its part line.
+    log = tmp_path / "ingest.log"
+    log.write_text("x" * 100 + "\nfirst full line\n" + json.dumps({"n": 1}, indent=2) + "\n")
+    stage = StageState(StageCommand("ingest", ("true",)), log)
+    assert stage.last_log_line(max_bytes=30) == "JSON: n=1"
+    assert stage.last_log_line(max_bytes=5) == ""  # " 1\n}\n": a part line and a brace
