@@ -221,7 +221,7 @@ def load_stage_config(path: str | Path | None = None, overrides: dict[str, Any] 
         ours, lakes = _value(config, key), _value(lake_config, key)
         if _has(explicit, key) and ours != lakes:
             raise BadConfigError(f"{key}={ours!r} conflicts with {key}={lakes!r} that `gemline run` used on this lake "
-                                 f"({where}): its examples are built with that; drop the setting, or use a new lake")
+                                 f"({where}): the lake's build uses it; drop the setting, or use a new lake")
     if say is not None:
         shown = " ".join(f"{key}={value}" for key, value in sorted(settings.items())) or "none (all defaults)"
         say(f"config: defaults from {where} (the last `gemline run` on this lake; --config and --set override): "
