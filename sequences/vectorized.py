@@ -37,7 +37,7 @@ from features.vectorized import (
     counter_frame,
     feature_rows,
     grouped,
-    latest_non_null,
+    latest_non_null_in_order,
     merge_evicted,
     prior_counts,
     utc_date,
@@ -198,7 +198,8 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
     features = feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
                              watermark_ms, ITEM_FEATURES.ttl_ms, config)
     if features.height:
-        features = features.join(latest_non_null(visible, ["item_id", "domain"], "category"),
+        # visible is in (item, time, event_id) order: recent's sort.
+        features = features.join(latest_non_null_in_order(visible, ["item_id", "domain"], ["category"]),
                                  on=["item_id", "domain"], how="left")
     gone = recent.filter(pl.col("event_time_ms") < watermark_ms - config.state_lookback_ms)
     return {
@@ -360,8 +361,9 @@ def user_shard_vectorized(
     if user_features.height:
         ttl = USER_FEATURES.ttl_ms
         in_ttl = visible if ttl is None else visible.filter(pl.col("event_time_ms") >= watermark_ms - ttl)
-        for field in ("age", "gender", "location"):
-            user_features = user_features.join(latest_non_null(in_ttl, ["user_id"], field), on="user_id", how="left")
+        # in_ttl is in (user, time, event_id) order: recent's sort.
+        user_features = user_features.join(latest_non_null_in_order(in_ttl, ["user_id"], ["age", "gender", "location"]),
+                                           on="user_id", how="left")
     categorised = visible.filter(pl.col("category").is_not_null() & (pl.col("category") != ""))
     category_features = feature_rows(
         categorised, ["user_id", "domain", "category"], evicted, "user_category",
