@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ from gemline.locks import holding
 from gemline.plots import png_bytes, subplots
 from gemline.polling import poll
 from gemline.tables import Table
+from sequences.schema import SPARSE_FEATURES
 from trainer import continuous
 from trainer.checkpoint import (
     CHECKPOINTS_DIR,
@@ -232,13 +234,19 @@ class DistillResult:
 
 
 class _Students:
-    """Every domain's students, adapters and optimisers, as one module and one optimiser dict (checkpoints)."""
+    """Every domain's students, adapters and optimisers, as one module and one optimiser dict (checkpoints).
+
+    ``touched[domain]``: (S, distill.num_embeddings) bool, the table rows any student of the domain may have
+    changed since its init (every id it trained on; the rows it adopted are among them). Every other row still
+    holds its seeded init and no optimiser state, so a checkpoint saves only the touched rows (:func:`save_students`).
+    """
 
     def __init__(self, dc: DistillConfig, tc: TrainerConfig, num_dense: int) -> None:
         self.dc, self.tc, self.num_dense = dc, tc, num_dense
         self.domains: list[str] = []
         self.modules = nn.ModuleDict()
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.touched: dict[str, torch.Tensor] = {}
 
     @property
     def teacher_dims(self) -> tuple[int, int]:
@@ -251,6 +259,7 @@ class _Students:
         checkpoint is loaded)."""
         d = len(self.domains)
         self.domains.append(domain)
+        self.touched[domain] = torch.zeros(len(SPARSE_FEATURES), self.dc.num_embeddings, dtype=torch.bool)
         torch.manual_seed(self.dc.seed * 1009 + d)
         dim, hidden = self.teacher_dims
         for variant in self.dc.variants:
@@ -281,6 +290,81 @@ class _Students:
         module = self.modules[key]
         assert isinstance(module, StudentAdapter)
         return module, self.optimizers[key]
+
+
+STUDENTS_FILE = "students.pt"
+"""The students' file of a compact checkpoint (``extra["format"] == CHECKPOINT_FORMAT``), beside state.pt."""
+CHECKPOINT_FORMAT = 2
+"""Compact: the students' tables and SparseAdam moments hold their touched rows only. Format 1 (no ``format`` in
+``extra``, before 2026-12-02) held every row: 326 MB for 3 domains x 4 variants, 9 tables of 16,384 x 16 floats,
+each with two SparseAdam moments of the same size, rows never met included."""
+
+
+def _table_slots(students: _Students) -> list[tuple[str, str, int, str]]:
+    """(domain, student key, table number j, state-dict name of its weight) of every student table."""
+    return [(domain, f"d{d}_{variant}", j, f"d{d}_{variant}.tables.{j}.weight")
+            for d, domain in enumerate(students.domains) for variant in students.dc.variants
+            for j in range(len(SPARSE_FEATURES))]
+
+
+def save_students(students: _Students) -> bytes:
+    """The students, adapters and optimisers as a compact payload (torch.save bytes): every tensor as the state
+    dicts hold it, except each table weight and its SparseAdam ``exp_avg`` / ``exp_avg_sq`` (num_embeddings, D),
+    of which only the rows ``students.touched`` marks are kept, with their row numbers."""
+    model = students.modules.state_dict()
+    optimizers = {key: opt.state_dict() for key, opt in students.optimizers.items()}
+    rows = {domain: [torch.nonzero(mask).flatten() for mask in students.touched[domain]] for domain in students.domains}
+    for domain, key, j, name in _table_slots(students):
+        index = rows[domain][j]
+        model[name] = model[name][index]
+        states = optimizers[f"{key}_tables"]["state"]
+        if j in states:  # a copy: the state dict's entries are the optimiser's own dicts
+            states[j] = {**states[j], "exp_avg": states[j]["exp_avg"][index],
+                         "exp_avg_sq": states[j]["exp_avg_sq"][index]}
+    buffer = io.BytesIO()
+    torch.save({"model": model, "optimizers": optimizers, "rows": rows}, buffer)
+    return buffer.getvalue()
+
+
+def load_students(students: _Students, payload: bytes) -> None:
+    """Restore :func:`save_students`'s payload into ``students``, built by :meth:`_Students.add` for the same
+    domains in the same order (their seeded init supplies every row the payload lacks, with zero moments).
+
+    Raises:
+        RuntimeError: the payload does not fit the students (torch's message).
+    """
+    saved = torch.load(io.BytesIO(payload), weights_only=True)
+    model = students.modules.state_dict()
+    rows: dict[str, list[torch.Tensor]] = saved["rows"]
+    for domain, key, j, name in _table_slots(students):
+        index = rows[domain][j]
+        full = model[name].clone()
+        full[index] = saved["model"][name]
+        saved["model"][name] = full
+        states = saved["optimizers"][f"{key}_tables"]["state"]
+        if j in states:
+            for moment in ("exp_avg", "exp_avg_sq"):
+                dense = torch.zeros_like(full)
+                dense[index] = states[j][moment]
+                states[j][moment] = dense
+        students.touched[domain][j, index] = True
+    students.modules.load_state_dict(saved["model"])
+    for key, opt in students.optimizers.items():
+        opt.load_state_dict(saved["optimizers"][key])
+
+
+def _mark_changed_rows(students: _Students, init: dict[str, torch.Tensor]) -> None:
+    """After loading a format-1 checkpoint into students whose table weights were ``init``: mark touched every
+    row that differs from its init or has SparseAdam moments (every other row is restored by init alone)."""
+    for domain, key, j, name in _table_slots(students):
+        weight = students.modules.state_dict()[name]
+        changed = (weight != init[name]).any(dim=1)
+        module = students.modules[key]
+        assert isinstance(module, Student)
+        state = students.optimizers[f"{key}_tables"].state.get(module.table(j).weight)
+        if state:
+            changed |= (state["exp_avg"] != 0).any(dim=1) | (state["exp_avg_sq"] != 0).any(dim=1)
+        students.touched[domain][j] |= changed
 
 
 def _teacher_position(lake: Lake) -> tuple[str | None, int, set[int]]:
@@ -326,6 +410,9 @@ def _distill_version(students: _Students, version: int, table: pa.Table, data: E
         rows = np.flatnonzero(data.domains == domain)
         if new:  # intercepts at the domain's first (final) label rates, as the teacher's
             students.add(domain, prior_rates(data.labels[rows], None if data.final is None else data.final[rows]))
+        touched = students.touched[domain]
+        for j in range(len(SPARSE_FEATURES)):  # the only rows the steps and the adoption below can change
+            touched[j, ids[rows, j]] = True
         teacher = _take(joined.inputs, rows)
         evaluated = rows[first[rows]]
         eval_teacher = _take(joined.inputs, evaluated)
@@ -388,11 +475,13 @@ def _train(students: _Students, domain: str, variant: VariantName, version: int,
 
 @holding("distill")
 def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool = False,
-                     max_versions: int | None = None, pointers: PointerReader | None = None) -> DistillResult:
+                     max_versions: int | None = None, pointers: PointerReader | None = None,
+                     memory: Memory | None = None) -> DistillResult:
     """Distill every examples version the teacher has consumed since the students' cursor (module docstring).
 
     Holds ``LAKE/_locks/distill.lock``. ``tc``: the teacher's section (its vectors' widths and hashed id space).
     ``pointers``: the pointer-layout history reader kept across calls (:func:`follow`); None: a new one.
+    ``memory``: the students kept across calls (:func:`follow`): the last ones saved are not loaded again.
 
     Returns:
         A :class:`DistillResult`; its report covers the whole history of the students.
@@ -407,13 +496,55 @@ def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_s
         torch.set_num_threads(tc.torch_threads)
     try:
         return _run_distill(lake, tc, dc, from_scratch=from_scratch, max_versions=max_versions,
-                            pointers=PointerReader(lake) if pointers is None else pointers)
+                            pointers=PointerReader(lake) if pointers is None else pointers, memory=memory)
     finally:
         torch.set_num_threads(previous_threads)
 
 
+def _load(path: str | Path, extra: dict[str, Any], dc: DistillConfig, tc: TrainerConfig, num_dense: int) -> _Students:
+    """The students of the checkpoint at ``path`` (``extra``: its meta), either format."""
+    students = _Students(dc, tc, num_dense)
+    for domain in extra["domains"]:
+        students.add(domain)
+    if extra.get("format") == CHECKPOINT_FORMAT:
+        load_students(students, (Path(path) / STUDENTS_FILE).read_bytes())
+        return students
+    init = {name: tensor.clone() for name, tensor in students.modules.state_dict().items() if ".tables." in name}
+    load_checkpoint(path, students.modules, students.optimizers)
+    _mark_changed_rows(students, init)
+    return students
+
+
+class Memory:
+    """The students a ``distill --follow`` process saved last, kept across its polls (:func:`follow`): a poll
+    whose newest checkpoint is that one (same root, run and step) uses them instead of loading it; any other
+    checkpoint (another process's, a new run) is loaded."""
+
+    def __init__(self) -> None:
+        self._saved: tuple[str, str, int] | None = None
+        self._students: _Students | None = None
+
+    def holds(self, root: str, run_id: str, step: int) -> bool:
+        """Whether the kept students are those of checkpoint ``step`` of ``run_id`` under ``root``."""
+        return self._students is not None and self._saved == (root, run_id, step)
+
+    @property
+    def students(self) -> _Students:
+        """The kept students (after :meth:`holds` said True)."""
+        assert self._students is not None
+        return self._students
+
+    def keep(self, root: str, run_id: str, step: int, students: _Students) -> None:
+        """Remember ``students`` as checkpoint ``step`` of ``run_id`` under ``root`` (just written)."""
+        self._saved, self._students = (root, run_id, step), students
+
+    def forget(self) -> None:
+        """Keep nothing (the next poll loads its checkpoint)."""
+        self._saved, self._students = None, None
+
+
 def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool,
-                 max_versions: int | None, pointers: PointerReader) -> DistillResult:
+                 max_versions: int | None, pointers: PointerReader, memory: Memory | None = None) -> DistillResult:
     """:func:`run_distill_once` without the lock and the thread setting."""
     tid = table_id(lake.root, EXAMPLES, storage_options=lake.storage_options)
     if tid is None:
@@ -453,10 +584,12 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
     trained = resume is not None and extra["normalizer"] is not None
     if trained and resume is not None and (released or cursor < min(teacher_cursor, newest + 1)):
         normalizer = DenseNormalizer.from_dict(extra["normalizer"])
-        students = _Students(dc, tc, len(normalizer.names))
-        for domain in extra["domains"]:
-            students.add(domain)
-        load_checkpoint(resume, students.modules, students.optimizers)
+        if memory is not None and memory.holds(root, run_id, saves):
+            students = memory.students  # what this process saved last: loading it would give the same tensors
+        else:
+            students = _load(resume, extra, dc, tc, len(normalizer.names))
+        if memory is not None:
+            memory.forget()  # until this call's next checkpoint: a failure part-way leaves them half-trained
 
     def checkpoint() -> None:
         nonlocal saves
@@ -466,11 +599,14 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                  "history": history,
                  "versions": passed, "normalizer": None if normalizer is None else normalizer.to_dict(),
                  "domains": [] if students is None else students.domains}
-        module = nn.ModuleDict() if students is None else students.modules
-        optimizers = {} if students is None else students.optimizers
+        if students is not None:
+            extra["format"] = CHECKPOINT_FORMAT
+        files = {} if students is None else {STUDENTS_FILE: save_students(students)}
         save_checkpoint(root, TrainState(step=saves, examples_seen=0, examples_version=cursor - 1, extra=extra),
-                        module, optimizers, storage_options=lake.storage_options)
+                        nn.ModuleDict(), {}, extra_files=files, storage_options=lake.storage_options)
         _prune(root)
+        if memory is not None and students is not None:
+            memory.keep(root, run_id, saves, students)
 
     done = 0
     for version in [*released, *range(cursor, newest + 1)]:
@@ -709,10 +845,11 @@ def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s:
     made. The teacher's checkpoint, which moves its cursor, follows its last commit of a version: a call that
     comes before it waits for the next commit or ``poll_interval_s``. Raises ValueError for ``poll_interval_s < 0``
     or ``watch_s <= 0``. The history of pointer-layout rows is read by increments across the calls
-    (:class:`trainer.data.PointerReader`)."""
-    pointers = PointerReader(lake)
+    (:class:`trainer.data.PointerReader`), and the students it saved last are kept in memory (:class:`Memory`)."""
+    pointers, memory = PointerReader(lake), Memory()
     teacher = LogTip(lake.root, Table.TRAINING_METRICS, storage_options=lake.storage_options)
-    return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers),
+    return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers,
+                                               memory=memory),
                 name="distill", interval_s=poll_interval_s, on_result=on_result, waiting=_waiting,
                 max_polls=max_polls, watch=teacher.advance, watch_s=watch_s)
 

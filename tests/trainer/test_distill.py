@@ -18,8 +18,9 @@ import trainer.distill as distill
 from gemline.cli import main
 from gemline.config import load_config
 from gemline.gate import release
+from sequences.schema import SPARSE_FEATURES
 from tests.conftest import trainer_args
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
 from trainer.continuous import run_once
 from trainer.students import VARIANTS
 
@@ -28,6 +29,7 @@ from .test_continuous import SMALL, _add
 
 SETS = {**SMALL, "trainer.log_teacher_predictions": "true", "distill.batch_size": "64"}
 DOMAINS = ("feed", "marketplace", "reels")
+_LOAD = distill._load  # the real one: a test counts the calls of distill._load
 
 
 def _lake(lake: Path, quarantined: int | None = None) -> None:
@@ -49,9 +51,17 @@ def _distill(lake: Path) -> distill.DistillResult:
 
 
 def _params(lake: Path) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the newest checkpoint's students, and their optimisers' tensors (the tables
+    and moments whole, as the students train with them)."""
     path = latest_checkpoint(f"{lake}/_distill")
     assert path is not None
-    return torch.load(Path(path) / "state.pt", weights_only=False)["model"]
+    extra, config = read_state(path).extra, _config(lake)
+    students = _LOAD(path, extra, config.distill, config.trainer, len(extra["normalizer"]["names"]))
+    tensors = dict(students.modules.state_dict())
+    for key, opt in students.optimizers.items():
+        for i, state in opt.state_dict()["state"].items():
+            tensors.update({f"{key}.{i}.{name}": torch.as_tensor(value) for name, value in state.items()})
+    return tensors
 
 
 def test_students_wait_for_the_teacher_and_need_an_examples_table(tmp_path, capsys):
@@ -136,8 +146,8 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
         assert s["adapter_ne_gain"] == pytest.approx(aux - adapted)
 
     loads: list[str] = []
-    real_load = distill.load_checkpoint
-    monkeypatch.setattr(distill, "load_checkpoint", lambda path, *a, **k: loads.append(str(path)) or real_load(path, *a, **k))
+    real_load = distill._load
+    monkeypatch.setattr(distill, "_load", lambda path, *a, **k: loads.append(str(path)) or real_load(path, *a, **k))
     again = _distill(straight)
     assert again.versions == [] and again.cursor == 4, "nothing new: nothing distilled twice"
     assert loads == [] and again.report == out.report, "a poll with nothing to distill loads no student"
@@ -191,3 +201,77 @@ def test_cli_distill_once_prints_one_json_line(tmp_path, capsys):
         (0, 0), (1, 90), (2, 90), (3, 90), (4, 90)]
     assert Path(line["report_path"]).is_file()
     assert main(["distill", "--once", "--lake", str(lake), *sets[:-2], "--set", "distill.variants=alone"]) == 2
+
+
+def _distill_kept(lake: Path, memory: distill.Memory) -> distill.DistillResult:
+    """One version, as a ``--follow`` poll with its kept students."""
+    config = _config(lake)
+    return distill.run_distill_once(trainer_args(config)[0], config.trainer, config.distill, max_versions=1,
+                                    memory=memory)
+
+
+def test_kept_students_and_compact_checkpoints_train_as_loaded_ones(tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    _lake(straight)
+    run_once(*trainer_args(_config(straight)))
+    kept, old_format = tmp_path / "kept", tmp_path / "old_format"
+    shutil.copytree(straight, kept)
+    shutil.copytree(straight, old_format)
+    want = _distill(straight)  # one call: every version, the students loaded by none
+    assert [v["version"] for v in want.versions] == [0, 1, 2, 3]
+
+    memory, loads = distill.Memory(), []
+    monkeypatch.setattr(distill, "_load", lambda path, *a, **k: loads.append(Path(path).name) or _LOAD(path, *a, **k))
+    real, calls = distill._train, {"n": 0}
+
+    def crash_once_in_version_2(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2 * 3 * len(VARIANTS) + 2:
+            raise RuntimeError("crash")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "_train", crash_once_in_version_2)
+    got = [_distill_kept(kept, memory).versions for _ in range(2)]
+    assert loads == [], "version 1 trained the students version 0 left in memory"
+    with pytest.raises(RuntimeError, match="crash"):
+        _distill_kept(kept, memory)  # version 2 dies part-way: the students in memory are half-trained
+    got += [_distill_kept(kept, memory).versions for _ in range(2)]
+    assert loads == ["step-2"], "after the failure, version 2 starts again from its checkpoint, then keeps"
+    assert [v[0]["version"] for v in got] == [0, 1, 2, 3]
+    assert _distill_kept(kept, memory).versions == [] and loads == ["step-2"]
+    params, got_kept = _params(straight), _params(kept)
+    assert params.keys() == got_kept.keys()
+    assert all(torch.equal(value, got_kept[name]) for name, value in params.items())
+
+    # A checkpoint of the format before the compact one (every table row saved) resumes exactly too.
+    monkeypatch.setattr(distill, "_train", real)
+    config = _config(old_format)
+    lake = trainer_args(config)[0]
+    distill.run_distill_once(lake, config.trainer, config.distill, max_versions=2)
+    path = latest_checkpoint(f"{old_format}/_distill")
+    assert path is not None
+    state = read_state(path)
+    students = _LOAD(path, state.extra, config.distill, config.trainer, len(state.extra["normalizer"]["names"]))
+    compact = (Path(path) / distill.STUDENTS_FILE).read_bytes()
+    extra = {k: v for k, v in state.extra.items() if k != "format"}
+    shutil.rmtree(path)
+    save_checkpoint(f"{old_format}/_distill", TrainState(step=state.step, examples_seen=0,
+                                                         examples_version=state.examples_version, extra=extra),
+                    students.modules, students.optimizers)
+    whole = (Path(path) / "state.pt").stat().st_size
+    assert whole > 20 * len(compact), "format 1: every row of every table"
+    distill.run_distill_once(lake, config.trainer, config.distill)
+    got_old = _params(old_format)
+    assert params.keys() == got_old.keys()
+    assert all(torch.equal(value, got_old[name]) for name, value in params.items())
+
+    # What the compact checkpoint holds: the rows the examples met. Each domain's rows share one domain id, so its
+    # students' domain tables hold one row; no table holds every row.
+    newest = latest_checkpoint(f"{kept}/_distill")
+    assert newest is not None
+    saved = torch.load(Path(newest) / distill.STUDENTS_FILE, weights_only=True)
+    assert sorted(saved["rows"]) == sorted(DOMAINS)
+    for rows in saved["rows"].values():
+        assert len(rows[SPARSE_FEATURES.index("domain")]) == 1
+        assert all(0 < len(r) < config.distill.num_embeddings for r in rows)
+    assert sum(f.stat().st_size for f in Path(newest).iterdir()) < 0.05 * whole
