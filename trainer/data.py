@@ -493,20 +493,24 @@ def _with_pointer_extras(table: pa.Table, pointers: PointerHistory) -> pa.Table:
 
 
 def encode_for(table: pa.Table, tc: TrainerConfig, normalizer: DenseNormalizer, pointers: PointerHistory | None = None, *,
-               ids: IdMapping | None = None) -> EncodedExamples:
+               ids: IdMapping | None = None, sequences: bool = True) -> EncodedExamples:
     """:func:`encode_examples` as the trainer ``tc`` reads examples (final labels, the sequence extras its model needs)."""
     return encode_examples(table, tc.num_embeddings, normalizer, pointers, ids=ids, final_labels=tc.final_labels,
-                           click_window_ms=tc.click_window_ms, sequence_extras=tc.reads_sequence_extras)
+                           click_window_ms=tc.click_window_ms, sequence_extras=tc.reads_sequence_extras,
+                           sequences=sequences)
 
 
 def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNormalizer,
                     pointers: PointerHistory | None = None, *, ids: IdMapping | None = None, final_labels: bool = False,
-                    click_window_ms: int | None = None, sequence_extras: bool = False) -> EncodedExamples:
+                    click_window_ms: int | None = None, sequence_extras: bool = False,
+                    sequences: bool = True) -> EncodedExamples:
     """Hash (or map with ``ids``, trainer.id_mapping, which counts nothing here), flatten and normalize a split;
     pointer-layout rows take their sequences from ``pointers`` (:attr:`ExamplesSplit.pointers`), fat rows from
     their list columns. With ``final_labels``, mark the labels whose window has closed
     (:func:`trainer.labels.final_labels` with ``click_window_ms``); with ``sequence_extras`` and the build's
     columns (``seq_time_delta_ms``, ``seq_same_domain_*``; pointer rows rebuild them from history), also the :data:`SEQUENCE_EXTRA_KEYS`.
+    Without ``sequences`` (a reader of the other columns only: the distillation students) no sequence is
+    encoded: ``seq_values`` is empty, ``seq_offsets`` zeros, ``pointers`` unused; every other field is the same.
 
     Raises:
         ValueError: a sequence column's list lengths disagree with ``seq_length`` (or, for pointer
@@ -525,6 +529,31 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
     sparse = np.stack(
         [rows(table[name], name) for name in SPARSE_FEATURES], axis=1
     ) if n else np.zeros((0, len(SPARSE_FEATURES)), dtype=np.int64)
+    if sequences:
+        seq_values, offsets, same_offsets = _encode_sequences(table, rows, pointers, sequence_extras)
+    else:
+        seq_values, offsets, same_offsets = {}, np.zeros(n + 1, dtype=np.int64), None
+    labels = np.stack(
+        [table[c].to_numpy(zero_copy_only=False).astype(np.float32) for c in ("label_click", "label_conversion")], axis=1
+    ) if n else np.zeros((0, 2), dtype=np.float32)
+    return EncodedExamples(
+        sparse_ids=sparse,
+        seq_values=seq_values,
+        seq_offsets=offsets,
+        dense=normalizer.transform(_dense_raw(table, normalizer.names)),
+        labels=labels,
+        domains=np.asarray(table["domain"].to_pylist(), dtype=object),
+        delayed=delayed_labels(table),
+        final=labels_final(table, click_window_ms) if final_labels else None,
+        same_domain_offsets=same_offsets,
+    )
+
+
+def _encode_sequences(table: pa.Table, rows: RowsOf, pointers: PointerHistory | None,
+                      sequence_extras: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None]:
+    """(seq_values, seq_offsets, same_domain_offsets) of :class:`EncodedExamples` for ``table``
+    (:func:`encode_examples`, which documents what it raises)."""
+    n = table.num_rows
     seq_length = table["seq_length"].to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(seq_length, out=offsets[1:])
@@ -551,20 +580,7 @@ def encode_examples(table: pa.Table, num_embeddings: int, normalizer: DenseNorma
     same_offsets = None
     if sequence_extras and n and {"seq_time_delta_ms", *SAME_DOMAIN_KEYS[:3]} <= set(table.schema.names):
         same_offsets = _encode_extras(table, rows, seq_length, seq_values)
-    labels = np.stack(
-        [table[c].to_numpy(zero_copy_only=False).astype(np.float32) for c in ("label_click", "label_conversion")], axis=1
-    ) if n else np.zeros((0, 2), dtype=np.float32)
-    return EncodedExamples(
-        sparse_ids=sparse,
-        seq_values=seq_values,
-        seq_offsets=offsets,
-        dense=normalizer.transform(_dense_raw(table, normalizer.names)),
-        labels=labels,
-        domains=np.asarray(table["domain"].to_pylist(), dtype=object),
-        delayed=delayed_labels(table),
-        final=labels_final(table, click_window_ms) if final_labels else None,
-        same_domain_offsets=same_offsets,
-    )
+    return seq_values, offsets, same_offsets
 
 
 def _encode_extras(table: pa.Table, rows: RowsOf, seq_length: np.ndarray, seq_values: dict[str, np.ndarray]) -> np.ndarray:

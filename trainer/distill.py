@@ -632,9 +632,10 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                 logged = read_predictions(lake, version)  # the current teacher run's: an older run's is another model
                 logged = logged.filter(pc.equal(logged["run_id"], teacher_run))
                 joined = join_teacher(table, logged, allowed, dim=dim, hidden=hidden)
-                data = encode_for(table, tc, normalizer, pointers(table))
-                _distill_version(students, version, table, data, joined, history, evaluate=not is_released)
                 measure = sum(1 for r in passed if r["rows"]) % INFERENCE_EVERY == 0
+                # The students read no sequence; only the teacher's forward of inference_rates does.
+                data = encode_for(table, tc, normalizer, pointers(table) if measure else None, sequences=measure)
+                _distill_version(students, version, table, data, joined, history, evaluate=not is_released)
                 counts, rates = joined.counts, inference_rates(students, tc, data, joined) if measure else None
             else:
                 counts, rates = {}, None

@@ -126,6 +126,20 @@ def test_batch_kjt_hand_checked(make_examples):
     assert batch.domains == [r["domain"] for r in rows]
 
 
+def test_encoding_without_sequences_leaves_every_other_field_equal(make_examples):
+    table = make_examples(["2026-01-01", "2026-01-02"], 40, 3)
+    norm = fit_normalizer(table)
+    whole = encode_examples(table, N, norm, final_labels=True, click_window_ms=3_600_000, sequence_extras=True)
+    bare = encode_examples(table.drop_columns(list(SEQUENCE_KEYS)), N, norm, final_labels=True,
+                           click_window_ms=3_600_000, sequence_extras=True, sequences=False)
+    assert whole.seq_values and bare.seq_values == {} and bare.same_domain_offsets is None
+    assert bare.seq_offsets.tolist() == [0] * (len(table) + 1)
+    for name in ("sparse_ids", "dense", "labels", "domains", "final"):
+        assert np.array_equal(getattr(whole, name), getattr(bare, name)), name
+    assert whole.delayed is None and bare.delayed is None, "synthetic rows carry no late-label columns"
+    assert whole.final is not None and len(whole.sparse_ids) == len(table) == 80
+
+
 def test_batch_gathers_shuffled_rows(make_examples):
     table = three_example_table(make_examples)
     batch = make_batch(encode_examples(table, N, fit_normalizer(table)), np.array([2, 1, 0]))
