@@ -15,9 +15,10 @@ has passed (below the cursor of its newest checkpoint: trained, skipped, or with
    is scored too);
 3. the representation students adopt the teacher's logged user and item rows they have not set yet;
 4. **training**, one pass in a seeded order: per batch the Student Adapter steps first, then the student;
-5. a **checkpoint** holding every student, adapter and optimiser, the cursor (the next version), the input
-   normalizer and the history of metrics, so a crash anywhere resumes at the last finished version: each
-   example reaches each student's final parameters exactly once. A quarantined version is skipped, and distilled
+5. a **checkpoint** holding every student, adapter and optimiser (the tables and their moments at the rows
+   met only: :func:`save_students`), the cursor (the next version), the input normalizer and the history of
+   metrics, so a crash anywhere resumes at the last finished version: each example reaches each student's final
+   parameters exactly once. A ``--follow`` process keeps the students it saved last (:class:`Memory`). A quarantined version is skipped, and distilled
    (not evaluated) once released and consumed by the teacher.
 
 The report (:func:`write_report`) pools the history per domain and variant: NE, AUC, calibration, the
