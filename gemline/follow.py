@@ -202,12 +202,14 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
     """
     from sequences.history_tail import HistoryTail
     from validation.run import validate_table
+    from validation.session import ValidationSession
 
     if not tables:
         raise ValueError("follow_validate: expected at least one table")
     lake = Lake.for_config(config)
     # The pointer checks of each examples version read history by increments (sequences.history_tail).
-    tail = HistoryTail(lake, config.build.max_seq_len, config.build.same_domain_seq_len)
+    # The session keeps quality and quality_profiles in memory across versions (validation.session).
+    session = ValidationSession(lake, HistoryTail(lake, config.build.max_seq_len, config.build.same_domain_seq_len))
 
     def one_pass(state: FollowState) -> None:
         state.waiting = ""
@@ -215,13 +217,15 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
             newest = _latest(lake, table)
             if newest is None:
                 continue
-            todo = [v for v, d in gate_decisions(lake, table, range(newest + 1)).items() if not d.validated]
+            session.refresh()
+            validated = session.validated(table)
+            todo = [v for v in range(newest + 1) if v not in validated]
             if table == Table.EVENTS:
                 todo = [newest] if newest in todo else []
             for version in todo:
                 result = validate_table(lake, table, version, validation=config.validation, ingest=config.ingest,
                                         build=config.build, plots=config.validation.follow_report_plots,
-                                        history_tail=tail)
+                                        session=session)
                 state.done.append({"table": table, "version": version, "passed": result.passed,
                                    "report": result.report_html})
                 log.info("%s@%d: %s", table, version, "PASSED" if result.passed else "QUARANTINED")

@@ -48,6 +48,7 @@ from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.pointer_checks import pointer_sequence_checks
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
+from validation.session import ValidationSession
 from validation.suites import SEQUENCE_TIME_COLUMN, CheckResult, validate_events, validate_examples
 
 VALIDATED_TABLES: tuple[str, ...] = (Table.EVENTS, Table.SEQUENCES, Table.EXAMPLES, *FEATURE_VIEWS)
@@ -156,17 +157,18 @@ def _event_dates(min_ms: int, max_ms: int) -> list[str]:
     return [str(d) for d in days]
 
 
-def _events_increment(lake: Lake, version: int, window_ms: int) -> tuple[pa.Table, pa.Table] | None:
+def _events_increment(lake: Lake, version: int, window_ms: int, since: int | None
+                      ) -> tuple[pa.Table, pa.Table] | None:
     """(the rows ``events`` gained after the newest version validated before ``version``, up to ``version``;
     the (event_id, event_time_ms) of the rows before them that they may repeat: same id, event date within
-    ``window_ms`` of theirs), or None when the whole table must be judged: no earlier version was validated,
-    or a commit since then removed files (an overwrite or a compaction: new rows may sit in rewritten files).
+    ``window_ms`` of theirs), or None when the whole table must be judged: no earlier version was validated
+    (``since``, the newest version validated before ``version``, is None), or a commit since then removed files
+    (an overwrite or a compaction: new rows may sit in rewritten files).
 
     The earlier rows are read as the ingest job's dedup reads them (``event_date`` partitions, then the ids):
     two columns of the recent days, not the table.
     """
     root, opts = lake.root, lake.delta_options
-    since = last_validated_before(root, Table.EVENTS, version, storage_options=opts)
     if since is None:
         return None
     if any(read_increment(root, Table.EVENTS, v, storage_options=opts).removed for v in range(since + 1, version + 1)):
@@ -204,6 +206,7 @@ def validate_table(
     now_ms: int | None = None,
     plots: Literal["always", "quarantined"] = "always",
     history_tail: HistoryTail | None = None,
+    session: ValidationSession | None = None,
 ) -> QualityResult:
     """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
 
@@ -225,7 +228,11 @@ def validate_table(
             (``validate --follow``: ``ValidationConfig.follow_report_plots``).
         history_tail: pointer-layout ``examples`` only: the ``history`` a long-running validator keeps
             (``validate --follow``, :class:`sequences.history_tail.HistoryTail`, built with ``build``'s
-            lengths); None reads the whole history of the version's users.
+            lengths); None reads the whole history of the version's users (or the session's tail).
+        session: a long-running validator's :class:`validation.session.ValidationSession` (``validate
+            --follow``): which version was validated last and the drift baseline come from its in-memory
+            ``quality`` and ``quality_profiles``, brought up to date here, instead of whole reads of them; the
+            outcome is the same. None reads the tables.
 
     Returns:
         The :class:`QualityResult`; its reports are under ``LAKE/_quality/<table>/<version>/``.
@@ -246,13 +253,19 @@ def validate_table(
     if not 0 <= table_version <= latest:
         raise BadConfigError(f"{table}: version must be in [0, {latest}], got {table_version}")
 
+    if session is not None:
+        session.refresh()
+        history_tail = history_tail or session.history_tail
+
     steps = tqdm(total=5, desc=f"validate {table}@{table_version}", unit="step")
     # examples is append-only: a version is judged on the rows it added (the increment a trainer consumes),
     # so the cost does not grow with the table and one bad build does not fail every later version.
     added = rows_added(root, table, table_version, storage_options=opts) if table in INCREMENTAL else None
     earlier = None
     if table == Table.EVENTS:
-        increment = _events_increment(lake, table_version, ingest.dedup_window_ms)
+        since = (last_validated_before(root, Table.EVENTS, table_version, storage_options=opts) if session is None
+                 else session.last_validated_before(Table.EVENTS, table_version))
+        increment = _events_increment(lake, table_version, ingest.dedup_window_ms, since)
         added, earlier = (None, None) if increment is None else increment
     data = added if added is not None else read_table(root, table, table_version, storage_options=opts)
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
@@ -263,8 +276,9 @@ def validate_table(
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)
     profile = profile_batch(batch)
-    history = profile_history(root, table, table_version, validation.drift_history_batches,
-                              storage_options=opts)
+    k = validation.drift_history_batches
+    history = (profile_history(root, table, table_version, k, storage_options=opts) if session is None
+               else session.profile_history(table, table_version, k))
     results = results + dead_checks + drift_checks(profile, [p for _, p in history], validation)
     steps.update()
     run_id = f"{ts:013d}-{uuid.uuid4().hex[:8]}"

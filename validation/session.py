@@ -1,0 +1,169 @@
+"""What a long-running validator (``gemline validate --follow``) keeps between versions instead of reading again.
+
+Validating one version used to read the whole ``quality`` table (which events version was validated last) and
+the whole ``quality_profiles`` table (the drift baseline), and the follower read ``quality`` again for every
+pass to find the versions not validated yet: reads that grow with every version validated, so a stream paid
+more per version the longer it ran (about a third of the CPU of a 3-minute stream's version). A
+:class:`ValidationSession` keeps an index of each of the two tables in memory and brings it up to date before
+each version by reading only the commits added since (:class:`_AppendOnlyTail`: one ``stat`` per new log entry,
+then that commit's own files), so its answers are those of a fresh read of the tables
+(``tests/validation/test_session.py`` checks the quality rows, profiles and reports of a session against
+fresh validations).
+
+Nothing is written from the session: a crashed or restarted validator starts a new one from the tables. A
+commit that removed files from either table (an overwrite, a compaction) makes the session read that table
+whole again. Not seen, as with :class:`gemline.increments.LogTip`: a table deleted and recreated under the
+same path, until it passes the old newest version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyarrow.fs import FileType
+
+from gemline.gate import QUALITY_SCHEMA, RELEASE
+from gemline.increments import CursorError, read_increment
+from gemline.lake import Lake, lake_fs, open_table
+from gemline.tables import Table
+from sequences.history_tail import HistoryTail
+from validation.profiles import PROFILES_SCHEMA
+
+log = logging.getLogger(__name__)
+
+
+class _AppendOnlyTail:
+    """Feeds every row of one Delta table to ``on_rows``, the whole table first, then the rows each new commit
+    added (``dataChange`` files of its log entry, read straight from Parquet); ``on_reset`` is called before a
+    whole read, which happens again when a new commit removed files or its files lack a column of ``schema``.
+
+    Args:
+        lake: the lake holding ``table``.
+        table: an append-only table (``quality``, ``quality_profiles``).
+        schema: the columns fed (each batch is cast to it).
+    """
+
+    def __init__(self, lake: Lake, table: str, schema: pa.Schema, on_rows: Callable[[pa.Table], None],
+                 on_reset: Callable[[], None]) -> None:
+        self._lake, self._table, self._schema = lake, table, schema
+        self._on_rows, self._on_reset = on_rows, on_reset
+        self._fs, self._root = lake_fs(lake.root, lake.delta_options)
+        self._next: int | None = None
+        """The next version to read; None: read the whole table at the next :meth:`advance`."""
+        self.whole_reads = 0
+
+    def _log(self, version: int) -> str:
+        return f"{self._root}/{self._table}/_delta_log/{version:020d}.json"
+
+    def advance(self) -> None:
+        """Feed the rows committed since the last call (the whole table the first time)."""
+        if self._next is None:
+            self._read_whole()
+            return
+        while self._fs.get_file_info(self._log(self._next)).type != FileType.NotFound:
+            try:
+                increment = read_increment(self._lake.root, self._table, self._next,
+                                           storage_options=self._lake.delta_options)
+                if increment.removed:
+                    raise CursorError(f"{self._table}@{self._next} removed files")
+                parts = [self._read_file(f.path) for f in increment.files]
+            except (CursorError, KeyError, OSError) as exc:  # what an append alone cannot explain: read it all again
+                log.info("validation session: reading %s whole again (%s)", self._table, exc)
+                self._read_whole()
+                return
+            for part in parts:
+                self._on_rows(part)
+            self._next += 1
+
+    def _read_file(self, path: str) -> pa.Table:
+        """The rows of one data file the table added, as ``schema`` (KeyError: a column is missing)."""
+        with self._fs.open_input_file(f"{self._root}/{self._table}/{path}") as f:
+            parquet = pq.ParquetFile(f)
+            missing = [n for n in self._schema.names if n not in parquet.schema_arrow.names]
+            if missing:
+                raise KeyError(f"{self._table}: {path} lacks {missing}")
+            data = parquet.read(columns=self._schema.names)
+        return pa.table([data.column(n).cast(self._schema.field(n).type) for n in self._schema.names],
+                        schema=self._schema)
+
+    def _read_whole(self) -> None:
+        self._on_reset()
+        self.whole_reads += 1
+        dt = open_table(self._lake.root, self._table, storage_options=self._lake.delta_options)
+        if dt is None:
+            self._next = None  # no table yet: look again next time
+            return
+        data = dt.to_pyarrow_dataset().to_table(columns=self._schema.names)
+        self._next = int(dt.version()) + 1
+        self._on_rows(data.cast(self._schema))
+
+
+_QUALITY_COLUMNS = pa.schema([QUALITY_SCHEMA.field(n) for n in ("table", "table_version", "expectation")])
+"""What the session needs of ``quality``: which versions have a validation run."""
+
+
+@dataclass
+class _Profile:
+    key: tuple[int, str]  # (run_ts_ms, run_id): the newest run of a version wins, as profiles.profile_history
+    passed: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class ValidationSession:
+    """The ``quality`` and ``quality_profiles`` tables of ``lake`` kept in memory for a validator that judges
+    version after version (module docstring), plus the ``history`` tail of its pointer checks.
+
+    Its answers equal :func:`gemline.gate.last_validated_before`, :func:`gemline.gate.gate_decisions`'
+    ``validated`` and :func:`validation.profiles.profile_history` on the tables as they are at :meth:`refresh`.
+
+    Args:
+        lake: the lake validated.
+        history_tail: the pointer checks' ``history`` (:class:`sequences.history_tail.HistoryTail`), or None.
+    """
+
+    def __init__(self, lake: Lake, history_tail: HistoryTail | None = None) -> None:
+        self.lake = lake
+        self.history_tail = history_tail
+        self._validated: dict[str, set[int]] = {}
+        self._profiles: dict[tuple[str, int], _Profile] = {}
+        self._quality = _AppendOnlyTail(lake, Table.QUALITY, _QUALITY_COLUMNS, self._add_quality, self._validated.clear)
+        self._profile_rows = _AppendOnlyTail(lake, Table.QUALITY_PROFILES, PROFILES_SCHEMA, self._add_profiles,
+                                             self._profiles.clear)
+
+    def refresh(self) -> None:
+        """Take in what was committed to ``quality`` and ``quality_profiles`` since the last call."""
+        self._quality.advance()
+        self._profile_rows.advance()
+
+    def _add_quality(self, rows: pa.Table) -> None:
+        checks = rows.filter(pc.not_equal(rows["expectation"], RELEASE)).select(["table", "table_version"])
+        for table, version in zip(checks["table"].to_pylist(), checks["table_version"].to_pylist()):
+            self._validated.setdefault(table, set()).add(version)
+
+    def _add_profiles(self, rows: pa.Table) -> None:
+        for r in rows.to_pylist():
+            where, key = (r["table"], r["table_version"]), (r["run_ts_ms"], r["run_id"])
+            known = self._profiles.get(where)
+            if known is None or key > known.key:
+                known = self._profiles[where] = _Profile(key, r["passed"])
+            if key == known.key:
+                known.passed = r["passed"]
+                known.metrics[r["metric"]] = r["value"]
+
+    def validated(self, table: str) -> set[int]:
+        """The versions of ``table`` with a validation run (a release alone is not one), at the last refresh."""
+        return set(self._validated.get(table, ()))
+
+    def last_validated_before(self, table: str, table_version: int) -> int | None:
+        """:func:`gemline.gate.last_validated_before` at the last refresh."""
+        return max((v for v in self._validated.get(table, ()) if v < table_version), default=None)
+
+    def profile_history(self, table: str, before_version: int, k: int) -> list[tuple[int, dict[str, float]]]:
+        """:func:`validation.profiles.profile_history` at the last refresh."""
+        kept = sorted(v for (t, v), p in self._profiles.items() if t == table and v < before_version and p.passed)
+        return [(v, dict(self._profiles[(table, v)].metrics)) for v in kept[-k:]]
