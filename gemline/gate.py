@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,6 +28,9 @@ from gemline.errors import BadConfigError, GemlineError, MissingInputError
 from gemline.increments import LogTip, ledger, read_increment
 from gemline.lake import Lake, StorageOptions, as_lake, open_table
 from gemline.tables import Table
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 RELEASE = "__release__"
 
@@ -58,7 +62,7 @@ class GateDecision:
 
 
 def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, app_id: str | None = None,
-                        storage_options: StorageOptions | None = None) -> bool:
+                        storage_options: StorageOptions | None = None, snapshot: DeltaTable | None = None) -> bool:
     """Append rows (dicts with the QUALITY_SCHEMA fields) to the ``quality`` table in one commit, once.
 
     The commit is the app transaction ``(app_id, 0)`` (:func:`gemline.tables.commit`): a retry of the
@@ -69,6 +73,7 @@ def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, app_id: st
             options for a remote lake, see :mod:`gemline.lake`).
         app_id: the writer, one per run (a validation run passes ``validate:<run_id>``); None:
             ``quality:<digest of the rows>``, so only the very same rows count as a retry.
+        snapshot: a long-running writer's open handle of ``quality`` (:func:`gemline.lake.commit_once`).
 
     Returns:
         True if this call committed; False for no rows, or when ``app_id`` already committed.
@@ -83,7 +88,7 @@ def append_quality_rows(lake: Lake | str | Path, rows: list[dict], *, app_id: st
         digest = hashlib.blake2b(json.dumps(rows, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
         app_id = f"quality:{digest}"
     return tables.commit(lake, Table.QUALITY, pa.Table.from_pylist(rows, schema=QUALITY_SCHEMA), app_id=app_id,
-                         version=0)
+                         version=0, snapshot=snapshot)
 
 
 def gate_decision(lake: Lake | str | Path, table: str, table_version: int, *,

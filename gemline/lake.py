@@ -341,6 +341,7 @@ def commit_once(
     metadata: dict[str, Any] | None = None,
     version_rule: VersionRule = "next",
     storage_options: StorageOptions | None = None,
+    snapshot: DeltaTable | None = None,
 ) -> bool:
     """Write ``data`` to ``table`` in one commit tagged (app_id, version), unless already committed.
 
@@ -352,6 +353,9 @@ def commit_once(
             (e.g. Kafka offset ranges), readable with :func:`commit_metadata`.
         version_rule: which versions are accepted (:data:`VersionRule`; default: only the next).
         storage_options: object-store options for a remote lake (see the module docstring).
+        snapshot: a long-running writer's open handle of ``table``, brought up to date here
+            (``update_incremental``: the log entries since its version only) instead of opening the table,
+            whose cost grows with the log since its last checkpoint; None opens it.
 
     Returns:
         True if this call committed, False if (app_id, version) or a later version was already there.
@@ -360,7 +364,9 @@ def commit_once(
         ValueError: ``version_rule`` is "next" and ``version`` skips ahead of the last committed version + 1.
         CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
-    dt = open_table(lake, table, storage_options=storage_options)
+    if snapshot is not None:
+        snapshot.update_incremental()
+    dt = open_table(lake, table, storage_options=storage_options) if snapshot is None else snapshot
     if not _is_next_version(dt, table, app_id, version, version_rule):
         return False
     with _conflict_is_an_error(lake, table, app_id, version):

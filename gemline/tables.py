@@ -50,12 +50,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 
 from gemline import lake as _lake
 from gemline.errors import TableSpecError
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 
 class Table(StrEnum):
@@ -200,9 +203,13 @@ def _check_columns(s: TableSpec, columns: Sequence[str]) -> None:
                              f"(partitioned by {list(s.partition_by)}); got columns {list(columns)}")
 
 
-def _check_lake_table(lake: _lake.Lake | str | Path, s: TableSpec, storage_options: _lake.StorageOptions | None) -> None:
-    """Refuse a table already in the lake whose partition columns are not the spec's."""
-    dt = _lake.open_table(lake, s.name, storage_options=storage_options)
+def _check_lake_table(lake: _lake.Lake | str | Path, s: TableSpec, storage_options: _lake.StorageOptions | None,
+                      snapshot: DeltaTable | None = None) -> None:
+    """Refuse a table already in the lake whose partition columns are not the spec's (``snapshot``: an open
+    handle of it, brought up to date; None opens the table)."""
+    if snapshot is not None:
+        snapshot.update_incremental()
+    dt = _lake.open_table(lake, s.name, storage_options=storage_options) if snapshot is None else snapshot
     if dt is None:
         return
     found = list(dt.metadata().partition_columns)
@@ -222,6 +229,7 @@ def commit(
     metadata: dict[str, Any] | None = None,
     version_rule: Literal["next", "increasing"] = "next",
     storage_options: _lake.StorageOptions | None = None,
+    snapshot: DeltaTable | None = None,
 ) -> bool:
     """Write ``data`` to ``table`` in one commit tagged (app_id, version), with the spec's mode and
     partition columns, unless that app transaction is already there (:func:`gemline.lake.commit_once`).
@@ -231,6 +239,7 @@ def commit(
         app_id, version: the app transaction; ``version_rule`` says which versions are accepted.
         metadata: JSON-serialisable values stored in the commit (:func:`gemline.lake.commit_metadata`).
         storage_options: object-store options for a remote lake given as a root (see :mod:`gemline.lake`).
+        snapshot: a long-running writer's open handle of the table (:func:`gemline.lake.commit_once`).
 
     Returns:
         True if this call committed, False if (app_id, version) or a later version was already there.
@@ -243,10 +252,10 @@ def commit(
     """
     s = spec(table)
     _check_columns(s, data.column_names)
-    _check_lake_table(lake, s, storage_options)
+    _check_lake_table(lake, s, storage_options, snapshot)
     return _lake.commit_once(lake, s.name, data, app_id=app_id, version=version, mode=s.mode,
                              partition_by=list(s.partition_by) or None, metadata=metadata,
-                             version_rule=version_rule, storage_options=storage_options)
+                             version_rule=version_rule, storage_options=storage_options, snapshot=snapshot)
 
 
 def write_files(

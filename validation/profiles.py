@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +37,9 @@ from gemline.tables import Table
 from sequences.schema import LABELS
 from validation.config import ValidationConfig
 from validation.suites import CheckResult
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 PROFILES_SCHEMA = pa.schema(
     [
@@ -186,11 +190,13 @@ def drift_checks(
 def append_profile(
     lake: str | Path, *, table: str, table_version: int, run_id: str, run_ts_ms: int, passed: bool,
     profile: Mapping[str, float], app_id: str | None = None, storage_options: StorageOptions | None = None,
+    snapshot: DeltaTable | None = None,
 ) -> bool:
     """Append one run's profile to ``quality_profiles`` in one commit, once (non-finite values are skipped).
 
     The commit is the app transaction ``(app_id, 0)`` (:func:`gemline.tables.commit`; None:
-    ``validate:<run_id>``): a retry of the same run's write writes nothing.
+    ``validate:<run_id>``): a retry of the same run's write writes nothing. ``snapshot``: a long-running
+    writer's open handle of ``quality_profiles`` (:func:`gemline.lake.commit_once`).
 
     Returns:
         True if this call committed; False when no value is finite or the run's profile is already there.
@@ -207,7 +213,8 @@ def append_profile(
     if not rows:
         return False
     return tables.commit(lake, Table.QUALITY_PROFILES, pa.Table.from_pylist(rows, schema=PROFILES_SCHEMA),
-                         app_id=app_id or f"validate:{run_id}", version=0, storage_options=storage_options)
+                         app_id=app_id or f"validate:{run_id}", version=0, storage_options=storage_options,
+                       snapshot=snapshot)
 
 
 def profile_history(lake: str | Path, table: str, before_version: int, k: int, *,

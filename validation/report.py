@@ -11,6 +11,7 @@ backend) and shows the verdict at the top in large text.
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import subprocess
@@ -43,7 +44,14 @@ def report_dir(lake: str | Path, table: str, table_version: int) -> Path:
 
 
 def code_version() -> dict[str, str]:
-    """``{"gemline": __version__, "git": HEAD commit or "unknown"}`` of the running code."""
+    """``{"gemline": __version__, "git": HEAD commit or "unknown"}`` of the running code: the checkout's HEAD
+    when first asked (once per process: a validator judging version after version runs the code it imported,
+    whatever the checkout moves to, and need not start ``git`` per version)."""
+    return dict(_code_version())
+
+
+@functools.cache
+def _code_version() -> dict[str, str]:
     repo = Path(gemline.__file__).resolve().parent.parent
     try:
         out = subprocess.run(
@@ -59,10 +67,30 @@ def source_metadata(lake: str | Path, table: str, table_version: int, *,
                     storage_options: StorageOptions | None = None) -> dict[str, Any] | None:
     """The gemline custom metadata of the commit that made ``table_version`` (see ``gemline.lake.commit_once``).
 
-    Looks up that exact version in the Delta history rather than the app's newest commit, so a
-    report on an older version names that version's Kafka offset ranges / ``events_version``.
-    Returns None when the commit carries none (a table written outside ``commit_once``).
+    Reads that exact version's log entry (its ``commitInfo``) rather than the app's newest commit, so a
+    report on an older version names that version's Kafka offset ranges / ``events_version``; one file,
+    where the table's history is one file per commit. Returns None when the commit carries none (a table
+    written outside ``commit_once``). A log entry already cleaned up (after a checkpoint) is looked for in
+    the history, :func:`source_metadata_from_history`, which answers the same.
     """
+    fs, root = lake_fs(lake, storage_options)
+    try:
+        with fs.open_input_stream(f"{root}/{table}/_delta_log/{table_version:020d}.json") as stream:
+            text = stream.read().decode("utf-8")
+    except (FileNotFoundError, OSError):
+        return source_metadata_from_history(lake, table, table_version, storage_options=storage_options)
+    for line in text.splitlines():
+        info = json.loads(line).get("commitInfo") if line.strip() else None
+        if info is not None:
+            raw = info.get("gemline")
+            return None if raw is None else json.loads(raw)
+    return None
+
+
+def source_metadata_from_history(lake: str | Path, table: str, table_version: int, *,
+                                 storage_options: StorageOptions | None = None) -> dict[str, Any] | None:
+    """:func:`source_metadata` from the Delta history (every commit's log entry): its reference twin, and
+    its answer when the version's own log entry is gone."""
     dt = open_table(lake, table, storage_options=storage_options)
     if dt is None:
         return None

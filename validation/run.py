@@ -298,7 +298,8 @@ def validate_table(
     # One app transaction per run on both tables: a retried write of this run lands once.
     app_id = f"validate:{run_id}"
     append_profile(root, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
-                   passed=verdict(results) == PASSED, profile=profile, app_id=app_id, storage_options=opts)
+                   passed=verdict(results) == PASSED, profile=profile, app_id=app_id, storage_options=opts,
+                   snapshot=None if session is None else session.snapshot(Table.QUALITY_PROFILES))
     steps.update()
     append_quality_rows(
         root,
@@ -318,6 +319,7 @@ def validate_table(
         ],
         app_id=app_id,
         storage_options=opts,
+        snapshot=None if session is None else session.snapshot(Table.QUALITY),
     )
     steps.update()
     steps.close()

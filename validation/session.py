@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from deltalake import DeltaTable
 from pyarrow.fs import FileType
 
 from gemline.gate import QUALITY_SCHEMA, RELEASE
@@ -131,6 +132,7 @@ class ValidationSession:
         self.history_tail = history_tail
         self._validated: dict[str, set[int]] = {}
         self._profiles: dict[tuple[str, int], _Profile] = {}
+        self._snapshots: dict[str, DeltaTable | None] = {}
         self._quality = _AppendOnlyTail(lake, Table.QUALITY, _QUALITY_COLUMNS, self._add_quality, self._validated.clear)
         self._profile_rows = _AppendOnlyTail(lake, Table.QUALITY_PROFILES, PROFILES_SCHEMA, self._add_profiles,
                                              self._profiles.clear)
@@ -154,6 +156,13 @@ class ValidationSession:
             if key == known.key:
                 known.passed = r["passed"]
                 known.metrics[r["metric"]] = r["value"]
+
+    def snapshot(self, table: str) -> DeltaTable | None:
+        """An open handle of ``table`` kept for this session's commits to it (``quality``, ``quality_profiles``),
+        which bring it up to date (:func:`gemline.lake.commit_once`); None while the table does not exist."""
+        if self._snapshots.get(table) is None:
+            self._snapshots[table] = open_table(self.lake.root, table, storage_options=self.lake.delta_options)
+        return self._snapshots[table]
 
     def validated(self, table: str) -> set[int]:
         """The versions of ``table`` with a validation run (a release alone is not one), at the last refresh."""

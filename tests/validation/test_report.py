@@ -81,3 +81,20 @@ def test_source_metadata_names_the_metadata_of_the_version_asked_not_the_newest(
                     metadata={"batch": batch})
     assert [source_metadata(lake, "t", v)["batch"] for v in range(4)] == [0, 1, 2, 3]
     assert source_metadata(lake, "t", 7) is None, "a version past the newest has no commit"
+
+
+def test_source_metadata_from_the_version_log_entry_equals_the_history(tmp_path):
+    from deltalake import write_deltalake
+
+    from gemline.lake import commit_once
+    from validation.report import source_metadata, source_metadata_from_history
+
+    rows = pa.table({"x": [1, 2]})
+    commit_once(tmp_path, "t", rows, app_id="a", version=0, metadata={"offset_ranges": [[0, 0, 2]]})
+    write_deltalake(str(tmp_path / "t"), rows, mode="append")  # written outside commit_once: no gemline metadata
+    commit_once(tmp_path, "t", rows, app_id="a", version=1, metadata={"events_version": 7})
+    got = [source_metadata(tmp_path, "t", v) for v in range(4)]
+    assert got == [source_metadata_from_history(tmp_path, "t", v) for v in range(4)]
+    assert got == [{"offset_ranges": [[0, 0, 2]], "app_id": "a", "txn_version": 0}, None,
+                   {"events_version": 7, "app_id": "a", "txn_version": 1}, None]
+    assert source_metadata(tmp_path, "missing", 0) is None  # version 3 above and this: no log entry, the history
