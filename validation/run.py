@@ -48,7 +48,7 @@ from validation.dead_letter import dead_letter_checks, in_ranges
 from validation.pointer_checks import pointer_sequence_checks
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
-from validation.session import ValidationSession
+from validation.session import SeenEventIds, ValidationSession
 from validation.suites import SEQUENCE_TIME_COLUMN, CheckResult, validate_events, validate_examples
 
 VALIDATED_TABLES: tuple[str, ...] = (Table.EVENTS, Table.SEQUENCES, Table.EXAMPLES, *FEATURE_VIEWS)
@@ -157,8 +157,8 @@ def _event_dates(min_ms: int, max_ms: int) -> list[str]:
     return [str(d) for d in days]
 
 
-def _events_increment(lake: Lake, version: int, window_ms: int, since: int | None
-                      ) -> tuple[pa.Table, pa.Table] | None:
+def _events_increment(lake: Lake, version: int, window_ms: int, since: int | None,
+                      seen: SeenEventIds | None = None) -> tuple[pa.Table, pa.Table] | None:
     """(the rows ``events`` gained after the newest version validated before ``version``, up to ``version``;
     the (event_id, event_time_ms) of the rows before them that they may repeat: same id, event date within
     ``window_ms`` of theirs), or None when the whole table must be judged: no earlier version was validated
@@ -166,7 +166,8 @@ def _events_increment(lake: Lake, version: int, window_ms: int, since: int | Non
     (an overwrite or a compaction: new rows may sit in rewritten files).
 
     The earlier rows are read as the ingest job's dedup reads them (``event_date`` partitions, then the ids):
-    two columns of the recent days, not the table.
+    two columns of the recent days, not the table; not at all when ``seen`` (a session's hashes of the ids of
+    ``events@since``) shows that none of the new ids is among them.
     """
     root, opts = lake.root, lake.delta_options
     if since is None:
@@ -185,14 +186,38 @@ def _events_increment(lake: Lake, version: int, window_ms: int, since: int | Non
         new = pa.schema(dt.schema().to_arrow()).empty_table()
     times, ids = new["event_time_ms"].drop_null(), pc.unique(new["event_id"].drop_null())
     pair = pa.schema([("event_id", pa.string()), ("event_time_ms", pa.int64())])
-    before = open_table(root, Table.EVENTS, since, storage_options=opts)
-    if before is None or len(times) == 0 or len(ids) == 0:
+    if len(times) == 0 or len(ids) == 0:
         return new, pair.empty_table()
     lo, hi = pc.min(times).as_py() - window_ms, pc.max(times).as_py() + window_ms
-    wanted = (pc.field("event_date").isin(_event_dates(lo, hi)) & pc.field("event_id").isin(ids)
+    dates = _event_dates(lo, hi)
+    if seen is not None and seen.none_of(ids, dates, since):
+        return new, pair.empty_table()
+    before = open_table(root, Table.EVENTS, since, storage_options=opts)
+    if before is None:
+        return new, pair.empty_table()
+    wanted = (pc.field("event_date").isin(dates) & pc.field("event_id").isin(ids)
               & (pc.field("event_time_ms") >= lo) & (pc.field("event_time_ms") <= hi))
     earlier = before.to_pyarrow_dataset().to_table(columns=["event_id", "event_time_ms"], filter=wanted)
     return new, earlier.cast(pair)
+
+
+def _remember_ids(lake: Lake, seen: SeenEventIds, since: int | None, version: int, data: pa.Table,
+                  increment: bool, now_ms: int, window_ms: int) -> None:
+    """Let ``seen`` cover ``events@version``: add an increment's rows to what covers ``events@since``; else
+    (a whole table judged, a session's first increment, another validator's run in between) start again from
+    the rows of ``events@version`` in the partitions that events of up to a day before ``now_ms`` look in."""
+    if increment and since is not None and seen.version == since:
+        seen.extend(since, version, data)
+        return
+    first_date = _event_dates(now_ms - _MS_PER_DAY - window_ms, now_ms)[0]
+    if not increment:
+        seen.reset(version, data, first_date)
+        return
+    dt = open_table(lake.root, Table.EVENTS, version, storage_options=lake.delta_options)
+    assert dt is not None, "validate_table read this version"
+    rows = dt.to_pyarrow_dataset().to_table(columns=["event_id", "event_date"],
+                                            filter=pc.field("event_date") >= first_date)
+    seen.reset(version, rows, first_date)
 
 
 def validate_table(
@@ -261,11 +286,12 @@ def validate_table(
     # examples is append-only: a version is judged on the rows it added (the increment a trainer consumes),
     # so the cost does not grow with the table and one bad build does not fail every later version.
     added = rows_added(root, table, table_version, storage_options=opts) if table in INCREMENTAL else None
-    earlier = None
+    earlier, since = None, None
     if table == Table.EVENTS:
         since = (last_validated_before(root, Table.EVENTS, table_version, storage_options=opts) if session is None
                  else session.last_validated_before(Table.EVENTS, table_version))
-        increment = _events_increment(lake, table_version, ingest.dedup_window_ms, since)
+        increment = _events_increment(lake, table_version, ingest.dedup_window_ms, since,
+                                      None if session is None else session.events_ids)
         added, earlier = (None, None) if increment is None else increment
     data = added if added is not None else read_table(root, table, table_version, storage_options=opts)
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
@@ -323,6 +349,9 @@ def validate_table(
     )
     steps.update()
     steps.close()
+    if session is not None and table == Table.EVENTS and "event_date" in data.column_names:
+        _remember_ids(lake, session.events_ids, since, table_version, data, added is not None, ts,
+                      ingest.dedup_window_ms)
     return QualityResult(
         table=table,
         table_version=table_version,

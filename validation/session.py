@@ -22,6 +22,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -108,6 +110,71 @@ _QUALITY_COLUMNS = pa.schema([QUALITY_SCHEMA.field(n) for n in ("table", "table_
 """What the session needs of ``quality``: which versions have a validation run."""
 
 
+class SeenEventIds:
+    """Hashes of the ``event_id`` of every ``events`` row up to one version, in the ``event_date`` partitions from
+    :attr:`first_date` on: what lets an events increment skip reading the earlier rows it may repeat when none of
+    its ids can be among them (:func:`validation.run._events_increment`).
+
+    A hash (polars' 64-bit hash of the string) that matches proves nothing (the earlier rows are then read as
+    without a session); no hash matching proves that no earlier row has one of the ids, so the earlier rows the
+    reference would read are none. The hashes are one sorted uint64 array: 8 bytes a row; past
+    :data:`MAX_SEEN_IDS` rows the session stops keeping them (the reads come back).
+    """
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        """The events version whose rows the hashes cover; None: none kept."""
+        self.first_date = ""
+        self._hashes = np.zeros(0, np.uint64)
+        self.skips = 0
+        """Increments that found none of their ids here (their earlier rows not read)."""
+
+    @staticmethod
+    def _hash(ids: pa.ChunkedArray | pa.Array) -> np.ndarray:
+        return np.sort(pl.Series(ids).drop_nulls().hash(seed=0).to_numpy())
+
+    def none_of(self, ids: pa.Array, dates: list[str], since: int) -> bool:
+        """True when none of ``ids`` is the id of a row of ``events@since`` in the partitions ``dates`` (the
+        ``event_date`` strings the reference reads); False when some may be, or the hashes do not cover them."""
+        if self.version != since or not dates or min(dates) < self.first_date:
+            return False
+        wanted = self._hash(ids)
+        if len(self._hashes):
+            at = np.minimum(np.searchsorted(self._hashes, wanted), len(self._hashes) - 1)
+            if np.any(self._hashes[at] == wanted):
+                return False
+        self.skips += 1
+        return True
+
+    def reset(self, version: int, rows: pa.Table, first_date: str) -> None:
+        """Cover ``events@version`` from its rows (``event_id``, ``event_date``) in the partitions from ``first_date``."""
+        kept = rows.filter(pc.greater_equal(rows["event_date"], first_date))
+        self.version, self.first_date, self._hashes = None, first_date, self._hash(kept["event_id"])
+        self._keep(version)
+
+    def extend(self, since: int, version: int, rows: pa.Table) -> None:
+        """Cover ``events@version`` given the rows it added after ``events@since`` (which must be covered)."""
+        if self.version != since:
+            self.version = None
+            return
+        kept = rows.filter(pc.greater_equal(rows["event_date"], self.first_date))
+        new = self._hash(kept["event_id"])
+        self._hashes = np.insert(self._hashes, np.searchsorted(self._hashes, new), new)
+        self._keep(version)
+
+    def _keep(self, version: int) -> None:
+        if len(self._hashes) > MAX_SEEN_IDS:
+            log.info("validation session: more than %d events ids since %s; earlier rows are read again",
+                     MAX_SEEN_IDS, self.first_date)
+            self.version, self._hashes = None, np.zeros(0, np.uint64)
+        else:
+            self.version = version
+
+
+MAX_SEEN_IDS = 20_000_000
+"""Most event ids :class:`SeenEventIds` keeps (8 bytes each: 160 MB), about 3 hours of a 2,000 events/s stream."""
+
+
 @dataclass
 class _Profile:
     key: tuple[int, str]  # (run_ts_ms, run_id): the newest run of a version wins, as profiles.profile_history
@@ -133,6 +200,7 @@ class ValidationSession:
         self._validated: dict[str, set[int]] = {}
         self._profiles: dict[tuple[str, int], _Profile] = {}
         self._snapshots: dict[str, DeltaTable | None] = {}
+        self.events_ids = SeenEventIds()
         self._quality = _AppendOnlyTail(lake, Table.QUALITY, _QUALITY_COLUMNS, self._add_quality, self._validated.clear)
         self._profile_rows = _AppendOnlyTail(lake, Table.QUALITY_PROFILES, PROFILES_SCHEMA, self._add_profiles,
                                              self._profiles.clear)
