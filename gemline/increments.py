@@ -328,6 +328,10 @@ class TableLedger:
         self._lock = threading.Lock()
         self._reset()
 
+    generation = 0
+    """How many times the table was read whole (a consumer of :meth:`rows` that keeps its own index of them starts
+    again from the first row when this changes; between two changes the rows only grow at the end)."""
+
     def _reset(self) -> None:
         self._tip = LogTip(self._lake.root, self._table, storage_options=self._lake.storage_options)
         self._version: int | None = None
@@ -359,6 +363,7 @@ class TableLedger:
             return self._rows
 
     def _read_whole(self, version: int) -> pa.Table | None:
+        self.generation += 1
         self._birth = self._first_entry()
         table = read_table(self._lake, self._table, version)
         self._rows = None if table is None else table.select(self.schema.names).cast(self.schema)

@@ -5,15 +5,14 @@ the whole ``quality_profiles`` table (the drift baseline), and the follower read
 pass to find the versions not validated yet: reads that grow with every version validated, so a stream paid
 more per version the longer it ran (about a third of the CPU of a 3-minute stream's version). A
 :class:`ValidationSession` keeps an index of each of the two tables in memory and brings it up to date before
-each version by reading only the commits added since (:class:`_AppendOnlyTail`: one ``stat`` per new log entry,
-then that commit's own files), so its answers are those of a fresh read of the tables
+each version by reading only the commits added since (the process's :class:`gemline.increments.TableLedger` of
+each table: one ``stat`` per new log entry, then that commit's own files), so its answers are those of a fresh read of the tables
 (``tests/validation/test_session.py`` checks the quality rows, profiles and reports of a session against
 fresh validations).
 
 Nothing is written from the session: a crashed or restarted validator starts a new one from the tables. A
-commit that removed files from either table (an overwrite, a compaction) makes the session read that table
-whole again. Not seen, as with :class:`gemline.increments.LogTip`: a table deleted and recreated under the
-same path, until it passes the old newest version.
+commit that removed rows from either table, or the table's recreation under the same path, makes the ledger read
+that table whole again, and the session rebuilds its index.
 """
 
 from __future__ import annotations
@@ -26,13 +25,11 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from deltalake import DeltaTable
-from pyarrow.fs import FileType
 
 from gemline.gate import QUALITY_SCHEMA, RELEASE
-from gemline.increments import CursorError, read_increment
-from gemline.lake import Lake, lake_fs, open_table
+from gemline.increments import ledger
+from gemline.lake import Lake, open_table
 from gemline.tables import Table
 from sequences.history_tail import HistoryTail
 from validation.profiles import PROFILES_SCHEMA
@@ -41,73 +38,41 @@ log = logging.getLogger(__name__)
 
 
 class _AppendOnlyTail:
-    """Feeds every row of one Delta table to ``on_rows``, the whole table first, then the rows each new commit
-    added (``dataChange`` files of its log entry, read straight from Parquet); ``on_reset`` is called before a
-    whole read, which happens again when a new commit removed files or its files lack a column of ``schema``.
+    """Feeds every row of one append-only Delta table to ``on_rows``: the whole table first, then the rows each new
+    commit added, as the process's :class:`gemline.increments.TableLedger` of the table takes them in (the gate's
+    own reads share it); ``on_reset`` is called before the rows are fed whole again, after the ledger read the
+    table whole again (a commit removed files, the table was recreated).
 
     Args:
         lake: the lake holding ``table``.
         table: an append-only table (``quality``, ``quality_profiles``).
-        schema: the columns fed (each batch is cast to it).
+        schema: the columns fed: the ledger's schema.
     """
 
     def __init__(self, lake: Lake, table: str, schema: pa.Schema, on_rows: Callable[[pa.Table], None],
                  on_reset: Callable[[], None]) -> None:
-        self._lake, self._table, self._schema = lake, table, schema
+        self._ledger = ledger(lake, table, schema)
         self._on_rows, self._on_reset = on_rows, on_reset
-        self._fs, self._root = lake_fs(lake.root, lake.delta_options)
-        self._next: int | None = None
-        """The next version to read; None: read the whole table at the next :meth:`advance`."""
-        self.whole_reads = 0
+        self._generation: int | None = None
+        self._fed = 0
+        """Rows of the ledger's current generation fed so far."""
 
-    def _log(self, version: int) -> str:
-        return f"{self._root}/{self._table}/_delta_log/{version:020d}.json"
+    @property
+    def whole_reads(self) -> int:
+        """How many times the ledger read the table whole."""
+        return self._ledger.generation
 
     def advance(self) -> None:
         """Feed the rows committed since the last call (the whole table the first time)."""
-        if self._next is None:
-            self._read_whole()
+        rows = self._ledger.rows()
+        if rows is None:
             return
-        while self._fs.get_file_info(self._log(self._next)).type != FileType.NotFound:
-            try:
-                increment = read_increment(self._lake.root, self._table, self._next,
-                                           storage_options=self._lake.delta_options)
-                if increment.removed:
-                    raise CursorError(f"{self._table}@{self._next} removed files")
-                parts = [self._read_file(f.path) for f in increment.files]
-            except (CursorError, KeyError, OSError) as exc:  # what an append alone cannot explain: read it all again
-                log.info("validation session: reading %s whole again (%s)", self._table, exc)
-                self._read_whole()
-                return
-            for part in parts:
-                self._on_rows(part)
-            self._next += 1
-
-    def _read_file(self, path: str) -> pa.Table:
-        """The rows of one data file the table added, as ``schema`` (KeyError: a column is missing)."""
-        with self._fs.open_input_file(f"{self._root}/{self._table}/{path}") as f:
-            parquet = pq.ParquetFile(f)
-            missing = [n for n in self._schema.names if n not in parquet.schema_arrow.names]
-            if missing:
-                raise KeyError(f"{self._table}: {path} lacks {missing}")
-            data = parquet.read(columns=self._schema.names)
-        return pa.table([data.column(n).cast(self._schema.field(n).type) for n in self._schema.names],
-                        schema=self._schema)
-
-    def _read_whole(self) -> None:
-        self._on_reset()
-        self.whole_reads += 1
-        dt = open_table(self._lake.root, self._table, storage_options=self._lake.delta_options)
-        if dt is None:
-            self._next = None  # no table yet: look again next time
-            return
-        data = dt.to_pyarrow_dataset().to_table(columns=self._schema.names)
-        self._next = int(dt.version()) + 1
-        self._on_rows(data.cast(self._schema))
-
-
-_QUALITY_COLUMNS = pa.schema([QUALITY_SCHEMA.field(n) for n in ("table", "table_version", "expectation")])
-"""What the session needs of ``quality``: which versions have a validation run."""
+        if self._ledger.generation != self._generation:
+            self._on_reset()
+            self._generation, self._fed = self._ledger.generation, 0
+        if rows.num_rows > self._fed:
+            self._on_rows(rows.slice(self._fed))
+            self._fed = rows.num_rows
 
 
 class SeenEventIds:
@@ -201,7 +166,7 @@ class ValidationSession:
         self._profiles: dict[tuple[str, int], _Profile] = {}
         self._snapshots: dict[str, DeltaTable | None] = {}
         self.events_ids = SeenEventIds()
-        self._quality = _AppendOnlyTail(lake, Table.QUALITY, _QUALITY_COLUMNS, self._add_quality, self._validated.clear)
+        self._quality = _AppendOnlyTail(lake, Table.QUALITY, QUALITY_SCHEMA, self._add_quality, self._validated.clear)
         self._profile_rows = _AppendOnlyTail(lake, Table.QUALITY_PROFILES, PROFILES_SCHEMA, self._add_profiles,
                                              self._profiles.clear)
 
