@@ -37,7 +37,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad of 2-D embedding tables, on sparse (or dense) gradients: one accumulator per row.
 
     For each row r a step's gradient touches, with g_r (D,) float32 the row's gradient summed over every lookup
-    of the step (a sparse gradient is coalesced first: fbgemm's "exact" variants do the same)::
+    of the step, in lookup order (:func:`row_gradients`; fbgemm's "exact" variants also sum a row's lookups first)::
 
         acc_r += mean_d g_r[d] ** 2
         w_r   -= lr * g_r / (sqrt(acc_r) + eps)
@@ -99,11 +99,27 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
 
+def row_gradients(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO gradient of a table (rows, D) as (rows (R,) int64 ascending and unique, their summed gradients
+    (R, D)): each row's lookups added in the order the gradient lists them, from +0.
+
+    What ``grad.coalesce()`` gives up to float re-association: coalesce adds a row's lookups in the order of an
+    unstable sort of the indices (torch 2.13's CPU sort of int64 is not stable), so its sum depends on every other
+    index of the gradient, and a gradient with exact-zero rows added (the events a model looks up but does not
+    read) sums differently. Summed in lookup order, zero rows anywhere leave every sum as it is (x + 0 == x, and a
+    sum started at +0 is never -0), which is what makes :class:`trainer.models.gem.SparseArch`'s ``history_len``
+    cut exact. ``index_add_`` on the CPU adds source rows one by one in index order (tested against a Python loop in
+    tests/trainer/test_sparse_optim.py).
+    """
+    indices, values = grad._indices()[0], grad._values()
+    rows, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+    return rows, values.new_zeros((rows.numel(), *values.shape[1:])).index_add_(0, inverse, values)
+
+
 def _step_table(p: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor, lr: float, eps: float) -> None:
     """Update table ``p`` (rows, D) and its accumulator ``acc`` (rows,) in place with ``grad`` (sparse COO or dense)."""
     if grad.is_sparse:
-        grad = grad.coalesce()  # one summed gradient per row looked up (a row seen twice is updated once)
-        rows, values = grad.indices()[0], grad.values()
+        rows, values = row_gradients(grad)  # one summed gradient per row looked up (a row seen twice is updated once)
         acc.index_add_(0, rows, values.pow(2).mean(dim=1))
         p.index_add_(0, rows, values / (acc[rows].sqrt() + eps).unsqueeze(1), alpha=-lr)
     else:

@@ -190,3 +190,32 @@ def test_a_checkpoint_from_before_the_choice_is_refused_by_rowwise_adagrad(tmp_p
     rowwise, _ = _engine_and_data("rowwise_adagrad")
     with pytest.raises(ValueError, match="written by another trainer.embedding_optimizer"):
         load_checkpoint(path, rowwise.model, rowwise.optimizers)
+
+
+def test_row_gradients_add_each_rows_lookups_in_order_and_zero_rows_change_nothing():
+    """row_gradients against a Python loop over the lookups (to the bit), against coalesce (to float re-association),
+    and with exact-zero lookups slipped in anywhere (what a model's unread events give): the same sums, to the bit."""
+    from trainer.sparse_optim import row_gradients
+
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(rng.integers(0, 7, 5000))
+    values = torch.from_numpy(rng.standard_normal((5000, 4)).astype(np.float32))
+    rows, sums = row_gradients(torch.sparse_coo_tensor(ids[None], values, (10, 4)))
+    expected = torch.zeros(10, 4)
+    for i, row in enumerate(ids.tolist()):
+        expected[row] += values[i]
+    assert rows.tolist() == sorted(set(ids.tolist()))
+    assert torch.equal(sums, expected[rows])
+    coalesced = torch.sparse_coo_tensor(ids[None], values, (10, 4)).coalesce()
+    torch.testing.assert_close(sums, coalesced.values(), rtol=1e-4, atol=1e-4)  # sums of ~700 terms
+    # 3000 zero lookups, of rows seen and of a row never seen (9), interleaved at random places.
+    zero_ids = torch.from_numpy(rng.integers(0, 10, 3000))
+    position = torch.from_numpy(np.sort(rng.choice(8000, 5000, replace=False)))  # where the real lookups go
+    slots = torch.ones(8000, dtype=torch.bool)
+    slots[position] = False
+    all_ids, all_values = torch.empty(8000, dtype=torch.int64), torch.empty(8000, 4)
+    all_ids[position], all_values[position] = ids, values
+    all_ids[slots], all_values[slots] = zero_ids, 0.0
+    with_zeros, zero_sums = row_gradients(torch.sparse_coo_tensor(all_ids[None], all_values, (10, 4)))
+    assert torch.equal(zero_sums[torch.isin(with_zeros, rows)], sums)
+    assert not zero_sums[~torch.isin(with_zeros, rows)].any()
