@@ -261,3 +261,41 @@ def test_a_narrow_table_reads_as_its_rows_zero_padded_to_the_model_width():
     assert pad_width(wide, 4) is wide
     with pytest.raises(ValueError, match="a table 4 wide is wider than the models' width 3"):
         pad_width(wide, 3)
+
+
+GEM_DOMAINS = ("feed", "marketplace", "reels")
+
+
+@pytest.mark.parametrize("preset", ["gem_small", "gem_cpu"])
+def test_looking_up_only_the_newest_events_trains_as_the_whole_lookup(preset, splits):
+    """SparseArch's ``history_len`` (the fast path) against its reference twin (``None``: every stored event looked
+    up): equal logits, losses, parameters and optimiser states, to the bit, over steps of the one-process engine."""
+    from trainer.loop import local_optimizers
+    from trainer.models.gem import newest_ids
+
+    train, _ = splits
+    tc = replace(SMALL, gem=replace(SMALL.gem, preset=preset, max_sequence_len=3))
+    batches = [make_batch(train, rows) for rows in np.array_split(np.arange(len(train)), 6)]
+    cut = newest_ids(batches[0].sequence, 3)
+    assert cut.values().numel() < batches[0].sequence.values().numel()  # some histories are longer than 3
+    assert cut["seq_item_ids"].lengths().tolist() == batches[0].sequence["seq_item_ids"].lengths().clamp(max=3).tolist()
+    engines = []
+    for history_len in (3, None):
+        torch.manual_seed(0)
+        model = build_model(tc, train.dense.shape[1], GEM_DOMAINS)
+        assert model.sparse_arch.history_len == 3
+        model.sparse_arch.history_len = history_len
+        engines.append((model, local_optimizers(tc, model)))
+    for batch in batches:
+        ids = encode_domains(GEM_DOMAINS, batch.domains)
+        losses = [train_step(model, optimizers, batch) for model, optimizers in engines]
+        assert losses[0] == losses[1]
+        with torch.no_grad():
+            fast, reference = (model(batch.sparse, batch.sequence, batch.dense, ids) for model, _ in engines)
+        assert torch.equal(fast, reference)
+    (fast_model, fast_opt), (ref_model, ref_opt) = engines
+    for (name, a), (_, b) in zip(fast_model.state_dict().items(), ref_model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    for key in ("dense", "embeddings"):
+        for a, b in zip(fast_opt[key].state.values(), ref_opt[key].state.values(), strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k])), key

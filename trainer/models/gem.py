@@ -100,18 +100,29 @@ class SparseArch(nn.Module):
     zero-padded to D (:func:`trainer.models.towers.pad_width`) before they are stacked. The history tables stay D
     wide: TorchRec's EmbeddingCollection takes one width for all its tables.
 
+    ``history_len``: look up only each row's newest ``history_len`` events of every history key (the dense arch
+    reads no more: :meth:`GemDenseArch._tokens`). The build stores up to ``build.max_seq_len`` (256) events and
+    gem_small reads 32: looking all of them up cost ~6x the lookups, a sparse gradient row per event (zero for the
+    events dropped) and the table optimiser's sort of them (about a third of a train step on the freshness lake).
+    Outputs, and every table's update, are those of the whole lookup (tests/trainer/test_models_gem.py): the
+    dropped events' gradient rows are exact zeros, which the row-wise Adagrad step adds nowhere. Ignored (None)
+    with ``pooled_history``, which averages the whole history.
+
     Args:
         num_embeddings: rows of every id table; dim: D.
         time_buckets: rows of the time-delta table (0: none); same_domain: read the same-domain history.
         widths: width of each pooled id table (at most D); None: D.
         pooled_history: also return each history key's mean row over the whole history (``history_means``).
         wide_ids: also the wide part's id weights (``wide``): LR's 2-wide tables, one per sparse feature and history key.
+        history_len: newest events of each history row looked up; None: all (the reference twin).
     """
 
     def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False,
-                 widths: TableWidths | None = None, pooled_history: bool = False, wide_ids: bool = False) -> None:
+                 widths: TableWidths | None = None, pooled_history: bool = False, wide_ids: bool = False,
+                 history_len: int | None = None) -> None:
         super().__init__()
         self.dim, self.time_buckets, self.same_domain, self.pooled_history = dim, time_buckets, same_domain, pooled_history
+        self.history_len = None if pooled_history else history_len
         self.keys = [*SEQUENCE_KEYS, *([TIME_BUCKETS_KEY] if time_buckets else [])]
         self.bags = sparse_bags(num_embeddings, dim if widths is None else widths)
         # TorchRec's EmbeddingCollection needs one width for all its tables: the history tables stay D wide.
@@ -123,8 +134,9 @@ class SparseArch(nn.Module):
         and empty same-domain histories."""
         kt = self.bags(sparse)
         pooled = torch.stack([pad_width(kt[name], self.dim) for name in SPARSE_FEATURES], dim=1)
-        batch, main = sequence.stride(), sequence[SEQUENCE_KEYS[0]]
-        found = self.sequence(with_candidate(sparse, sequence, self.keys, self.time_buckets, same_domain=self.same_domain))
+        history = sequence if self.history_len is None else newest_ids(sequence, self.history_len)
+        batch, main = history.stride(), history[SEQUENCE_KEYS[0]]
+        found = self.sequence(with_candidate(sparse, history, self.keys, self.time_buckets, same_domain=self.same_domain))
         jagged = {key: found[key].values() for key in self.keys}
         total = int(main.offsets()[-1])
         values = _total([jagged[key][:total] for key in self.keys])
@@ -140,6 +152,20 @@ class SparseArch(nn.Module):
         start = {key: total + (batch if key in CANDIDATE_KEYS else 0) for key in self.keys}
         same_values = _total([jagged[key][start[key]:] for key in self.keys])
         return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets, means, wide)
+
+
+def newest_ids(sequence: KeyedJaggedTensor, count: int) -> KeyedJaggedTensor:
+    """``sequence`` with each row of every key cut to its newest ``count`` ids (its tail: histories are stored
+    oldest first); keys, stride and the order of the ids kept are ``sequence``'s. Values (sum min(L, count),) int64.
+
+    Raises:
+        ValueError: ``count`` < 0.
+    """
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    lengths = sequence.lengths()
+    kept = keep_newest(Jagged(sequence.values(), sequence.offsets()), torch.full_like(lengths, count), validate=False)
+    return KeyedJaggedTensor(keys=sequence.keys(), values=kept.values, lengths=kept.lengths, stride=sequence.stride())
 
 
 def wide_id_tables(num_embeddings: TableRows) -> EmbeddingBagCollection:
@@ -412,7 +438,8 @@ class GemModel(RankingModel):
         self.num_dense, self.domains = num_dense, tuple(domains)
         self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim, time_buckets=config.time_delta_buckets,
                                       same_domain=config.same_domain_stream, widths=embedding_widths,
-                                      pooled_history=config.pooled_history, wide_ids=config.wide_mode == "full")
+                                      pooled_history=config.pooled_history, wide_ids=config.wide_mode == "full",
+                                      history_len=config.max_sequence_len)
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
