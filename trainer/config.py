@@ -90,10 +90,13 @@ class DistributedConfig:
 
 
 GemPresetName = Literal["gem_small", "gem_cpu", "gem"]
+"""``trainer.gem.preset``: the shape every unset ``trainer.gem.*`` key takes (:data:`GEM_PRESETS`)."""
 
 WideName = Literal["dense", "full"]
 """``trainer.gem.wide``'s modes besides true (= "dense") and false: see :attr:`GemConfig.wide`."""
-"""``trainer.gem.preset``: the shape every unset ``trainer.gem.*`` key takes (:data:`GEM_PRESETS`)."""
+
+WideLossName = Literal["joint", "own"]
+"""``trainer.gem.wide_loss``: what GEM's wide part is trained on, see :attr:`GemConfig.wide_loss`."""
 
 GEM_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     # The model before issue 18: 32 newest events, a pyramid, sigmoid-gated FFN, [target attention, newest] summary.
@@ -224,6 +227,20 @@ class GemConfig:
     weight decay can improve generalization"); 0: none, the default. The wide part and the tables are not decayed.
     0.01 brought GEM within -0.0007 of LR on Taobao (three seeds) but cost MovieLens 0.0025-0.0048 click AUC per seed
     (README "An EMA of GEM's dense part, and weight decay on the deep part")."""
+    wide_loss: WideLossName = "joint"
+    """What the wide part is trained on. ``"joint"`` (the default): the loss of the summed logits, wide + deep, as
+    Wide & Deep trains both parts (§3.3). ``"own"`` (needs ``wide = "full"``, not with ``deep_gate``): stagewise
+    additive modelling (Friedman 2001, "Greedy function approximation: a gradient boosting machine", Annals of
+    Statistics 29(5), §3's stagewise strategy: each new term is fitted to the loss of the earlier terms' fixed sum plus
+    itself): the wide part is
+    trained on its own logistic loss exactly as the standalone LR baseline (same draws of its id tables, intercepts at
+    the base rates, LR's optimisers and rates under the defaults; the deep part's gradient never reaches it), and the
+    deep part on the loss of ``wide.detach() + deep_shrinkage * deep``, a residual learner on top of that LR (the towers'
+    output bias from 0). Predictions are wide + deep_shrinkage * deep. A step's reported loss is the prediction's; a step
+    is skipped when either loss is not finite. One process only (as ``wide = "full"``)."""
+    deep_shrinkage: float = 1.0
+    """Factor in (0, 1] on the deep logits before the wide part is added (in training and prediction): boosting's
+    shrinkage, its learning rate nu (Friedman 2001, §5 "Regularization": F_m = F_{m-1} + nu * rho_m * h_m); 1: none."""
     wide_learning_rate: float | None = None
     """Adam rate of the wide part; None: ``trainer.learning_rate``, the rate the LR baseline's linear term trains at
     (Wide & Deep gives each part its own optimiser, §3.3: FTRL for the wide, AdaGrad for the deep)."""
@@ -266,6 +283,13 @@ class GemConfig:
         if self.deep_gate and self.wide is False:
             raise BadConfigError("trainer.gem.deep_gate needs trainer.gem.wide (the gated model starts as its wide "
                                  "part); set trainer.gem.wide=dense or full, or deep_gate=false")
+        if self.wide_loss not in get_args(WideLossName):
+            raise BadConfigError(f"trainer.gem.wide_loss must be one of {get_args(WideLossName)}, got {self.wide_loss!r}")
+        if self.wide_loss == "own" and (self.wide != "full" or self.deep_gate):
+            raise BadConfigError('trainer.gem.wide_loss = "own" trains LR inside GEM: it needs trainer.gem.wide=full and '
+                                 "no deep gate (trainer.gem.deep_gate=false); or set trainer.gem.wide_loss=joint")
+        if not 0 < self.deep_shrinkage <= 1:
+            raise BadConfigError(f"trainer.gem.deep_shrinkage must be in (0, 1], got {self.deep_shrinkage}")
         if not self.deep_weight_decay >= 0:
             raise BadConfigError(f"trainer.gem.deep_weight_decay must be >= 0, got {self.deep_weight_decay}")
         if self.ema_decay is not None and not 0 <= self.ema_decay < 1:

@@ -127,11 +127,25 @@ def forward(model: torch.nn.Module, prepared: DeviceBatch, precision: PrecisionN
     return logits.float()
 
 
+def training_logits(model: torch.nn.Module, prepared: DeviceBatch, precision: PrecisionName = "fp32") -> tuple[torch.Tensor, ...]:
+    """The (B, 2) float32 logits whose losses a training step sums, the prediction's first: the model's
+    ``training_logits`` (trainer.models.towers.RankingModel; two for GEM's wide part on its own loss), or the
+    forward's alone for a model without one."""
+    own = getattr(model, "training_logits", None)
+    if own is None:
+        return (forward(model, prepared, precision),)
+    batch = prepared.batch
+    with autocast(model_device(model), precision):
+        parts = own(batch.sparse, batch.sequence, batch.dense, prepared.domain_ids)
+    return tuple(p.float() for p in parts)
+
+
 def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], batch: Batch | DeviceBatch,
                task_weights: Sequence[float] = (1.0, 1.0), *, precision: PrecisionName = "fp32") -> float | None:
     """One optimiser step on BCE-with-logits of both heads (weighted by ``task_weights``, summed, final
-    labels only: :func:`trainer.labels.loss_terms`), then the update of the model's parameter average if it has one
-    (trainer.ema); returns the loss.
+    labels only: :func:`trainer.labels.loss_terms`), summed over the model's :func:`training_logits` (one set but for
+    GEM's wide part on its own loss), then the update of the model's parameter average if it has one (trainer.ema);
+    returns the prediction's loss (that of the first logits).
 
     ``batch``: a host :class:`trainer.data.Batch` (checked and moved to the model's device here) or a
     :class:`DeviceBatch` from :func:`prepare_batch` (the trainer's path: prepared one step ahead).
@@ -142,10 +156,11 @@ def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], b
         ValueError: the batch breaks the :class:`trainer.data.Batch` layout.
     """
     prepared = batch if isinstance(batch, DeviceBatch) else prepare_batch(model, batch)
-    logits = forward(model, prepared, precision)
     rows = prepared.batch
     # Importance-weighted for rows published before their labels were final (trainer.delayed).
-    loss = loss_terms(logits, rows.labels, rows.delayed, rows.final, task_weights).mean(dim=0).sum()
+    losses = [loss_terms(logits, rows.labels, rows.delayed, rows.final, task_weights).mean(dim=0).sum()
+              for logits in training_logits(model, prepared, precision)]
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     for opt in optimizers.values():
         opt.zero_grad()
     if not torch.isfinite(loss):
@@ -156,7 +171,7 @@ def train_step(model: Ranker, optimizers: Mapping[str, torch.optim.Optimizer], b
     average = parameter_average(model)
     if average is not None:
         average.update()
-    return float(loss.item())
+    return float(losses[0].item())
 
 
 def predict(model: Ranker, data: EncodedExamples, batch_size: int, *,

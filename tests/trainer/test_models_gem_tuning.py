@@ -374,3 +374,143 @@ def test_deep_weight_decay_reaches_the_deep_group_of_gem_only():
     deep, wide = local_engine(tc, 3, ("feed",), None).optimizers["dense"].param_groups
     assert (deep["weight_decay"], wide["weight_decay"]) == (1e-2, 0)  # the wide part is not decayed
     assert replace(tc, model="dlrm").dense_weight_decay == 0.0 and TrainerConfig().dense_weight_decay == 0.0
+
+
+OWN = replace(SMALL, gem=replace(SMALL.gem, wide="full", wide_loss="own"))
+"""GEM whose wide part (LR's linear model) trains on its own loss, the deep part on the residual."""
+
+
+def _lr_and_own_gem(tc, num_dense, domains, rates):
+    """LR and the "own" GEM, each built as a run builds it (the seed, then the engine)."""
+    from trainer.loop import local_engine
+
+    torch.manual_seed(tc.seed)
+    lr = local_engine(replace(tc, model="lr"), num_dense, domains, rates)
+    torch.manual_seed(tc.seed)
+    return lr, local_engine(tc, num_dense, domains, rates)
+
+
+def _wide_state(gem) -> dict[str, torch.Tensor]:
+    """GEM's wide part under LR's parameter names (trainer.models.baselines.LogisticRegression)."""
+    arch = gem.dense_arch
+    state = {f"sparse_arch.{k}": v for k, v in gem.sparse_arch.wide.state_dict().items()}
+    return state | {"dense_arch.linear.weight": arch.wide.weight, "dense_arch.linear.bias": arch.wide.bias,
+                    "dense_arch.domain_bias.weight": arch.wide_bias.weight}
+
+
+def test_own_wide_loss_trains_the_wide_part_as_lr(encoded):
+    """``wide_loss = "own"``: built under the same seed, GEM's wide part is the LR baseline weight for weight, and
+    after 4 steps on the same batches it still is, bit for bit, although the deep part trains beside it (its
+    gradient does not reach the wide part); the deep part moves. With the deep part's output held at 0 (the towers'
+    last layers zeroed) GEM's predictions are LR's, bit for bit."""
+    table, data = encoded
+    rates = torch.tensor([0.3, 0.1], dtype=torch.float64)
+    lr, gem = _lr_and_own_gem(OWN, data.dense.shape[1], ("feed", "reels"), rates)
+    assert set(_wide_state(gem.model)) == set(lr.model.state_dict())
+    start = {k: v.clone() for k, v in lr.model.state_dict().items()}
+    assert all(torch.equal(v, start[k]) for k, v in _wide_state(gem.model).items())
+    # Intercepts: LR's domain bias at the base rates' log-odds in every row, the towers' output bias at 0.
+    assert torch.allclose(gem.model.dense_arch.wide_bias.weight, torch.logit(rates).float().expand(3, 2))
+    assert not gem.model.dense_arch.towers.shared[-1].bias.any()
+    backbone = [p.detach().clone() for p in gem.model.dense_arch.backbone.parameters()]
+    for step in range(4):
+        rows = np.arange(8 * step, 8 * step + 8)
+        lr.train_step(data, rows)
+        gem.train_step(data, rows)
+    trained = lr.model.state_dict()
+    assert not all(torch.equal(v, start[k]) for k, v in trained.items())  # LR did move
+    assert all(torch.equal(v, trained[k]) for k, v in _wide_state(gem.model).items())
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(gem.model.dense_arch.backbone.parameters(), backbone, strict=True))
+    # Deep output held at 0: GEM predicts as LR (its logits are LR's plus 0).
+    from trainer.loop import predict
+
+    towers = gem.model.dense_arch.towers
+    with torch.no_grad():
+        for p in (towers.shared[-1].weight, towers.shared[-1].bias, towers.w2, towers.b2):
+            p.zero_()
+    np.testing.assert_array_equal(predict(gem.model, data, 16), predict(lr.model, data, 16))
+
+
+def test_own_wide_loss_gradients(encoded):
+    """One backward of the "own" losses: the wide part's gradient is that of LR's loss on the wide logits alone, the
+    deep part's that of the loss of the summed logits (the prediction) with the wide part fixed; the reported loss is
+    the prediction's."""
+    from trainer.labels import loss_terms
+    from trainer.loop import prepare_batch, train_step, training_logits
+
+    _, data = encoded
+    torch.manual_seed(0)
+    gem = build_model(OWN, data.dense.shape[1], ("feed", "reels"))
+    gem.init_output_bias(torch.tensor([0.3, 0.1], dtype=torch.float64))
+    prepared = prepare_batch(gem, make_batch(data, np.arange(12)))
+    rows = prepared.batch
+    pred, wide = training_logits(gem, prepared)
+    with torch.no_grad():
+        assert torch.equal(pred, gem(rows.sparse, rows.sequence, rows.dense, prepared.domain_ids))
+
+    def loss_of(logits):
+        return loss_terms(logits, rows.labels, rows.delayed, rows.final, (1.0, 1.0)).mean(dim=0).sum()
+
+    def grads(loss, params):
+        return torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+
+    wide_params = [gem.dense_arch.wide.weight, gem.dense_arch.wide_bias.weight]
+    deep_params = list(gem.dense_arch.backbone.parameters())
+    _, wide_again = training_logits(gem, prepared)
+    alone = grads(loss_of(wide_again), wide_params)
+    both = loss_of(pred) + loss_of(wide)
+    assert all(torch.equal(a, b) for a, b in zip(grads(both, wide_params), alone, strict=True))
+    # The deep part's gradient: the prediction's loss with the wide logits a constant.
+    pred_again, _ = training_logits(gem, prepared)
+    deep_alone = grads(loss_of(pred_again), deep_params)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(grads(both, deep_params), deep_alone, strict=True))
+    assert any(bool(g.abs().sum() > 0) for g in deep_alone)
+    # The prediction's loss reaches no wide parameter: the residual's gradient stops at the detached wide logits.
+    assert grads(loss_of(pred_again), wide_params) == (None, None)
+    reported = train_step(gem, {}, prepared)
+    assert reported == pytest.approx(float(loss_of(pred).detach()), rel=1e-6)
+
+
+def test_deep_shrinkage_scales_the_deep_logits(encoded):
+    """``deep_shrinkage`` nu: the logits are wide + nu * deep, in training (the residual's loss) and prediction."""
+    _, data = encoded
+    batch = make_batch(data, np.arange(6))
+    domains = torch.tensor([0, 1, 0, 1, 0, 1])
+    torch.manual_seed(0)
+    plain = build_model(OWN, data.dense.shape[1], ("feed", "reels")).eval()
+    torch.manual_seed(0)
+    shrunk = build_model(replace(OWN, gem=replace(OWN.gem, deep_shrinkage=0.25)), data.dense.shape[1],
+                         ("feed", "reels")).eval()
+    with torch.no_grad():
+        found = plain.sparse_arch(batch.sparse, batch.sequence)
+        deep, wide = plain.dense_arch(found.pooled, found.values, found.offsets, found.target, batch.dense, domains,
+                                      wide_ids=found.wide, parts=True)
+        assert bool(deep.abs().sum() > 0)
+        np.testing.assert_allclose(shrunk(batch.sparse, batch.sequence, batch.dense, domains).numpy(),
+                                   (wide + 0.25 * deep).numpy(), rtol=1e-6, atol=1e-6)
+        first, second = shrunk.training_logits(batch.sparse, batch.sequence, batch.dense, domains)
+        np.testing.assert_allclose(first.numpy(), (wide + 0.25 * deep).numpy(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(second, wide)
+
+
+def test_wide_loss_setting_errors():
+    from gemline.config import load_config
+    from gemline.errors import BadConfigError
+    from trainer.compare import ablated_config
+
+    assert GemConfig().wide_loss == "joint" and GemConfig().deep_shrinkage == 1.0  # off by default
+    assert load_config(overrides={"trainer.gem.wide": "full", "trainer.gem.wide_loss": "own"}).trainer.gem.wide_loss == "own"
+    with pytest.raises(BadConfigError, match=r'wide_loss = "own" trains LR inside GEM: it needs trainer.gem.wide=full'):
+        GemConfig(wide_loss="own")
+    with pytest.raises(BadConfigError, match="no deep gate"):
+        GemConfig(wide="full", wide_loss="own", deep_gate=True)
+    with pytest.raises(BadConfigError, match=r"wide_loss must be one of \('joint', 'own'\)"):
+        GemConfig(wide_loss="mine")  # type: ignore[arg-type]
+    for bad in (0.0, 1.5):
+        with pytest.raises(BadConfigError, match=r"deep_shrinkage must be in \(0, 1\]"):
+            GemConfig(deep_shrinkage=bad)
+    # compare --ablate wide_loss: the same GEM trained jointly; --ablate wide drops the wide part and its loss.
+    assert ablated_config(OWN, "wide_loss").gem.wide_loss == "joint"
+    assert ablated_config(OWN, "wide").gem.wide_mode is None
+    with pytest.raises(BadConfigError, match="ablation 'wide_loss'.*changes nothing"):
+        ablated_config(TrainerConfig(), "wide_loss")

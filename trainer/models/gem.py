@@ -115,11 +115,14 @@ class SparseArch(nn.Module):
         pooled_history: also return each history key's mean row over the whole history (``history_means``).
         wide_ids: also the wide part's id weights (``wide``): LR's 2-wide tables, one per sparse feature and history key.
         history_len: newest events of each history row looked up; None: all (the reference twin).
+        wide_rng: the CPU RNG state (torch.get_rng_state) the wide tables are drawn from; None: the current one
+            (:func:`wide_id_tables`).
     """
 
     def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False,
                  widths: TableWidths | None = None, pooled_history: bool = False, wide_ids: bool = False,
-                 history_len: int | None = None) -> None:
+                 history_len: int | None = None,
+                 wide_rng: torch.Tensor | None = None) -> None:
         super().__init__()
         self.dim, self.time_buckets, self.same_domain, self.pooled_history = dim, time_buckets, same_domain, pooled_history
         self.history_len = None if pooled_history else history_len
@@ -127,7 +130,7 @@ class SparseArch(nn.Module):
         self.bags = sparse_bags(num_embeddings, dim if widths is None else widths)
         # TorchRec's EmbeddingCollection needs one width for all its tables: the history tables stay D wide.
         self.sequence = sequence_tables(num_embeddings, dim, time_buckets=time_buckets, time_keys=[TIME_BUCKETS_KEY])
-        self.wide = wide_id_tables(num_embeddings) if wide_ids else None
+        self.wide = wide_id_tables(num_embeddings, wide_rng) if wide_ids else None
 
     def forward(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> Lookups:
         """The batch's :class:`Lookups`; the keys of SEQUENCE_EXTRA_KEYS a batch lacks read as unknown time buckets
@@ -168,13 +171,18 @@ def newest_ids(sequence: KeyedJaggedTensor, count: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=sequence.keys(), values=kept.values, lengths=kept.lengths, stride=sequence.stride())
 
 
-def wide_id_tables(num_embeddings: TableRows) -> EmbeddingBagCollection:
+def wide_id_tables(num_embeddings: TableRows, rng_state: torch.Tensor | None = None) -> EmbeddingBagCollection:
     """The id tables of GEM's full wide part: LR's (:func:`trainer.models.towers.linear_id_tables`).
 
-    Drawn from a fork of the RNG: every other parameter, and the data order, stay those of the same seed without
-    them. Their own tables, not rows of the deep part's: an id's linear weight moves by its own gradient, as LR's.
+    Drawn from a fork of the RNG, at ``rng_state`` (a ``torch.get_rng_state()``) when given, else at the current
+    state: every other parameter, and the data order, stay those of the same seed without them. GEM passes the state
+    its construction started from under ``wide_loss = "own"``, where the LR baseline draws its tables too, so the
+    wide part starts as the LR of the same seed, weight for weight. Their own tables, not rows of the deep part's: an
+    id's linear weight moves by its own gradient, as LR's.
     """
     with torch.random.fork_rng(devices=[]):
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
         return linear_id_tables(num_embeddings)
 
 
@@ -328,6 +336,7 @@ class GemDenseArch(nn.Module):
         # times the deep logits, from 0, so the untrained model is its wide part and the deep part's parameters get a
         # gradient only once the gate's own gradient (the deep logit's covariance with the residual) has opened it.
         self.deep_gate = nn.Parameter(torch.zeros(2)) if config.deep_gate else None
+        self.deep_shrinkage = config.deep_shrinkage
 
     def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
@@ -342,12 +351,14 @@ class GemDenseArch(nn.Module):
         self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, target: torch.Tensor,
         dense: torch.Tensor, domain_ids: torch.Tensor, same_values: torch.Tensor | None = None,
         same_offsets: torch.Tensor | None = None, history_means: torch.Tensor | None = None,
-        wide_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        wide_ids: torch.Tensor | None = None, *, parts: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,),
         same-domain same_values (T', D) and same_offsets (B+1,) (with the same-domain stream), history_means
         (B, Q, D) (with ``pooled_history``), wide_ids (B, 2) the summed id weights (with ``wide = "full"``,
-        :attr:`Lookups.wide`) -> logits (B, 2).
+        :attr:`Lookups.wide`) -> logits (B, 2): the deep part's (times the gate and ``deep_shrinkage``) plus the
+        wide part's. ``parts``: the pair (deep, wide) of (B, 2) float32 instead of their sum (the wide part needs
+        ``wide``), for ``wide_loss = "own"``'s two losses (:meth:`GemModel.training_logits`).
 
         Raises:
             ValueError: the same-domain stream, ``pooled_history`` or the full wide part is on and its input is missing.
@@ -380,16 +391,26 @@ class GemDenseArch(nn.Module):
             logits = self.towers(hidden, domain_ids, validate=False)
         if self.deep_gate is not None:
             logits = logits * self.deep_gate
+        if self.deep_shrinkage != 1:
+            logits = logits * self.deep_shrinkage
+        if parts:
+            return logits, self._wide(dense, domain_ids, wide_ids)
         return logits if self.wide is None else logits + self._wide(dense, domain_ids, wide_ids)
 
     def _wide(self, dense: torch.Tensor, domain_ids: torch.Tensor, wide_ids: torch.Tensor | None) -> torch.Tensor:
-        """(B, 2) the wide part's logits: the dense term, plus with "full" the domain bias and the id weights."""
-        assert self.wide is not None
+        """(B, 2) the wide part's logits: the dense term, plus with "full" the domain bias and the id weights (summed
+        in LR's order, trainer.models.baselines.LogisticRegression.forward, so "own"'s wide part is LR's to the bit).
+
+        Raises:
+            ValueError: the model has no wide part, or its part is "full" and ``wide_ids`` is None.
+        """
+        if self.wide is None:
+            raise ValueError("this GEM has no wide part (trainer.gem.wide = false)")
         if self.wide_bias is None:
             return self.wide(dense)
         if wide_ids is None:
             raise ValueError("this GEM's wide part is LR's (trainer.gem.wide = \"full\"): pass wide_ids")
-        return self.wide(dense) + self.wide_bias(domain_ids) + wide_ids
+        return wide_ids + self.wide(dense) + self.wide_bias(domain_ids)
 
 
 def dense_param_groups(tc: TrainerConfig, named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
@@ -435,11 +456,14 @@ class GemModel(RankingModel):
     ) -> None:
         super().__init__()
         config = config.resolved()
-        self.num_dense, self.domains = num_dense, tuple(domains)
+        self.num_dense, self.domains, self.wide_loss = num_dense, tuple(domains), config.wide_loss
+        # "own": the wide tables drawn where LR's are, from the state the model's construction starts at.
+        start = torch.get_rng_state() if config.wide_loss == "own" else None
         self.sparse_arch = SparseArch(num_embeddings=num_embeddings, dim=embedding_dim, time_buckets=config.time_delta_buckets,
                                       same_domain=config.same_domain_stream, widths=embedding_widths,
                                       pooled_history=config.pooled_history, wide_ids=config.wide_mode == "full",
-                                      history_len=config.max_sequence_len)
+                                      history_len=config.max_sequence_len,
+                                      wide_rng=start)
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
@@ -465,15 +489,39 @@ class GemModel(RankingModel):
         return self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
                                found.same_values, found.same_offsets, found.history_means, found.wide)
 
+    def training_logits(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor,
+                        domain_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The (B, 2) float32 logits whose losses a training step sums, the prediction's first (inputs as
+        :meth:`forward`). ``wide_loss = "joint"``: the forward's alone. ``"own"``: (wide.detach() + deep, wide), so
+        the wide part's gradient is its own loss's alone, LR's (Friedman 2001, §3's stagewise fit; GemConfig.wide_loss),
+        and the deep part's is that of the summed prediction with the wide part held fixed.
+
+        Raises:
+            ValueError: as :meth:`forward`.
+        """
+        if self.wide_loss == "joint":
+            return (self(sparse, sequence, dense, domain_ids),)
+        self.check_inputs(dense, domain_ids)
+        found = self.sparse_arch(sparse, sequence)
+        deep, wide = self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
+                                     found.same_values, found.same_offsets, found.history_means, found.wide, parts=True)
+        return wide.detach() + deep, wide
+
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
         """Every output (one tower's two, or each task tower's one) starts at the log-odds of ``base_rates`` (2,)
         (:func:`trainer.models.towers.base_logits`, which raises ValueError on a bad rate). With the deep gate the
         wide part's bias starts there instead, outside the gate, and the towers' output bias at zero (a deep logit
         centred on 0 as the gate opens): the untrained model is a logistic regression at the base rates, as LR's
-        intercepts start."""
+        intercepts start. With ``wide_loss = "own"`` the wide part's domain bias starts there, every row (LR's start),
+        and the towers' output bias at zero: the deep part is a residual on top of that LR."""
         logits = base_logits(base_rates)
         arch = self.dense_arch
-        if arch.deep_gate is not None:
+        if self.wide_loss == "own":
+            assert arch.wide_bias is not None  # GemConfig refuses "own" without wide = "full"
+            with torch.no_grad():
+                arch.wide_bias.weight.copy_(logits.expand_as(arch.wide_bias.weight))
+            logits = torch.zeros_like(logits)
+        elif arch.deep_gate is not None:
             assert arch.wide is not None  # GemConfig refuses deep_gate without the wide part
             with torch.no_grad():
                 arch.wide.bias.copy_(logits)

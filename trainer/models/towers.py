@@ -244,6 +244,12 @@ class RankingModel(nn.Module):
         ids = {id(p) for p in self.embedding_parameters()}
         return [p for p in self.parameters() if id(p) not in ids]
 
+    def training_logits(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor,
+                        domain_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The (B, 2) float32 logits whose losses a training step sums (trainer.loop.train_step), the prediction's
+        first: here the forward's alone (GEM's wide part on its own loss gives two, GemModel.training_logits)."""
+        return (self(sparse, sequence, dense, domain_ids),)
+
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
         """Start the output intercepts at the training base rates, where a model has one to set; a no-op here.
 
