@@ -359,7 +359,10 @@ class TableLedger:
                     parts.extend(self._read_file(f.path) for f in increment.files)
             except (CursorError, FileNotFoundError, OSError):
                 return self._read_whole(newest)
-            self._rows, self._version = pa.concat_tables(parts), newest
+            rows = pa.concat_tables(parts)
+            if rows.num_columns and rows.column(0).num_chunks > _MAX_CHUNKS:
+                rows = rows.combine_chunks()  # a chunk per commit would slow every filter of a long run
+            self._rows, self._version = rows, newest
             return self._rows
 
     def _read_whole(self, version: int) -> pa.Table | None:
@@ -380,6 +383,9 @@ class TableLedger:
             return (-1, None)
         return (int(info.size or 0), info.mtime_ns)
 
+
+_MAX_CHUNKS = 64
+"""Chunks a ledger's rows may have (one per file read since the last merge) before they are merged into one."""
 
 _LEDGERS: dict[tuple[str, str, str], TableLedger] = {}
 _LEDGERS_LOCK = threading.Lock()

@@ -110,3 +110,20 @@ def test_gate_decisions_follow_new_verdicts_in_one_process(tmp_path):
     decided = gate_decisions(lake, "examples", [0, 1])
     assert decided[0].allowed and "released by hand" in decided[0].reason
     assert decided[1].allowed and decided[1].validated
+
+
+def test_quality_ledger_merges_its_chunks_on_a_long_run(tmp_path):
+    from gemline.gate import QUALITY_SCHEMA
+    from gemline.increments import _MAX_CHUNKS, TableLedger
+    from gemline.lake import read_table
+
+    lake = str(tmp_path / "lake")
+    append_quality_rows(lake, _run("events", 0))
+    ledger = TableLedger(lake, "quality", QUALITY_SCHEMA)
+    ledger.rows()
+    for version in range(1, _MAX_CHUNKS + 6):
+        append_quality_rows(lake, _run("events", version))
+        rows = ledger.rows()
+        assert rows.column(0).num_chunks <= _MAX_CHUNKS
+    assert _sorted(rows) == _sorted(read_table(lake, "quality"))
+    assert ledger.generation == 1, "read whole once, then by new commits only"
