@@ -222,6 +222,8 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
             todo = [v for v in range(newest + 1) if v not in validated]
             if table == Table.EVENTS:
                 todo = [newest] if newest in todo else []
+            elif table == Table.EXAMPLES:  # a validator behind: every version's pointer checks from one history pass
+                session.prefetch_pointer_summaries(todo, config.build)
             for version in todo:
                 result = validate_table(lake, table, version, validation=config.validation, ingest=config.ingest,
                                         build=config.build, plots=config.validation.follow_report_plots,

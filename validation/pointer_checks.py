@@ -26,6 +26,7 @@ O(N * max_seq_len) list elements for materializing (per-domain lengths need no l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -120,6 +121,13 @@ def pointer_sequence_checks(rows: pa.Table, history: pa.Table, build: BuildConfi
             raise ValueError(message)
 
         return dict.fromkeys(("seq_length_matches_lists", "leakage", "seq_time_ascending"), refuse), [failed]
+    return checks_from_summaries(rows, summaries)
+
+
+def checks_from_summaries(rows: pa.Table, summaries: Summaries
+                          ) -> tuple[dict[str, Callable[[pa.Table], dict[str, Any]]], list[CheckResult]]:
+    """:func:`pointer_sequence_checks` of ``rows`` from their summaries computed beforehand (every impression was
+    found in history: ``pointers_materialize`` passed)."""
     checks: dict[str, Callable[[pa.Table], dict[str, Any]]] = {
         "seq_length_matches_lists": functools.partial(check_pointer_lengths, summaries=summaries),
         "leakage": functools.partial(check_pointer_leakage, summaries=summaries),
@@ -127,3 +135,11 @@ def pointer_sequence_checks(rows: pa.Table, history: pa.Table, build: BuildConfi
     passed = CheckResult("pointers_materialize", "critical", True, "every impression found in history", "custom",
                          {"element_count": rows.num_rows})
     return checks, [passed]
+
+
+def split_summaries(summaries: Summaries, sizes: list[int]) -> list[Summaries]:
+    """``summaries`` of consecutive batches of ``sizes`` rows, cut apart (each row's summary depends on its own
+    pointer and its user's history only, so a batch's part equals what its rows alone would give)."""
+    bounds = np.cumsum([0, *sizes])
+    return [{prefix: SequenceSummary(*(getattr(s, f.name)[lo:hi] for f in dataclasses.fields(SequenceSummary)))
+             for prefix, s in summaries.items()} for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]

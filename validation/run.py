@@ -45,7 +45,7 @@ from sequences.materialize import read_history
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.config import ValidationConfig
 from validation.dead_letter import dead_letter_checks, in_ranges
-from validation.pointer_checks import pointer_sequence_checks
+from validation.pointer_checks import checks_from_summaries, pointer_sequence_checks
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
 from validation.session import SeenEventIds, ValidationSession
@@ -297,7 +297,10 @@ def validate_table(
     assert data is not None, "the table exists (opened above) and table_version is one of its versions"
     source = source_metadata(root, table, table_version, storage_options=opts)
     steps.update()
-    sequence_checks, pointer_results = _pointer_checks(lake, build, table, data, history_tail)
+    prefetched = (None if session is None or table != Table.EXAMPLES
+                  else session.take_pointer_summaries(table_version, data.num_rows))
+    sequence_checks, pointer_results = (checks_from_summaries(data, prefetched) if prefetched is not None
+                                        else _pointer_checks(lake, build, table, data, history_tail))
     results = pointer_results + _run_suite(validation, ingest, build, table, data, ts, sequence_checks, earlier)
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)

@@ -28,11 +28,14 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from gemline.gate import QUALITY_SCHEMA, RELEASE
-from gemline.increments import ledger
+from gemline.increments import ledger, rows_added
 from gemline.lake import Lake, open_table
 from gemline.tables import Table
+from sequences.config import BuildConfig
 from sequences.history_tail import HistoryTail
+from validation.pointer_checks import Summaries, split_summaries, summarize_pointers
 from validation.profiles import PROFILES_SCHEMA
+from validation.suites import SEQUENCE_TIME_COLUMN
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +169,39 @@ class ValidationSession:
         self._profiles: dict[tuple[str, int], _Profile] = {}
         self._snapshots: dict[str, DeltaTable | None] = {}
         self.events_ids = SeenEventIds()
+        self._pointer_summaries: dict[int, tuple[int, Summaries]] = {}
         self._quality = _AppendOnlyTail(lake, Table.QUALITY, QUALITY_SCHEMA, self._add_quality, self._validated.clear)
         self._profile_rows = _AppendOnlyTail(lake, Table.QUALITY_PROFILES, PROFILES_SCHEMA, self._add_profiles,
                                              self._profiles.clear)
+
+    def prefetch_pointer_summaries(self, versions: list[int], build: BuildConfig) -> None:
+        """Summarize the pointer rows of several ``examples`` versions (a validator behind by more than one) in one
+        pass over their users' history: that pass costs about the history rows of the users, whom consecutive
+        versions share, not the rows, so k versions cost about one. :meth:`take_pointer_summaries` hands each
+        version its part, equal to what its rows alone give (:func:`validation.pointer_checks.split_summaries`).
+        Nothing is kept when the rows are not in the pointer layout, the session has no history tail, or an
+        impression is missing from history (each version then meets the error on its own)."""
+        if self.history_tail is None or len(versions) < 2:
+            return
+        opts = self.lake.delta_options
+        read = [rows_added(self.lake.root, Table.EXAMPLES, v, storage_options=opts) for v in versions]
+        parts = [p for p in read if p is not None]
+        if len(parts) < len(read) or any(SEQUENCE_TIME_COLUMN in p.column_names for p in parts):
+            return
+        rows = pa.concat_tables(parts, promote_options="permissive")
+        history, cut = self.history_tail.history_for(rows)
+        try:
+            summaries = summarize_pointers(rows, history, build, cut)
+        except ValueError:
+            return
+        for version, part, summary in zip(versions, parts, split_summaries(summaries, [p.num_rows for p in parts]),
+                                          strict=True):
+            self._pointer_summaries[version] = (part.num_rows, summary)
+
+    def take_pointer_summaries(self, version: int, num_rows: int) -> Summaries | None:
+        """The summaries :meth:`prefetch_pointer_summaries` made for ``examples@version`` (once), or None."""
+        kept = self._pointer_summaries.pop(version, None)
+        return kept[1] if kept is not None and kept[0] == num_rows else None
 
     def refresh(self) -> None:
         """Take in what was committed to ``quality`` and ``quality_profiles`` since the last call."""

@@ -223,3 +223,37 @@ def test_nothing_published_hint_only_for_a_wait_build_with_impressions_waiting()
     assert nothing_published_hint(BuildConfig(), result(1, 40)) is None
     assert nothing_published_hint(BuildConfig(), result(0, 0)) is None
     assert nothing_published_hint(BuildConfig(label_mode="defer", publish_delay_ms=60_000), result(0, 40)) is None
+
+
+def test_a_validator_behind_summarizes_the_pointer_rows_of_several_versions_at_once(tmp_path):
+    """ValidationSession.prefetch_pointer_summaries: each examples version's part equals its rows' own summaries
+    from their users' whole history (the reference path), and is handed out once."""
+    from gemline.increments import rows_added
+    from gemline.lake import Lake
+    from sequences.history_tail import HistoryTail
+    from sequences.materialize import read_history
+    from validation.pointer_checks import summarize_pointers
+    from validation.session import ValidationSession
+
+    lake = str(tmp_path / "lake")
+    config = _follow_config(lake, "pointer")
+    for version in range(4):  # each version closes the windows of the one before: a build publishes per version
+        s = 100 * version  # versions of different sizes and histories: a part cut at the wrong row shows
+        _write(lake, [_event(f"v{version}a", s, "impression", "u1", "i1"), _event(f"v{version}b", s + 1, "click", "u1", "i1"),
+                      *[_event(f"v{version}i{k}", s + 2 + k, "impression", f"u{k % 2 + 2}", f"i{k}") for k in range(version + 1)]],
+               version)
+        follow_validate(config, ["events"], interval_s=0, max_passes=1)
+        follow_build(config, interval_s=0, max_passes=1)
+    with_rows = [v for v in range(open_table(lake, "examples").version() + 1) if rows_added(lake, "examples", v) is not None]
+    assert len(with_rows) >= 3, with_rows
+    session = ValidationSession(Lake(lake), HistoryTail(Lake(lake), config.build.max_seq_len, config.build.same_domain_seq_len))
+    session.prefetch_pointer_summaries(with_rows, config.build)
+    for version in with_rows:
+        rows = rows_added(lake, "examples", version)
+        alone = summarize_pointers(rows, read_history(lake, rows.column("user_id")), config.build)
+        got = session.take_pointer_summaries(version, rows.num_rows)
+        assert got is not None, version
+        for prefix in alone:
+            for field in ("lengths", "truncated", "newest_ms", "newest_created_ms", "unordered"):
+                assert getattr(got[prefix], field).tolist() == getattr(alone[prefix], field).tolist()
+        assert session.take_pointer_summaries(version, rows.num_rows) is None, "handed out once"

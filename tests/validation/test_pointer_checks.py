@@ -106,3 +106,24 @@ def test_a_bad_pointer_and_a_missing_impression_fail(monkeypatch):
     assert "missing from history" in extra[0].observed
     with pytest.raises(ValueError, match="missing from history"):
         checks["leakage"](to_pointers(fat))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(EVENTS, st.integers(2, 4), st.sampled_from(MODES))
+def test_summaries_of_several_batches_at_once_split_into_each_batchs_own(rows, parts, config):
+    """A validator behind summarizes several versions' pointer rows in one pass (ValidationSession.
+    prefetch_pointer_summaries): each part of the split equals the summaries of its rows alone."""
+    from validation.pointer_checks import split_summaries
+
+    events = _events(rows)
+    batches = [sorted(events[k::2], key=lambda e: e["created_ts_ms"]) for k in range(2)]
+    fat, history = build_batches(batches, config)
+    pointers = to_pointers(fat)
+    bounds = sorted({0, pointers.num_rows, *np.linspace(0, pointers.num_rows, parts + 1).astype(int).tolist()})
+    pieces = [pointers.slice(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    together = split_summaries(summarize_pointers(pointers, history, config), [p.num_rows for p in pieces])
+    for piece, part in zip(pieces, together, strict=True):
+        alone = summarize_pointers(piece, history, config)
+        for prefix in alone:
+            for field in ("lengths", "truncated", "newest_ms", "newest_created_ms", "unordered"):
+                assert getattr(part[prefix], field).tolist() == getattr(alone[prefix], field).tolist(), (prefix, field)
