@@ -115,10 +115,7 @@ def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
     if compact and _most_files_in_a_partition(dt) >= config.compact_min_files:
         metrics = dt.optimize.compact()
         compacted = int(metrics.get("numFilesRemoved", 0))
-    # delta-rs checkpoints by itself every delta.checkpointInterval commits (gemline sets it on the tables it
-    # creates, gemline.lake.TABLE_CONFIGURATION): a second checkpoint is needed only where that is rarer.
-    automatic = int(dt.metadata().configuration.get("delta.checkpointInterval") or 100)
-    checkpointed = automatic > config.checkpoint_every and dt.version() % config.checkpoint_every == 0
+    checkpointed = dt.version() % config.checkpoint_every == 0
     if checkpointed:
         dt.create_checkpoint()
     removed = dt.vacuum(retention_hours=int(config.retention_hours), dry_run=False, enforce_retention_duration=False)

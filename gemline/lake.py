@@ -313,16 +313,6 @@ def _conflict_is_an_error(lake: Lake | str | Path, table: str, app_id: str, vers
         ) from exc
 
 
-CHECKPOINT_INTERVAL = 10
-"""Commits between Delta checkpoints of every table gemline creates (``delta.checkpointInterval``, set at creation;
-delta-rs writes the checkpoint after the commit). Opening a table replays the JSON commits since the last
-checkpoint, ~0.34 ms each (2026-12-02, this machine): at delta-rs' default of 100 a streaming run's ``events`` and
-``quality``, opened dozens of times per version by the stages, cost up to 34 ms per open; at 10, ~4 ms."""
-
-TABLE_CONFIGURATION = {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)}
-"""Delta table properties of every table gemline creates."""
-
-
 def _commit_properties(app_id: str, version: int, metadata: dict[str, Any] | None) -> CommitProperties:
     """The app transaction (app_id, version) and the custom metadata :func:`commit_metadata` reads."""
     custom = {"gemline": json.dumps({**(metadata or {}), "app_id": app_id, "txn_version": version}, sort_keys=True)}
@@ -376,7 +366,6 @@ def commit_once(
             mode=mode,
             partition_by=partition_by,
             schema_mode="merge" if mode == "append" else "overwrite",
-            configuration=TABLE_CONFIGURATION if dt is None else None,
             storage_options=_options(lake, storage_options),
             commit_properties=_commit_properties(app_id, version, metadata),
         )
@@ -531,7 +520,7 @@ def commit_files_once(
         return False
     if dt is None:
         dt = DeltaTable.create(table_uri(lake, table), schema=schema, partition_by=partition_by, mode="ignore",
-                               configuration=TABLE_CONFIGURATION, storage_options=_options(lake, storage_options))
+                               storage_options=_options(lake, storage_options))
     now_ms = int(time.time() * 1000)
     actions: list[AddAction | RemoveAction] = [  # the element type create_write_transaction declares
         AddAction(path=f["path"], size=int(f["size"]), partition_values=dict(f["partition_values"]),

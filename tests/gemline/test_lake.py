@@ -93,20 +93,3 @@ def test_data_files_encode_ids_and_times_plain_and_the_rest_with_dictionaries(tm
     assert dictionary == {"event_id": False, "domain": True, "seq_item_ids.list.element": True,
                           "event_time_ms": False, "seq_event_time_ms.list.element": False, "position": True}
     assert pq.read_table(tmp_path / "t" / entry["path"]).equals(data)
-
-
-def test_tables_gemline_creates_are_checkpointed_every_checkpoint_interval_commits(tmp_path):
-    """Readers replay the log from the last checkpoint: gemline's tables get one every CHECKPOINT_INTERVAL commits
-    (delta-rs' default is 100), whichever of the two commit paths created them."""
-    from gemline.lake import CHECKPOINT_INTERVAL, commit_files_once, write_data_file
-
-    data = pa.table({"x": [1, 2]})
-    for batch in range(2 * CHECKPOINT_INTERVAL + 1):
-        assert commit_once(tmp_path, "rows", data, app_id="a", version=batch)
-        files = write_data_file(tmp_path, "files", data, name=f"part-{batch}")
-        assert commit_files_once(tmp_path, "files", files, data.schema, app_id="a", version=batch)
-    for table in ("rows", "files"):
-        log = tmp_path / table / "_delta_log"
-        assert sorted(p.name for p in log.glob("*.checkpoint.parquet")) == [
-            f"{v:020d}.checkpoint.parquet" for v in (CHECKPOINT_INTERVAL - 1, 2 * CHECKPOINT_INTERVAL - 1)], table
-        assert read_table(tmp_path, table).num_rows == 2 * (2 * CHECKPOINT_INTERVAL + 1)
