@@ -200,16 +200,18 @@ def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s:
     Raises:
         ValueError: ``interval_s < 0`` or no table; and what :func:`validation.run.validate_table` raises.
     """
-    from sequences.history_tail import HistoryTail
+    from sequences.pointer_summaries import PointerSummaries
     from validation.run import validate_table
     from validation.session import ValidationSession
 
     if not tables:
         raise ValueError("follow_validate: expected at least one table")
     lake = Lake.for_config(config)
-    # The pointer checks of each examples version read history by increments (sequences.history_tail).
-    # The session keeps quality and quality_profiles in memory across versions (validation.session).
-    session = ValidationSession(lake, HistoryTail(lake, config.build.max_seq_len, config.build.same_domain_seq_len))
+    # The pointer checks' sequence summaries follow history by increments, at a cost that follows each
+    # version's rows (sequences.pointer_summaries). The session keeps quality and quality_profiles in memory
+    # across versions (validation.session).
+    session = ValidationSession(lake, pointer_summaries=PointerSummaries(lake, config.build.max_seq_len,
+                                                                         config.build.same_domain_seq_len))
 
     def one_pass(state: FollowState) -> None:
         state.waiting = ""

@@ -110,8 +110,15 @@ def pointer_sequence_checks(rows: pa.Table, history: pa.Table, build: BuildConfi
     row). The extra results hold ``pointers_materialize``: passed, or failed with the error when an
     impression is missing from ``history`` (the three checks then fail with it too).
     """
+    return summary_checks(rows, lambda: summarize_pointers(rows, history, build, cut))
+
+
+def summary_checks(rows: pa.Table, summarize: Callable[[], Summaries]
+                   ) -> tuple[dict[str, Callable[[pa.Table], dict[str, Any]]], list[CheckResult]]:
+    """:func:`pointer_sequence_checks` of ``rows`` with their summaries from ``summarize`` (a ValueError it raises,
+    an impression missing from ``history``, fails ``pointers_materialize`` and the three checks)."""
     try:
-        summaries = summarize_pointers(rows, history, build, cut)
+        summaries = summarize()
     except ValueError as exc:
         message = str(exc)
         failed = CheckResult("pointers_materialize", "critical", False, f"error: {message}", "custom",

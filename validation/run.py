@@ -42,10 +42,11 @@ from ingest.config import IngestConfig
 from sequences.config import BuildConfig
 from sequences.history_tail import HistoryTail
 from sequences.materialize import read_history
+from sequences.pointer_summaries import PointerSummaries
 from validation.build_suites import FEATURE_VIEWS, validate_features, validate_sequences
 from validation.config import ValidationConfig
 from validation.dead_letter import dead_letter_checks, in_ranges
-from validation.pointer_checks import checks_from_summaries, pointer_sequence_checks
+from validation.pointer_checks import Summaries, checks_from_summaries, pointer_sequence_checks, summary_checks
 from validation.profiles import append_profile, drift_checks, profile_batch, profile_history
 from validation.report import PASSED, build_report, report_dir, source_metadata, verdict, write_report
 from validation.session import SeenEventIds, ValidationSession
@@ -130,14 +131,21 @@ def _batch(lake: Lake, validation: ValidationConfig, table: str, data,
     return batch, checks
 
 
-def _pointer_checks(lake: Lake, build: BuildConfig, table: str, data: pa.Table, tail: HistoryTail | None = None
-                    ) -> tuple[dict | None, list[CheckResult]]:
+def _pointer_checks(lake: Lake, build: BuildConfig, table: str, data: pa.Table, tail: HistoryTail | None = None,
+                    index: PointerSummaries | None = None) -> tuple[dict | None, list[CheckResult]]:
     """For pointer-layout ``examples`` rows (no list columns, ``build.examples_layout = "pointer"``): the
     suite's sequence checks computed exactly on the pointers and ``history`` without materializing the
     lists (:mod:`validation.pointer_checks`), and the ``pointers_materialize`` result; (None, []) otherwise.
-    ``tail``: a long-running validator's history (read by increments, compacted), else the users' whole one."""
+    ``index``: a long-running validator's summaries kept with ``history`` (first choice); ``tail``: its history
+    (read by increments, compacted); neither: the users' whole history."""
     if table != Table.EXAMPLES or SEQUENCE_TIME_COLUMN in data.column_names:
         return None, []
+    if index is not None:
+        def summarize() -> Summaries:
+            cross, same = index.summarize(data)
+            return {"seq_": cross, "seq_same_domain_": same}
+
+        return summary_checks(data, summarize)
     if tail is None:
         return pointer_sequence_checks(data, read_history(lake.root, data.column("user_id"),
                                                           storage_options=lake.delta_options), build)
@@ -300,7 +308,8 @@ def validate_table(
     prefetched = (None if session is None or table != Table.EXAMPLES
                   else session.take_pointer_summaries(table_version, data.num_rows))
     sequence_checks, pointer_results = (checks_from_summaries(data, prefetched) if prefetched is not None
-                                        else _pointer_checks(lake, build, table, data, history_tail))
+                                        else _pointer_checks(lake, build, table, data, history_tail,
+                                                             None if session is None else session.pointer_summaries))
     results = pointer_results + _run_suite(validation, ingest, build, table, data, ts, sequence_checks, earlier)
     steps.update()
     batch, dead_checks = _batch(lake, validation, table, data, source)

@@ -33,6 +33,7 @@ from gemline.lake import Lake, open_table
 from gemline.tables import Table
 from sequences.config import BuildConfig
 from sequences.history_tail import HistoryTail
+from sequences.pointer_summaries import PointerSummaries
 from validation.pointer_checks import Summaries, split_summaries, summarize_pointers
 from validation.profiles import PROFILES_SCHEMA
 from validation.suites import SEQUENCE_TIME_COLUMN
@@ -160,11 +161,16 @@ class ValidationSession:
     Args:
         lake: the lake validated.
         history_tail: the pointer checks' ``history`` (:class:`sequences.history_tail.HistoryTail`), or None.
+        pointer_summaries: the pointer checks' sequence summaries kept up to date with ``history``
+            (:class:`sequences.pointer_summaries.PointerSummaries`, a cost that follows each version's rows); when
+            set, it answers them instead of ``history_tail``.
     """
 
-    def __init__(self, lake: Lake, history_tail: HistoryTail | None = None) -> None:
+    def __init__(self, lake: Lake, history_tail: HistoryTail | None = None,
+                 pointer_summaries: PointerSummaries | None = None) -> None:
         self.lake = lake
         self.history_tail = history_tail
+        self.pointer_summaries = pointer_summaries
         self._validated: dict[str, set[int]] = {}
         self._profiles: dict[tuple[str, int], _Profile] = {}
         self._snapshots: dict[str, DeltaTable | None] = {}
@@ -181,7 +187,7 @@ class ValidationSession:
         version its part, equal to what its rows alone give (:func:`validation.pointer_checks.split_summaries`).
         Nothing is kept when the rows are not in the pointer layout, the session has no history tail, or an
         impression is missing from history (each version then meets the error on its own)."""
-        if self.history_tail is None or len(versions) < 2:
+        if self.history_tail is None or self.pointer_summaries is not None or len(versions) < 2:
             return
         opts = self.lake.delta_options
         read = [rows_added(self.lake.root, Table.EXAMPLES, v, storage_options=opts) for v in versions]

@@ -257,3 +257,45 @@ def test_a_validator_behind_summarizes_the_pointer_rows_of_several_versions_at_o
             for field in ("lengths", "truncated", "newest_ms", "newest_created_ms", "unordered"):
                 assert getattr(got[prefix], field).tolist() == getattr(alone[prefix], field).tolist()
         assert session.take_pointer_summaries(version, rows.num_rows) is None, "handed out once"
+
+
+def test_the_followers_pointer_summaries_give_the_checks_of_the_whole_history(tmp_path):
+    """validate --follow's pointer checks come from sequences.pointer_summaries (counts kept with history,
+    corrections from the cache): each examples version's three sequence checks and pointers_materialize equal
+    those from its users' whole history; an impression missing from history fails pointers_materialize."""
+    import pyarrow.compute as pc
+
+    from gemline.increments import rows_added
+    from gemline.lake import Lake
+    from sequences.pointer_summaries import PointerSummaries
+    from validation.run import _pointer_checks
+
+    lake = str(tmp_path / "lake")
+    config = _follow_config(lake, "pointer")
+    index = PointerSummaries(Lake(lake), config.build.max_seq_len, config.build.same_domain_seq_len,
+                             margin_builds=0, min_fold_rows=0)
+    checked = 0
+    for version in range(4):
+        s = 100 * version
+        _write(lake, [_event(f"v{version}a", s, "impression", "u1", "i1"), _event(f"v{version}b", s + 1, "click", "u1", "i1"),
+                      *[_event(f"v{version}i{k}", s + 2 + k, "impression", f"u{k % 2 + 2}", f"i{k}") for k in range(version + 1)]],
+               version)
+        follow_validate(config, ["events"], interval_s=0, max_passes=1)
+        follow_build(config, interval_s=0, max_passes=1)
+        rows = rows_added(lake, "examples", open_table(lake, "examples").version())
+        if rows is None or not rows.num_rows:
+            continue
+        got, got_extra = _pointer_checks(Lake(lake), config.build, "examples", rows, index=index)
+        want, want_extra = _pointer_checks(Lake(lake), config.build, "examples", rows)
+        assert [(r.name, r.success) for r in got_extra] == [(r.name, r.success) for r in want_extra] == [
+            ("pointers_materialize", True)]
+        assert {name: check(rows) for name, check in got.items()} == {name: check(rows) for name, check in want.items()}
+        checked += 1
+    assert checked >= 3 and index.reference_rows == 0, "every row answered from the counts or the cache"
+    stranger = rows.set_column(rows.schema.get_field_index("example_id"), "example_id",
+                               pc.binary_join_element_wise(rows.column("example_id"), "?", ""))
+    if "corrects_example_id" in stranger.column_names:
+        stranger = stranger.drop_columns(["corrects_example_id"])
+    _, extra = _pointer_checks(Lake(lake), config.build, "examples", stranger, index=index)
+    assert (extra[0].name, extra[0].success) == ("pointers_materialize", False)
+    assert "missing from history" in extra[0].observed

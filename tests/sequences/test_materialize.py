@@ -51,6 +51,13 @@ def build_batches(batches: list[list[dict]], config: BuildConfig, reference: boo
     """(examples, history) of the shard steps driven over the batches (one shard, build n = batch n);
     ``reference``: the per-user reference steps, else the vectorised ones. The pending state of a
     pointer-layout config has no lists, like its examples."""
+    examples, history = build_steps(batches, config, reference)
+    return pa.concat_tables(examples), pa.concat_tables(history)
+
+
+def build_steps(batches: list[list[dict]], config: BuildConfig, reference: bool = False
+                ) -> tuple[list[pa.Table], list[pa.Table]]:
+    """:func:`build_batches`' examples and history rows, one table of each per build."""
     empty = {name: schema.empty_table() for name, schema in user_outputs(config).items()}
     user_step = user_shard_reference if reference else user_shard_vectorized
     state = {"buffer": empty["buffer"], "seq": empty["sequences"], "dseq": empty["sequences_by_domain"],
@@ -75,7 +82,7 @@ def build_batches(batches: list[list[dict]], config: BuildConfig, reference: boo
         assert user["pending"].schema.equals(pending_schema(config))
         examples.append(user["examples"])
         history.append(history_rows(user["history"], n))
-    return pa.concat_tables(examples), pa.concat_tables(history)
+    return examples, history
 
 
 def assert_materializes(examples: pa.Table, history: pa.Table, config: BuildConfig) -> None:
