@@ -35,7 +35,7 @@ from gemline.lake import Lake, StorageOptions, commit_metadata, open_table, read
 from gemline.tables import Table
 from sequences.config import NOTHING_PUBLISHED
 from sequences.history_tail import HistoryTail
-from sequences.materialize import HistoryCut, read_history, sequence_index
+from sequences.materialize import HistoryCut, SequenceIndex, read_history, sequence_index
 from sequences.schema import SPARSE_FEATURES, dense_feature_names
 from trainer.config import TrainerConfig
 from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
@@ -463,21 +463,21 @@ RowsOf = Callable[[pa.Array | pa.ChunkedArray, str], np.ndarray]
 """(values, id column) -> (N,) int64 embedding rows: hashing or an id mapping's lookup."""
 
 
-def _pointer_sequences(table: pa.Table, pointers: PointerHistory, rows: RowsOf) -> dict[str, np.ndarray]:
-    """SEQUENCE_KEYS -> (T,) ids of pointer-layout rows: each (user, build) pair's candidate events
-    are mapped to rows once and the examples gather from them (RecD's inverse indices, arXiv 2211.05239)."""
-    index = sequence_index(table, pointers.history, pointers.max_seq_len, cut=pointers.cut)
+def _pointer_sequences(index: SequenceIndex, rows: RowsOf) -> dict[str, np.ndarray]:
+    """SEQUENCE_KEYS -> (T,) ids of pointer-layout rows from their cross-domain :class:`SequenceIndex`: each
+    (user, build) pair's candidate events are mapped to rows once and the examples gather from them (RecD's
+    inverse indices, arXiv 2211.05239)."""
     columns = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
     return {key: rows(index.events.column(columns[key]).cast(pa.string()), key)[index.index] for key in SEQUENCE_KEYS}
 
 
-def _with_pointer_extras(table: pa.Table, pointers: PointerHistory) -> pa.Table:
+def _with_pointer_extras(table: pa.Table, pointers: PointerHistory, whole: SequenceIndex) -> pa.Table:
     """``table`` (pointer-layout rows) with the build's extra list columns rebuilt from history as the fat build
     writes them (``seq_time_delta_ms`` and the ``seq_same_domain_*`` lists), so the sequence extras encode the
-    same on both layouts; unchanged when ``pointers`` does not know the same-domain length."""
+    same on both layouts; unchanged when ``pointers`` does not know the same-domain length. ``whole``: the
+    rows' cross-domain :class:`SequenceIndex`."""
     if pointers.same_domain_seq_len is None:
         return table
-    whole = sequence_index(table, pointers.history, pointers.max_seq_len, cut=pointers.cut)
     same = sequence_index(table, pointers.history, pointers.same_domain_seq_len, same_domain=True, cut=pointers.cut)
     columns = {
         "seq_time_delta_ms": whole.time_deltas(),
@@ -559,9 +559,11 @@ def _encode_sequences(table: pa.Table, rows: RowsOf, pointers: PointerHistory | 
     np.cumsum(seq_length, out=offsets[1:])
     seq_values: dict[str, np.ndarray] = {}
     if pointers is not None and n:
-        seq_values = _pointer_sequences(table, pointers, rows)
+        # One cross-domain index serves the ids and the time deltas (each index is a sorted join over the history).
+        whole = sequence_index(table, pointers.history, pointers.max_seq_len, cut=pointers.cut)
+        seq_values = _pointer_sequences(whole, rows)
         if sequence_extras:
-            table = _with_pointer_extras(table, pointers)
+            table = _with_pointer_extras(table, pointers, whole)
     elif any(key not in table.schema.names for key in SEQUENCE_KEYS) and n:
         raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout): pass "
                                "the PointerHistory of load_split / pointer_history")
