@@ -33,8 +33,12 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The tests run on every core (pytest-xdist), each test file on one worker so its module fixtures are built once;
+# XDIST= runs them in this one process.
+XDIST ?= -n auto --dist loadfile
+
 test: setup setup-browser lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.kernels
