@@ -32,8 +32,8 @@ the row's own append time on this path, so the leakage check reaches the same ve
 (tests/sequences/test_pointer_summaries.py, a twin on random histories with late events, backfills and
 corrections).
 
-Cost per batch: O(n + n x r) for n rows and r recent events per key (bounded by folding: the folded part
-is one row per key), plus the rows sent to the reference. Memory: one row per key, the recent events,
+Cost per batch: O((n + R) log(n + R)) for n rows and R recent events (bounded by folding: the folded part
+is one row per key), whatever a key's share of them, plus the rows sent to the reference. Memory: one row per key, the recent events,
 and one cached summary per impression (at most ``max_cached``, the oldest by event time dropped first).
 """
 
@@ -86,8 +86,10 @@ class PointerSummaries:
         lake: the lake (or its root) whose ``history`` the rows point into.
         max_seq_len, same_domain_seq_len: the build's sequence lengths (its commit metadata).
         storage_options: the lake's object-store options (with a root).
-        margin_builds: builds before the oldest one a batch's first rows pointed into that stay unfolded, so a
-            later batch pointing a little further back is still answered here.
+        margin_builds: builds before the oldest one a batch's rows pointed into that stay unfolded, so a later
+            batch pointing a little further back is still answered here (an impression is published a waiting
+            window after the build that appended it, one or two builds back; a row further back goes to the
+            reference, exactly, at its users' whole-history cost).
         min_fold_rows: no folding while fewer recent events than this could be folded.
         max_cached: impressions whose summaries are kept for their corrections.
 
@@ -96,8 +98,8 @@ class PointerSummaries:
     """
 
     def __init__(self, lake: Lake | str | Path, max_seq_len: int, same_domain_seq_len: int, *,
-                 storage_options: StorageOptions | None = None, margin_builds: int = 10,
-                 min_fold_rows: int = 200_000, max_cached: int = 5_000_000) -> None:
+                 storage_options: StorageOptions | None = None, margin_builds: int = 2,
+                 min_fold_rows: int = 100_000, max_cached: int = 5_000_000) -> None:
         self.lake = lake.root if isinstance(lake, Lake) else lake
         self.storage_options = lake.delta_options if isinstance(lake, Lake) else storage_options
         self.max_len = {"cross": max_seq_len, "same": same_domain_seq_len}
@@ -163,8 +165,10 @@ class PointerSummaries:
         if n == 0:
             return self._summaries(out, n)
         anchor = pointer_rows.column("example_id")
+        first = np.ones(n, dtype=bool)
         if "corrects_example_id" in pointer_rows.column_names:
             anchor = pc.coalesce(pointer_rows.column("corrects_example_id"), anchor)
+            first = pc.is_null(pointer_rows.column("corrects_example_id")).to_numpy(zero_copy_only=False)
         queries = pl.DataFrame({"user_id": pointer_rows.column("user_id"), "_anchor": anchor,
                                 "domain": pointer_rows.column("domain"), "_t": pointer_rows.column("event_time_ms"),
                                 "_c": pointer_rows.column("created_ts_ms")}).with_row_index("_i")
@@ -191,42 +195,73 @@ class PointerSummaries:
             self._reference(pointer_rows.take(pa.array(slow)), slow, out, version)
         fresh = np.flatnonzero(~done)
         self._remember(queries, fresh, out)
-        first_builds = todo.filter(pl.Series(fast[todo.get_column("_i").to_numpy()])).get_column("_k")
+        # The fold follows first publications: a correction of an old impression is answered from the cache.
+        i = todo.get_column("_i").to_numpy()
+        first_builds = todo.filter(pl.Series(fast[i] & first[i])).get_column("_k")
         if first_builds.len():
             self._maybe_fold(int(first_builds.min()) - 1 - self.margin_builds)  # type: ignore[arg-type]
         return self._summaries(out, n)
 
     def _fast(self, todo: pl.DataFrame, keys: list[str], max_len: int, kind: str
               ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
-        """(row numbers, summary fields, answered here) of the ``todo`` queries (module docstring's first case)."""
-        q = todo.select("_i", *keys, "_k", "_t", "_c")
-        old = pl.col("build") < pl.col("_k")
-        seen = (pl.col("build") == pl.col("_k")) & (pl.col("event_time_ms") < pl.col("_t")) & (
-            pl.col("created_ts_ms") <= pl.col("_c"))
-        recent = (q.join(self.recent.select(*keys, "build", "event_time_ms", "created_ts_ms"), on=keys, how="inner")
-                  .filter(pl.col("build") <= pl.col("_k"))
-                  .group_by("_i").agg(old.sum().cast(pl.Int64).alias("_n_old"),
-                                      pl.col("event_time_ms").filter(old).max().alias("_t_old"),
-                                      pl.col("created_ts_ms").filter(old).max().alias("_c_old"),
-                                      seen.sum().cast(pl.Int64).alias("_v"),
-                                      pl.col("event_time_ms").filter(seen).max().alias("_t_k"),
-                                      pl.col("created_ts_ms").filter(seen).max().alias("_c_k")))
-        folded = self.folded[kind]
-        q = (q.join(folded, on=keys, how="left").join(recent, on="_i", how="left")
-             .with_columns((pl.col("_nf").fill_null(0) + pl.col("_n_old").fill_null(0)).alias("_n_all"),
-                           pl.max_horizontal("_tf", "_t_old").alias("_t_all"),
-                           pl.max_horizontal("_cf", "_c_old").alias("_c_all")))
-        n_old = q.get_column("_n_all").to_numpy()
-        t_all = q.get_column("_t_all").fill_null(_LOWEST).to_numpy()
-        c_all = q.get_column("_c_all").fill_null(_LOWEST).to_numpy()
+        """(row numbers, summary fields, answered here) of the ``todo`` queries (module docstring's first case).
+
+        Sorted searches, never a join of rows with their key's events (a generated user can have 75k events
+        and a thousand rows in one version): per key and build, the counts, newest time and latest append of
+        the recent events, cumulated over builds, searched for the last build before each row's; and each
+        row's build-k events sorted by time, searched for the row's time, with their running latest append."""
+        q = todo.select("_i", *keys, "_k", "_t", "_c").join(self.folded[kind], on=keys, how="left")
+        recent = self.recent.select(*keys, "build", "event_time_ms", "created_ts_ms")
+        codes = pl.concat([q.select(keys), recent.select(keys)]).unique().with_row_index("_kc")
+        q = q.join(codes, on=keys, how="left")
+        recent = recent.join(codes, on=keys, how="left").select("_kc", "build", "event_time_ms", "created_ts_ms")
+        kc = q.get_column("_kc").to_numpy().astype(np.int64)
+        k = q.get_column("_k").to_numpy()
         t, c = q.get_column("_t").to_numpy(), q.get_column("_c").to_numpy()
-        ok = (n_old == 0) | ((t_all < t) & (c_all <= c))
-        v = q.get_column("_v").fill_null(0).to_numpy()
+
+        # Recent events of builds < k: per (key, build) aggregates cumulated over the key's builds.
+        per_build = (recent.group_by("_kc", "build").agg(pl.len().cast(pl.Int64).alias("n"),
+                                                           pl.col("event_time_ms").max().alias("t"),
+                                                           pl.col("created_ts_ms").max().alias("c"))
+                     .sort("_kc", "build")
+                     .with_columns(pl.col("n").cum_sum().over("_kc"), pl.col("t").cum_max().over("_kc"),
+                                   pl.col("c").cum_max().over("_kc")))
+        pb_kc = per_build.get_column("_kc").to_numpy().astype(np.int64)
+        pb_key = (pb_kc << 32) | per_build.get_column("build").to_numpy()
+        at = np.searchsorted(pb_key, (kc << 32) | k, side="left") - 1
+        has = (at >= 0) & (pb_kc[np.maximum(at, 0)] == kc)
+        at = np.maximum(at, 0)
+        n_recent = np.where(has, per_build.get_column("n").to_numpy()[at] if per_build.height else 0, 0)
+        t_recent = np.where(has, per_build.get_column("t").to_numpy()[at] if per_build.height else _LOWEST, _LOWEST)
+        c_recent = np.where(has, per_build.get_column("c").to_numpy()[at] if per_build.height else _LOWEST, _LOWEST)
+
+        # The row's own build's events before its time (a time search), appended at or before it.
+        pairs = q.select("_kc", pl.col("_k").alias("build")).unique().with_row_index("_pc")
+        own = (recent.join(pairs, on=["_kc", "build"], how="inner").sort("_pc", "event_time_ms")
+               .with_columns(pl.col("created_ts_ms").cum_max().over("_pc").alias("_run")))
+        pc_q = q.join(pairs, left_on=["_kc", "_k"], right_on=["_kc", "build"], how="left").get_column("_pc").to_numpy()
+        times = own.get_column("event_time_ms").to_numpy()
+        t0 = min(int(times.min()) if times.size else 0, int(t.min()))
+        own_key = (own.get_column("_pc").to_numpy().astype(np.int64) << 41) | (times - t0)
+        pc_q = pc_q.astype(np.int64)
+        first = np.searchsorted(own_key, pc_q << 41, side="left")
+        end = np.searchsorted(own_key, (pc_q << 41) | (t - t0), side="left")
+        v = end - first
+        last = np.maximum(end - 1, 0)
+        run = own.get_column("_run").to_numpy()
+        t_k = np.where(v > 0, times[last] if times.size else _LOWEST, _LOWEST)
+        c_k = np.where(v > 0, run[last] if run.size else _LOWEST, _LOWEST)
+
+        n_old = q.get_column("_nf").fill_null(0).to_numpy() + n_recent
+        t_all = np.maximum(q.get_column("_tf").fill_null(_LOWEST).to_numpy(), t_recent)
+        c_all = np.maximum(q.get_column("_cf").fill_null(_LOWEST).to_numpy(), c_recent)
+        # Answered here when every earlier event is older than the row and appended at or before it, and so are
+        # the row's own build's events before it (else some of those are invisible: the reference sorts it out).
+        ok = ((n_old == 0) | ((t_all < t) & (c_all <= c))) & ((v == 0) | (c_k <= c))
         visible = np.minimum(n_old, max_len) + v
         lengths = np.minimum(visible, max_len)
-        newest = np.maximum(np.where(n_old > 0, t_all, _LOWEST), q.get_column("_t_k").fill_null(_LOWEST).to_numpy())
-        newest_created = np.maximum(np.where(n_old > 0, c_all, _LOWEST),
-                                    q.get_column("_c_k").fill_null(_LOWEST).to_numpy())
+        newest = np.maximum(np.where(n_old > 0, t_all, _LOWEST), t_k)
+        newest_created = np.maximum(np.where(n_old > 0, c_all, _LOWEST), c_k)
         # Kept events are cut in event order, so they are time-ascending by construction.
         values = {"lengths": lengths, "truncated": np.maximum(n_old - max_len, 0) + visible - lengths,
                   "newest_ms": np.where(lengths > 0, newest, _LOWEST),
