@@ -11,6 +11,8 @@ commits' metadata), then rebuilt both ways in this one process, back to back, on
   does with it: the validation summaries (``validation.pointer_checks.summarize_pointers``) and the
   trainer's two sequence indexes (``sequences.materialize.sequence_index``, cross- and same-domain), every
   key's candidates through the join (``HEAVY_KEY_ROWS`` set above any key's rows);
+* ``sorted``: the trainer's two indexes from ``sequences.sorted_history.SortedHistory`` (the history held
+  sorted, read by increments), checked equal to the others, against the tail's two indexes alone;
 * ``new``: ``HistoryTail.history_for`` (the rows the history gained since the last version, the compacted
   tail of the batch's users) then the same work with its ``cut`` and the default ``HEAVY_KEY_ROWS``.
 
@@ -37,6 +39,7 @@ from sequences import materialize
 from sequences.config import BuildConfig
 from sequences.history_tail import HistoryTail
 from sequences.materialize import HistoryCut, read_history, sequence_index
+from sequences.sorted_history import SortedHistory
 from validation.pointer_checks import summarize_pointers
 
 
@@ -62,6 +65,13 @@ def _work(rows: pa.Table, history: pa.Table, cut: HistoryCut | None, cfg: BuildC
     return out
 
 
+def summaries_s(rows: pa.Table, history: pa.Table, cut: HistoryCut | None, cfg: BuildConfig) -> float:
+    """CPU-s of the validation summaries alone (subtracted from the tail's work to leave the trainer's indexes)."""
+    t0 = time.process_time()
+    summarize_pointers(rows, history, cfg, cut)
+    return time.process_time() - t0
+
+
 def main() -> None:
     """Print the per-version CPU-s of both paths and the totals (module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,6 +85,9 @@ def main() -> None:
     history_of = {b: v for v, b in build_versions(lake, Table.HISTORY).items()}
     tail = HistoryTail(lake, cfg.max_seq_len, cfg.same_domain_seq_len)
     heavy = materialize.HEAVY_KEY_ROWS
+    held = SortedHistory(lake)
+    sorted_s: list[float] = []
+    tail_index: list[float] = []
     costs: list[tuple[int, int, float, float, float, float]] = []  # version, history rows, old read/work, new read/work
     for version, build in sorted(build_versions(lake, Table.EXAMPLES).items()):
         rows = rows_added(lake, Table.EXAMPLES, version)
@@ -94,13 +107,28 @@ def main() -> None:
         t4 = time.process_time()
         for a, b in zip(want, got, strict=True):
             assert np.array_equal(a, b), f"examples@{version}: the tail's rebuild differs from the whole history's"
+        t5 = time.process_time()
+        fast = []
+        for max_len, same in ((cfg.max_seq_len, False), (cfg.same_domain_seq_len, True)):
+            index = held.sequence_index(rows, max_len, same_domain=same, version=hv)
+            fast += [index.offsets, index.truncated,
+                     index.events.column("event_id").to_numpy(zero_copy_only=False)[index.index]]
+        t6 = time.process_time()
+        for a, b in zip(want[10:], fast, strict=True):
+            assert np.array_equal(a, b), f"examples@{version}: the sorted history's index differs from the whole history's"
+        sorted_s.append(t6 - t5)
+        tail_index.append(t4 - t3 - summaries_s(rows, tail_rows, cut, cfg))
         events = open_table(lake, Table.HISTORY, hv).to_pyarrow_dataset().count_rows()  # type: ignore[union-attr]
         costs.append((version, events, t1 - t0, t2 - t1, t3 - t2, t4 - t3))
         print(f"examples@{version} ({rows.num_rows} rows, history@{hv} {events} rows): old read {t1 - t0:.3f} "
               f"work {t2 - t1:.3f} s; new read {t3 - t2:.3f} work {t4 - t3:.3f} s; tail {tail.rows.height} rows, "
-              f"horizon {tail.cut.horizon}, whole reads {tail.full_reads}", flush=True)
+              f"horizon {tail.cut.horizon}, whole reads {tail.full_reads}; trainer's two indexes: tail "
+              f"{tail_index[-1]:.3f} s, sorted history {sorted_s[-1]:.3f} s ({held.reference_rows} rows to the "
+              "reference so far)", flush=True)
     if not costs:
         return
+    print(f"the trainer's two indexes over all versions: tail (after its read) {sum(tail_index):.3f} CPU-s, sorted "
+          f"history (its reads included) {sum(sorted_s):.3f}; sorted/tail {sum(sorted_s) / sum(tail_index):.3f}")
     half = len(costs) // 2
     for title, first in (("all versions", 0), ("second half", half)):
         part = costs[first:]

@@ -30,7 +30,7 @@ LIBRARIES = ("kernels", "features")
 # from ``history``; that reading rule is part of the examples contract, like the schema; sequences.history_tail
 # is the same rule for a long-running reader (the history read by increments, compacted).
 RECORDS = {"ingest.schema", "ingest.config", "sequences.schema", "sequences.config", "sequences.materialize",
-           "sequences.history_tail", "sequences.pointer_summaries", "features.definitions"}
+           "sequences.history_tail", "sequences.pointer_summaries", "sequences.sorted_history", "features.definitions"}
 
 KNOWN: set[tuple[str, str]] = set()
 

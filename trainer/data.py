@@ -36,7 +36,8 @@ from gemline.tables import Table
 from sequences.config import NOTHING_PUBLISHED
 from sequences.history_tail import HistoryTail
 from sequences.materialize import HistoryCut, SequenceIndex, read_history, sequence_index
-from sequences.schema import SPARSE_FEATURES, dense_feature_names
+from sequences.schema import HISTORY_SCHEMA, SPARSE_FEATURES, dense_feature_names
+from sequences.sorted_history import SortedHistory
 from trainer.config import TrainerConfig
 from trainer.delayed import DelayedBatch, DelayedLabels, delayed_labels, to_torch
 from trainer.labels import final_labels as labels_final
@@ -303,6 +304,17 @@ class PointerHistory:
     """The build's ``same_domain_seq_len``; None (a lake built before it was recorded): no same-domain stream."""
     cut: HistoryCut | None = None
     """For a compacted ``history`` (:class:`sequences.history_tail.HistoryTail`): what it left out."""
+    sorted_history: SortedHistory | None = None
+    """A long-running reader's history held sorted (:class:`sequences.sorted_history.SortedHistory`): the
+    sequences come from it, ``history`` is unused."""
+
+    def index(self, table: pa.Table, same_domain: bool = False) -> SequenceIndex:
+        """The :class:`~sequences.materialize.SequenceIndex` of ``table``'s cross-domain (or same-domain)
+        sequences (raises ValueError as :func:`sequences.materialize.sequence_index`)."""
+        max_len = self.same_domain_seq_len if same_domain and self.same_domain_seq_len is not None else self.max_seq_len
+        if self.sorted_history is not None:
+            return self.sorted_history.sequence_index(table, max_len, same_domain=same_domain)
+        return sequence_index(table, self.history, max_len, same_domain=same_domain, cut=self.cut)
 
 
 @dataclass(frozen=True)
@@ -416,18 +428,29 @@ def pointer_history(lake: Lake | str | Path, table: pa.Table, *, storage_options
 
 class PointerReader:
     """:func:`pointer_history` for a long-running reader (``train --follow``, distillation): one
-    :class:`sequences.history_tail.HistoryTail` kept across its calls, so each read batch costs the history
-    its commits added since the last one and its users' compacted rows, not their whole history.
+    :class:`sequences.history_tail.HistoryTail` kept across its calls, so each read batch costs the history its
+    commits added since the last one and its users' compacted rows, not a whole read of their history.
+    ``sorted_history=True`` uses a :class:`sequences.sorted_history.SortedHistory` instead (each row's window
+    of the history held sorted; exact, but not yet cheaper on the generated stream: README "Freshness").
     Created on the first pointer-layout batch (the build's lengths are in its commit metadata by then)."""
 
-    def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> None:
+    def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None,
+                 sorted_history: bool = False) -> None:
         self.lake, self.storage_options = lake, storage_options
         self.tail: HistoryTail | None = None
+        self.sorted: SortedHistory | None = None
+        self.use_sorted = sorted_history
+        self.lengths: tuple[int, int | None] = (0, None)
 
     def __call__(self, table: pa.Table) -> PointerHistory | None:
         """:func:`pointer_history` of ``table`` through the tail (raises as it does)."""
         if all(key in table.schema.names for key in SEQUENCE_KEYS):
             return None
+        if self.use_sorted and self.tail is None:
+            if self.sorted is None:
+                self.sorted = SortedHistory(self.lake, storage_options=self.storage_options)
+                self.lengths = _pointer_lengths(self.lake, self.storage_options)
+            return PointerHistory(HISTORY_SCHEMA.empty_table(), *self.lengths, sorted_history=self.sorted)
         if self.tail is None:
             max_seq_len, same = _pointer_lengths(self.lake, self.storage_options)
             # Without a recorded same-domain length, compacting by max_seq_len keeps at least what is needed.
@@ -478,7 +501,7 @@ def _with_pointer_extras(table: pa.Table, pointers: PointerHistory, whole: Seque
     rows' cross-domain :class:`SequenceIndex`."""
     if pointers.same_domain_seq_len is None:
         return table
-    same = sequence_index(table, pointers.history, pointers.same_domain_seq_len, same_domain=True, cut=pointers.cut)
+    same = pointers.index(table, same_domain=True)
     columns = {
         "seq_time_delta_ms": whole.time_deltas(),
         "seq_same_domain_item_ids": same.lists("item_id", pa.string()),
@@ -560,7 +583,7 @@ def _encode_sequences(table: pa.Table, rows: RowsOf, pointers: PointerHistory | 
     seq_values: dict[str, np.ndarray] = {}
     if pointers is not None and n:
         # One cross-domain index serves the ids and the time deltas (each index is a sorted join over the history).
-        whole = sequence_index(table, pointers.history, pointers.max_seq_len, cut=pointers.cut)
+        whole = pointers.index(table)
         seq_values = _pointer_sequences(whole, rows)
         if sequence_extras:
             table = _with_pointer_extras(table, pointers, whole)

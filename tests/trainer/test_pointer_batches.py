@@ -141,3 +141,25 @@ def test_pointer_reader_equals_the_whole_history(lakes):
             assert torch.equal(g.values(), w.values()) and torch.equal(g.lengths(), w.lengths())
     history = read_table(lake, "history")
     assert history is not None and reader.tail.rows.height == history.num_rows  # each event once, nothing cut
+
+
+def test_a_pointer_reader_on_the_sorted_history_encodes_as_the_whole_history(lakes):
+    """PointerReader(sorted_history=True) (sequences.sorted_history): each build's rows, and the first build's
+    again, encode as with the whole history, sequence extras included."""
+    from gemline.increments import rows_added
+    from trainer.data import PointerReader, pointer_history
+
+    lake = lakes["pointer"]
+    reader = PointerReader(lake, sorted_history=True)
+    for version in (1, 2, 1):
+        table = rows_added(lake, "examples", version)
+        assert table is not None and table.num_rows
+        pointers = reader(table)
+        assert pointers is not None and pointers.sorted_history is not None
+        normalizer = fit_normalizer(table)
+        got = encode_examples(table, 1_000, normalizer, pointers, sequence_extras=True)
+        want = encode_examples(table, 1_000, normalizer, pointer_history(lake, table), sequence_extras=True)
+        g, w = (make_batch(d, np.arange(len(d))) for d in (got, want))
+        for key in w.sequence.keys():
+            assert torch.equal(g.sequence[key].values(), w.sequence[key].values()), key
+            assert torch.equal(g.sequence[key].lengths(), w.sequence[key].lengths()), key

@@ -1,0 +1,271 @@
+"""Pointer rows' sequences for a long-running reader from a history kept sorted by key and time.
+
+:func:`sequences.materialize.sequence_index` rebuilds a batch's sequences with a sorted join of every
+``history`` row of its users; a batch's users are nearly all users, so each batch sorts about the whole
+history again (9-15 CPU-s per examples version in the tenth minute of ``benchmarks.freshness``, where
+``defer``'s corrections keep the compacted tail from dropping anything). :class:`SortedHistory` keeps the
+history sorted by (key, event time, event id) across calls, re-sorting only when commits added rows, and cuts
+each row's sequence from a window of its key's events just before the row's time:
+
+- the row's position ``p`` in its key's events (the first at or after its time) by a binary search;
+- the window ``[max(start, p - W), p)``, W = ``max_len`` + :data:`WINDOW_SLACK`: of its events, the ones the
+  point-in-time rule (:mod:`sequences.materialize`) shows the row are those of its own build k appended at or
+  before it, and those of earlier builds appended at or before it that are among the newest ``max_len``
+  events of builds < k; the newest ``max_len`` shown are kept.
+
+That is exact when no event of a build < k sits at or after ``p`` (checked with the key's suffix minimum of
+``build``), no event of build >= k sits before the window (its prefix maximum), and the window holds at least
+``max_len`` events of builds < k or starts at the key's first event. Any other row (a late impression, a
+window too short) goes to :func:`~sequences.materialize.sequence_index` over its users' rows: the reference.
+The same stored-length check as the reference raises on a row that disagrees with the history.
+
+Cost per batch: O(n x W) for n rows plus the rows sent to the reference; per commit read, a sort of the
+held rows (the rows are all kept: memory as the uncompacted history tail's).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gemline.increments import Cursor, CursorError, read_from, table_id
+from gemline.lake import Lake, StorageOptions, open_table
+from gemline.tables import Table
+from sequences.materialize import _HISTORY_COLUMNS, SequenceIndex, sequence_index
+
+log = logging.getLogger(__name__)
+
+WINDOW_SLACK = 64
+"""Events looked at beyond ``max_len`` before a row's time: room for events of later builds and
+invisible ones in the window before a row needs the reference."""
+
+
+class _Sorted:
+    """One kind's rows (cross-domain: by user; same-domain: by (user, domain)) sorted by (key, time, event id),
+    with each key's first row, and the running minimum (from the end) and maximum (from the start) of
+    ``build`` within each key."""
+
+    def __init__(self, rows: pl.DataFrame, keys: list[str]) -> None:
+        self.keys = keys
+        codes = rows.select(keys).unique().with_row_index("_kc").with_columns(pl.col("_kc").cast(pl.Int64))
+        self.rows = rows.join(codes, on=keys, how="inner").sort("_kc", "event_time_ms", "event_id")
+        self.codes = self.rows.select(*keys, "_kc").unique(keys)
+        self.kc = self.rows.get_column("_kc").to_numpy()
+        self.time = self.rows.get_column("event_time_ms").to_numpy()
+        self.build = self.rows.get_column("build").to_numpy()
+        self.created = self.rows.get_column("created_ts_ms").to_numpy()
+        runs = self.rows.select(pl.col("build").cum_min(reverse=True).over("_kc").alias("suf"),
+                                pl.col("build").cum_max().over("_kc").alias("pre"))
+        self.suffix_min, self.prefix_max = runs.get_column("suf").to_numpy(), runs.get_column("pre").to_numpy()
+        self.t_lo = int(self.time.min()) if self.time.size else 0
+        self.t_hi = int(self.time.max()) + 1 if self.time.size else 1
+        # (key code, time) as one int64, for binary searches; times are clipped to [t_lo, t_hi] (a search past
+        # either end lands at the same place).
+        self.span = self.t_hi - self.t_lo + 1
+        top = int(self.kc.max()) + 2 if self.kc.size else 2
+        if top * self.span >= 2**62:
+            raise OverflowError("sorted history: key count x time span does not fit a 64-bit search key")
+        self.key = self.kc * self.span + (self.time - self.t_lo)
+
+    def own_build_before(self, kc: np.ndarray, k: np.ndarray, start: np.ndarray, lo: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """(count, latest append time) of the events of build ``k`` at positions ``start`` .. ``lo`` - 1 of key
+        ``kc`` (0 and int64 min when none): one pass over the rows per distinct build asked for."""
+        count = np.zeros(len(k), np.int64)
+        latest = np.full(len(k), np.iinfo(np.int64).min, np.int64)
+        ask = lo > start
+        for build in np.unique(k[ask]):
+            rows = np.flatnonzero(ask & (k == build))
+            mine = self.build == build
+            ones = np.concatenate([[0], np.cumsum(mine)])
+            count[rows] = ones[lo[rows]] - ones[start[rows]]
+            # Latest append time of build ``build``'s events so far within each key (reset at each key's start).
+            run = (pl.DataFrame({"g": self.kc, "c": np.where(mine, self.created, np.iinfo(np.int64).min)})
+                   .select(pl.col("c").cum_max().over("g")).get_column("c").to_numpy())
+            latest[rows] = run[lo[rows] - 1]
+        return count, latest
+
+    def search(self, kc: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Position of the first event of key ``kc`` at or after time ``t`` (ms)."""
+        return np.searchsorted(self.key, kc * self.span + (np.clip(t, self.t_lo, self.t_hi) - self.t_lo), side="left")
+
+
+class SortedHistory:
+    """:func:`~sequences.materialize.sequence_index` of pointer rows from a lake's ``history`` held sorted,
+    read by increments (module docstring).
+
+    Args:
+        lake: the lake (or its root) whose ``history`` the rows point into.
+        storage_options: the lake's object-store options (with a root).
+
+    Attributes:
+        reference_rows: rows answered by the reference path so far.
+    """
+
+    def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> None:
+        self.lake = lake.root if isinstance(lake, Lake) else lake
+        self.storage_options = lake.delta_options if isinstance(lake, Lake) else storage_options
+        self.reference_rows = 0
+        self.cursor: Cursor | None = None
+        self.rows = pl.DataFrame(schema={c: (pl.Int64 if c in ("event_time_ms", "created_ts_ms", "build") else pl.String)
+                                         for c in _HISTORY_COLUMNS})
+        self._kinds: dict[bool, _Sorted] = {}
+
+    def _load(self, tid: str, version: int | None) -> None:
+        dt = open_table(self.lake, Table.HISTORY, version, storage_options=self.storage_options)
+        assert dt is not None, "table_id found the table"
+        self.rows = pl.DataFrame(dt.to_pyarrow_dataset().to_table(columns=_HISTORY_COLUMNS)).select(_HISTORY_COLUMNS)
+        self.cursor = Cursor(tid, dt.version() + 1)
+        self._kinds = {}
+
+    def advance(self, version: int | None = None) -> None:
+        """Take in the rows ``history`` gained since the last call, up to ``history@version`` (newest when None):
+        the whole table the first time, or when it was recreated, or when a file under the cursor is gone."""
+        tid = table_id(self.lake, Table.HISTORY, storage_options=self.storage_options)
+        if tid is None:
+            return
+        if self.cursor is None or self.cursor.table_id != tid:
+            self._load(tid, version)
+            return
+        batches, cursor = [], self.cursor
+        try:
+            for _, batch, after in read_from(self.lake, Table.HISTORY, self.cursor, columns=_HISTORY_COLUMNS,
+                                             until_version=version, storage_options=self.storage_options):
+                if batch is not None:
+                    batches.append(batch)
+                cursor = after
+        except CursorError as exc:
+            log.warning("sorted history: reading the whole history again (%s)", exc)
+            self._load(tid, version)
+            return
+        if batches:
+            added = pl.DataFrame(pa.Table.from_batches(batches)).select(_HISTORY_COLUMNS)
+            self.rows = pl.concat([self.rows, added], how="vertical_relaxed").rechunk()
+            self._kinds = {}
+        self.cursor = cursor
+
+    def _kind(self, same_domain: bool) -> _Sorted:
+        if same_domain not in self._kinds:
+            self._kinds[same_domain] = _Sorted(self.rows, ["user_id", "domain"] if same_domain else ["user_id"])
+        return self._kinds[same_domain]
+
+    def sequence_index(self, pointer_rows: pa.Table, max_len: int, *, same_domain: bool = False,
+                       check: bool = True, version: int | None = None) -> SequenceIndex:
+        """:func:`sequences.materialize.sequence_index` of ``pointer_rows`` over the whole history (equal index
+        lists, offsets and truncation counts; ``events`` holds only the events kept). ``version``: the history
+        version read up to (newest when None).
+
+        Raises:
+            ValueError: as the reference: an impression missing from history, a stored length that differs.
+        """
+        self.advance(version)
+        n = pointer_rows.num_rows
+        if n == 0:
+            return sequence_index(pointer_rows, self.rows.head(0).to_arrow(), max_len, same_domain=same_domain,
+                                  check=check)
+        s = self._kind(same_domain)
+        anchor = pointer_rows.column("example_id")
+        if "corrects_example_id" in pointer_rows.column_names:
+            anchor = pc.coalesce(pointer_rows.column("corrects_example_id"), anchor)
+        q = (pl.DataFrame({"user_id": pointer_rows.column("user_id"), "domain": pointer_rows.column("domain"),
+                           "_anchor": anchor, "_t": pointer_rows.column("event_time_ms"),
+                           "_c": pointer_rows.column("created_ts_ms")}).with_row_index("_i")
+             .join(self.rows.select("user_id", pl.col("event_id").alias("_anchor"), pl.col("build").alias("_k")),
+                   on=["user_id", "_anchor"], how="left")
+             .join(s.codes, on=s.keys, how="left").sort("_i"))
+        k = q.get_column("_k").fill_null(-1).to_numpy()
+        kc = q.get_column("_kc").fill_null(-1).to_numpy()
+        t, c = q.get_column("_t").to_numpy(), q.get_column("_c").to_numpy()
+        known = (q.get_column("_k").is_not_null() & q.get_column("_kc").is_not_null()).to_numpy()
+        start = s.search(kc, np.full(n, s.t_lo - 1))
+        end = s.search(kc + 1, np.full(n, s.t_lo - 1))
+        p = s.search(kc, t)
+        lo = np.maximum(start, p - (max_len + WINDOW_SLACK))
+        last = max(len(s.build) - 1, 0)
+        nothing_old_after = (p >= end) | (s.suffix_min[np.minimum(p, last)] >= k if len(s.build) else True)
+        # Before the window only events of builds <= k (those of build k counted below, by build).
+        nothing_new_before = (lo <= start) | (s.prefix_max[np.clip(lo - 1, 0, last)] <= k if len(s.build) else True)
+        fast = known & nothing_old_after & nothing_new_before & (len(s.build) > 0)
+        rows_fast = np.flatnonzero(fast)
+
+        # Every fast row's window, flattened: row r's positions lo[r] .. p[r] - 1.
+        width = (p - lo)[rows_fast]
+        r = np.repeat(rows_fast, width)
+        first_flat = np.concatenate([[0], np.cumsum(width)[:-1]]) if width.size else np.zeros(0, np.int64)
+        pos = np.repeat(lo[rows_fast] - first_flat, width) + np.arange(int(width.sum()), dtype=np.int64)
+        b = s.build[pos]
+        old = b < k[r]
+        shown_by_time = s.created[pos] <= c[r]
+        old_after = _after_in_row(old, width)  # old events between this one and the row's time
+        visible = ((old & (old_after < max_len)) | (b == k[r])) & shown_by_time
+        kept = visible & (_after_in_row(visible, width) < max_len)
+        old_in_window = np.bincount(np.searchsorted(rows_fast, r[old]), minlength=len(rows_fast))
+        shown_in_window = np.bincount(np.searchsorted(rows_fast, r[visible]), minlength=len(rows_fast))
+        own_before, own_latest = s.own_build_before(kc[rows_fast], k[rows_fast], start[rows_fast], lo[rows_fast])
+        # Exact when the window starts at the key's first event, or when the events before it can be neither kept
+        # (the window shows N) nor shown (>= N older events of builds < k in the window) except those of the
+        # row's own build, all appended at or before the row (they are counted as shown).
+        enough = (lo[rows_fast] <= start[rows_fast]) | (
+            (old_in_window >= max_len) & (shown_in_window >= max_len) & (own_latest <= c[rows_fast]))
+        fast[rows_fast[~enough]] = False
+
+        lengths = np.zeros(n, np.int64)
+        truncated = np.zeros(n, np.int64)
+        in_fast = fast[r]
+        kept &= in_fast
+        lengths[rows_fast] = np.bincount(np.searchsorted(rows_fast, r[kept]), minlength=len(rows_fast))
+        shown = shown_in_window + own_before
+        n_old = (lo - start)[rows_fast] - own_before + old_in_window
+        truncated[rows_fast] = np.maximum(n_old - max_len, 0) + shown - lengths[rows_fast]
+        slow = np.flatnonzero(~fast)
+        reference = None
+        if slow.size:
+            self.reference_rows += slow.size
+            subset = pointer_rows.take(pa.array(slow))
+            users = pl.Series("user_id", subset.column("user_id")).unique()
+            history = self.rows.filter(pl.col("user_id").is_in(users.implode())).to_arrow()
+            reference = sequence_index(subset, history, max_len, same_domain=same_domain, check=False)
+            lengths[slow] = np.diff(reference.offsets)
+            truncated[slow] = reference.truncated
+
+        # One events table: the fast rows' kept events, then the reference's candidates.
+        kept_pos = pos[kept]
+        unique_pos, inverse = np.unique(kept_pos, return_inverse=True)
+        events = s.rows[unique_pos].select(_HISTORY_COLUMNS).to_arrow()
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        index = np.empty(int(offsets[-1]), np.int64)
+        # Kept positions come row by row, oldest first: row i's fill offsets[i] .. offsets[i + 1] in that order.
+        index[_ranges(offsets[rows_fast[fast[rows_fast]]], lengths[rows_fast[fast[rows_fast]]])] = inverse
+        if reference is not None:
+            index[_ranges(offsets[slow], lengths[slow])] = reference.index + events.num_rows
+            events = pa.concat_tables([events, reference.events.select(_HISTORY_COLUMNS).cast(events.schema)])
+        if check:
+            prefix = "seq_same_domain_" if same_domain else "seq_"
+            for name, got in ((f"{prefix}length", lengths), (f"{prefix}truncated", truncated)):
+                stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
+                bad = np.flatnonzero(stored != got)
+                if bad.size:
+                    raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
+                                     f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
+                                     "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
+        return SequenceIndex(events, index, offsets, truncated, t.astype(np.int64))
+
+
+def _after_in_row(flags: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """For flattened rows of ``width`` elements: how many flagged elements come after each one in its row."""
+    total = np.cumsum(flags.astype(np.int64))
+    row_end = np.repeat(np.cumsum(width), width) - 1
+    return total[row_end] - total if flags.size else np.zeros(0, np.int64)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated ranges ``starts[i] .. starts[i] + lengths[i] - 1``."""
+    if not lengths.size:
+        return np.zeros(0, np.int64)
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)

@@ -1,0 +1,89 @@
+""":class:`sequences.sorted_history.SortedHistory` against its reference, ``sequence_index`` over the whole
+history: builds committed one by one to a lake's ``history``, each build's examples indexed as the trainer's
+follower would, on random streams with late events, backfills, truncation (N = 3) and label corrections; a
+hand case names which rows the window answers; a row that disagrees with history raises as the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from deltalake import write_deltalake
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from gemline.lake import table_uri
+from sequences import sorted_history
+from sequences.materialize import SequenceIndex, sequence_index, to_pointers
+from sequences.sorted_history import SortedHistory
+
+from .conftest import event
+from .test_materialize import EVENTS, MODES, _events, build_steps
+
+
+def _lists(index: SequenceIndex) -> list[list[str]]:
+    ids = index.events.column("event_id").to_pylist()
+    return [[ids[j] for j in index.index[a:b]] for a, b in zip(index.offsets[:-1], index.offsets[1:], strict=True)]
+
+
+def _assert_twin(got: SequenceIndex, want: SequenceIndex) -> None:
+    assert _lists(got) == _lists(want)
+    np.testing.assert_array_equal(got.offsets, want.offsets)
+    np.testing.assert_array_equal(got.truncated, want.truncated)
+    np.testing.assert_array_equal(got.query_ms, want.query_ms)
+    assert got.time_deltas().to_pylist() == want.time_deltas().to_pylist()
+
+
+def _follow(tmp_path, batches, config) -> SortedHistory:
+    lake = str(tmp_path / "lake")
+    examples, history = build_steps(batches, config)
+    sorted_rows = SortedHistory(lake)
+    for n, (published, added) in enumerate(zip(examples, history, strict=True)):
+        write_deltalake(table_uri(lake, "history"), added, mode="append", partition_by=["user_bucket"])
+        rows = to_pointers(published)
+        whole = pa.concat_tables(history[:n + 1])
+        for max_len, same in ((config.max_seq_len, False), (config.same_domain_seq_len, True)):
+            _assert_twin(sorted_rows.sequence_index(rows, max_len, same_domain=same),
+                         sequence_index(rows, whole, max_len, same_domain=same))
+    return sorted_rows
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(EVENTS, st.integers(1, 4), st.sampled_from(MODES), st.sampled_from([0, 64]))
+def test_sorted_history_equals_the_whole_history(tmp_path_factory, rows, parts, config, slack):
+    """Windows of exactly N events (slack 0: many rows need the reference) or wider."""
+    events = _events(rows)
+    batches = [sorted(events[k::parts], key=lambda e: e["created_ts_ms"]) for k in range(parts)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sorted_history, "WINDOW_SLACK", slack)
+        _follow(tmp_path_factory.mktemp("s"), batches, config)
+
+
+def test_hand_case_window_and_reference(tmp_path):
+    """N = 3. u1: five engagements (build 0), an impression at 10 s (build 1): its window holds the newest 3 of
+    five old events (truncated 2), no reference. u2: an impression at 30 s (build 1) and, in build 0, an event
+    at 40 s: an old event after the row's time, so the row goes to the reference."""
+    config = dataclasses.replace(MODES[0], max_seq_len=3, max_same_domain_seq_len=2)
+    batches = [[*[event(f"e{i}", 1_000 * i, "engagement", item="i9") for i in range(1, 6)],
+                event("late", 40_000, "engagement", user="u2", created_ts_ms=40_001)],
+               [event("imp1", 10_000, "impression", created_ts_ms=50_000),
+                event("imp2", 30_000, "impression", user="u2", created_ts_ms=50_000)]]
+    examples, _ = build_steps(batches, config)
+    got = _follow(tmp_path, batches, config)
+    rows = to_pointers(examples[1]).sort_by("example_id")
+    assert rows.column("example_id").to_pylist() == ["imp1", "imp2"]
+    before = got.reference_rows
+    index = got.sequence_index(rows, 3)
+    assert _lists(index)[0] == ["e3", "e4", "e5"] and index.truncated[0] == 2
+    assert got.reference_rows - before == 1, "imp2 only"
+    bad = rows.set_column(rows.schema.get_field_index("seq_truncated"), "seq_truncated", pa.array([1, 0], pa.int64()))
+    with pytest.raises(ValueError, match="seq_truncated unlike the stored value"):
+        got.sequence_index(bad, 3)
+    lost = rows.set_column(rows.schema.get_field_index("example_id"), "example_id",
+                           pc.binary_join_element_wise(rows.column("example_id"), "?", ""))
+    with pytest.raises(ValueError, match="missing from history"):
+        got.sequence_index(lost, 3)
+
