@@ -14,8 +14,10 @@ each row's sequence from a window of its key's events just before the row's time
   events of builds < k; the newest ``max_len`` shown are kept.
 
 That is exact when no event of a build < k sits at or after ``p`` (checked with the key's suffix minimum of
-``build``), no event of build >= k sits before the window (its prefix maximum), and the window holds at least
-``max_len`` events of builds < k or starts at the key's first event. Any other row (a late impression, a
+``build``), no event of a build > k sits before the window (its prefix maximum), and the window starts at the
+key's first event or shows ``max_len`` events with everything before it appended at or before the row (its
+prefix maximum of ``created_ts_ms``): nothing before the window is kept then, and what of it is shown is
+counted (every event of build k, and the newest of the earlier builds' up to ``max_len`` with the window's). Any other row (a late impression, a
 window too short) goes to :func:`~sequences.materialize.sequence_index` over its users' rows: the reference.
 The same stored-length check as the reference raises on a row that disagrees with the history.
 
@@ -60,8 +62,10 @@ class _Sorted:
         self.build = self.rows.get_column("build").to_numpy()
         self.created = self.rows.get_column("created_ts_ms").to_numpy()
         runs = self.rows.select(pl.col("build").cum_min(reverse=True).over("_kc").alias("suf"),
-                                pl.col("build").cum_max().over("_kc").alias("pre"))
+                                pl.col("build").cum_max().over("_kc").alias("pre"),
+                                pl.col("created_ts_ms").cum_max().over("_kc").alias("made"))
         self.suffix_min, self.prefix_max = runs.get_column("suf").to_numpy(), runs.get_column("pre").to_numpy()
+        self.prefix_created = runs.get_column("made").to_numpy()
         self.t_lo = int(self.time.min()) if self.time.size else 0
         self.t_hi = int(self.time.max()) + 1 if self.time.size else 1
         # (key code, time) as one int64, for binary searches; times are clipped to [t_lo, t_hi] (a search past
@@ -72,23 +76,16 @@ class _Sorted:
             raise OverflowError("sorted history: key count x time span does not fit a 64-bit search key")
         self.key = self.kc * self.span + (self.time - self.t_lo)
 
-    def own_build_before(self, kc: np.ndarray, k: np.ndarray, start: np.ndarray, lo: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray]:
-        """(count, latest append time) of the events of build ``k`` at positions ``start`` .. ``lo`` - 1 of key
-        ``kc`` (0 and int64 min when none): one pass over the rows per distinct build asked for."""
+    def own_build_before(self, k: np.ndarray, start: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """How many events of build ``k`` sit at positions ``start`` .. ``lo`` - 1 (within one key): one pass
+        over the rows per distinct build asked for."""
         count = np.zeros(len(k), np.int64)
-        latest = np.full(len(k), np.iinfo(np.int64).min, np.int64)
         ask = lo > start
         for build in np.unique(k[ask]):
             rows = np.flatnonzero(ask & (k == build))
-            mine = self.build == build
-            ones = np.concatenate([[0], np.cumsum(mine)])
+            ones = np.concatenate([[0], np.cumsum(self.build == build)])
             count[rows] = ones[lo[rows]] - ones[start[rows]]
-            # Latest append time of build ``build``'s events so far within each key (reset at each key's start).
-            run = (pl.DataFrame({"g": self.kc, "c": np.where(mine, self.created, np.iinfo(np.int64).min)})
-                   .select(pl.col("c").cum_max().over("g")).get_column("c").to_numpy())
-            latest[rows] = run[lo[rows] - 1]
-        return count, latest
+        return count
 
     def search(self, kc: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Position of the first event of key ``kc`` at or after time ``t`` (ms)."""
@@ -206,12 +203,14 @@ class SortedHistory:
         kept = visible & (_after_in_row(visible, width) < max_len)
         old_in_window = np.bincount(np.searchsorted(rows_fast, r[old]), minlength=len(rows_fast))
         shown_in_window = np.bincount(np.searchsorted(rows_fast, r[visible]), minlength=len(rows_fast))
-        own_before, own_latest = s.own_build_before(kc[rows_fast], k[rows_fast], start[rows_fast], lo[rows_fast])
-        # Exact when the window starts at the key's first event, or when the events before it can be neither kept
-        # (the window shows N) nor shown (>= N older events of builds < k in the window) except those of the
-        # row's own build, all appended at or before the row (they are counted as shown).
-        enough = (lo[rows_fast] <= start[rows_fast]) | (
-            (old_in_window >= max_len) & (shown_in_window >= max_len) & (own_latest <= c[rows_fast]))
+        own_before = s.own_build_before(k[rows_fast], start[rows_fast], lo[rows_fast])
+        before = (lo - start)[rows_fast]
+        old_before = before - own_before
+        # Exact when the window starts at the key's first event, or when it shows N (nothing before it is kept)
+        # and everything before it was appended at or before the row: then those of the row's own build are all
+        # shown, and of the earlier builds' the newest N - (old in the window) are.
+        made_before = s.prefix_created[np.clip(lo[rows_fast] - 1, 0, last)]
+        enough = (before <= 0) | ((shown_in_window >= max_len) & (made_before <= c[rows_fast]))
         fast[rows_fast[~enough]] = False
 
         lengths = np.zeros(n, np.int64)
@@ -219,8 +218,8 @@ class SortedHistory:
         in_fast = fast[r]
         kept &= in_fast
         lengths[rows_fast] = np.bincount(np.searchsorted(rows_fast, r[kept]), minlength=len(rows_fast))
-        shown = shown_in_window + own_before
-        n_old = (lo - start)[rows_fast] - own_before + old_in_window
+        shown = shown_in_window + own_before + np.minimum(old_before, np.maximum(max_len - old_in_window, 0))
+        n_old = old_before + old_in_window
         truncated[rows_fast] = np.maximum(n_old - max_len, 0) + shown - lengths[rows_fast]
         slow = np.flatnonzero(~fast)
         reference = None

@@ -87,3 +87,21 @@ def test_hand_case_window_and_reference(tmp_path):
     with pytest.raises(ValueError, match="missing from history"):
         got.sequence_index(lost, 3)
 
+
+
+def test_hand_case_a_window_of_the_rows_own_build(tmp_path, monkeypatch):
+    """N = 3, windows of exactly 3 events. u1: e1..e5 (build 0); f1..f3 then an impression (build 1). The window
+    holds f1..f3 (all shown, kept); before it, e3..e5 are the newest 3 of build 0, shown but not kept: 6 shown,
+    truncated = (5 - 3) + 6 - 3 = 5, answered without the reference."""
+    monkeypatch.setattr(sorted_history, "WINDOW_SLACK", 0)
+    config = dataclasses.replace(MODES[0], max_seq_len=3, max_same_domain_seq_len=2)
+    batches = [[event(f"e{i}", 1_000 * i, "engagement", item="i9") for i in range(1, 6)],
+               [*[event(f"f{i}", 10_000 + 1_000 * i, "engagement", item="i8") for i in range(1, 4)],
+                event("imp", 20_000, "impression", created_ts_ms=30_000)]]
+    held = _follow(tmp_path, batches, config)
+    examples, _ = build_steps(batches, config)
+    rows = to_pointers(examples[1])
+    before = held.reference_rows
+    index = held.sequence_index(rows, 3)
+    assert _lists(index) == [["f1", "f2", "f3"]] and index.truncated.tolist() == [5]
+    assert held.reference_rows == before
