@@ -277,6 +277,24 @@ def read_from(
         version, file_index, row_offset = version + 1, 0, 0
 
 
+def read_since(lake: str | Path, table: str, cursor: Cursor, *, columns: Sequence[str] | None = None,
+               until_version: int | None = None, storage_options: StorageOptions | None = None
+               ) -> tuple[pa.Table | None, Cursor]:
+    """(the rows added after ``cursor`` up to ``until_version`` as one table, or None when none were; the cursor
+    after them): :func:`read_from` gathered, for a reader that keeps a table's rows in memory.
+
+    Raises:
+        CursorError, KeyError: as :func:`read_from`.
+    """
+    batches = []
+    for _, batch, after in read_from(lake, table, cursor, columns=columns, until_version=until_version,
+                                     storage_options=storage_options):
+        if batch is not None:
+            batches.append(batch)
+        cursor = after
+    return (pa.Table.from_batches(batches) if batches else None), cursor
+
+
 def rows_added(lake: str | Path, table: str, version: int, *, columns: Sequence[str] | None = None,
                storage_options: StorageOptions | None = None) -> pa.Table | None:
     """Every row commit ``version`` of ``table`` added with ``dataChange = true`` (an append's new rows; an

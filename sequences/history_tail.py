@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from features.vectorized import EVENT_ORDER
-from gemline.increments import Cursor, CursorError, read_from, table_id
+from gemline.increments import Cursor, CursorError, read_since, table_id
 from gemline.lake import Lake, StorageOptions, open_table
 from gemline.tables import Table
 from sequences.materialize import _HISTORY_COLUMNS, HistoryCut, read_history
@@ -125,20 +125,15 @@ class HistoryTail:
         if self.cursor is None or self.cursor.table_id != tid:
             self._reload(tid, version)
             return
-        batches = []
-        cursor = self.cursor
         try:
-            for _, batch, after in read_from(self.lake, Table.HISTORY, cursor, columns=_HISTORY_COLUMNS,
-                                             until_version=version, storage_options=self.storage_options):
-                if batch is not None:
-                    batches.append(batch)
-                cursor = after
+            added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=_HISTORY_COLUMNS,
+                                       until_version=version, storage_options=self.storage_options)
         except CursorError as exc:
             log.warning("history tail: reading the whole history again (%s)", exc)
             self._reload(tid, version)
             return
-        if batches:
-            self.rows = pl.concat([self.rows, pl.DataFrame(pa.Table.from_batches(batches))], how="vertical_relaxed")
+        if added is not None:
+            self.rows = pl.concat([self.rows, pl.DataFrame(added)], how="vertical_relaxed")
         self.cursor = cursor
 
     def history_for(self, pointer_rows: pa.Table, version: int | None = None) -> tuple[pa.Table, HistoryCut | None]:

@@ -296,6 +296,18 @@ def _queries(pointer_rows: pa.Table, history: pa.Table, cut: HistoryCut | None =
     return queries, hist
 
 
+def check_stored_lengths(pointer_rows: pa.Table, prefix: str, lengths: np.ndarray, truncated: np.ndarray) -> None:
+    """Raise ValueError when the rebuilt (n,) ``lengths`` or ``truncated`` of one sequence (``prefix``: ``seq_`` or
+    ``seq_same_domain_``) differ from the ``<prefix>length`` / ``<prefix>truncated`` the rows store."""
+    for name, got in ((f"{prefix}length", lengths), (f"{prefix}truncated", truncated)):
+        stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
+        bad = np.flatnonzero(stored != got)
+        if bad.size:
+            raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
+                             f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
+                             "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
+
+
 def sequence_index(pointer_rows: pa.Table, history: pa.Table, max_len: int, *, same_domain: bool = False,
                    check: bool = True, cut: HistoryCut | None = None) -> SequenceIndex:
     """The cross-domain (or, ``same_domain``, the example's-domain) sequence of each pointer row as a
@@ -321,13 +333,7 @@ def sequence_index(pointer_rows: pa.Table, history: pa.Table, max_len: int, *, s
               .get_column("_prior").fill_null(0).to_numpy().astype(np.int64))
     truncated = before + visible - lengths
     if check:
-        for name, got in ((f"{prefix}length", lengths), (f"{prefix}truncated", truncated)):
-            stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
-            bad = np.flatnonzero(stored != got)
-            if bad.size:
-                raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
-                                 f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
-                                 "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
+        check_stored_lengths(pointer_rows, prefix, lengths, truncated)
     return SequenceIndex(cands.select(_HISTORY_COLUMNS).to_arrow(), index, offsets, truncated,
                          queries.get_column("event_time_ms").to_numpy())
 

@@ -47,7 +47,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gemline.increments import Cursor, CursorError, read_from, table_id
+from gemline.increments import Cursor, CursorError, read_since, table_id
 from gemline.lake import Lake, StorageOptions, open_table
 from gemline.tables import Table
 from sequences.materialize import SequenceSummary, read_history, sequence_summary
@@ -133,21 +133,15 @@ class PointerSummaries:
         if self.cursor is None or self.cursor.table_id != tid:
             self._load(tid, version)
             return
-        batches = []
-        cursor = self.cursor
         try:
-            for _, batch, after in read_from(self.lake, Table.HISTORY, cursor, columns=_RECENT_COLUMNS,
-                                             until_version=version, storage_options=self.storage_options):
-                if batch is not None:
-                    batches.append(batch)
-                cursor = after
+            added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=_RECENT_COLUMNS,
+                                       until_version=version, storage_options=self.storage_options)
         except CursorError as exc:
             log.warning("pointer summaries: reading the whole history again (%s)", exc)
             self._load(tid, version)
             return
-        if batches:
-            added = pl.DataFrame(pa.Table.from_batches(batches)).select(_RECENT_COLUMNS)
-            self.recent = _append(self.recent, added)
+        if added is not None:
+            self.recent = _append(self.recent, pl.DataFrame(added).select(_RECENT_COLUMNS))
         self.cursor = cursor
 
     def summarize(self, pointer_rows: pa.Table, version: int | None = None) -> tuple[SequenceSummary, SequenceSummary]:

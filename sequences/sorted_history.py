@@ -35,10 +35,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gemline.increments import Cursor, CursorError, read_from, table_id
+from gemline.increments import Cursor, CursorError, read_since, table_id
 from gemline.lake import Lake, StorageOptions, open_table
 from gemline.tables import Table
-from sequences.materialize import _HISTORY_COLUMNS, SequenceIndex, sequence_index
+from sequences.materialize import _HISTORY_COLUMNS, SequenceIndex, check_stored_lengths, sequence_index
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +129,15 @@ class SortedHistory:
         if self.cursor is None or self.cursor.table_id != tid:
             self._load(tid, version)
             return
-        batches, cursor = [], self.cursor
         try:
-            for _, batch, after in read_from(self.lake, Table.HISTORY, self.cursor, columns=_HISTORY_COLUMNS,
-                                             until_version=version, storage_options=self.storage_options):
-                if batch is not None:
-                    batches.append(batch)
-                cursor = after
+            added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=_HISTORY_COLUMNS,
+                                       until_version=version, storage_options=self.storage_options)
         except CursorError as exc:
             log.warning("sorted history: reading the whole history again (%s)", exc)
             self._load(tid, version)
             return
-        if batches:
-            added = pl.DataFrame(pa.Table.from_batches(batches)).select(_HISTORY_COLUMNS)
-            self.rows = pl.concat([self.rows, added], how="vertical_relaxed").rechunk()
+        if added is not None:
+            self.rows = pl.concat([self.rows, pl.DataFrame(added).select(_HISTORY_COLUMNS)], how="vertical_relaxed").rechunk()
             self._kinds = {}
         self.cursor = cursor
 
@@ -244,14 +239,7 @@ class SortedHistory:
             index[_ranges(offsets[slow], lengths[slow])] = reference.index + events.num_rows
             events = pa.concat_tables([events, reference.events.select(_HISTORY_COLUMNS).cast(events.schema)])
         if check:
-            prefix = "seq_same_domain_" if same_domain else "seq_"
-            for name, got in ((f"{prefix}length", lengths), (f"{prefix}truncated", truncated)):
-                stored = pointer_rows.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
-                bad = np.flatnonzero(stored != got)
-                if bad.size:
-                    raise ValueError(f"{bad.size} example(s) rebuild {name} unlike the stored value (row {int(bad[0])}: "
-                                     f"{int(got[bad[0]])} != {int(stored[bad[0]])}); history and examples disagree "
-                                     "(another lake, or max_seq_len / max_same_domain_seq_len changed)")
+            check_stored_lengths(pointer_rows, "seq_same_domain_" if same_domain else "seq_", lengths, truncated)
         return SequenceIndex(events, index, offsets, truncated, t.astype(np.int64))
 
 
