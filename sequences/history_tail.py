@@ -82,7 +82,56 @@ def _anchors(pointer_rows: pa.Table) -> pa.ChunkedArray | pa.Array:
     return anchor
 
 
-class HistoryTail:
+class HistoryReader:
+    """A long-running reader's copy of columns of a lake's ``history``: the whole table on the first
+    :meth:`advance` (and when the table was recreated, or a file under the cursor is gone), then only the rows
+    each new commit added. A subclass keeps them as it needs (:meth:`_whole`, :meth:`_added`).
+
+    Args:
+        lake: the lake (or its root) whose ``history`` table is read.
+        storage_options: the lake's object-store options (with a root).
+    """
+
+    COLUMNS: list[str] = _HISTORY_COLUMNS
+    """The ``history`` columns read."""
+
+    def __init__(self, lake: Lake | str | Path, storage_options: StorageOptions | None = None) -> None:
+        self.lake = lake.root if isinstance(lake, Lake) else lake
+        self.storage_options = lake.delta_options if isinstance(lake, Lake) else storage_options
+        self.cursor: Cursor | None = None
+
+    def _whole(self, rows: pl.DataFrame) -> None:
+        """Take every row of the table (what was kept before is dropped)."""
+        raise NotImplementedError
+
+    def _added(self, rows: pl.DataFrame) -> None:
+        """Take the rows the commits since the last call added."""
+        raise NotImplementedError
+
+    def advance(self, version: int | None = None) -> None:
+        """Take in the rows added since the last call up to ``history@version`` (newest when None): the
+        whole table the first time, or when it was recreated, or when a file under the cursor is gone."""
+        tid = table_id(self.lake, Table.HISTORY, storage_options=self.storage_options)
+        if tid is None:
+            return
+        if self.cursor is not None and self.cursor.table_id == tid:
+            try:
+                added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=self.COLUMNS,
+                                           until_version=version, storage_options=self.storage_options)
+            except CursorError as exc:
+                log.warning("%s: reading the whole history again (%s)", type(self).__name__, exc)
+            else:
+                if added is not None:
+                    self._added(pl.DataFrame(added).select(self.COLUMNS))
+                self.cursor = cursor
+                return
+        dt = open_table(self.lake, Table.HISTORY, version, storage_options=self.storage_options)
+        assert dt is not None, "table_id found the table"
+        self._whole(pl.DataFrame(dt.to_pyarrow_dataset().to_table(columns=self.COLUMNS)).select(self.COLUMNS))
+        self.cursor = Cursor(tid, dt.version() + 1)
+
+
+class HistoryTail(HistoryReader):
     """The compacted ``history`` of a lake, advanced on each call by the rows the table's new commits added.
 
     Args:
@@ -98,43 +147,19 @@ class HistoryTail:
     def __init__(self, lake: Lake | str | Path, max_seq_len: int, same_domain_seq_len: int, *,
                  storage_options: StorageOptions | None = None, margin_builds: int = 10,
                  min_compact_rows: int = 200_000) -> None:
-        self.lake = lake.root if isinstance(lake, Lake) else lake
-        self.storage_options = lake.delta_options if isinstance(lake, Lake) else storage_options
+        super().__init__(lake, storage_options)
         self.max_seq_len, self.same_domain_seq_len = max_seq_len, same_domain_seq_len
         self.margin_builds, self.min_compact_rows = margin_builds, min_compact_rows
         self.rows = pl.DataFrame(HISTORY_SCHEMA.empty_table().select(_HISTORY_COLUMNS))
         self.cut = no_cut()
-        self.cursor: Cursor | None = None
         self.full_reads = 0
         """Batches answered with the whole history of their users (an example at or before the horizon)."""
 
-    def _reload(self, tid: str, version: int | None) -> None:
-        """Every row of ``history@version`` (newest when None), the cursor after it; nothing compacted."""
-        dt = open_table(self.lake, Table.HISTORY, version, storage_options=self.storage_options)
-        assert dt is not None, "table_id found the table"
-        version = dt.version()
-        self.rows = pl.DataFrame(dt.to_pyarrow_dataset().to_table(columns=_HISTORY_COLUMNS))
-        self.cut, self.cursor = no_cut(), Cursor(tid, version + 1)
+    def _whole(self, rows: pl.DataFrame) -> None:
+        self.rows, self.cut = rows, no_cut()
 
-    def advance(self, version: int | None = None) -> None:
-        """Take in the rows added since the last call up to ``history@version`` (newest when None): the
-        whole table the first time, or when it was recreated, or when a file under the cursor is gone."""
-        tid = table_id(self.lake, Table.HISTORY, storage_options=self.storage_options)
-        if tid is None:
-            return
-        if self.cursor is None or self.cursor.table_id != tid:
-            self._reload(tid, version)
-            return
-        try:
-            added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=_HISTORY_COLUMNS,
-                                       until_version=version, storage_options=self.storage_options)
-        except CursorError as exc:
-            log.warning("history tail: reading the whole history again (%s)", exc)
-            self._reload(tid, version)
-            return
-        if added is not None:
-            self.rows = pl.concat([self.rows, pl.DataFrame(added)], how="vertical_relaxed")
-        self.cursor = cursor
+    def _added(self, rows: pl.DataFrame) -> None:
+        self.rows = pl.concat([self.rows, rows], how="vertical_relaxed")
 
     def history_for(self, pointer_rows: pa.Table, version: int | None = None) -> tuple[pa.Table, HistoryCut | None]:
         """(history rows, cut) to rebuild ``pointer_rows``' sequences with

@@ -47,9 +47,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gemline.increments import Cursor, CursorError, read_since, table_id
-from gemline.lake import Lake, StorageOptions, open_table
-from gemline.tables import Table
+from gemline.lake import Lake, StorageOptions
+from sequences.history_tail import HistoryReader
 from sequences.materialize import SequenceSummary, read_history, sequence_summary
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ def _append(frame: pl.DataFrame, more: pl.DataFrame) -> pl.DataFrame:
     return out.rechunk() if out.n_chunks() > 32 else out
 
 
-class PointerSummaries:
+class PointerSummaries(HistoryReader):
     """Cross-domain and same-domain :class:`~sequences.materialize.SequenceSummary` of pointer-layout rows,
     kept up to date with a lake's ``history`` by reading only what each commit added (module docstring).
 
@@ -100,8 +99,7 @@ class PointerSummaries:
     def __init__(self, lake: Lake | str | Path, max_seq_len: int, same_domain_seq_len: int, *,
                  storage_options: StorageOptions | None = None, margin_builds: int = 2,
                  min_fold_rows: int = 100_000, max_cached: int = 5_000_000) -> None:
-        self.lake = lake.root if isinstance(lake, Lake) else lake
-        self.storage_options = lake.delta_options if isinstance(lake, Lake) else storage_options
+        super().__init__(lake, storage_options)
         self.max_len = {"cross": max_seq_len, "same": same_domain_seq_len}
         self.margin_builds, self.min_fold_rows, self.max_cached = margin_builds, min_fold_rows, max_cached
         self.reference_rows = 0
@@ -109,40 +107,20 @@ class PointerSummaries:
 
     def _reset(self) -> None:
         self.horizon = -1
-        self.cursor: Cursor | None = None
         self.folded = {kind: pl.DataFrame(schema=_folded_schema(keys)) for kind, keys in _KINDS}
         self.recent = pl.DataFrame(schema={"user_id": pl.String, "event_id": pl.String, "event_time_ms": pl.Int64,
                                            "created_ts_ms": pl.Int64, "domain": pl.String, "build": pl.Int64})
         self.cached = pl.DataFrame(schema={"_anchor": pl.String, "_t": pl.Int64, "_c": pl.Int64,
                                            **{f"{kind}_{f}": pl.Int64 for kind, _ in _KINDS for f in _FIELDS}})
 
-    def _load(self, tid: str, version: int | None) -> None:
-        """Every event of ``history@version`` (newest when None), the cursor after it."""
-        self._reset()
-        dt = open_table(self.lake, Table.HISTORY, version, storage_options=self.storage_options)
-        assert dt is not None, "table_id found the table"
-        self.recent = pl.DataFrame(dt.to_pyarrow_dataset().to_table(columns=_RECENT_COLUMNS)).select(_RECENT_COLUMNS)
-        self.cursor = Cursor(tid, dt.version() + 1)
+    COLUMNS = _RECENT_COLUMNS
 
-    def advance(self, version: int | None = None) -> None:
-        """Take in the events ``history`` gained since the last call, up to ``history@version`` (newest when None):
-        the whole table the first time, or when it was recreated, or when a file under the cursor is gone."""
-        tid = table_id(self.lake, Table.HISTORY, storage_options=self.storage_options)
-        if tid is None:
-            return
-        if self.cursor is None or self.cursor.table_id != tid:
-            self._load(tid, version)
-            return
-        try:
-            added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=_RECENT_COLUMNS,
-                                       until_version=version, storage_options=self.storage_options)
-        except CursorError as exc:
-            log.warning("pointer summaries: reading the whole history again (%s)", exc)
-            self._load(tid, version)
-            return
-        if added is not None:
-            self.recent = _append(self.recent, pl.DataFrame(added).select(_RECENT_COLUMNS))
-        self.cursor = cursor
+    def _whole(self, rows: pl.DataFrame) -> None:
+        self._reset()
+        self.recent = rows
+
+    def _added(self, rows: pl.DataFrame) -> None:
+        self.recent = _append(self.recent, rows)
 
     def summarize(self, pointer_rows: pa.Table, version: int | None = None) -> tuple[SequenceSummary, SequenceSummary]:
         """(cross-domain, same-domain) summaries of ``pointer_rows``, equal to

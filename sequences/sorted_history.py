@@ -35,9 +35,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gemline.increments import Cursor, CursorError, read_since, table_id
-from gemline.lake import Lake, StorageOptions, open_table
-from gemline.tables import Table
+from gemline.lake import Lake, StorageOptions
+from sequences.history_tail import HistoryReader
 from sequences.materialize import _HISTORY_COLUMNS, SequenceIndex, check_stored_lengths, sequence_index
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class _Sorted:
         self.keys = keys
         codes = rows.select(keys).unique().with_row_index("_kc").with_columns(pl.col("_kc").cast(pl.Int64))
         self.rows = rows.join(codes, on=keys, how="inner").sort("_kc", "event_time_ms", "event_id")
-        self.codes = self.rows.select(*keys, "_kc").unique(keys)
+        self.codes = codes
         self.kc = self.rows.get_column("_kc").to_numpy()
         self.time = self.rows.get_column("event_time_ms").to_numpy()
         self.build = self.rows.get_column("build").to_numpy()
@@ -92,7 +91,7 @@ class _Sorted:
         return np.searchsorted(self.key, kc * self.span + (np.clip(t, self.t_lo, self.t_hi) - self.t_lo), side="left")
 
 
-class SortedHistory:
+class SortedHistory(HistoryReader):
     """:func:`~sequences.materialize.sequence_index` of pointer rows from a lake's ``history`` held sorted,
     read by increments (module docstring).
 
@@ -105,41 +104,17 @@ class SortedHistory:
     """
 
     def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> None:
-        self.lake = lake.root if isinstance(lake, Lake) else lake
-        self.storage_options = lake.delta_options if isinstance(lake, Lake) else storage_options
+        super().__init__(lake, storage_options)
         self.reference_rows = 0
-        self.cursor: Cursor | None = None
         self.rows = pl.DataFrame(schema={c: (pl.Int64 if c in ("event_time_ms", "created_ts_ms", "build") else pl.String)
                                          for c in _HISTORY_COLUMNS})
         self._kinds: dict[bool, _Sorted] = {}
 
-    def _load(self, tid: str, version: int | None) -> None:
-        dt = open_table(self.lake, Table.HISTORY, version, storage_options=self.storage_options)
-        assert dt is not None, "table_id found the table"
-        self.rows = pl.DataFrame(dt.to_pyarrow_dataset().to_table(columns=_HISTORY_COLUMNS)).select(_HISTORY_COLUMNS)
-        self.cursor = Cursor(tid, dt.version() + 1)
-        self._kinds = {}
+    def _whole(self, rows: pl.DataFrame) -> None:
+        self.rows, self._kinds = rows, {}
 
-    def advance(self, version: int | None = None) -> None:
-        """Take in the rows ``history`` gained since the last call, up to ``history@version`` (newest when None):
-        the whole table the first time, or when it was recreated, or when a file under the cursor is gone."""
-        tid = table_id(self.lake, Table.HISTORY, storage_options=self.storage_options)
-        if tid is None:
-            return
-        if self.cursor is None or self.cursor.table_id != tid:
-            self._load(tid, version)
-            return
-        try:
-            added, cursor = read_since(self.lake, Table.HISTORY, self.cursor, columns=_HISTORY_COLUMNS,
-                                       until_version=version, storage_options=self.storage_options)
-        except CursorError as exc:
-            log.warning("sorted history: reading the whole history again (%s)", exc)
-            self._load(tid, version)
-            return
-        if added is not None:
-            self.rows = pl.concat([self.rows, pl.DataFrame(added).select(_HISTORY_COLUMNS)], how="vertical_relaxed").rechunk()
-            self._kinds = {}
-        self.cursor = cursor
+    def _added(self, rows: pl.DataFrame) -> None:
+        self.rows, self._kinds = pl.concat([self.rows, rows], how="vertical_relaxed").rechunk(), {}
 
     def _kind(self, same_domain: bool) -> _Sorted:
         if same_domain not in self._kinds:
@@ -188,8 +163,7 @@ class SortedHistory:
         # Every fast row's window, flattened: row r's positions lo[r] .. p[r] - 1.
         width = (p - lo)[rows_fast]
         r = np.repeat(rows_fast, width)
-        first_flat = np.concatenate([[0], np.cumsum(width)[:-1]]) if width.size else np.zeros(0, np.int64)
-        pos = np.repeat(lo[rows_fast] - first_flat, width) + np.arange(int(width.sum()), dtype=np.int64)
+        pos = _ranges(lo[rows_fast], width)
         b = s.build[pos]
         old = b < k[r]
         shown_by_time = s.created[pos] <= c[r]
