@@ -12,8 +12,8 @@ consumer pay a record batch's overhead per message); then, in this process, on t
   cyclic GC paused, as the pipeline's source does), are parsed by the same vectorised
   ``ingest.vectorized.parse_batch``, and are appended to Delta (events, dead_letter) with one ``write_deltalake`` per batch and
   table. No exactly-once bookkeeping, no dedup, no lateness.
-* pipeline: ``ingest.pipeline.run_ingest`` (plan, Beam DirectRunner, stage, dedup, lateness, the
-  three idempotent commits).
+* pipeline: ``ingest.pipeline.run_ingest`` (plan, read and parse in process or, with ``--engine beam``, on Beam's
+  DirectRunner with staging, dedup, lateness, the three idempotent commits).
 
 Reported per run (each run ``--repeat`` times, alternating, on fresh lakes): wall seconds, CPU
 seconds of this process (all threads), events/s and events per CPU-second ("per core"); the last
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-records", type=int, default=IngestConfig.batch_max_records,
                         help=f"messages per Arrow batch, both runs (default {IngestConfig.batch_max_records})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("auto", "inprocess", "beam"), default=IngestConfig.engine,
+                        help="ingest.engine of the pipeline run (default: the config's, in process here)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="time each run this many times on fresh lakes; the ratio uses the best (least CPU) of each")
     parser.add_argument("--one-per-batch", action="store_true",
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
     records = _synthetic(args.events, args.seed)
     now_ms = max(getattr(r, "event_time_ms", 0) or 0 for r in records) + 60_000
-    ingest_cfg = IngestConfig(batch_max_records=args.batch_records)
+    ingest_cfg = IngestConfig(batch_max_records=args.batch_records, engine=args.engine)
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory(prefix="gemline-bench-") as tmp:
         ensure_topic(broker.bootstrap, TOPIC, args.partitions)
         if args.one_per_batch:

@@ -83,6 +83,11 @@ class IngestConfig:
     """An event time later than (ingest clock + this) is dead-lettered (reason future_event_time)."""
     runner: str = "DirectRunner"
     """Beam runner; any other Beam pipeline flag passes through the CLI untouched."""
+    engine: Literal["auto", "inprocess", "beam"] = "auto"
+    """"beam": each batch is a Beam pipeline (read, parse, stage; the reference twin). "inprocess": the same
+    read and parse functions called in this process, without building a pipeline per batch: that construction
+    cost more CPU than the parsing it ran (~55 % of a streaming ingest's CPU at 2,000 events/s). "auto": Beam
+    when Beam flags are given or ``runner`` is not the DirectRunner, else in process. Both commit the same rows."""
     read_timeout_s: float = 30.0
     """Seconds a Kafka metadata request or a range read may go without progress before the run fails."""
     retention_days: int | None = None
@@ -125,6 +130,8 @@ class IngestConfig:
     def __post_init__(self) -> None:
         if not self.domains:
             raise BadConfigError("ingest.domains must name at least one domain")
+        if self.engine not in ("auto", "inprocess", "beam"):
+            raise BadConfigError(f"ingest.engine must be 'auto', 'inprocess' or 'beam', got {self.engine!r}")
         if not self.read_timeout_s > 0:
             raise BadConfigError(f"ingest.read_timeout_s must be > 0, got {self.read_timeout_s}")
         if self.max_future_skew_ms < 0:

@@ -12,7 +12,8 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
    (:func:`cap_ranges`): a backlog is then ingested in batches of bounded memory by running again
    until the run is skipped (``ingest_backlog``).
 2. Skip when every range is empty: nothing is written.
-3. Run the Beam pipeline: :class:`ReadRecordBatches` (the splittable ``ReadPartitionFn`` of
+3. Read and parse the ranges: in this process (:func:`_run_in_process`, ``ingest.engine``'s default on one
+   machine), or as the Beam pipeline (:func:`uses_beam`): :class:`ReadRecordBatches` (the splittable ``ReadPartitionFn`` of
    ``ingest.kafka_source`` emitting Arrow record batches of up to ``IngestConfig.batch_max_records``
    messages of one partition; a Reshuffle of the batches only with ``IngestConfig.reshuffle``)
    -> ``ParseBatches`` (vectorised, ``ingest.vectorized``) -> one Arrow IPC file per bundle under
@@ -74,11 +75,11 @@ from ingest.dedup import (
     split_conflicts,
     split_late,
 )
-from ingest.kafka_clients import commit_group_offsets
+from ingest.kafka_clients import commit_group_offsets, make_client
 from ingest.kafka_source import ClientName, OffsetRange, ReadPartitionFn, TopicChangedError, TopicIdentity, plan_topic
 from ingest.parse import DEAD_LETTER, GOOD
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA
-from ingest.vectorized import ParseBatches
+from ingest.vectorized import ParseBatches, parse_batch
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,11 @@ def read_staged(directory: str | Path, schema: pa.Schema) -> pa.Table:
     table = pads.dataset(files, format="ipc", schema=schema).to_table()
     if table.schema != schema:
         raise ValueError(f"staged rows in {directory}: expected schema {schema}, got {table.schema}")
+    return in_kafka_order(table)
+
+
+def in_kafka_order(table: pa.Table) -> pa.Table:
+    """``table`` sorted by (kafka_partition, kafka_offset), a second row of the same coordinates dropped."""
     parts = table["kafka_partition"].to_numpy()
     offsets = table["kafka_offset"].to_numpy()
     order = np.lexsort((offsets, parts))
@@ -419,6 +425,62 @@ def _run_beam(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, plan: _P
         _ = parsed[DEAD_LETTER] | "StageDeadLetter" >> StageRows(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
 
 
+def uses_beam(ingest: IngestConfig, beam_args: list[str] | None) -> bool:
+    """Whether a batch runs as a Beam pipeline (:func:`_run_beam`): ``ingest.engine = "beam"``, or ``"auto"`` with
+    Beam flags or a runner other than the DirectRunner; otherwise in this process (:func:`_run_in_process`).
+
+    Raises:
+        BadConfigError: ``ingest.engine = "inprocess"`` with Beam flags or another runner (they would be ignored).
+    """
+    beam_wanted = bool(beam_args) or ingest.runner != "DirectRunner"
+    if ingest.engine == "inprocess" and beam_wanted:
+        raise BadConfigError(f"ingest.engine='inprocess' runs no Beam pipeline, so the Beam flags {beam_args or []} "
+                             f"and runner {ingest.runner!r} would be ignored: drop them, or set ingest.engine=beam "
+                             "(or auto)")
+    return ingest.engine == "beam" or (ingest.engine == "auto" and beam_wanted)
+
+
+def _run_in_process(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, plan: _Plan) -> tuple[pa.Table, pa.Table]:
+    """:func:`_run_beam`'s work in this process: each planned range read in record batches of up to
+    ``ingest.batch_max_records`` messages (the client ``ReadPartitionFn`` uses) and parsed by the same function
+    (:func:`ingest.vectorized.parse_batch`), without a pipeline per batch and without staging files.
+
+    Returns:
+        (events of ``EVENTS_TABLE_SCHEMA``, dead-letter rows of ``DEAD_LETTER_SCHEMA``), each in (partition,
+        offset) order, as :func:`read_staged` returns the Beam path's.
+
+    Raises:
+        whatever the Kafka client raises (a timeout, a refused connection).
+    """
+    args: dict[str, Any] = dict(
+        domains=plan.rules.domains, now_ms=int(plan.now_ms), max_future_skew_ms=plan.rules.max_future_skew_ms,
+        retention_ms=plan.rules.retention_ms, min_event_time_ms=plan.rules.min_event_time_ms,
+        max_message_bytes=plan.rules.max_message_bytes)
+    events: list[pa.Table] = []
+    dead: list[pa.Table] = []
+    client = make_client(kafka.client, bootstrap, timeout_s=ingest.read_timeout_s,
+                         max_message_bytes=plan.rules.max_message_bytes)
+    try:
+        for rng in (r for r in plan.ranges if r.num_offsets > 0):
+            batches = client.read_batches(rng, max_records=ingest.batch_max_records)
+            try:
+                for batch in batches:
+                    # A range ends at its planned end offset, whatever the client read past it.
+                    n = int(np.searchsorted(batch.column("offset").to_numpy(), rng.end, side="left"))
+                    if n:
+                        good, bad = parse_batch(batch if n == batch.num_rows else batch.slice(0, n), **args)
+                        events.append(good)
+                        dead.append(bad)
+                    if n < batch.num_rows:
+                        break
+            finally:
+                batches.close()
+    finally:
+        client.close()
+    return (in_kafka_order(pa.concat_tables(events)) if events else EVENTS_TABLE_SCHEMA.empty_table(),
+            in_kafka_order(pa.concat_tables(dead)) if dead else DEAD_LETTER_SCHEMA.empty_table())
+
+
 def mirror_to_group(kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, end_offsets: dict[int, int], *,
                     timeout_s: float = 5.0) -> bool:
     """Commit ``end_offsets`` (partition -> next offset to read, as in the ``events`` commit) to the consumer
@@ -491,14 +553,18 @@ def run_ingest(
 
     stage = _stage_for(root, plan.batch_version)
     shutil.rmtree(stage, ignore_errors=True)
-    for table in (Table.EVENTS, Table.DEAD_LETTER):
-        (stage / table).mkdir(parents=True)
-    log.info("ingest %s: batch %d, %d records over %d partitions -> staging", app_id, plan.batch_version, planned,
-             len(plan.ranges))
-    _run_beam(kafka, ingest, bootstrap, plan, stage, list(beam_args or []))
-
-    events = read_staged(stage / Table.EVENTS, EVENTS_TABLE_SCHEMA)
-    dead = read_staged(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
+    if uses_beam(ingest, beam_args):
+        for table in (Table.EVENTS, Table.DEAD_LETTER):
+            (stage / table).mkdir(parents=True)
+        log.info("ingest %s: batch %d, %d records over %d partitions -> staging", app_id, plan.batch_version, planned,
+                 len(plan.ranges))
+        _run_beam(kafka, ingest, bootstrap, plan, stage, list(beam_args or []))
+        events = read_staged(stage / Table.EVENTS, EVENTS_TABLE_SCHEMA)
+        dead = read_staged(stage / Table.DEAD_LETTER, DEAD_LETTER_SCHEMA)
+    else:
+        log.info("ingest %s: batch %d, %d records over %d partitions", app_id, plan.batch_version, planned,
+                 len(plan.ranges))
+        events, dead = _run_in_process(kafka, ingest, bootstrap, plan)
     _check_batch(events, dead, plan.ranges)
     existing = open_table(root, Table.EVENTS, storage_options=opts)
     rules = plan.rules

@@ -477,12 +477,14 @@ def _train(students: _Students, domain: str, variant: VariantName, version: int,
 @holding("distill")
 def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool = False,
                      max_versions: int | None = None, pointers: PointerReader | None = None,
-                     memory: Memory | None = None) -> DistillResult:
+                     memory: Memory | None = None, report: bool = True) -> DistillResult:
     """Distill every examples version the teacher has consumed since the students' cursor (module docstring).
 
     Holds ``LAKE/_locks/distill.lock``. ``tc``: the teacher's section (its vectors' widths and hashed id space).
     ``pointers``: the pointer-layout history reader kept across calls (:func:`follow`); None: a new one.
     ``memory``: the students kept across calls (:func:`follow`): the last ones saved are not loaded again.
+    ``report``: rewrite the report page after distilling (False: ``report_path`` stays None; the next page drawn
+    covers every version, being drawn from the checkpoint's history).
 
     Returns:
         A :class:`DistillResult`; its report covers the whole history of the students.
@@ -497,7 +499,8 @@ def run_distill_once(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_s
         torch.set_num_threads(tc.torch_threads)
     try:
         return _run_distill(lake, tc, dc, from_scratch=from_scratch, max_versions=max_versions,
-                            pointers=PointerReader(lake) if pointers is None else pointers, memory=memory)
+                            pointers=PointerReader(lake) if pointers is None else pointers, memory=memory,
+                            report=report)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -545,7 +548,8 @@ class Memory:
 
 
 def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scratch: bool,
-                 max_versions: int | None, pointers: PointerReader, memory: Memory | None = None) -> DistillResult:
+                 max_versions: int | None, pointers: PointerReader, memory: Memory | None = None,
+                 report: bool = True) -> DistillResult:
     """:func:`run_distill_once` without the lock and the thread setting."""
     tid = table_id(lake.root, EXAMPLES, storage_options=lake.storage_options)
     if tid is None:
@@ -652,9 +656,9 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         log.info("distill: examples@%d %s", version, record)
     result.cursor = cursor
     result.report = summarize(history, passed, dc.variants)
-    if done:
+    if done and report:
         result.report_path = write_report(lake, run_id, result.report)
-    elif resume is not None:  # nothing new: the report on disk is this one already
+    elif not done and resume is not None:  # nothing new: the report on disk is this one already
         result.report_path = f"{lake.root.rstrip('/')}/_runs/{run_id}/distill.html"
     # else a run that has distilled nothing yet (waiting for the teacher) writes no report: a --follow poll every
     # few seconds would leave a folder of empty reports each time.
@@ -838,20 +842,39 @@ def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
     return f"{lake.root.rstrip('/')}/_runs/{run_id}/distill.html"
 
 
+FOLLOW_REPORT_EVERY_S = 60.0
+"""``distill --follow`` redraws its report page after a call that distilled only when the last one is at least this
+old (seconds): drawing the staleness plot after every version was ~8 % of following the freshness benchmark's
+stream (py-spy, 2026-12-03); as the teacher's run report (trainer.continuous.FOLLOW_REPORT_EVERY_S)."""
+
+
 def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s: float = 30.0,
            from_scratch: bool = False, on_result: Callable[[DistillResult], object] | None = None,
-           max_polls: int | None = None, watch_s: float | None = 1.0) -> int:
+           max_polls: int | None = None, watch_s: float | None = 1.0,
+           report_every_s: float = FOLLOW_REPORT_EVERY_S) -> int:
     """:func:`run_distill_once` again as soon as the teacher commits to ``training_metrics`` (it does for every
     examples version it consumes; looked for every ``watch_s`` seconds, :class:`gemline.increments.LogTip`), and
     at least every ``poll_interval_s`` seconds, until interrupted (``gemline distill --follow``); returns the calls
     made. The teacher's checkpoint, which moves its cursor, follows its last commit of a version: a call that
     comes before it waits for the next commit or ``poll_interval_s``. Raises ValueError for ``poll_interval_s < 0``
     or ``watch_s <= 0``. The history of pointer-layout rows is read by increments across the calls
-    (:class:`trainer.data.PointerReader`), and the students it saved last are kept in memory (:class:`Memory`)."""
+    (:class:`trainer.data.PointerReader`), and the students it saved last are kept in memory (:class:`Memory`).
+    The report page is redrawn by a call that distilled when the last drawing is at least ``report_every_s`` seconds
+    old (0: after every such call), the first call always."""
     pointers, memory = PointerReader(lake), Memory()
     teacher = LogTip(lake.root, Table.TRAINING_METRICS, storage_options=lake.storage_options)
-    return poll(lambda first: run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers,
-                                               memory=memory),
+    last_report: float | None = None
+
+    def once(first: bool) -> DistillResult:
+        nonlocal last_report
+        due = last_report is None or time.monotonic() - last_report >= report_every_s
+        result = run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers,
+                                  memory=memory, report=due)
+        if result.report_path is not None and due:
+            last_report = time.monotonic()
+        return result
+
+    return poll(once,
                 name="distill", interval_s=poll_interval_s, on_result=on_result, waiting=_waiting,
                 max_polls=max_polls, watch=teacher.advance, watch_s=watch_s)
 

@@ -15,6 +15,7 @@ from confluent_kafka import Producer
 
 import gemline.lake as lake_mod
 from gemline.config import GemlineConfig
+from gemline.errors import BadConfigError
 from gemline.lake import commit_metadata, committed_version, read_table
 from ingest.broker import EmbeddedBroker
 from ingest.config import IngestConfig, KafkaConfig
@@ -30,6 +31,7 @@ from ingest.pipeline import (
     read_staged,
     run_ingest,
     staging_dir,
+    uses_beam,
 )
 from ingest.replay import ensure_topic
 from ingest.schema import DEAD_LETTER_SCHEMA, EVENTS_TABLE_SCHEMA, Event
@@ -232,6 +234,48 @@ def test_reshuffled_read_ingests_the_same_rows(broker, topic, tmp_path):
     assert a.events_written == b.events_written == 9 and a.dead_letter_written == b.dead_letter_written == 2
     for table in ("events", "dead_letter"):
         assert _rows(read_table(tmp_path / "a", table)) == _rows(read_table(tmp_path / "b", table))
+
+
+def test_in_process_and_beam_batches_commit_the_same_rows(broker, topic, tmp_path):
+    """The twin of the two engines: the same events, dead-letter rows (bad JSON, unknown domain, too large),
+    duplicates dropped and commit metadata, over two batches of several record batches per range."""
+    big = _ev(7, BASE_MS, item_id="x" * 3000)
+    first = _good(0, 9) + BAD + [big, _good(2, 1)[0]]  # e2 twice: a duplicate within the batch
+    _produce(broker.bootstrap, topic, first)
+    configs = {}
+    for engine in ("beam", "inprocess"):
+        base = _config(tmp_path / engine, topic)
+        configs[engine] = dataclasses.replace(base, ingest=dataclasses.replace(
+            base.ingest, engine=engine, batch_max_records=2, max_message_bytes=2048))
+    results: dict[str, list] = {engine: [] for engine in configs}
+    for more in ([], _good(9, 5) + [_good(3, 1)[0]]):  # then e3 again: a duplicate of a committed event
+        _produce(broker.bootstrap, topic, more)
+        for engine, cfg in configs.items():
+            results[engine].append(run_ingest(*ingest_args(cfg), bootstrap=broker.bootstrap, now_ms=NOW_MS))
+    beam_runs, local_runs = results["beam"], results["inprocess"]
+    assert [(r.events_written, r.dead_letter_written, r.duplicates_dropped) for r in beam_runs] == [(9, 4, 1), (5, 0, 1)]
+    assert [dataclasses.replace(r, recovered=False) for r in local_runs] == [
+        dataclasses.replace(r, recovered=False) for r in beam_runs]
+    for table in ("events", "dead_letter"):
+        assert _rows(read_table(tmp_path / "inprocess", table)) == _rows(read_table(tmp_path / "beam", table))
+    assert sorted(read_table(tmp_path / "beam", "dead_letter")["reason"].to_pylist()) == sorted(
+        ["not_json", "missing_field", "unknown_domain", "too_large"])
+    for table in ("events", "dead_letter"):
+        beam_meta = commit_metadata(tmp_path / "beam", table, app_id_for(topic))
+        local_meta = commit_metadata(tmp_path / "inprocess", table, app_id_for(topic))
+        assert local_meta == beam_meta and local_meta["end_offsets"]
+
+
+def test_the_engine_follows_the_beam_flags():
+    auto = IngestConfig()
+    assert not uses_beam(auto, None) and not uses_beam(auto, [])
+    assert uses_beam(auto, ["--direct_num_workers=2"])
+    assert uses_beam(dataclasses.replace(auto, runner="DaskRunner"), None)
+    assert uses_beam(dataclasses.replace(auto, engine="beam"), None)
+    with pytest.raises(BadConfigError, match="ingest.engine='inprocess' runs no Beam pipeline"):
+        uses_beam(dataclasses.replace(auto, engine="inprocess"), ["--runner=DaskRunner"])
+    with pytest.raises(BadConfigError, match="ingest.engine must be"):
+        IngestConfig(engine="spark")
 
 
 def test_plan_rejects_offsets_past_the_watermark(broker, topic):

@@ -275,3 +275,38 @@ def test_kept_students_and_compact_checkpoints_train_as_loaded_ones(tmp_path, mo
         assert len(rows[SPARSE_FEATURES.index("domain")]) == 1
         assert all(0 < len(r) < config.distill.num_embeddings for r in rows)
     assert sum(f.stat().st_size for f in Path(newest).iterdir()) < 0.05 * whole
+
+
+def test_a_call_without_the_report_draws_no_page_and_the_next_page_covers_every_version(tmp_path):
+    lake = tmp_path / "lake"
+    _lake(lake)
+    config = _config(lake)
+    run_once(*trainer_args(config))
+    args = (trainer_args(config)[0], config.trainer, config.distill)
+    quiet = distill.run_distill_once(*args, max_versions=2, report=False)
+    assert [v["version"] for v in quiet.versions] == [0, 1] and quiet.report_path is None
+    assert not (lake / "_runs" / quiet.run_id / "distill.html").exists()
+    drawn = distill.run_distill_once(*args, report=True)
+    assert [v["version"] for v in drawn.versions] == [2, 3] and drawn.run_id == quiet.run_id
+    report = json.loads((lake / "_runs" / drawn.run_id / "distill.json").read_text())
+    assert sorted({r["examples_version"] for r in report["rows"]}) == [1, 2, 3], "version 0 trained, not evaluated"
+
+
+def test_follow_redraws_the_report_at_most_every_report_every_s(tmp_path, monkeypatch):
+    import types
+
+    clock = {"s": 1000.0}
+    asked = []
+
+    def fake_once(lake, tc, dc, *, report, **_):
+        asked.append(report)
+        return distill.DistillResult(run_id="r", cursor=len(asked), versions=[{"version": len(asked) - 1}],
+                                     report_path="page" if report else None)
+
+    monkeypatch.setattr(distill, "time", types.SimpleNamespace(monotonic=lambda: clock["s"]))
+    monkeypatch.setattr(distill, "run_distill_once", fake_once)
+    config = _config(tmp_path / "lake")
+    assert distill.follow(trainer_args(config)[0], config.trainer, config.distill, poll_interval_s=0, max_polls=4,
+                          watch_s=None, report_every_s=60.0, on_result=lambda _: clock.update(s=clock["s"] + 40)) == 4
+    # t = 1000 (the first call: drawn), 1040 (too soon), 1080 (80 s after the last: drawn), 1120 (too soon)
+    assert asked == [True, False, True, False]
