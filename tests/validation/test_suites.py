@@ -29,6 +29,15 @@ def test_valid_batches_pass_every_check(events_table, examples_table, bounds, ex
     assert {"empty", "unique:event_id", "in_set:event_type", "schema_types"} <= {r.name for r in ev}
 
 
+def test_gx_batches_are_not_fingerprinted_and_still_judged(events_table, bounds, monkeypatch):
+    import great_expectations.execution_engine.pandas_execution_engine as pandas_engine
+
+    calls = []
+    monkeypatch.setattr(pandas_engine, "hash_pandas_dataframe", lambda df: calls.append(len(df)) or "x")
+    results = {r.name: r for r in validate_events(events_table(changes={1: {"domain": "myspace"}}), **bounds)}
+    assert calls == [] and results["in_set:domain"].details["unexpected_count"] == 1
+
+
 EVENT_CASES = [
     # (id, changes per row, expected failed checks)
     ("unknown domain", {1: {"domain": "myspace"}}, {"in_set:domain": "critical"}),
