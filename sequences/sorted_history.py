@@ -41,6 +41,9 @@ from sequences.materialize import _HISTORY_COLUMNS, SequenceIndex, check_stored_
 
 log = logging.getLogger(__name__)
 
+TIE_LIMIT = 64
+"""Events of one key at one millisecond searched for a row's impression before its user's rows are."""
+
 WINDOW_SLACK = 64
 """Events looked at beyond ``max_len`` before a row's time: room for events of later builds and
 invisible ones in the window before a row needs the reference."""
@@ -56,15 +59,17 @@ class _Sorted:
         codes = rows.select(keys).unique().with_row_index("_kc").with_columns(pl.col("_kc").cast(pl.Int64))
         self.rows = rows.join(codes, on=keys, how="inner").sort("_kc", "event_time_ms", "event_id")
         self.codes = codes
+        self._derive()
+
+    def _derive(self) -> None:
+        """The arrays the searches read, from ``self.rows`` (sorted) alone."""
         self.kc = self.rows.get_column("_kc").to_numpy()
         self.time = self.rows.get_column("event_time_ms").to_numpy()
         self.build = self.rows.get_column("build").to_numpy()
         self.created = self.rows.get_column("created_ts_ms").to_numpy()
-        runs = self.rows.select(pl.col("build").cum_min(reverse=True).over("_kc").alias("suf"),
-                                pl.col("build").cum_max().over("_kc").alias("pre"),
-                                pl.col("created_ts_ms").cum_max().over("_kc").alias("made"))
-        self.suffix_min, self.prefix_max = runs.get_column("suf").to_numpy(), runs.get_column("pre").to_numpy()
-        self.prefix_created = runs.get_column("made").to_numpy()
+        self.suffix_min = _within_keys(self.kc, self.build, np.minimum, reverse=True)
+        self.prefix_max = _within_keys(self.kc, self.build, np.maximum)
+        self.prefix_created = _within_keys(self.kc, self.created, np.maximum)
         self.t_lo = int(self.time.min()) if self.time.size else 0
         self.t_hi = int(self.time.max()) + 1 if self.time.size else 1
         # (key code, time) as one int64, for binary searches; times are clipped to [t_lo, t_hi] (a search past
@@ -74,17 +79,56 @@ class _Sorted:
         if top * self.span >= 2**62:
             raise OverflowError("sorted history: key count x time span does not fit a 64-bit search key")
         self.key = self.kc * self.span + (self.time - self.t_lo)
+        # (build, position) of every event as one sorted int64: events of build k before position x are counted
+        # by two binary searches.
+        n = len(self.build)
+        self.build_positions = np.sort(self.build.astype(np.int64) * (n + 1) + np.arange(n, dtype=np.int64))
+        self.n = n
+
+    def merged(self, added: pl.DataFrame, whole: pl.DataFrame) -> _Sorted:
+        """These rows with ``added`` merged in (``whole``: every row, for a re-sort): the added rows sorted alone and
+        put in place by binary search, not a sort of everything again. Where an added event has the key and time
+        of a held one (the event id decides their order), or the times leave the search key's range, every row is
+        sorted again instead: the same order either way."""
+        if added.height == 0:
+            return self
+        codes = added.select(self.keys).unique().join(self.codes, on=self.keys, how="anti")
+        if codes.height:
+            more = codes.with_row_index("_kc", offset=self.codes.height).with_columns(pl.col("_kc").cast(pl.Int64))
+            codes = pl.concat([self.codes, more.select(self.codes.columns)])
+        else:
+            codes = self.codes
+        new = added.join(codes, on=self.keys, how="inner").sort("_kc", "event_time_ms", "event_id")
+        t = new.get_column("event_time_ms").to_numpy()
+        lo, hi = min(self.t_lo, int(t.min())), max(self.t_hi, int(t.max()) + 1)
+        span = hi - lo + 1
+        if (int(codes.height) + 2) * span >= 2**62:
+            return _Sorted(whole, self.keys)
+        held_key = self.kc * span + (self.time - lo)
+        new_key = new.get_column("_kc").to_numpy() * span + (t - lo)
+        at = np.searchsorted(held_key, new_key, side="left")
+        if np.any(np.searchsorted(held_key, new_key, side="right") != at):
+            return _Sorted(whole, self.keys)  # a tie with a held event: the event ids order them
+        # New row m goes before held row at[m]; held row j moves down by the new rows placed at or before it.
+        total = self.rows.height + new.height
+        order = np.empty(total, np.int64)
+        new_pos = at + np.arange(new.height)
+        held_pos = np.arange(self.rows.height) + np.searchsorted(at, np.arange(self.rows.height), side="right")
+        order[held_pos] = np.arange(self.rows.height)
+        order[new_pos] = self.rows.height + np.arange(new.height)
+        out = _Sorted.__new__(_Sorted)
+        out.keys, out.codes = self.keys, codes
+        out.rows = pl.concat([self.rows, new.select(self.rows.columns)], how="vertical_relaxed")[order]
+        out._derive()
+        return out
 
     def own_build_before(self, k: np.ndarray, start: np.ndarray, lo: np.ndarray) -> np.ndarray:
-        """How many events of build ``k`` sit at positions ``start`` .. ``lo`` - 1 (within one key): one pass
-        over the rows per distinct build asked for."""
-        count = np.zeros(len(k), np.int64)
-        ask = lo > start
-        for build in np.unique(k[ask]):
-            rows = np.flatnonzero(ask & (k == build))
-            ones = np.concatenate([[0], np.cumsum(self.build == build)])
-            count[rows] = ones[lo[rows]] - ones[start[rows]]
-        return count
+        """How many events of build ``k`` sit at positions ``start`` .. ``lo`` - 1 (within one key): two binary
+        searches per row in the (build, position) keys."""
+        base = k.astype(np.int64) * (self.n + 1)
+        count = (np.searchsorted(self.build_positions, base + lo, side="left")
+                 - np.searchsorted(self.build_positions, base + start, side="left"))
+        return np.where(lo > start, count, 0)
 
     def search(self, kc: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Position of the first event of key ``kc`` at or after time ``t`` (ms)."""
@@ -101,11 +145,13 @@ class SortedHistory(HistoryReader):
 
     Attributes:
         reference_rows: rows answered by the reference path so far.
+        anchor_lookups: rows whose impression was looked up among their user's rows (not at their position).
     """
 
     def __init__(self, lake: Lake | str | Path, *, storage_options: StorageOptions | None = None) -> None:
         super().__init__(lake, storage_options)
         self.reference_rows = 0
+        self.anchor_lookups = 0
         self.rows = pl.DataFrame(schema={c: (pl.Int64 if c in ("event_time_ms", "created_ts_ms", "build") else pl.String)
                                          for c in _HISTORY_COLUMNS})
         self._kinds: dict[bool, _Sorted] = {}
@@ -114,12 +160,42 @@ class SortedHistory(HistoryReader):
         self.rows, self._kinds = rows, {}
 
     def _added(self, rows: pl.DataFrame) -> None:
-        self.rows, self._kinds = pl.concat([self.rows, rows], how="vertical_relaxed").rechunk(), {}
+        self.rows = pl.concat([self.rows, rows], how="vertical_relaxed").rechunk()
+        # Each kind held sorted takes the added rows in place (a re-sort only where their order needs it).
+        self._kinds = {same: kind.merged(rows, self.rows) for same, kind in self._kinds.items()}
 
     def _kind(self, same_domain: bool) -> _Sorted:
         if same_domain not in self._kinds:
             self._kinds[same_domain] = _Sorted(self.rows, ["user_id", "domain"] if same_domain else ["user_id"])
         return self._kinds[same_domain]
+
+    def _anchor_builds(self, s: _Sorted, q: pl.DataFrame, kc: np.ndarray, t: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """(n,) int64: the ``build`` of each row's impression (its ``_anchor`` event of its user), -1 for one not in
+        the history. The impression is an event of the row's key at the row's time: it is looked for among those
+        (positions ``p`` on; a generated session's events share their millisecond), and a row whose impression is
+        not there, or whose millisecond holds more than :data:`TIE_LIMIT` events, among its user's rows."""
+        k = np.full(len(kc), -1, dtype=np.int64)
+        if not len(s.build):
+            return k
+        p_end = s.search(kc, t + 1)
+        ties = np.where(kc >= 0, p_end - p, 0)
+        rows = np.flatnonzero((ties > 0) & (ties <= TIE_LIMIT))
+        width = ties[rows]
+        pos = _ranges(p[rows], width)
+        owner = np.repeat(rows, width)
+        same = (s.rows.get_column("event_id").gather(pos) == q.get_column("_anchor").gather(owner)).fill_null(False)
+        match = same.to_numpy()
+        k[owner[match]] = s.build[pos[match]]
+        miss = np.flatnonzero((k < 0) & (kc >= 0))
+        if miss.size:
+            self.anchor_lookups += miss.size
+            asked = q[miss].with_row_index("_m")
+            users = asked.get_column("user_id").unique().implode()
+            found = (asked.join(self.rows.filter(pl.col("user_id").is_in(users))
+                                .select("user_id", pl.col("event_id").alias("_anchor"), pl.col("build").alias("_k")),
+                                on=["user_id", "_anchor"], how="left").sort("_m"))
+            k[miss] = found.get_column("_k").fill_null(-1).to_numpy()
+        return k
 
     def sequence_index(self, pointer_rows: pa.Table, max_len: int, *, same_domain: bool = False,
                        check: bool = True, version: int | None = None) -> SequenceIndex:
@@ -142,18 +218,16 @@ class SortedHistory(HistoryReader):
         q = (pl.DataFrame({"user_id": pointer_rows.column("user_id"), "domain": pointer_rows.column("domain"),
                            "_anchor": anchor, "_t": pointer_rows.column("event_time_ms"),
                            "_c": pointer_rows.column("created_ts_ms")}).with_row_index("_i")
-             .join(self.rows.select("user_id", pl.col("event_id").alias("_anchor"), pl.col("build").alias("_k")),
-                   on=["user_id", "_anchor"], how="left")
              .join(s.codes, on=s.keys, how="left").sort("_i"))
-        k = q.get_column("_k").fill_null(-1).to_numpy()
         kc = q.get_column("_kc").fill_null(-1).to_numpy()
         t, c = q.get_column("_t").to_numpy(), q.get_column("_c").to_numpy()
-        known = (q.get_column("_k").is_not_null() & q.get_column("_kc").is_not_null()).to_numpy()
         start = s.search(kc, np.full(n, s.t_lo - 1))
         end = s.search(kc + 1, np.full(n, s.t_lo - 1))
         p = s.search(kc, t)
         lo = np.maximum(start, p - (max_len + WINDOW_SLACK))
         last = max(len(s.build) - 1, 0)
+        k = self._anchor_builds(s, q, kc, t, p)
+        known = k >= 0
         nothing_old_after = (p >= end) | (s.suffix_min[np.minimum(p, last)] >= k if len(s.build) else True)
         # Before the window only events of builds <= k (those of build k counted below, by build).
         nothing_new_before = (lo <= start) | (s.prefix_max[np.clip(lo - 1, 0, last)] <= k if len(s.build) else True)
@@ -170,8 +244,9 @@ class SortedHistory(HistoryReader):
         old_after = _after_in_row(old, width)  # old events between this one and the row's time
         visible = ((old & (old_after < max_len)) | (b == k[r])) & shown_by_time
         kept = visible & (_after_in_row(visible, width) < max_len)
-        old_in_window = np.bincount(np.searchsorted(rows_fast, r[old]), minlength=len(rows_fast))
-        shown_in_window = np.bincount(np.searchsorted(rows_fast, r[visible]), minlength=len(rows_fast))
+        # r holds row numbers: counting by row number, then taking the fast rows', needs no search.
+        old_in_window = np.bincount(r[old], minlength=n)[rows_fast]
+        shown_in_window = np.bincount(r[visible], minlength=n)[rows_fast]
         own_before = s.own_build_before(k[rows_fast], start[rows_fast], lo[rows_fast])
         before = (lo - start)[rows_fast]
         old_before = before - own_before
@@ -186,7 +261,7 @@ class SortedHistory(HistoryReader):
         truncated = np.zeros(n, np.int64)
         in_fast = fast[r]
         kept &= in_fast
-        lengths[rows_fast] = np.bincount(np.searchsorted(rows_fast, r[kept]), minlength=len(rows_fast))
+        lengths[rows_fast] = np.bincount(r[kept], minlength=n)[rows_fast]
         shown = shown_in_window + own_before + np.minimum(old_before, np.maximum(max_len - old_in_window, 0))
         n_old = old_before + old_in_window
         truncated[rows_fast] = np.maximum(n_old - max_len, 0) + shown - lengths[rows_fast]
@@ -203,7 +278,11 @@ class SortedHistory(HistoryReader):
 
         # One events table: the fast rows' kept events, then the reference's candidates.
         kept_pos = pos[kept]
-        unique_pos, inverse = np.unique(kept_pos, return_inverse=True)
+        # np.unique's sort of every kept position, done with a mark per held row instead.
+        marked = np.zeros(len(s.build), dtype=bool)
+        marked[kept_pos] = True
+        unique_pos = np.flatnonzero(marked)
+        inverse = (np.cumsum(marked) - 1)[kept_pos]
         events = s.rows[unique_pos].select(_HISTORY_COLUMNS).to_arrow()
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         index = np.empty(int(offsets[-1]), np.int64)
@@ -215,6 +294,30 @@ class SortedHistory(HistoryReader):
         if check:
             check_stored_lengths(pointer_rows, "seq_same_domain_" if same_domain else "seq_", lengths, truncated)
         return SequenceIndex(events, index, offsets, truncated, t.astype(np.int64))
+
+
+def _within_keys(kc: np.ndarray, values: np.ndarray, op: np.ufunc, *, reverse: bool = False) -> np.ndarray:
+    """The running maximum of ``values`` (int64) within each key's run from its start, or with ``reverse`` the running
+    minimum from its end, for rows sorted by key code ``kc`` (non-negative, ascending). Each value is lifted by its
+    key code times the value range, so one accumulation over all rows never carries a value into another key: the
+    keys met before a key's run (lower codes going forward, higher going back) lie wholly below its values for the
+    maximum, wholly above them for the minimum.
+
+    Raises:
+        ValueError: ``op`` other than np.maximum forward or np.minimum with ``reverse``.
+        OverflowError: key count x value range beyond int64.
+    """
+    if (op, reverse) not in ((np.maximum, False), (np.minimum, True)):
+        raise ValueError("_within_keys: the running maximum forward or the running minimum in reverse")
+    if not values.size:
+        return values.copy()
+    low, span = int(values.min()), int(values.max()) - int(values.min()) + 1
+    if (int(kc.max()) + 1) * span >= 2**62:
+        raise OverflowError("sorted history: key count x value range does not fit a 64-bit running key")
+    lift = kc.astype(np.int64) * span
+    lifted = lift + (values.astype(np.int64) - low)
+    out = op.accumulate(lifted[::-1])[::-1] if reverse else op.accumulate(lifted)
+    return out - lift + low
 
 
 def _after_in_row(flags: np.ndarray, width: np.ndarray) -> np.ndarray:

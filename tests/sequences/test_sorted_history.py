@@ -105,3 +105,68 @@ def test_hand_case_a_window_of_the_rows_own_build(tmp_path, monkeypatch):
     index = held.sequence_index(rows, 3)
     assert _lists(index) == [["f1", "f2", "f3"]] and index.truncated.tolist() == [5]
     assert held.reference_rows == before
+
+
+def test_hand_case_an_impression_sharing_its_millisecond(tmp_path, monkeypatch):
+    """N = 3. u1: e1..e4 (build 0), then "a-click" and the impression "b-imp" at the same 10 s (build 1): the
+    held order puts a-click first, so the impression is found second among the events of its millisecond; its
+    sequence is e2..e4 (truncated 1), as the reference's. With a tie limit of 1 it is looked up among its user's
+    rows instead, with the same answer; the other impression (u2, alone at its time) never is."""
+    config = dataclasses.replace(MODES[0], max_seq_len=3, max_same_domain_seq_len=2)
+    batches = [[event(f"e{i}", 1_000 * i, "engagement", item="i9") for i in range(1, 5)],
+               [event("a-click", 10_000, "engagement", item="i7", created_ts_ms=9_000),
+                event("b-imp", 10_000, "impression", created_ts_ms=20_000),
+                event("c-imp", 12_000, "impression", user="u2", created_ts_ms=20_000)]]
+    held = _follow(tmp_path, batches, config)
+    examples, _ = build_steps(batches, config)
+    rows = to_pointers(examples[1]).sort_by("example_id")
+    assert rows.column("example_id").to_pylist() == ["b-imp", "c-imp"]
+    for limit, lookups in ((64, 0), (1, 1)):
+        monkeypatch.setattr(sorted_history, "TIE_LIMIT", limit)
+        before = held.anchor_lookups
+        index = held.sequence_index(rows, 3)
+        assert _lists(index)[0] == ["e2", "e3", "e4"] and index.truncated[0] == 1
+        assert held.anchor_lookups - before == lookups
+
+
+def test_running_extremes_stay_within_each_key():
+    rng = np.random.default_rng(7)
+    kc = np.sort(rng.integers(0, 6, 200))
+    values = rng.integers(-50, 1_000, 200)
+    want_max, want_min = np.empty(200, np.int64), np.empty(200, np.int64)
+    for key in np.unique(kc):
+        run = np.flatnonzero(kc == key)
+        want_max[run] = np.maximum.accumulate(values[run])
+        want_min[run] = np.minimum.accumulate(values[run][::-1])[::-1]
+    np.testing.assert_array_equal(sorted_history._within_keys(kc, values, np.maximum), want_max)
+    np.testing.assert_array_equal(sorted_history._within_keys(kc, values, np.minimum, reverse=True), want_min)
+    with pytest.raises(ValueError, match="running maximum forward"):
+        sorted_history._within_keys(kc, values, np.minimum)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_merging_added_rows_orders_them_as_a_sort_of_everything(ties):
+    import polars as pl
+
+    rng = np.random.default_rng(3 + ties)
+
+    def rows(n, first):
+        return pl.DataFrame({"user_id": [f"u{u}" for u in rng.integers(0, 7, n)],
+                             "domain": [f"d{d}" for d in rng.integers(0, 2, n)],
+                             "event_id": [f"e{first + i:04d}" for i in range(n)],
+                             "event_time_ms": rng.choice(1_000, n, replace=False) * 2 + 1 - (first > 0) * (not ties),
+                             "created_ts_ms": rng.integers(0, 10_000, n), "build": rng.integers(0, 5, n)})
+
+    held, added = rows(120, 0), rows(40, 1000)  # without ties: the added times are even, the held ones odd
+    for keys in (["user_id"], ["user_id", "domain"]):
+        whole = pl.concat([held, added])
+        merged = sorted_history._Sorted(held, keys).merged(added, whole)
+        fresh = sorted_history._Sorted(whole, keys)
+        assert np.all(np.diff(merged.key) >= 0), "one search key order"
+
+        def view(s):  # each row with what was derived for it, in (key, time, event id) order: codes may differ
+            return (s.rows.select(*keys, "event_time_ms", "event_id", "build")
+                    .with_columns(suf=s.suffix_min, pre=s.prefix_max, made=s.prefix_created)
+                    .sort(*keys, "event_time_ms", "event_id"))
+
+        assert view(merged).equals(view(fresh)) and merged.rows.height == 160

@@ -128,7 +128,7 @@ def test_pointer_reader_equals_the_whole_history(lakes):
     from trainer.data import PointerReader, pointer_history
 
     lake = lakes["pointer"]
-    reader = PointerReader(lake)
+    reader = PointerReader(lake, sorted_history=False)
     reader.tail = HistoryTail(lake, 4, 2, margin_builds=0, min_compact_rows=0)
     tables = [rows_added(lake, "examples", version) for version in (1, 2, 1)]
     for table in tables:
@@ -144,13 +144,13 @@ def test_pointer_reader_equals_the_whole_history(lakes):
 
 
 def test_a_pointer_reader_on_the_sorted_history_encodes_as_the_whole_history(lakes):
-    """PointerReader(sorted_history=True) (sequences.sorted_history): each build's rows, and the first build's
+    """PointerReader's default, the sorted history (sequences.sorted_history): each build's rows, and the first build's
     again, encode as with the whole history, sequence extras included."""
     from gemline.increments import rows_added
     from trainer.data import PointerReader, pointer_history
 
     lake = lakes["pointer"]
-    reader = PointerReader(lake, sorted_history=True)
+    reader = PointerReader(lake)
     for version in (1, 2, 1):
         table = rows_added(lake, "examples", version)
         assert table is not None and table.num_rows
