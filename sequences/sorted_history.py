@@ -83,7 +83,6 @@ class _Sorted:
         # by two binary searches.
         n = len(self.build)
         self.build_positions = np.sort(self.build.astype(np.int64) * (n + 1) + np.arange(n, dtype=np.int64))
-        self.n = n
 
     def merged(self, added: pl.DataFrame, whole: pl.DataFrame) -> _Sorted:
         """These rows with ``added`` merged in (``whole``: every row, for a re-sort): the added rows sorted alone and
@@ -125,7 +124,7 @@ class _Sorted:
     def own_build_before(self, k: np.ndarray, start: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """How many events of build ``k`` sit at positions ``start`` .. ``lo`` - 1 (within one key): two binary
         searches per row in the (build, position) keys."""
-        base = k.astype(np.int64) * (self.n + 1)
+        base = k.astype(np.int64) * (len(self.build) + 1)
         count = (np.searchsorted(self.build_positions, base + lo, side="left")
                  - np.searchsorted(self.build_positions, base + start, side="left"))
         return np.where(lo > start, count, 0)

@@ -449,7 +449,7 @@ class PointerReader:
         """:func:`pointer_history` of ``table`` through the tail (raises as it does)."""
         if all(key in table.schema.names for key in SEQUENCE_KEYS):
             return None
-        if self.use_sorted and self.tail is None:
+        if self.use_sorted:
             if self.sorted is None:
                 self.sorted = SortedHistory(self.lake, storage_options=self.storage_options)
                 self.lengths = _pointer_lengths(self.lake, self.storage_options)
