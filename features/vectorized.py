@@ -77,12 +77,15 @@ def time_bounds(*columns: np.ndarray) -> tuple[int, int]:
 
 
 def grouped(events: pl.DataFrame, queries: pl.DataFrame, keys: list[str], query_time: str = "event_time_ms",
-             reach_back_ms: int = 0) -> tuple[pl.DataFrame, GroupedTimes, np.ndarray, np.ndarray]:
+             reach_back_ms: int = 0, in_time_order: bool = False) -> tuple[pl.DataFrame, GroupedTimes, np.ndarray, np.ndarray]:
     """``events`` coded by ``keys`` and sorted by (group, time, event_id), the :class:`GroupedTimes` over
     them, and the queries' (Q,) group codes and times (``query_time`` column); ``reach_back_ms``:
-    how far before a query time a search may go (the widest counter window)."""
+    how far before a query time a search may go (the widest counter window). ``in_time_order``: the events
+    are already in :data:`EVENT_ORDER` (e.g. sorted by entity, time, event_id, and ``keys`` the entity and
+    domain), so a stable sort by group alone gives the same order as the full sort, for a fraction of its
+    CPU (one integer column instead of a string tie-breaker)."""
     events, queries = code_groups([events, queries], keys)
-    events = events.sort(["_g", *EVENT_ORDER])
+    events = events.sort("_g", maintain_order=True) if in_time_order else events.sort(["_g", *EVENT_ORDER])
     times = events.get_column("event_time_ms").to_numpy()
     q_times = queries.get_column(query_time).to_numpy()
     lo, hi = time_bounds(times, q_times, q_times - reach_back_ms)
@@ -153,10 +156,11 @@ def prior_counts(evicted: pl.DataFrame, entity: str, rows: pl.DataFrame, keys: d
 
 
 def counter_frame(events: pl.DataFrame, keys: list[str], queries: pl.DataFrame, query_time: str,
-                   windows: Mapping[str, int | None]) -> dict[str, np.ndarray]:
-    """Windowed counts over ``events`` grouped by ``keys`` as of each query row (time < query time)."""
+                   windows: Mapping[str, int | None], in_time_order: bool = False) -> dict[str, np.ndarray]:
+    """Windowed counts over ``events`` grouped by ``keys`` as of each query row (time < query time);
+    ``in_time_order``: as :func:`grouped`."""
     widest = max((w for w in windows.values() if w is not None), default=0)
-    events, groups, q_codes, q_times = grouped(events, queries, keys, query_time, widest)
+    events, groups, q_codes, q_times = grouped(events, queries, keys, query_time, widest, in_time_order)
     return window_counts(groups, prefix_counts(events.get_column("event_type")), q_codes, q_times, windows)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.lake import StorageOptions, open_table
@@ -100,15 +101,18 @@ def _most_files_in_a_partition(dt) -> int:
 
 
 def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
-         storage_options: StorageOptions | None = None) -> HygieneResult:
+         storage_options: StorageOptions | None = None, snapshot: DeltaTable | None = None) -> HygieneResult:
     """Compact (when ``compact`` and a partition has >= ``compact_min_files`` files), checkpoint
     (when the version is a multiple of K) and vacuum ``table`` under ``lake``; ``storage_options``
-    as in :mod:`gemline.lake` for an object-store lake.
+    as in :mod:`gemline.lake` for an object-store lake; ``snapshot``: an open handle of ``table``, brought up
+    to date and used (None opens the table).
 
     Raises:
         MissingInputError: the table does not exist (a ValueError).
     """
-    dt = open_table(lake, table, storage_options=storage_options)
+    if snapshot is not None:
+        snapshot.update_incremental()
+    dt = open_table(lake, table, storage_options=storage_options) if snapshot is None else snapshot
     if dt is None:
         raise MissingInputError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0

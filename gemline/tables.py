@@ -295,11 +295,13 @@ def commit_files(
     metadata: dict[str, Any] | None = None,
     storage_options: _lake.StorageOptions | None = None,
     removes: Sequence[Mapping[str, Any]] = (),
+    snapshot: DeltaTable | None = None,
 ) -> bool:
     """Commit data files from :func:`write_files` to ``table`` once, with the spec's mode and partition
     columns (:func:`gemline.lake.commit_files_once`; ``schema``: the table's Arrow schema, partition
     columns included); ``removes``: files of the table's snapshot the same commit removes (an
-    append-mode table only).
+    append-mode table only); ``snapshot``: an open handle of ``table``, brought up to date and committed
+    through (None opens the table).
 
     Returns:
         True if this call committed, False if (app_id, version) or a later one was already there.
@@ -316,7 +318,7 @@ def commit_files(
         if sorted(f["partition_values"]) != sorted(s.partition_by):
             raise TableSpecError(f"{s.name}: file {f['path']!r} has partition values for "
                                  f"{sorted(f['partition_values'])} but the spec partitions by {list(s.partition_by)}")
-    _check_lake_table(lake, s, storage_options)
+    _check_lake_table(lake, s, storage_options, snapshot)
     return _lake.commit_files_once(lake, s.name, files, schema, app_id=app_id, version=version, mode=s.mode,
                                    partition_by=list(s.partition_by) or None, metadata=metadata,
-                                   storage_options=storage_options, removes=removes)
+                                   storage_options=storage_options, removes=removes, snapshot=snapshot)

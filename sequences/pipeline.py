@@ -103,7 +103,7 @@ from sequences.shards import (
     user_inputs,
     user_shard_reference,
 )
-from sequences.state_cache import BuildStateCache, HeldBuffer
+from sequences.state_cache import BuildStateCache, HeldBuffer, PendingKeys
 from sequences.vectorized import item_shard_vectorized, label_latencies_vectorized, user_shard_vectorized
 
 log = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ compression release the GIL, so the writes and the computation share the cores).
 
 
 def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tuple,
-                    held: HeldBuffer | None = None) -> None:
+                    held: HeldBuffer | None = None, pending_keys: PendingKeys | None = None) -> None:
     """:func:`_run_on_beam`'s work in this process, without Beam: the same functions (:func:`_emit_table`,
     :func:`_shard_pieces` along :data:`_ROUTES`, :func:`_item_shard_step`, :func:`_user_shard_step`,
     :func:`_write_part`) in the order the two shuffles impose (every item shard before any user shard),
@@ -332,6 +332,7 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     ``held``: the buffer of ``sources["buffer"]``'s snapshot already split into this build's shards, and its
     labels (:class:`sequences.state_cache.BuildStateCache`): its pieces go to the shards as they are (in
     memory, not spilled) and the pending state's labels are taken from it, instead of reading the buffer.
+    ``pending_keys``: the pending state's keys held across passes (:class:`sequences.state_cache.PendingKeys`).
 
     Raises:
         whatever a step or a write raises.
@@ -370,7 +371,7 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
                             pieces[kind][shard].append(spill_piece(name, table, None))
                     continue
                 labels = held.labels if name == "pending" and held is not None else None
-                for table in _emit_table(None, spec, buffer_labels=labels):
+                for table in _emit_table(None, spec, buffer_labels=labels, pending_keys=pending_keys):
                     # A table's routes (by item and by user) are split at once; each table is split before
                     # the next is read, so one table (a chunk of the new events) is held at a time.
                     splits = [compute.submit(_split_pieces, table, name, key, shards, spill, keep)
@@ -663,7 +664,7 @@ _PENDING_KEYS = ["example_id", "user_id", "item_id", "domain", "event_time_ms"]
 
 def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildConfig, old_close_ms: int | None,
                 close_ms: int, *, storage_options: StorageOptions | None = None,
-                row_groups: Literal["due", "all"] = "due") -> pa.Table:
+                row_groups: Literal["due", "all"] = "due", key_cache: PendingKeys | None = None) -> pa.Table:
     """The rows of ``_build_state/pending`` at Delta ``version`` that a build publishes or corrects: a first
     publication due in (``old_close_ms``, ``close_ms``], and in fnw and defer a correction due there (a late
     positive at its label's time, in defer a real negative when a window closes), by the rules of
@@ -683,6 +684,10 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
         row_groups: "due": in ``wait`` mode the keys are read only from the row groups whose earliest impression
             can be due (``min event_time_ms + shortest publish delay <= close_ms``); "all": from every row group
             (the reference: the same rows come back, tested).
+        key_cache: the keys of the pending files read by earlier passes of this process
+            (:class:`sequences.state_cache.PendingKeys`): only the files not held are read, whole (as "all" reads
+            them); None reads the keys from Delta. Used in fnw and defer only: wait reads only the row groups
+            whose rows can be due, and keeps nothing.
 
     Returns:
         Rows of :func:`sequences.examples.pending_schema` (possibly empty).
@@ -693,7 +698,11 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
         return schema.empty_table()
     dataset = dt.to_pyarrow_dataset()
     searched = dataset
-    if config.label_mode == "wait" and row_groups == "due":
+    if config.label_mode == "wait":
+        key_cache = None
+    if key_cache is not None:
+        keys, paths, file_of = key_cache.keys(dt, _PENDING_KEYS)
+    elif config.label_mode == "wait" and row_groups == "due":
         # In wait a row is due only at its first publication, t + delay <= close_ms (no label can make an earlier
         # row due): the row groups of later impressions (the files are in time order: most of them) are not read.
         latest = close_ms - _shortest_publish_delay_ms(config)
@@ -702,7 +711,8 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
         log.debug("due_pending: keys read from %d of %d row groups", sum(len(f.row_groups) for f in narrowed),
                   sum(len(f.row_groups) for f in fragments))
         searched = ds.FileSystemDataset(narrowed, dataset.schema, dataset.format, dataset.filesystem)
-    keys = searched.to_table(columns=[*_PENDING_KEYS, "__filename"])
+    if key_cache is None:
+        keys = searched.to_table(columns=[*_PENDING_KEYS, "__filename"])
     if keys.num_rows == 0:
         return schema.empty_table()
     t = keys.column("event_time_ms").to_numpy()
@@ -726,7 +736,8 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     if not chosen_rows.any():
         return schema.empty_table()
     chosen = keys.filter(pa.array(chosen_rows))
-    files = set(chosen.column("__filename").to_pylist())
+    files = ({paths[i] for i in np.unique(file_of[chosen_rows])} if key_cache is not None
+             else set(chosen.column("__filename").to_pylist()))
     fragments = [f for f in dataset.get_fragments() if _relative(f.path) in files]
     # The files hold rows in time order: only row groups whose time range holds a chosen row are decoded.
     holding = ds.FileSystemDataset(_row_groups_holding(fragments, chosen.column("event_time_ms").to_numpy()),
@@ -781,14 +792,15 @@ def _relative(path: str) -> str:
     return path.lstrip("/")
 
 
-def _load(spec: tuple, buffer_labels: pa.Table | None = None) -> pa.Table | None:
+def _load(spec: tuple, buffer_labels: pa.Table | None = None, pending_keys: PendingKeys | None = None) -> pa.Table | None:
     """Read an input inside the pipeline (a table passed as an argument would be pickled into the
     graph: minutes of compression for 10^5 rows). ``spec``: ("new", lake, old_version, version, opts),
     ("state", lake, table, delta_version | None, opts) or ("pending", lake, pending_version | None,
     buffer_version | None, opts, old_version, version, config, old_close_ms, close_ms) (:func:`due_pending`, with
     the labels of the buffer and the new events); ``opts``: storage options or None. ``buffer_labels``: the
     buffer's clicks and conversions (:data:`sequences.state_cache.LABEL_COLUMNS`) as the buffer at
-    ``buffer_version`` holds them, in its order, instead of reading them (a pending spec only)."""
+    ``buffer_version`` holds them, in its order, instead of reading them (a pending spec only); ``pending_keys``:
+    :func:`due_pending`'s ``key_cache``."""
     if spec[0] == "pending":
         _, lake, pending_version, buffer_version, opts, old_version, version, config, old_close_ms, close_ms = spec
         if pending_version is None:
@@ -803,7 +815,7 @@ def _load(spec: tuple, buffer_labels: pa.Table | None = None) -> pa.Table | None
             labels.append(buffer.to_pyarrow_dataset().to_table(
                 columns=columns, filter=pc.field("event_type").isin(list(TASKS))).cast(labels[0].schema))
         return due_pending(lake, pending_version, pa.concat_tables(labels), config, old_close_ms, close_ms,
-                           storage_options=opts)
+                           storage_options=opts, key_cache=pending_keys)
     kind, lake, a, b, opts = spec
     if kind == "new":
         return new_event_rows(lake, a, b, storage_options=opts)
@@ -816,7 +828,7 @@ into its shards' pieces and spilled before the next is read, so the whole increm
 once (at ~150 bytes per event in Arrow, a chunk is ~75 MB)."""
 
 
-def _emit_table(_: Any, spec: tuple, buffer_labels: pa.Table | None = None):
+def _emit_table(_: Any, spec: tuple, buffer_labels: pa.Table | None = None, pending_keys: PendingKeys | None = None):
     if spec[0] == "new":
         _, lake, old_version, version, opts = spec
         for chunk in new_event_chunks(lake, old_version, version, chunk_rows=NEW_EVENTS_CHUNK_ROWS,
@@ -824,7 +836,7 @@ def _emit_table(_: Any, spec: tuple, buffer_labels: pa.Table | None = None):
             if chunk.num_rows:
                 yield chunk
         return
-    table = _load(spec, buffer_labels)
+    table = _load(spec, buffer_labels, pending_keys)
     if table is not None and table.num_rows:
         yield table
 
@@ -1153,8 +1165,12 @@ def run_build(
     # A crashed earlier attempt may have left manifests: start afresh (its files get rewritten).
     shutil.rmtree(staging, ignore_errors=True)
     schemas = output_schemas(config)
+    # One handle per output table for the rest of the build, brought up to date where it is used: opening a
+    # table replays its log from the last checkpoint, and the commits and tidying below read each table 5-7 times.
+    handles = {name: open_table(root, name, storage_options=opts) for name in _OUTPUTS}
     done = frozenset(name for name in _OUTPUTS
-                     if (commit_metadata(root, name, APP_ID, storage_options=opts) or {}).get("build") == build)
+                     if (commit_metadata(root, name, APP_ID, storage_options=opts, snapshot=handles[name]) or {}
+                         ).get("build") == build)
 
     sources = {
         "new": ("new", root, old_version, version, opts),
@@ -1173,7 +1189,7 @@ def run_build(
         buffer_version = state[Table.BUILD_BUFFER][3]
         held = (None if state_cache is None or buffer_version is None else
                 state_cache.buffer(root, buffer_version, shards, config.memory_budget_bytes, opts))
-        _run_in_process(sources, steps, write, held)
+        _run_in_process(sources, steps, write, held, None if state_cache is None else state_cache.pending_keys)
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):
@@ -1196,12 +1212,12 @@ def run_build(
             kept, removes = expire_rows(root, name, _pending_leaves(config, close_ms), build=build,
                                         storage_options=opts)
             files += kept
-        last = committed_version(root, name, APP_ID, storage_options=opts)
+        last = committed_version(root, name, APP_ID, storage_options=opts, snapshot=handles[name])
         commit_files(
             root, name, files, schemas[name], app_id=APP_ID, version=0 if last is None else last + 1,
             metadata={"events_version": version, "watermark_ms": watermark_ms, "close_ms": close_ms, "build": build,
                       **layout_metadata(config), **counts},
-            storage_options=opts, removes=removes,
+            storage_options=opts, removes=removes, snapshot=handles[name],
         )
     shutil.rmtree(staging, ignore_errors=True)
     hygiene = build_hygiene(config, auto_shards=auto_shards)
@@ -1209,5 +1225,6 @@ def run_build(
     for name in _OUTPUTS:
         if name in row_state:
             compact_state(root, name, hygiene, storage_options=opts)
-        tidy(root, name, hygiene, compact=name not in row_state, storage_options=opts)
+        # compact_state may have committed through its own handle: the update brings this one to it.
+        tidy(root, name, hygiene, compact=name not in row_state, storage_options=opts, snapshot=handles[name])
     return _result_from_lake(root, version, skipped=False, published=published, opts=opts)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from features.definitions import ITEM_FEATURES, USER_CATEGORY_FEATURES, USER_FEATURES, WINDOWS_MS
 from features.vectorized import (
@@ -111,6 +112,13 @@ def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -
     """Entities with a query that some earlier event (time < query time) was appended after."""
     if queries.height == 0 or events.height == 0:
         return set()
+    # Only an event appended after some query can be one: the rest (nearly all of a long-lived user's buffered
+    # and stored events, appended before this batch's impressions) is left out of the sort below. The worst
+    # append time before a query is unchanged wherever it exceeds the query's, so the answer is the same.
+    events = events.filter(pl.col("created_ts_ms") > queries.get_column("created_ts_ms").min())
+    queries = queries.join(events.select(entity).unique(), on=entity, how="semi")  # the others have none
+    if queries.height == 0:
+        return set()
     events, groups, q_codes, q_times = grouped(_queried(events, queries, [entity]), queries, [entity])
     created = events.get_column("created_ts_ms").to_numpy()
     codes = events.get_column("_g").to_numpy()
@@ -127,7 +135,7 @@ def _needs_reference(events: pl.DataFrame, entity: str, queries: pl.DataFrame) -
 def _queried(events: pl.DataFrame, queries: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
     """The rows of ``events`` whose ``keys`` some query shares: a search of one group never looks at another,
     so the rest of the shard's state (most of it, in a pass that touches few entities) is left out of the sort."""
-    return events.join(queries.select(keys).unique(), on=keys, how="semi")
+    return events.join(queries.select(keys).unique(), on=keys, how="semi", maintain_order="left")
 
 
 def _split(tables: Mapping[str, pa.Table], keys: Mapping[str, str], slow: set[str]) -> tuple[dict, dict]:
@@ -188,7 +196,9 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
 
     # Item counters of the new impressions, per (item, domain), as of each impression.
     dense_windows = {"7d": WINDOWS_MS["7d"], "all": None}
-    counts = counter_frame(_queried(recent, queries, ["item_id", "domain"]), ["item_id", "domain"], queries, "event_time_ms", dense_windows)
+    # recent is in (item, time, event_id) order, and _queried keeps it.
+    counts = counter_frame(_queried(recent, queries, ["item_id", "domain"]), ["item_id", "domain"], queries,
+                           "event_time_ms", dense_windows, in_time_order=True)
     prior = prior_counts(evicted, "item", queries, {"key": "item_id", "domain": "domain"})
     values = with_ctr(counts, prior, config, dense_windows)
     dense = queries.select("user_id", pl.col("event_id").alias("example_id")).with_columns(
@@ -298,7 +308,12 @@ def user_shard_vectorized(
         ValueError: an event lacks a required field, or a new impression has no item counters.
     """
     new, buffer = _events(tables["new"]), _events(tables["buffer"])
-    seq_stored, dseq_stored = _stored(tables["seq"]), _stored(tables["dseq"].select(SEQUENCES_SCHEMA.names))
+    # Only the users with new events get their stored sequences read back into events; every other stored row
+    # comes out as it went in (_kept_sequences): most users of a shard have no new event in a streaming pass.
+    new_users = pa.array(new.get_column("user_id").unique().to_list(), pa.string())
+    seq_in, seq_kept = _touched_rows(tables["seq"], new_users, config.max_seq_len)
+    dseq_in, dseq_kept = _touched_rows(tables["dseq"], new_users, config.same_domain_seq_len)
+    seq_stored, dseq_stored = _stored(seq_in), _stored(dseq_in.select(SEQUENCES_SCHEMA.names))
     known = pl.concat([buffer.select("user_id", "event_id"), seq_stored.select("user_id", "event_id"),
                        dseq_stored.select("user_id", "event_id")])
     fresh = _sorted_unique(new, "user_id").join(known, on=["user_id", "event_id"], how="anti", maintain_order="left")
@@ -306,7 +321,9 @@ def user_shard_vectorized(
     recent = fresh if buffer.height == 0 else _sorted_unique(pl.concat([buffer, fresh]), "user_id")
     queries = fresh.filter(pl.col("event_type").is_in(_IMPRESSIONS))
     minimal = ["user_id", "event_id", "event_time_ms", "created_ts_ms", "item_id", "category", "event_type", "domain"]
-    everything = pl.concat([recent.select(minimal), seq_stored.select(minimal), dseq_stored.select(minimal)])
+    # Queries are new impressions: their users' stored events are all in seq_stored and dseq_stored.
+    everything = pl.concat([_queried(recent, queries, ["user_id"]).select(minimal), seq_stored.select(minimal),
+                            dseq_stored.select(minimal)])
     slow = _needs_reference(everything, "user_id", queries)
     if slow:
         keys = {"new": "user_id", "buffer": "user_id", "seq": "user_id", "dseq": "user_id", "evicted": "key",
@@ -344,13 +361,14 @@ def user_shard_vectorized(
         pl.DataFrame(tables[name].select([key])).rename({key: "user_id"})
         for name, key in (("new", "user_id"), ("buffer", "user_id"), ("seq", "user_id"), ("dseq", "user_id"),
                           ("evicted", "key"), ("pending", "user_id"))
-    ]).unique().sort("user_id")
+    ]).unique().join(pl.DataFrame(seq_kept.select(["user_id"])), on="user_id", how="anti").sort("user_id")
     cross = pl.concat([seq_stored.select(minimal), fresh.select(minimal)])
     sequences = _sequence_rows(cross, ["user_id"], owners, seq_table.rename({"seq_truncated": "prior_cut"}),
                                config.max_seq_len, watermark_ms)
     fresh_by_domain = fresh.select(minimal)
     domain_events = pl.concat([dseq_stored.select(minimal), fresh_by_domain])
-    domain_owners = pl.concat([dseq_table.select("user_id", "domain"), fresh.select("user_id", "domain")]).unique()
+    domain_owners = pl.concat([pl.DataFrame(dseq_in.select(["user_id", "domain"])),
+                               fresh.select("user_id", "domain")]).unique()
     domain_sequences = _sequence_rows(domain_events, ["user_id", "domain"], domain_owners.sort(["user_id", "domain"]),
                                       dseq_table.rename({"seq_truncated": "prior_cut"}), config.same_domain_seq_len,
                                       watermark_ms)
@@ -375,8 +393,9 @@ def user_shard_vectorized(
     evicted_out = pl.concat([merge_evicted(evicted, gone, "user", "user_id"),
                              merge_evicted(evicted, gone, "user_category", "user_id")])
     return {
-        "sequences": _to_arrow(sequences, SEQUENCES_SCHEMA),
-        "sequences_by_domain": _to_arrow(domain_sequences, SEQUENCES_BY_DOMAIN_SCHEMA),
+        "sequences": _kept_sequences(_to_arrow(sequences, SEQUENCES_SCHEMA), seq_kept, ["user_id"], watermark_ms),
+        "sequences_by_domain": _kept_sequences(_to_arrow(domain_sequences, SEQUENCES_BY_DOMAIN_SCHEMA), dseq_kept,
+                                               ["user_id", "domain"], watermark_ms),
         "buffer": _to_arrow(kept, EVENT_SCHEMA),
         "evicted": _to_arrow(evicted_out, EVICTED_SCHEMA),
         "pending": all_pending.filter(pa.array(plan.keep)),
@@ -386,6 +405,29 @@ def user_shard_vectorized(
         USER_FEATURES.name: _to_arrow(user_features, USER_FEATURES.schema),
         USER_CATEGORY_FEATURES.name: _to_arrow(category_features, USER_CATEGORY_FEATURES.schema),
     }
+
+
+def _touched_rows(stored: pa.Table, users: pa.Array, max_len: int) -> tuple[pa.Table, pa.Table]:
+    """(rows to rebuild, rows kept as they are) of a stored sequences table: a row is rebuilt when its user has
+    new events (``users``) or it holds more than ``max_len`` events (a shorter ``max_seq_len`` than the one it
+    was built with cuts it on the next build, as a rebuild from its events would)."""
+    rebuild = pc.or_(pc.is_in(stored.column("user_id"), value_set=users),
+                     pc.greater(stored.column("seq_length"), max_len))
+    return stored.filter(rebuild), stored.filter(pc.invert(rebuild))
+
+
+def _kept_sequences(rebuilt: pa.Table, kept: pa.Table, keys: list[str], watermark_ms: int) -> pa.Table:
+    """``rebuilt`` with the ``kept`` rows stamped ``as_of_ms = watermark_ms``, in ``keys`` order.
+
+    A kept row is what :func:`_sequence_rows` would rebuild from it: its events are the stored ones (the user
+    has no new event), so its lists, length and truncation count stay, and only its as-of time moves."""
+    if kept.num_rows == 0:
+        return rebuilt
+    stamped = kept.select(rebuilt.schema.names).cast(rebuilt.schema).set_column(
+        rebuilt.schema.get_field_index("as_of_ms"), rebuilt.schema.field("as_of_ms"),
+        pa.array(np.full(kept.num_rows, watermark_ms, dtype=np.int64), pa.int64()))
+    both = pa.concat_tables([rebuilt, stamped])
+    return both.take(pc.sort_indices(both, sort_keys=[(k, "ascending") for k in keys]))
 
 
 def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored: pl.DataFrame,
@@ -420,7 +462,7 @@ def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored:
                                  "seq_same_domain_", with_domains=False, lists_too=lists_too))
     user_windows = {"1d": WINDOWS_MS["1d"], "7d": WINDOWS_MS["7d"], "all": None}
     counts = counter_frame(_queried(recent, queries, ["user_id", "domain"]), ["user_id", "domain"], queries,
-                           "event_time_ms", user_windows)
+                           "event_time_ms", user_windows, in_time_order=True)  # recent: (user, time, event_id)
     prior = prior_counts(evicted, "user", queries, {"key": "user_id", "domain": "domain"})
     values = with_ctr(counts, prior, config, user_windows)
     frame = joined.select(

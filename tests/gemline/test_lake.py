@@ -93,3 +93,24 @@ def test_data_files_encode_ids_and_times_plain_and_the_rest_with_dictionaries(tm
     assert dictionary == {"event_id": False, "domain": True, "seq_item_ids.list.element": True,
                           "event_time_ms": False, "seq_event_time_ms.list.element": False, "position": True}
     assert pq.read_table(tmp_path / "t" / entry["path"]).equals(data)
+
+
+def test_a_versioned_open_is_kept_until_its_table_is_replaced(tmp_path):
+    """open_table hands out the same snapshot for the same (table, version), the snapshot still reads
+    that version after later commits, and a table replaced at the same path is opened afresh."""
+    import shutil
+
+    from gemline.lake import commit_once, open_table
+
+    data = pa.table({"x": pa.array([1, 2], pa.int64())})
+    commit_once(tmp_path, "t", data, app_id="a", version=0, mode="append")
+    first = open_table(tmp_path, "t", 0)
+    commit_once(tmp_path, "t", data, app_id="a", version=1, mode="append")
+    assert open_table(tmp_path, "t", 0) is first
+    assert first.version() == 0 and first.to_pyarrow_table().num_rows == 2
+    assert open_table(tmp_path, "t").to_pyarrow_table().num_rows == 4  # latest: never kept
+    shutil.rmtree(tmp_path / "t")
+    commit_once(tmp_path, "t", pa.table({"x": pa.array([7, 8, 9], pa.int64())}), app_id="a", version=0,
+                mode="append")
+    again = open_table(tmp_path, "t", 0)
+    assert again is not first and again.to_pyarrow_table().num_rows == 3

@@ -18,6 +18,7 @@ from gemline.tables import Table
 from sequences.config import BuildConfig
 from sequences.pipeline import _OUTPUTS, APP_ID, due_pending, run_build
 from sequences.publish import deadlines, needs_labels
+from sequences.state_cache import PendingKeys
 from tests.conftest import build_args, with_layout
 from tests.gemline.conftest import moto_endpoint, s3_bucket  # noqa: F401  (moto_endpoint: a fixture)
 
@@ -146,6 +147,13 @@ def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_even
         assert 0 < got.num_rows < pending.num_rows  # some rows are due, not all
     assert due_pending(lake, version, labels, dataclasses.replace(CONFIG, label_mode="wait"), old_close,
                        old_close).num_rows == 0  # nothing due, and wait has no late positives
+    # Keys held across calls (sequences.state_cache.PendingKeys): the same rows, the second call reads no file.
+    keys = PendingKeys()
+    want = sorted(due_pending(lake, version, labels, CONFIG, old_close, close).column("example_id").to_pylist())
+    for call in range(2):
+        got = due_pending(lake, version, labels, CONFIG, old_close, close, key_cache=keys)
+        assert sorted(got.column("example_id").to_pylist()) == want
+    assert keys.files_read == keys.files_reused == len(open_table(lake, Table.BUILD_PENDING, version).file_uris()) > 0
 
 
 def test_compact_state_merges_small_files_only_when_many_and_leaves_large_ones(tmp_path, monkeypatch):

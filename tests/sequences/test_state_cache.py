@@ -144,6 +144,8 @@ def test_passes_sharing_the_cache_write_what_fresh_passes_write(tmp_path, make_e
     buffer = read_table(lakes["cached"], Table.BUILD_BUFFER, columns=["event_id"]).column("event_id").to_pylist()
     assert not [e for e in buffer if e.startswith("p0_")]
     assert len(snapshots["cached"][Table.EXAMPLES]) > 0
+    if label_mode == "defer":  # the pending state's keys were held too (wait reads only the due row groups)
+        assert cache.pending_keys.files_reused > 0
 
 
 def test_the_cache_refuses_another_table_and_a_buffer_over_half_the_budget(tmp_path, make_event):

@@ -4,6 +4,7 @@ order (those entities take the reference path), empty and null categories, and e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -35,14 +36,18 @@ def _assert_same(got: dict[str, pa.Table], want: dict[str, pa.Table], schemas: d
         assert _canon(got[name]) == _canon(want[name]), f"{where}: table {name} differs"
 
 
-def compare_batches(batches: list[list[dict]], config: BuildConfig = CONFIG) -> int:
+def compare_batches(batches: list[list[dict]], config: BuildConfig | list[BuildConfig] = CONFIG,
+                    outputs: list[dict[str, pa.Table]] | None = None) -> int:
     """Drive the reference steps over the batches; at each, the vectorised steps on the same
-    inputs must give the same tables. Returns the number of examples published."""
+    inputs must give the same tables. ``config``: one for every batch, or one per batch; ``outputs``:
+    a list the vectorised user outputs of each batch are appended to. Returns the number of examples
+    published."""
+    configs = config if isinstance(config, list) else [config] * len(batches)
     empty = {name: schema.empty_table() for name, schema in USER_OUTPUTS.items()}
     state = {"buffer": empty["buffer"], "seq": empty["sequences"], "dseq": empty["sequences_by_domain"],
              "evicted": empty["evicted"], "pending": empty["pending"]}
     watermark, close, published = 0, None, 0
-    for n, batch in enumerate(batches):
+    for n, (batch, config) in enumerate(zip(batches, configs, strict=True)):
         new = pa.Table.from_pylist(batch, schema=EVENT_SCHEMA)
         watermark = max([watermark, *[e["event_time_ms"] for e in batch]])
         new_close = max(close or watermark, watermark) + (2 * DAY if n == len(batches) - 1 else 0)
@@ -56,7 +61,10 @@ def compare_batches(batches: list[list[dict]], config: BuildConfig = CONFIG) -> 
                    "dense": item_want["dense"]}
         kwargs = {"watermark_ms": watermark, "old_close_ms": close, "close_ms": new_close}
         user_want = user_shard_reference(user_in, config, **kwargs)
-        _assert_same(user_shard_vectorized(user_in, config, **kwargs), user_want, USER_OUTPUTS, f"batch {n} user")
+        user_got = user_shard_vectorized(user_in, config, **kwargs)
+        _assert_same(user_got, user_want, USER_OUTPUTS, f"batch {n} user")
+        if outputs is not None:
+            outputs.append(user_got)
         state = {"buffer": user_want["buffer"], "seq": user_want["sequences"], "dseq": user_want["sequences_by_domain"],
                  "evicted": pa.concat_tables([user_want["evicted"], item_want["evicted"]]),
                  "pending": user_want["pending"]}
@@ -76,6 +84,28 @@ def test_hand_case_two_users_three_batches():
                                                               domain="d2")],  # evicts the first days
     ]
     assert compare_batches(batches) == 5
+
+
+def test_users_without_new_events_keep_their_sequences_as_of_the_new_watermark():
+    """A user with no event in a batch comes out with the sequences it went in with, stamped with the new
+    watermark; one whose stored sequence is longer than a shortened max_seq_len is cut, as the reference
+    (which rebuilds every user from its events) cuts it."""
+    batches = [
+        [event("a1", 1_000, "impression"), event("a2", 2_000, "click"), event("a3", 3_000, "engagement"),
+         event("b1", 1_500, "engagement", user="u2", item="i2", domain="d2"),
+         event("c1", 1_700, "impression", user="u3", item="i2")],
+        [event("c2", DAY, "engagement", user="u3", item="i1")],
+    ]
+    shorter = dataclasses.replace(CONFIG, max_seq_len=2, max_same_domain_seq_len=1)
+    outputs: list[dict[str, pa.Table]] = []
+    compare_batches(batches, [CONFIG, shorter], outputs)
+    rows = {r["user_id"]: r for r in outputs[1]["sequences"].to_pylist()}
+    assert rows["u2"]["seq_event_ids"] == ["b1"] and rows["u2"]["seq_truncated"] == 0  # kept as it was
+    assert rows["u1"]["seq_event_ids"] == ["a2", "a3"] and rows["u1"]["seq_truncated"] == 1  # cut to 2
+    assert rows["u3"]["seq_event_ids"] == ["c1", "c2"]  # a new event: rebuilt
+    assert {r["as_of_ms"] for r in rows.values()} == {DAY}
+    by_domain = {(r["user_id"], r["domain"]): r["seq_event_ids"] for r in outputs[1]["sequences_by_domain"].to_pylist()}
+    assert by_domain == {("u1", "d1"): ["a3"], ("u2", "d2"): ["b1"], ("u3", "d1"): ["c2"]}
 
 
 def test_backfilled_event_takes_the_reference_path():
