@@ -167,11 +167,15 @@ of rows that left (:func:`expire_rows`), instead of rewriting the whole state.""
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
                      build: int):
     shard, pieces = keyed
-    step = user_shard_vectorized if config.shard_step == "vectorized" else user_shard_reference
     tables = gather_inputs([load_piece(p) for p in pieces], user_inputs(config))
-    out = step(tables, config, watermark_ms=watermark_ms, old_close_ms=old_close_ms, close_ms=close_ms)
+    kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
+    vectorized = config.shard_step == "vectorized"
+    out = (user_shard_vectorized(tables, config, **kwargs, new_buffer_rows_only=True) if vectorized
+           else user_shard_reference(tables, config, **kwargs))
     for name, (_, key) in _ROW_STATE.items():
         # Rows the state already holds stay where they are; only the ones first kept now are written.
+        if name == "buffer" and vectorized:
+            continue  # the vectorised step gave only those
         held = tables[name].column(key)
         if len(held) and out[name].num_rows:
             out[name] = out[name].filter(pc.invert(pc.is_in(out[name].column(key), value_set=held)))

@@ -294,8 +294,14 @@ def user_shard_vectorized(
     watermark_ms: int,
     old_close_ms: int | None,
     close_ms: int,
+    new_buffer_rows_only: bool = False,
 ) -> dict[str, pa.Table]:
     """:func:`sequences.shards.user_shard_reference`, vectorised over the shard's users.
+
+    ``new_buffer_rows_only``: the ``buffer`` output holds only the rows the input buffer lacks (what the build
+    appends: :func:`sequences.pipeline._user_shard_step`), not every row kept; the other outputs are the same.
+    The full output filtered by the input buffer's event ids gives the same rows (tested), without converting
+    and hashing the whole buffer every pass.
 
     Args:
         tables: :data:`sequences.shards.USER_INPUTS` tables.
@@ -330,8 +336,12 @@ def user_shard_vectorized(
                 "pending": "user_id", "dense": "user_id"}
         fast_tables, slow_tables = _split(tables, keys, slow)
         kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
-        return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs),
-                               user_shard_reference(slow_tables, config, **kwargs), user_outputs(config))
+        reference = user_shard_reference(slow_tables, config, **kwargs)
+        if new_buffer_rows_only:
+            reference["buffer"] = _not_held(reference["buffer"], slow_tables["buffer"])
+        return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs,
+                                                     new_buffer_rows_only=new_buffer_rows_only),
+                               reference, user_outputs(config))
 
     evicted = pl.DataFrame(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
     seq_table = pl.DataFrame(tables["seq"].select(["user_id", "seq_truncated"]))
@@ -393,10 +403,12 @@ def user_shard_vectorized(
     evicted_out = pl.concat([merge_evicted(evicted, gone, "user", "user_id"),
                              merge_evicted(evicted, gone, "user_category", "user_id")])
     return {
-        "sequences": _kept_sequences(_to_arrow(sequences, SEQUENCES_SCHEMA), seq_kept, ["user_id"], watermark_ms),
+        "sequences": _kept_sequences(_to_arrow(sequences, SEQUENCES_SCHEMA), seq_kept, watermark_ms),
         "sequences_by_domain": _kept_sequences(_to_arrow(domain_sequences, SEQUENCES_BY_DOMAIN_SCHEMA), dseq_kept,
-                                               ["user_id", "domain"], watermark_ms),
-        "buffer": _to_arrow(kept, EVENT_SCHEMA),
+                                               watermark_ms),
+        # Every fresh event is new to the buffer (fresh is anti-joined with it): the kept ones are what it gains.
+        "buffer": _to_arrow(fresh.filter(pl.col("event_time_ms") >= cut) if new_buffer_rows_only else kept,
+                            EVENT_SCHEMA),
         "evicted": _to_arrow(evicted_out, EVICTED_SCHEMA),
         "pending": all_pending.filter(pa.array(plan.keep)),
         "examples": examples,
@@ -405,6 +417,13 @@ def user_shard_vectorized(
         USER_FEATURES.name: _to_arrow(user_features, USER_FEATURES.schema),
         USER_CATEGORY_FEATURES.name: _to_arrow(category_features, USER_CATEGORY_FEATURES.schema),
     }
+
+
+def _not_held(rows: pa.Table, held: pa.Table) -> pa.Table:
+    """The rows of a buffer output whose ``event_id`` the input buffer ``held`` lacks."""
+    if rows.num_rows == 0 or held.num_rows == 0:
+        return rows
+    return rows.filter(pc.invert(pc.is_in(rows.column("event_id"), value_set=held.column("event_id"))))
 
 
 def _touched_rows(stored: pa.Table, users: pa.Array, max_len: int) -> tuple[pa.Table, pa.Table]:
@@ -416,8 +435,9 @@ def _touched_rows(stored: pa.Table, users: pa.Array, max_len: int) -> tuple[pa.T
     return stored.filter(rebuild), stored.filter(pc.invert(rebuild))
 
 
-def _kept_sequences(rebuilt: pa.Table, kept: pa.Table, keys: list[str], watermark_ms: int) -> pa.Table:
-    """``rebuilt`` with the ``kept`` rows stamped ``as_of_ms = watermark_ms``, in ``keys`` order.
+def _kept_sequences(rebuilt: pa.Table, kept: pa.Table, watermark_ms: int) -> pa.Table:
+    """``rebuilt`` followed by the ``kept`` rows stamped ``as_of_ms = watermark_ms`` (in their stored order: no
+    reader relies on the rows' order, and sorting would copy every list).
 
     A kept row is what :func:`_sequence_rows` would rebuild from it: its events are the stored ones (the user
     has no new event), so its lists, length and truncation count stay, and only its as-of time moves."""
@@ -426,8 +446,7 @@ def _kept_sequences(rebuilt: pa.Table, kept: pa.Table, keys: list[str], watermar
     stamped = kept.select(rebuilt.schema.names).cast(rebuilt.schema).set_column(
         rebuilt.schema.get_field_index("as_of_ms"), rebuilt.schema.field("as_of_ms"),
         pa.array(np.full(kept.num_rows, watermark_ms, dtype=np.int64), pa.int64()))
-    both = pa.concat_tables([rebuilt, stamped])
-    return both.take(pc.sort_indices(both, sort_keys=[(k, "ascending") for k in keys]))
+    return pa.concat_tables([rebuilt, stamped])
 
 
 def _new_pending(tables, queries: pl.DataFrame, fresh: pl.DataFrame, seq_stored: pl.DataFrame,

@@ -63,6 +63,12 @@ def compare_batches(batches: list[list[dict]], config: BuildConfig | list[BuildC
         user_want = user_shard_reference(user_in, config, **kwargs)
         user_got = user_shard_vectorized(user_in, config, **kwargs)
         _assert_same(user_got, user_want, USER_OUTPUTS, f"batch {n} user")
+        # What the build appends to the buffer: the kept rows the input buffer lacks, the rest unchanged.
+        held = set(state["buffer"].column("event_id").to_pylist())
+        appended = user_want["buffer"].filter(pa.array([e not in held for e in
+                                                        user_want["buffer"].column("event_id").to_pylist()], pa.bool_()))
+        _assert_same(user_shard_vectorized(user_in, config, **kwargs, new_buffer_rows_only=True),
+                     {**user_want, "buffer": appended}, USER_OUTPUTS, f"batch {n} user, new buffer rows")
         if outputs is not None:
             outputs.append(user_got)
         state = {"buffer": user_want["buffer"], "seq": user_want["sequences"], "dseq": user_want["sequences_by_domain"],
