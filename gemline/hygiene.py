@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from gemline.errors import BadConfigError, MissingInputError
-from gemline.lake import StorageOptions, open_table
+from gemline.lake import StorageOptions, latest_table
 
 MIN_RETENTION_HOURS = 1.0
 """Shortest vacuum retention accepted: longer than any build or ingest micro-batch runs."""
@@ -110,9 +110,7 @@ def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
     Raises:
         MissingInputError: the table does not exist (a ValueError).
     """
-    if snapshot is not None:
-        snapshot.update_incremental()
-    dt = open_table(lake, table, storage_options=storage_options) if snapshot is None else snapshot
+    dt = latest_table(lake, table, storage_options, snapshot)
     if dt is None:
         raise MissingInputError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0

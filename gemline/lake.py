@@ -164,10 +164,10 @@ def open_table(
     return dt
 
 
-def _latest(lake: Lake | str | Path, table: str, storage_options: StorageOptions | None,
-            snapshot: DeltaTable | None) -> DeltaTable | None:
-    """``snapshot`` brought up to date (the log entries since its version only), or the table opened (None if
-    it does not exist)."""
+def latest_table(lake: Lake | str | Path, table: str, storage_options: StorageOptions | None = None,
+                 snapshot: DeltaTable | None = None) -> DeltaTable | None:
+    """``snapshot`` (an open handle of ``table``) brought up to date (``update_incremental``: the log entries since
+    its version only), or, without one, the table opened at its latest version (None if it does not exist)."""
     if snapshot is None:
         return open_table(lake, table, storage_options=storage_options)
     snapshot.update_incremental()
@@ -324,7 +324,7 @@ def committed_version(
 ) -> int | None:
     """Last app-transaction version ``app_id`` committed to ``table``; None if never (or no table).
     ``snapshot``: an open handle of ``table``, brought up to date and read (None opens the table)."""
-    dt = _latest(lake, table, storage_options, snapshot)
+    dt = latest_table(lake, table, storage_options, snapshot)
     if dt is None:
         return None
     return dt.transaction_version(app_id)
@@ -415,9 +415,7 @@ def commit_once(
         ValueError: ``version_rule`` is "next" and ``version`` skips ahead of the last committed version + 1.
         CommitConflictError: another writer committed the same (app_id, version) meanwhile.
     """
-    if snapshot is not None:
-        snapshot.update_incremental()
-    dt = open_table(lake, table, storage_options=storage_options) if snapshot is None else snapshot
+    dt = latest_table(lake, table, storage_options, snapshot)
     if not _is_next_version(dt, table, app_id, version, version_rule):
         return False
     with _conflict_is_an_error(lake, table, app_id, version):
@@ -577,9 +575,7 @@ def commit_files_once(
 
     from deltalake.transaction import AddAction, RemoveAction
 
-    if snapshot is not None:
-        snapshot.update_incremental()
-    dt = open_table(lake, table, storage_options=storage_options) if snapshot is None else snapshot
+    dt = latest_table(lake, table, storage_options, snapshot)
     if not _is_next_version(dt, table, app_id, version):
         return False
     if dt is None:
@@ -613,7 +609,7 @@ def commit_metadata(
     whole history (one log file per commit: 61 ms at 1,000 commits, against 7 ms for the newest 20). Returns
     None when ``app_id`` never committed.
     """
-    dt = _latest(lake, table, storage_options, snapshot)
+    dt = latest_table(lake, table, storage_options, snapshot)
     if dt is None or dt.transaction_version(app_id) is None:
         return None
     return next((meta for _, meta in _gemline_commits(dt, recent) if meta.get("app_id") == app_id), None)

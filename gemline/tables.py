@@ -207,9 +207,7 @@ def _check_lake_table(lake: _lake.Lake | str | Path, s: TableSpec, storage_optio
                       snapshot: DeltaTable | None = None) -> None:
     """Refuse a table already in the lake whose partition columns are not the spec's (``snapshot``: an open
     handle of it, brought up to date; None opens the table)."""
-    if snapshot is not None:
-        snapshot.update_incremental()
-    dt = _lake.open_table(lake, s.name, storage_options=storage_options) if snapshot is None else snapshot
+    dt = _lake.latest_table(lake, s.name, storage_options, snapshot)
     if dt is None:
         return
     found = list(dt.metadata().partition_columns)

@@ -135,8 +135,7 @@ class BuildStateCache:
             self.clear(f"the buffer is now {where[0]} (table id {where[1]}), not {self._where}")
             self._where = where
         resplit, self._shards = self._shards not in (None, shards), shards
-        actions = pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes", "modification_time"])
-        snapshot = {row["path"]: (row["size_bytes"], row["modification_time"]) for row in actions.to_pylist()}
+        snapshot = _identities(dt)
         kept = {path: f for path, f in self._files.items() if snapshot.get(path) == f.identity}
         dataset = dt.to_pyarrow_dataset()
         fragments = list(dataset.get_fragments())
@@ -172,6 +171,13 @@ class BuildStateCache:
                        f"({limit:,} bytes)")
             return None
         return _held(files.values(), dataset.schema)
+
+
+def _identities(dt: Any) -> dict[str, tuple[int, int]]:
+    """Each data file of the Delta snapshot ``dt``: path (relative to the table root) -> (size_bytes,
+    modification_time), the identity a cached copy of the file must match."""
+    actions = pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes", "modification_time"])
+    return {row["path"]: (row["size_bytes"], row["modification_time"]) for row in actions.to_pylist()}
 
 
 def _path(fragment: Any) -> str:
@@ -266,8 +272,7 @@ class PendingKeys:
         table_id = str(dt.metadata().id)
         if table_id != self._table_id:
             self._files, self._table_id = {}, table_id
-        actions = pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes", "modification_time"])
-        snapshot = {row["path"]: (row["size_bytes"], row["modification_time"]) for row in actions.to_pylist()}
+        snapshot = _identities(dt)
         dataset = dt.to_pyarrow_dataset()
         files: dict[str, tuple[tuple[int, int], pa.Table]] = {}
         for fragment in dataset.get_fragments():
