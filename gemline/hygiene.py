@@ -6,7 +6,14 @@
 - checkpoint every ``checkpoint_every`` commits (``DeltaTable.create_checkpoint``), so readers
   replay at most K JSON commits;
 - compaction of small files (``DeltaTable.optimize.compact``, delta-rs docs "Optimize"): a
-  ``dataChange=false`` commit, so readers of the data see no new rows;
+  ``dataChange=false`` commit, so readers of the data see no new rows. It is tiered, so that no byte is
+  rewritten more than a few times however long the table grows: small files (under ``small_file_bytes``)
+  are merged into files of about that size, and only once ``compact_min_files`` of those pile up in a
+  partition are they merged into files of up to ``target_file_bytes``. delta-rs's compaction skips files at
+  or above its ``target_size`` and bins the rest up to it (largest first), so one pass with a target of
+  ``small_file_bytes`` leaves every larger file as it is. (Compacting to delta-rs's default 100 MB target,
+  as this did before, rewrote a growing ``examples`` or ``history`` table whole at every compaction: a cost
+  that grew with the table, a compaction every pass or two);
 - vacuum of files unreferenced for longer than ``retention_hours`` (``DeltaTable.vacuum``); the
   retention must exceed the longest running writer or reader (a build reads its input version
   for minutes), so values under :data:`MIN_RETENTION_HOURS` are rejected rather than forced.
@@ -39,8 +46,15 @@ class HygieneConfig:
     retention_hours: float = 168.0
     """Vacuum removes files unreferenced for longer than this (hours)."""
     compact_min_files: int = 16
-    """Compact only when one partition (the table, if unpartitioned) holds at least this many data
-    files: small files pile up where many commits append to the same partitions."""
+    """Compact only when one partition (the table, if unpartitioned) holds at least this many small
+    data files (or, for the second tier, this many files between ``small_file_bytes`` and
+    ``target_file_bytes``): small files pile up where many commits append to the same partitions."""
+    small_file_bytes: int = 4 * 2**20
+    """A data file under this size (bytes) is small; small files are merged into files of about this size
+    (the first tier: each compaction rewrites at most about this much per partition)."""
+    target_file_bytes: int = 128 * 2**20
+    """Files between ``small_file_bytes`` and this size (bytes) are merged into files of up to this size once
+    ``compact_min_files`` of them are in one partition (the second tier); larger files are never rewritten."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -52,6 +66,10 @@ class HygieneConfig:
             )
         if self.compact_min_files < 2:
             raise BadConfigError(f"build.hygiene.compact_min_files must be >= 2 files, got {self.compact_min_files}")
+        if not 0 < self.small_file_bytes < self.target_file_bytes:
+            raise BadConfigError(
+                "build.hygiene needs 0 < small_file_bytes < target_file_bytes, got "
+                f"small_file_bytes={self.small_file_bytes}, target_file_bytes={self.target_file_bytes}")
 
 
 def conform(data: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -87,23 +105,36 @@ class HygieneResult:
     files_vacuumed: int
 
 
-def _most_files_in_a_partition(dt) -> int:
-    """The largest number of data files any one partition of ``dt`` holds (all files if unpartitioned)."""
-    columns = list(dt.metadata().partition_columns)
-    if not columns:
-        return len(dt.file_uris())
+def _most_files_in_a_partition(dt: DeltaTable, low: int, high: int) -> int:
+    """The largest number of data files of ``low <= size < high`` bytes any one partition of ``dt`` holds
+    (the table's, if unpartitioned)."""
     actions = pa.table(dt.get_add_actions(flatten=True))
     if actions.num_rows == 0:
         return 0
+    sizes = actions.column("size_bytes")
+    actions = actions.filter(pc.and_(pc.greater_equal(sizes, low), pc.less(sizes, high)))
+    columns = list(dt.metadata().partition_columns)
+    if not columns or actions.num_rows == 0:
+        return actions.num_rows
     keys = [f"partition.{c}" for c in columns]
     counts = actions.select(keys).group_by(keys).aggregate([([], "count_all")])
     return int(pc.max(counts.column("count_all")).as_py())
 
 
+def _compaction_target(dt: DeltaTable, config: HygieneConfig) -> int | None:
+    """The ``target_size`` of the compaction ``dt`` is due (bytes; see the module docstring's tiers), or None."""
+    if _most_files_in_a_partition(dt, 0, config.small_file_bytes) >= config.compact_min_files:
+        return config.small_file_bytes
+    if _most_files_in_a_partition(dt, config.small_file_bytes, config.target_file_bytes) >= config.compact_min_files:
+        return config.target_file_bytes
+    return None
+
+
 def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
          storage_options: StorageOptions | None = None, snapshot: DeltaTable | None = None) -> HygieneResult:
-    """Compact (when ``compact`` and a partition has >= ``compact_min_files`` files), checkpoint
-    (when the version is a multiple of K) and vacuum ``table`` under ``lake``; ``storage_options``
+    """Compact (when ``compact`` and a partition has >= ``compact_min_files`` small files, or as many of the
+    second tier: the module docstring), checkpoint (when the version is a multiple of K) and vacuum ``table``
+    under ``lake``; ``storage_options``
     as in :mod:`gemline.lake` for an object-store lake; ``snapshot``: an open handle of ``table``, brought up
     to date and used (None opens the table).
 
@@ -114,8 +145,9 @@ def tidy(lake: str, table: str, config: HygieneConfig, *, compact: bool = True,
     if dt is None:
         raise MissingInputError(f"no table {table!r} under {lake!r}; nothing to tidy")
     compacted = 0
-    if compact and _most_files_in_a_partition(dt) >= config.compact_min_files:
-        metrics = dt.optimize.compact()
+    target = _compaction_target(dt, config) if compact else None
+    if target is not None:
+        metrics = dt.optimize.compact(target_size=target)
         compacted = int(metrics.get("numFilesRemoved", 0))
     checkpointed = dt.version() % config.checkpoint_every == 0
     if checkpointed:
