@@ -23,7 +23,6 @@ same records, byte for byte.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -252,7 +251,7 @@ def _now_ms() -> int:
 def stamped(records: list[Record], now_ms: int) -> list[Record]:
     """``records`` with every Event's ``event_time_ms`` set to ``now_ms`` (ms since epoch UTC); malformed
     records (RawRecord) unchanged."""
-    return [dataclasses.replace(r, event_time_ms=now_ms) if isinstance(r, Event) else r for r in records]
+    return [r.at(now_ms) if isinstance(r, Event) else r for r in records]
 
 
 def stream_records(records: list[Record], *, bootstrap: str, topic: str, partitions: int,

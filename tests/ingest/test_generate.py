@@ -1,12 +1,13 @@
 """Synthetic generator: deterministic by seed, labels after their impressions, bad records at the set rate."""
 
 import collections
+import dataclasses
 import json
 
 import pytest
 
 from ingest.datasets.types import RawRecord
-from ingest.generate import GEM_DOMAINS, GenerateConfig, generate_records
+from ingest.generate import GEM_DOMAINS, GenerateConfig, generate_records, stamped
 from ingest.schema import Event
 
 SMALL = dict(num_users=200, num_ads=100, days=2.0, seed=7)
@@ -133,3 +134,21 @@ def test_a_wall_clock_stream_stamps_each_slice_with_its_start_and_keeps_the_orde
             stamp if isinstance(r, Event) else None for r in original]
         assert [r.event_id if isinstance(r, Event) else r for r in chunk] == [
             r.event_id if isinstance(r, Event) else r for r in original], "same records, same order"
+
+
+def test_wire_bytes_and_stamps_match_the_dataclasses_reference(records):
+    """Event.to_json and stamped (the generator's fast path) against dataclasses.asdict / dataclasses.replace."""
+    events = _events(records)
+    full = Event(event_id="e", event_time_ms=1, user_id="u", item_id="i", domain="feed", event_type="click",
+                 category="c", position=2, ad_format="video", age=30, gender="f", location="x")
+    for event in [*events, full]:
+        assert event.to_json() == json.dumps(dataclasses.asdict(event), separators=(",", ":")).encode()
+    now_ms = 1_800_000_000_123
+    out = stamped(records, now_ms)
+    assert len(out) == len(records)
+    for before, after in zip(records, out, strict=True):
+        if isinstance(before, Event):
+            assert after == dataclasses.replace(before, event_time_ms=now_ms) and type(after) is Event
+            assert before.event_time_ms != now_ms  # the input is not changed
+        else:
+            assert after is before
