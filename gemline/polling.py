@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from gemline.errors import MissingInputError
@@ -86,6 +87,49 @@ def wait_for_input(probe: Callable[[], Hashable] | None, seen: Hashable, *, inte
             return "stopped"
         if clock() >= deadline:
             return "interval"
+
+
+REPORT_CPU_SHARE = 0.02
+"""The share of one core a follower's report pages may take (:class:`ReportThrottle`)."""
+
+
+@dataclass
+class ReportThrottle:
+    """When a long-running follower (``train --follow``, ``distill --follow``) redraws its report page: at its first
+    chance, then once ``every_s`` seconds have passed since the last drawing and the drawing's own CPU time is at most
+    ``share`` of the time since (a drawing of c CPU-seconds waits at least c / share seconds).
+
+    A report reads every metric row of the run and draws them all, so a drawing costs more the longer the run: ten
+    minutes into ``benchmarks.freshness`` the teacher's report was 11.6 % of the trainer's CPU at one drawing a
+    minute (py-spy, 2026-12-03). With the share its pages take at most ``share`` of a core however long the run.
+
+    Args:
+        every_s: the shortest time between two drawings (seconds, >= 0).
+        share: in (0, 1]; 1.0 leaves ``every_s`` alone for any drawing shorter than it.
+        clock: seconds, monotonic (tests pass a fake).
+
+    Raises:
+        ValueError: ``every_s < 0`` or ``share`` outside (0, 1].
+    """
+
+    every_s: float
+    share: float = REPORT_CPU_SHARE
+    clock: Callable[[], float] = time.monotonic
+    _last: float | None = field(default=None, init=False)
+    _gap_s: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.every_s >= 0 or not 0 < self.share <= 1:
+            raise ValueError(f"ReportThrottle: expected every_s >= 0 and 0 < share <= 1, got {self.every_s}, {self.share}")
+
+    def due(self) -> bool:
+        """Whether the next call should draw the page."""
+        return self._last is None or self.clock() - self._last >= self._gap_s
+
+    def drawn(self, cpu_s: float) -> None:
+        """Record a drawing that just ended, which took ``cpu_s`` CPU-seconds."""
+        self._last = self.clock()
+        self._gap_s = max(self.every_s, cpu_s / self.share)
 
 
 def poll(call: Callable[[bool], R], *, name: str, interval_s: float, on_result: Callable[[R], object] | None = None,

@@ -56,7 +56,7 @@ from gemline.gate import GateWatch, gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
 from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table, read_table
 from gemline.locks import holding
-from gemline.polling import poll
+from gemline.polling import REPORT_CPU_SHARE, ReportThrottle, poll
 from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
 from trainer.checkpoint import (
@@ -178,6 +178,8 @@ class ContinuousResult:
     call had already committed that version's."""
     report_path: str | None = None
     """``LAKE/_runs/<run_id>/report.html``: the run's curves and lineage (:mod:`trainer.run_report`)."""
+    report_cpu_s: float = 0.0
+    """CPU-seconds the report took to write (0 when not written)."""
     empty_versions: list[int] = field(default_factory=list)
     """Allowed versions a new run passed over because they hold no rows yet (:data:`sequences.config.NOTHING_PUBLISHED`);
     a later call reads them again, so a run starts on the first version with rows."""
@@ -832,8 +834,10 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     if rank != 0:
         return None
     if lineage and not idle and write_report:
+        began = time.process_time()
         result.report_path = write_run_report(lake, run_id, lineage=lineage, step=counters.step,
                                               rows_trained_total=counters.examples_seen, checkpoint=result.checkpoint_path)
+        result.report_cpu_s = time.process_time() - began
     return result
 
 
@@ -874,14 +878,17 @@ class _Sources:
 
 FOLLOW_REPORT_EVERY_S = 60.0
 """``train --follow`` rewrites the run report after a run that trained only when the last rewrite is at least this
-old (seconds): reading every metric and freshness row and drawing the page after every version was about a tenth
-of training a version of 15-20k rows on the benchmark's lake (2026-12-02); a report a minute behind is as useful."""
+old (seconds), and its drawing's CPU time is at most :data:`gemline.polling.REPORT_CPU_SHARE` of the time since
+(:class:`gemline.polling.ReportThrottle`): reading every metric and freshness row and drawing the page after every
+version was about a tenth of training a version of 15-20k rows on the benchmark's lake (2026-12-02); a report a
+minute behind is as useful."""
 
 
 def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from_scratch: bool = False,
            on_result: Any = None, max_polls: int | None = None, nproc: int = 1,
-           report_every_s: float = FOLLOW_REPORT_EVERY_S, watch_s: float | None = 1.0,
-           sleep: Callable[[float], bool] | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+           report_every_s: float = FOLLOW_REPORT_EVERY_S, report_cpu_share: float = REPORT_CPU_SHARE,
+           watch_s: float | None = 1.0, sleep: Callable[[float], bool] | None = None,
+           clock: Callable[[], float] = time.monotonic) -> int:
     """Run :func:`run_once` again as soon as the quality gate judged an ``examples`` version (validated or
     released: a new ``quality`` commit about ``examples``, :class:`gemline.gate.GateWatch`, looked for every
     ``watch_s`` seconds), and at least every ``poll_interval_s`` seconds, until Ctrl-C or SIGTERM (``gemline train
@@ -898,23 +905,23 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
         nproc: processes of each call (:func:`run_once`); each call with ``nproc > 1`` is one torchrun job.
         report_every_s: the run report is rewritten by a call that trained only when the last rewrite is at least
             this many seconds old (:data:`FOLLOW_REPORT_EVERY_S`; 0: after every such call), the first call always.
+        report_cpu_share: and only when the last drawing's CPU time is at most this share of the time since
+            (:class:`gemline.polling.ReportThrottle`; 1.0: ``report_every_s`` alone, for drawings shorter than it).
         watch_s: seconds between two looks at the gate (> 0); None: a call every ``poll_interval_s``.
         sleep, clock: the wait's sleep and monotonic clock (tests pass fakes; :func:`gemline.polling.wait_for_input`).
 
     Raises:
         ValueError: ``poll_interval_s < 0`` or ``watch_s <= 0``; and what :func:`run_once` raises.
     """
-    last_report: float | None = None
+    reports = ReportThrottle(report_every_s, report_cpu_share, clock=time.monotonic)
     pointers = PointerReader(lake) if nproc == 1 else None  # history read by increments across the calls
     warm = WarmEngine() if nproc == 1 else None  # the model as the newest checkpoint holds it, across the calls
 
     def once(first: bool) -> ContinuousResult:
-        nonlocal last_report
-        due = last_report is None or time.monotonic() - last_report >= report_every_s
-        result = run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc, write_report=due,
+        result = run_once(lake, tc, from_scratch=from_scratch and first, nproc=nproc, write_report=reports.due(),
                           pointers=pointers, warm=warm)
         if result.report_path is not None:
-            last_report = time.monotonic()
+            reports.drawn(result.report_cpu_s)
         return result
 
     return poll(once, name="train", interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls,

@@ -55,7 +55,7 @@ from gemline.increments import Cursor, LogTip, latest_version, read_from, table_
 from gemline.lake import Lake, is_remote, lake_fs
 from gemline.locks import holding
 from gemline.plots import png_bytes, subplots
-from gemline.polling import poll
+from gemline.polling import REPORT_CPU_SHARE, ReportThrottle, poll
 from gemline.tables import Table
 from sequences.schema import SPARSE_FEATURES
 from trainer import continuous
@@ -232,6 +232,8 @@ class DistillResult:
     report: dict[str, Any] | None = None
     report_path: str | None = None
     """``LAKE/_runs/<run_id>/distill.html``; None while the run has distilled nothing (no report is written)."""
+    report_cpu_s: float = 0.0
+    """CPU-seconds the report took to draw (0 when this call drew none)."""
 
 
 class _Students:
@@ -657,7 +659,9 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
     result.cursor = cursor
     result.report = summarize(history, passed, dc.variants)
     if done and report:
+        began = time.process_time()
         result.report_path = write_report(lake, run_id, result.report)
+        result.report_cpu_s = time.process_time() - began
     elif not done and resume is not None:  # nothing new: the report on disk is this one already
         result.report_path = f"{lake.root.rstrip('/')}/_runs/{run_id}/distill.html"
     # else a run that has distilled nothing yet (waiting for the teacher) writes no report: a --follow poll every
@@ -844,14 +848,15 @@ def write_report(lake: Lake, run_id: str, report: dict[str, Any]) -> str:
 
 FOLLOW_REPORT_EVERY_S = 60.0
 """``distill --follow`` redraws its report page after a call that distilled only when the last one is at least this
-old (seconds): drawing the staleness plot after every version was ~8 % of following the freshness benchmark's
-stream (py-spy, 2026-12-03); as the teacher's run report (trainer.continuous.FOLLOW_REPORT_EVERY_S)."""
+old (seconds), and its drawing's CPU time at most :data:`gemline.polling.REPORT_CPU_SHARE` of the time since
+(:class:`gemline.polling.ReportThrottle`): drawing the staleness plot after every version was ~8 % of following the
+freshness benchmark's stream (py-spy, 2026-12-03); as the teacher's run report (trainer.continuous.FOLLOW_REPORT_EVERY_S)."""
 
 
 def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s: float = 30.0,
            from_scratch: bool = False, on_result: Callable[[DistillResult], object] | None = None,
            max_polls: int | None = None, watch_s: float | None = 1.0,
-           report_every_s: float = FOLLOW_REPORT_EVERY_S) -> int:
+           report_every_s: float = FOLLOW_REPORT_EVERY_S, report_cpu_share: float = REPORT_CPU_SHARE) -> int:
     """:func:`run_distill_once` again as soon as the teacher commits to ``training_metrics`` (it does for every
     examples version it consumes; looked for every ``watch_s`` seconds, :class:`gemline.increments.LogTip`), and
     at least every ``poll_interval_s`` seconds, until interrupted (``gemline distill --follow``); returns the calls
@@ -860,18 +865,18 @@ def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s:
     or ``watch_s <= 0``. The history of pointer-layout rows is read by increments across the calls
     (:class:`trainer.data.PointerReader`), and the students it saved last are kept in memory (:class:`Memory`).
     The report page is redrawn by a call that distilled when the last drawing is at least ``report_every_s`` seconds
-    old (0: after every such call), the first call always."""
+    old (0: after every such call) and its CPU time is at most ``report_cpu_share`` of the time since
+    (:class:`gemline.polling.ReportThrottle`; 1.0: ``report_every_s`` alone), the first call always."""
     pointers, memory = PointerReader(lake), Memory()
     teacher = LogTip(lake.root, Table.TRAINING_METRICS, storage_options=lake.storage_options)
-    last_report: float | None = None
+    reports = ReportThrottle(report_every_s, report_cpu_share, clock=time.monotonic)
 
     def once(first: bool) -> DistillResult:
-        nonlocal last_report
-        due = last_report is None or time.monotonic() - last_report >= report_every_s
+        due = reports.due()
         result = run_distill_once(lake, tc, dc, from_scratch=from_scratch and first, pointers=pointers,
                                   memory=memory, report=due)
         if result.report_path is not None and due:
-            last_report = time.monotonic()
+            reports.drawn(result.report_cpu_s)
         return result
 
     return poll(once,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gemline.errors import MissingInputError
-from gemline.polling import poll, wait_for_input
+from gemline.polling import ReportThrottle, poll, wait_for_input
 
 
 class Input:
@@ -124,3 +124,29 @@ def test_poll_waits_for_a_missing_input_and_wakes_when_it_appears(fake_clock, ca
                      sleep=fake_clock.sleep, clock=fake_clock)
     assert calls == 3 and started == [(0.0, True), (8.0, True), (38.0, False)]
     assert [r.getMessage() for r in caplog.records] == ["train waits: no examples table yet"]
+
+
+def test_report_throttle_waits_every_s_or_its_cpu_share_of_the_last_drawing():
+    now = {"s": 0.0}
+    reports = ReportThrottle(60.0, 0.02, clock=lambda: now["s"])
+    assert reports.due()  # the first chance draws
+    reports.drawn(0.5)  # 0.5 CPU-s / 0.02 = 25 s < 60 s: every_s rules
+    now["s"] = 59.0
+    assert not reports.due()
+    now["s"] = 60.0
+    assert reports.due()
+    reports.drawn(3.0)  # 3 CPU-s / 0.02 = 150 s: the share rules
+    now["s"] = 60.0 + 149.0
+    assert not reports.due()
+    now["s"] = 60.0 + 150.0
+    assert reports.due()
+    alone = ReportThrottle(60.0, 1.0, clock=lambda: now["s"])
+    alone.drawn(3.0)  # share 1.0: only a drawing longer than every_s would stretch the wait
+    now["s"] += 60.0
+    assert alone.due()
+
+
+@pytest.mark.parametrize(("every_s", "share"), [(-1.0, 0.02), (60.0, 0.0), (60.0, 1.5)])
+def test_report_throttle_rejects_bad_settings(every_s, share):
+    with pytest.raises(ValueError, match="ReportThrottle"):
+        ReportThrottle(every_s, share)

@@ -349,7 +349,8 @@ def test_follow_rewrites_the_run_report_at_most_every_report_every_s(tmp_path, m
     lake = tmp_path / "lake"
     _add(lake, 1)
     clock = {"s": 1000.0}
-    monkeypatch.setattr(continuous, "time", types.SimpleNamespace(time=time.time, monotonic=lambda: clock["s"]))
+    monkeypatch.setattr(continuous, "time", types.SimpleNamespace(time=time.time, process_time=time.process_time,
+                                                                  monotonic=lambda: clock["s"]))
     reports = []
 
     def on_result(result):
@@ -358,7 +359,7 @@ def test_follow_rewrites_the_run_report_at_most_every_report_every_s(tmp_path, m
         clock["s"] += 40.0
 
     continuous.follow(*trainer_args(_config(lake)), poll_interval_s=0, on_result=on_result, max_polls=4,
-                      report_every_s=60.0)
+                      report_every_s=60.0, report_cpu_share=1.0)
     page = reports[0]
     # t = 1000 (the first call), 1040 (too soon), 1080 (80 s after the last), 1120 (too soon)
     assert [r is not None for r in reports] == [True, False, True, False] and reports[2] == page

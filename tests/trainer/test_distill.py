@@ -307,6 +307,6 @@ def test_follow_redraws_the_report_at_most_every_report_every_s(tmp_path, monkey
     monkeypatch.setattr(distill, "run_distill_once", fake_once)
     config = _config(tmp_path / "lake")
     assert distill.follow(trainer_args(config)[0], config.trainer, config.distill, poll_interval_s=0, max_polls=4,
-                          watch_s=None, report_every_s=60.0, on_result=lambda _: clock.update(s=clock["s"] + 40)) == 4
+                          watch_s=None, report_every_s=60.0, report_cpu_share=1.0, on_result=lambda _: clock.update(s=clock["s"] + 40)) == 4
     # t = 1000 (the first call: drawn), 1040 (too soon), 1080 (80 s after the last: drawn), 1120 (too soon)
     assert asked == [True, False, True, False]
