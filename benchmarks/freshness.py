@@ -16,9 +16,14 @@ it happened, its labels final.
 Every ~30 s it samples each stage's backlog:
 
 * ingest: Kafka high watermarks minus the end offsets of the newest ``events`` commit (messages);
+* validate: versions not validated yet (the newest ``events`` version when unjudged, every unjudged ``examples``
+  version: ``gemline.progress.validate_progress``, as ``gemline run``'s status view counts them);
 * build: newest ``events`` version minus the events version the newest ``examples`` commit built (versions);
 * trainer: newest ``examples`` version minus the newest version the continuous run consumed (versions; every
   version counts before the run's first checkpoint).
+
+``distill --follow``'s backlog is not sampled (``gemline.progress`` has no reader of its cursor yet): read its
+CPU line, and its log, for whether it keeps up.
 
 A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
 shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope).
@@ -60,7 +65,7 @@ from scipy import stats  # type: ignore[import-untyped]  # pinned in requirement
 
 from gemline.config import GemlineConfig, load_config
 from gemline.lake import Lake, read_table
-from gemline.progress import build_progress, ingest_progress, train_progress
+from gemline.progress import build_progress, ingest_progress, train_progress, validate_progress
 from gemline.tables import Table
 from ingest.broker import free_port
 from ingest.generate import GenerateConfig
@@ -95,9 +100,12 @@ class Sample:
     """Messages in the topic (sum of the Kafka high watermarks): the events generated so far."""
     cpu_s: dict[str, float] | None = None
     """CPU-seconds each stage used since the run began (:class:`CpuMeter`)."""
+    validate: int | None = None
+    """Versions not validated yet (:func:`gemline.progress.validate_progress`: the newest ``events`` version when
+    unjudged, every unjudged ``examples`` version)."""
 
 
-STAGES = ("ingest", "build", "trainer")
+STAGES = ("ingest", "validate", "build", "trainer")
 CPU_ORDER = ("broker", "generate", "ingest", "validate", "build", "train", "distill", "run", "benchmark")
 
 
@@ -247,7 +255,8 @@ def sample(config: GemlineConfig, bootstrap: str, t_s: float, cpu_s: dict[str, f
         high = {}
     ingest = ingest_progress(lake, app_id_for(config.kafka.topic), lambda: high).lag if high else None
     generated = sum(h for _, h in high.values()) if high else None
-    return Sample(t_s, ingest, build_progress(lake).lag, train_progress(lake).lag, generated, cpu_s)
+    return Sample(t_s, ingest, build_progress(lake).lag, train_progress(lake).lag, generated, cpu_s,
+                  validate=validate_progress(lake).lag)
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
@@ -308,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                 s = sample(config, bootstrap, time.monotonic() - began, cpu_s)
                 samples.append(s)
                 trained = read_table(lake, Table.FRESHNESS)
-                print(f"t={s.t_s:5.0f} s backlog: ingest {s.ingest} messages, build {s.build} events versions, "
+                print(f"t={s.t_s:5.0f} s backlog: ingest {s.ingest} messages, validate {s.validate} versions, "
+                      f"build {s.build} events versions, "
                       f"trainer {s.trainer} examples versions; versions measured: "
                       f"{0 if trained is None else len(set(trained['examples_version'].to_pylist()))}", flush=True)
         finally:

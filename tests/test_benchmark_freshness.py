@@ -31,6 +31,8 @@ def test_the_window_is_the_last_5_minutes_or_the_last_half_and_stages_without_va
     assert [s.t_s for s in last_window(three, 180.0)] == [90.0, 120.0, 150.0, 180.0]
     samples = [Sample(t, 10 * i, None, 5) for i, t in enumerate(T)]
     assert growing_stages(samples) == ["ingest"]
+    validating = [Sample(t, 0, 1, 5, validate=i) for i, t in enumerate(T)]  # validation falls behind, alone
+    assert growing_stages(validating) == ["validate"]
 
 
 def test_pooled_quantiles_are_the_row_weighted_means_of_the_versions():
