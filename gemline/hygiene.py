@@ -105,15 +105,11 @@ class HygieneResult:
     files_vacuumed: int
 
 
-def _most_files_in_a_partition(dt: DeltaTable, low: int, high: int) -> int:
-    """The largest number of data files of ``low <= size < high`` bytes any one partition of ``dt`` holds
-    (the table's, if unpartitioned)."""
-    actions = pa.table(dt.get_add_actions(flatten=True))
-    if actions.num_rows == 0:
-        return 0
+def _most_files_in_a_partition(actions: pa.Table, columns: list[str], low: int, high: int) -> int:
+    """The largest number of data files of ``low <= size < high`` bytes any one partition holds (the table's, if
+    unpartitioned), from a snapshot's flattened add ``actions`` and its partition ``columns``."""
     sizes = actions.column("size_bytes")
     actions = actions.filter(pc.and_(pc.greater_equal(sizes, low), pc.less(sizes, high)))
-    columns = list(dt.metadata().partition_columns)
     if not columns or actions.num_rows == 0:
         return actions.num_rows
     keys = [f"partition.{c}" for c in columns]
@@ -123,9 +119,14 @@ def _most_files_in_a_partition(dt: DeltaTable, low: int, high: int) -> int:
 
 def _compaction_target(dt: DeltaTable, config: HygieneConfig) -> int | None:
     """The ``target_size`` of the compaction ``dt`` is due (bytes; see the module docstring's tiers), or None."""
-    if _most_files_in_a_partition(dt, 0, config.small_file_bytes) >= config.compact_min_files:
+    actions = pa.table(dt.get_add_actions(flatten=True))  # read once for both tiers
+    if actions.num_rows == 0:
+        return None
+    columns = list(dt.metadata().partition_columns)
+    if _most_files_in_a_partition(actions, columns, 0, config.small_file_bytes) >= config.compact_min_files:
         return config.small_file_bytes
-    if _most_files_in_a_partition(dt, config.small_file_bytes, config.target_file_bytes) >= config.compact_min_files:
+    if (_most_files_in_a_partition(actions, columns, config.small_file_bytes, config.target_file_bytes)
+            >= config.compact_min_files):
         return config.target_file_bytes
     return None
 

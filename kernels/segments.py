@@ -23,7 +23,8 @@ def token_rows(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
     pooling (4-5 times per layer of GEM's sequence encoder). token_rows was 5 % of the continuous trainer's CPU
     on the freshness lake (py-spy); keeping the maps took a gem_small B=512 training step from 84.8 to 79.3
     CPU-ms (same process, alternating, best of three, the same losses). Not under ``torch.compile``, which
-    traces the computation instead, nor for offsets made under ``torch.inference_mode`` (no version counter). Each thread keeps its own maps (the prefetch thread builds batches).
+    traces the computation instead, nor for offsets made under ``torch.inference_mode`` (no version counter).
+    Each thread keeps its own maps (the prefetch thread builds batches).
     """
     # An inference tensor has no version counter to tell an in-place change: its map is not kept.
     keeps = not torch.compiler.is_compiling() and not offsets.is_inference()

@@ -104,7 +104,12 @@ from sequences.shards import (
     user_shard_reference,
 )
 from sequences.state_cache import BuildStateCache, HeldBuffer, PendingKeys
-from sequences.vectorized import item_shard_vectorized, label_latencies_vectorized, user_shard_vectorized
+from sequences.vectorized import (
+    item_shard_vectorized,
+    label_latencies_vectorized,
+    not_held,
+    user_shard_vectorized,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +181,7 @@ def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms
         # Rows the state already holds stay where they are; only the ones first kept now are written.
         if name == "buffer" and vectorized:
             continue  # the vectorised step gave only those
-        held = tables[name].column(key)
-        if len(held) and out[name].num_rows:
-            out[name] = out[name].filter(pc.invert(pc.is_in(out[name].column(key), value_set=held)))
+        out[name] = not_held(out[name], tables[name], key)
     out["history"] = history_rows(out["history"], build)
     for name, table in out.items():
         if table.num_rows:

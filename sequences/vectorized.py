@@ -338,7 +338,7 @@ def user_shard_vectorized(
         kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
         reference = user_shard_reference(slow_tables, config, **kwargs)
         if new_buffer_rows_only:
-            reference["buffer"] = _not_held(reference["buffer"], slow_tables["buffer"])
+            reference["buffer"] = not_held(reference["buffer"], slow_tables["buffer"], "event_id")
         return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs,
                                                      new_buffer_rows_only=new_buffer_rows_only),
                                reference, user_outputs(config))
@@ -419,11 +419,11 @@ def user_shard_vectorized(
     }
 
 
-def _not_held(rows: pa.Table, held: pa.Table) -> pa.Table:
-    """The rows of a buffer output whose ``event_id`` the input buffer ``held`` lacks."""
+def not_held(rows: pa.Table, held: pa.Table, key: str) -> pa.Table:
+    """The rows of a row-state output whose ``key`` the state's input rows ``held`` lack: what a pass appends."""
     if rows.num_rows == 0 or held.num_rows == 0:
         return rows
-    return rows.filter(pc.invert(pc.is_in(rows.column("event_id"), value_set=held.column("event_id"))))
+    return rows.filter(pc.invert(pc.is_in(rows.column(key), value_set=held.column(key))))
 
 
 def _touched_rows(stored: pa.Table, users: pa.Array, max_len: int) -> tuple[pa.Table, pa.Table]:
