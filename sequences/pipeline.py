@@ -668,6 +668,10 @@ def _new_events_source(lake: str, old_version: int | None, version: int, columns
 
 _PENDING_KEYS = ["example_id", "user_id", "item_id", "domain", "event_time_ms"]
 
+PENDING_ROWS_SHARE = 4
+"""A ``build --follow`` process holds whole pending rows (:class:`sequences.state_cache.PendingKeys`) up to
+``build.memory_budget_bytes // 4`` bytes, beside its buffer copy (up to half the budget)."""
+
 
 def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildConfig, old_close_ms: int | None,
                 close_ms: int, *, storage_options: StorageOptions | None = None,
@@ -693,8 +697,9 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
             (the reference: the same rows come back, tested).
         key_cache: the keys of the pending files read by earlier passes of this process
             (:class:`sequences.state_cache.PendingKeys`): only the files not held are read, whole (as "all" reads
-            them); None reads the keys from Delta. Used in fnw and defer only: wait reads only the row groups
-            whose rows can be due, and keeps nothing.
+            them), and the rows returned come from the whole rows it holds (up to ``build.memory_budget_bytes //
+            PENDING_ROWS_SHARE`` bytes) when every one of them is held; None reads the keys from Delta. Used in
+            fnw and defer only: wait reads only the row groups whose rows can be due, and keeps nothing.
 
     Returns:
         Rows of :func:`sequences.examples.pending_schema` (possibly empty).
@@ -708,7 +713,7 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     if config.label_mode == "wait":
         key_cache = None
     if key_cache is not None:
-        keys, paths, file_of = key_cache.keys(dt, _PENDING_KEYS)
+        keys, paths, file_of = key_cache.keys(dt, _PENDING_KEYS, whole_bytes=config.memory_budget_bytes // PENDING_ROWS_SHARE)
     elif config.label_mode == "wait" and row_groups == "due":
         # In wait a row is due only at its first publication, t + delay <= close_ms (no label can make an earlier
         # row due): the row groups of later impressions (the files are in time order: most of them) are not read.
@@ -742,6 +747,10 @@ def due_pending(lake: str, version: int | None, labels: pa.Table, config: BuildC
     chosen_rows[plan.correction_rows] = True
     if not chosen_rows.any():
         return schema.empty_table()
+    if key_cache is not None:
+        held = key_cache.take(np.flatnonzero(chosen_rows))
+        if held is not None:
+            return held
     chosen = keys.filter(pa.array(chosen_rows))
     files = ({paths[i] for i in np.unique(file_of[chosen_rows])} if key_cache is not None
              else set(chosen.column("__filename").to_pylist()))

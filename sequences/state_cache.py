@@ -247,46 +247,87 @@ def _held(files: Any, schema: pa.Schema) -> HeldBuffer:
 
 
 class PendingKeys:
-    """The narrow key columns of the pending state (``_build_state/pending``), per data file, kept across the
-    passes of one process, so :func:`sequences.pipeline.due_pending` reads only the files a snapshot added.
+    """The pending state (``_build_state/pending``) per data file, kept across the passes of one process, so
+    :func:`sequences.pipeline.due_pending` reads only the files a snapshot added: their narrow key columns always,
+    and their whole rows while those fit ``whole_bytes`` (the rows a pass publishes or corrects are then taken
+    from memory instead of decoding every row group that holds one).
 
     In ``fnw`` and ``defer`` a pending row stays until its longest window closes (days), so the table holds every
     impression of that long, and reading its keys was a growing share of each pass (0.9 CPU-s of a 16 CPU-s pass
-    after ten minutes at 2,000 events/s). Exactness as :class:`BuildStateCache`: a copy is used only for a file
-    of the snapshot read, under the same path, size and modification time; a file of another table id, or not
-    in the snapshot any more, is dropped. Not thread-safe (one build at a time).
+    after ten minutes at 2,000 events/s). Decoding the row groups that hold the due rows was the next one: late
+    positives scatter them over most of the table (0.53 CPU-s of a 9.7 CPU-s pass at the end of a 7-minute run,
+    2026-12-03). Exactness as :class:`BuildStateCache`: a copy is used only for a file of the snapshot read, under
+    the same path, size and modification time; a file of another table id, or not in the snapshot any more, is
+    dropped. Not thread-safe (one build at a time).
     """
 
     def __init__(self) -> None:
         self._table_id: str | None = None
-        self._files: dict[str, tuple[tuple[int, int], pa.Table]] = {}
+        self._files: dict[str, tuple[tuple[int, int], pa.Table, pa.Table | None]] = {}
+        self._offsets = np.zeros(1, dtype=np.int64)
         self.files_read = 0
-        """Pending files whose keys were read from Delta (tests and the benchmark read it)."""
+        """Pending files read from Delta (tests and the benchmark read it)."""
         self.files_reused = 0
-        """Pending files whose keys came from memory."""
+        """Pending files that came from memory."""
+        self.rows_taken = 0
+        """Due rows :meth:`take` served from the whole rows held."""
 
-    def keys(self, dt: Any, columns: list[str]) -> tuple[pa.Table, list[str], np.ndarray]:
+    @property
+    def whole_nbytes(self) -> int:
+        """Bytes of the whole rows held (Arrow data)."""
+        return sum(whole.nbytes for _, _, whole in self._files.values() if whole is not None)
+
+    def keys(self, dt: Any, columns: list[str], whole_bytes: int = 0) -> tuple[pa.Table, list[str], np.ndarray]:
         """The ``columns`` of every row of the Delta table ``dt`` (a pending snapshot), files in the dataset's
         order and rows in file order; the files' paths (relative to the table root, as ``__filename`` gives
-        them); and, per row, the index of its file in those paths ((rows,) int64)."""
+        them); and, per row, the index of its file in those paths ((rows,) int64).
+
+        ``whole_bytes``: a file read now is read and held whole (every column of ``dt``'s schema) while the whole
+        rows held stay within this many bytes of Arrow data (0: keys only); :meth:`take` serves rows from them."""
         table_id = str(dt.metadata().id)
         if table_id != self._table_id:
             self._files, self._table_id = {}, table_id
         snapshot = _identities(dt)
         dataset = dt.to_pyarrow_dataset()
-        files: dict[str, tuple[tuple[int, int], pa.Table]] = {}
+        files: dict[str, tuple[tuple[int, int], pa.Table, pa.Table | None]] = {}
+        held = 0
         for fragment in dataset.get_fragments():
             path = _path(fragment)
-            held = self._files.get(path)
-            if held is not None and held[0] == snapshot.get(path):
-                files[path] = held
+            kept = self._files.get(path)
+            if kept is not None and kept[0] == snapshot.get(path):
+                files[path] = kept
+                held += 0 if kept[2] is None else kept[2].nbytes
                 self.files_reused += 1
                 continue
-            files[path] = (snapshot.get(path, (-1, -1)), fragment.to_table(schema=dataset.schema, columns=columns))
+            whole = fragment.to_table(schema=dataset.schema) if held < whole_bytes else None
+            if whole is not None and held + whole.nbytes > whole_bytes:
+                whole = None  # over the budget: this file's keys only, as the files after it
+            held += 0 if whole is None else whole.nbytes
+            rows = whole.select(columns) if whole is not None else fragment.to_table(schema=dataset.schema,
+                                                                                      columns=columns)
+            files[path] = (snapshot.get(path, (-1, -1)), rows, whole)
             self.files_read += 1
         self._files = files
-        tables = [rows for _, rows in files.values()]
+        tables = [rows for _, rows, _ in files.values()]
+        counts = np.array([t.num_rows for t in tables], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         keys = (pa.concat_tables(tables) if tables
                 else pa.schema([dataset.schema.field(c) for c in columns]).empty_table())
-        counts = np.array([t.num_rows for t in tables], dtype=np.int64)
         return keys, list(files), np.repeat(np.arange(len(tables), dtype=np.int64), counts)
+
+    def take(self, positions: np.ndarray) -> pa.Table | None:
+        """The whole rows at ``positions`` ((k,) int64, ascending) of the last :meth:`keys` call's rows, in that
+        order; None when one of them lies in a file held by its keys only (read those rows from Delta)."""
+        files = list(self._files.values())
+        file_of = np.searchsorted(self._offsets, positions, side="right") - 1
+        parts = []
+        for f in np.unique(file_of).tolist():
+            whole = files[f][2]
+            if whole is None:
+                return None
+            local = positions[file_of == f] - self._offsets[f]
+            parts.append(whole.take(pa.array(local)))
+        if not parts:
+            return None
+        self.rows_taken += len(positions)
+        return pa.concat_tables(parts).combine_chunks()  # one chunk, as a read of a row group or two gives

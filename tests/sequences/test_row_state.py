@@ -114,7 +114,7 @@ def test_increments_equal_one_build_table_for_table_and_keep_files_of_staying_ro
         assert got[name] == want[name], f"{name} differs after the final build"
 
 
-def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_event):
+def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_event, monkeypatch):
     """From a pending table of many rows, the rows whose first publication or (defer, no label) window
     close falls in (old close, close], plus those a new click makes a late positive (impression in
     [click - click window, click - waiting window)); compared with the rules applied to every row."""
@@ -154,6 +154,18 @@ def test_due_pending_reads_exactly_the_rows_with_a_point_due(tmp_path, make_even
         got = due_pending(lake, version, labels, CONFIG, old_close, close, key_cache=keys)
         assert sorted(got.column("example_id").to_pylist()) == want
     assert keys.files_read == keys.files_reused == len(open_table(lake, Table.BUILD_PENDING, version).file_uris()) > 0
+    # The due rows themselves come from the whole rows held: the very table the row-group read gives, row for row.
+    read = due_pending(lake, version, labels, CONFIG, old_close, close)
+    assert keys.rows_taken == 2 * read.num_rows > 0 and keys.whole_nbytes > 0
+    assert due_pending(lake, version, labels, CONFIG, old_close, close, key_cache=keys).equals(read)
+    # Over the budget (build.memory_budget_bytes // PENDING_ROWS_SHARE): keys only, the rows read from Delta.
+    import sequences.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "PENDING_ROWS_SHARE", CONFIG.memory_budget_bytes + 1)  # a budget of 0 bytes
+    lean = PendingKeys()
+    assert due_pending(lake, version, labels, CONFIG, old_close, close, key_cache=lean).equals(read)
+    assert lean.files_read > 0 and lean.whole_nbytes == lean.rows_taken == 0
+    assert lean.take(np.arange(1, dtype=np.int64)) is None
 
 
 def test_compact_state_merges_small_files_only_when_many_and_leaves_large_ones(tmp_path, monkeypatch):
