@@ -219,12 +219,15 @@ class Student(nn.Module):
                     raise ValueError(f"{feature} vectors must be ({ids.shape[0]}, {table.embedding_dim}), "
                                      f"got {tuple(vectors.shape)}")
                 column = ids[:, SPARSE_FEATURES.index(feature)]
-                for i in torch.nonzero(has & (column > 0)).flatten().tolist():
-                    row = int(column[i])
-                    if not bool(adopted[k, row]):
-                        table.weight[row] = vectors[i]
-                        adopted[k, row] = True
-                        set_rows += 1
+                candidates = torch.nonzero(has & (column > 0)).flatten()
+                # Each row's first candidate (np.unique's first index), of the rows not adopted before: what a
+                # loop over the candidates in order sets (it was 8 % of a distill process's CPU, 2026-12-03).
+                unique, first = np.unique(column[candidates].numpy(), return_index=True)
+                fresh = ~adopted[k, torch.from_numpy(unique)].numpy()
+                rows = torch.from_numpy(unique[fresh])
+                table.weight[rows] = vectors[candidates[torch.from_numpy(first[fresh])]]
+                adopted[k, rows] = True
+                set_rows += len(rows)
         return set_rows
 
 

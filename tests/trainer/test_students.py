@@ -193,6 +193,30 @@ def test_representation_student_adopts_each_teacher_row_once():
     assert student.adopt_rows(ids, users + 1, items + 1, torch.tensor([True, True, True])) == 0, "once per row"
 
 
+def test_adopt_rows_sets_what_a_loop_over_the_rows_in_order_sets():
+    """The vectorised adoption against the loop it replaced, on random ids with repeats, null ids, rows without a
+    teacher prediction and rows adopted by an earlier call."""
+    g = torch.Generator().manual_seed(3)
+    fast, slow = _student("representation", dim=2), _student("representation", dim=2)
+    slow.load_state_dict(fast.state_dict())
+    for call in range(3):
+        ids = torch.randint(0, fast.num_embeddings, (40, S), generator=g)
+        users, items = torch.randn(40, 2, generator=g), torch.randn(40, 2, generator=g)
+        has = torch.rand(40, generator=g) < 0.7
+        expected = 0
+        with torch.no_grad():  # the reference: the loop over the rows in order
+            for k, (feature, vectors) in enumerate((("user_id", users), ("item_id", items))):
+                table, column = slow.table(SPARSE_FEATURES.index(feature)), ids[:, SPARSE_FEATURES.index(feature)]
+                for i in range(40):
+                    row = int(column[i])
+                    if bool(has[i]) and row > 0 and not bool(slow.adopted[k, row]):
+                        table.weight[row], slow.adopted[k, row] = vectors[i], True
+                        expected += 1
+        assert fast.adopt_rows(ids, users, items, has) == expected and (call > 0 or expected > 0)
+        for name, value in slow.state_dict().items():
+            assert torch.equal(fast.state_dict()[name], value), name
+
+
 @pytest.fixture
 def one_thread():
     """Torch on one thread, as trainer.torch_threads sets it for every run: these tiny ops run ~8x slower with
