@@ -275,3 +275,30 @@ def test_unique_within_flags_exactly_the_rows_of_too_close_pairs_of_a_reference_
     assert check_unique_within(table.slice(0, 0), "event_id", "event_time_ms", window)["unexpected_count"] == 0
     nulls = pa.table({"event_id": pa.array([None, None], pa.string()), "event_time_ms": pa.array([1, 1], pa.int64())})
     assert check_unique_within(nulls, "event_id", "event_time_ms", window)["success"]
+
+
+def test_conditional_expectations_judge_a_frame_of_their_columns_as_gx_judges_the_whole_frame(examples_table,
+                                                                                            example_bounds):
+    """The per-domain label rates (GX row conditions) run on a frame of (label_click, domain) only: every result,
+    details included, as GX gives on the whole frame, on a batch where one domain's rate fails."""
+    import great_expectations.expectations as gxe
+    from great_expectations.expectations.row_conditions import Column
+
+    from validation import suites
+
+    table = examples_table(changes={0: {"label_click": 1}, 4: {"label_click": 1}})  # facebook's rate 1.0 > 0.9
+    rate = gxe.ExpectColumnMeanToBeBetween(column="label_click", min_value=0, max_value=0.5,
+                                           row_condition=Column("domain") == "facebook")
+    assert suites._columns_read(rate) == ("label_click", "domain")
+    assert suites._columns_read(gxe.ExpectColumnValuesToNotBeNull(column="domain")) is None
+    narrow = validate_examples(table, **example_bounds)
+    original = suites._columns_read
+    try:
+        suites._columns_read = lambda expectation: None  # every expectation on the whole frame
+        whole = validate_examples(table, **example_bounds)
+    finally:
+        suites._columns_read = original
+    assert [(r.name, r.severity, r.success, r.observed, r.details) for r in narrow] == [
+        (r.name, r.severity, r.success, r.observed, r.details) for r in whole]
+    assert not {r.name: r for r in narrow}["label_rate:facebook"].success
+    assert {r.name: r.success for r in narrow}["label_rate:instagram"]
