@@ -124,13 +124,17 @@ def _vectors(column: pa.ChunkedArray | pa.Array, rows: int, width: int, name: st
         InputSchemaError: a vector of another width.
     """
     out = np.zeros((rows, width), dtype=np.float32)
-    for i, value in enumerate(column.to_pylist()):
-        if value is None:
-            continue
-        if len(value) != width:
-            raise InputSchemaError(f"teacher_predictions.{name} has vectors of width {len(value)}, the students "
-                                   f"expect {width} (trainer.embedding_dim / trainer.hidden_dims of the teacher)")
-        out[i] = value
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
+    if not valid.any():
+        return out
+    # Arrow's offsets, not a Python list per row (to_pylist was 6.6 % of a distill process's CPU, 2026-12-03).
+    vectors = array.filter(pa.array(valid))
+    lengths = pc.list_value_length(vectors).to_numpy(zero_copy_only=False)
+    if (lengths != width).any():
+        raise InputSchemaError(f"teacher_predictions.{name} has vectors of width {lengths[lengths != width][0]}, the "
+                               f"students expect {width} (trainer.embedding_dim / trainer.hidden_dims of the teacher)")
+    out[valid] = pc.list_flatten(vectors).to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, width)
     return out
 
 

@@ -25,6 +25,7 @@ refuses it. (At this repo's small dims the planner keeps a column-wise table in 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -97,6 +98,75 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     "(or other tables); resume with the optimiser that wrote it, or start from scratch"
                 )
         super().load_state_dict(state_dict)
+
+
+class RowSparseAdam(torch.optim.SparseAdam):
+    """``torch.optim.SparseAdam`` with its step done by row index operations: the same rule, the same state
+    (``step``, ``exp_avg``, ``exp_avg_sq`` per table, so either loads the other's ``state_dict``) and the same
+    float32 results bit for bit (tested), at about a third of the CPU on 256-lookup steps of 16,384 x 16 tables.
+
+    SparseAdam (PyTorch 2.13, ``torch.optim._functional.sparse_adam``) coalesces the gradient, then reads the
+    moments through ``sparse_mask`` and writes each update through a new sparse tensor; per table that is several
+    sparse-tensor constructions and checks, most of a distill student's step (5.4 of 9.2 CPU-ms with five
+    tables, 2026-12-03). Here the coalesced gradient's rows (unique) index the moments and the table directly:
+    ``index_select`` reads what ``sparse_mask`` reads and ``index_add_`` on unique rows adds what the sparse
+    ``add_`` adds, one float32 addition per element. A gradient of more than one sparse dimension takes the
+    library's own update.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update of every parameter with a (sparse) gradient; ``closure`` as in ``torch.optim``.
+
+        Raises:
+            RuntimeError: a dense gradient (as SparseAdam).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            eps, lr, maximize = group["eps"], float(group["lr"]), group.get("maximize", False)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not p.grad.is_sparse:
+                    raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                grad = -p.grad if maximize else p.grad
+                if grad.sparse_dim() != 1:
+                    torch.optim._functional.sparse_adam([p], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+                                                        [state["step"]], eps=eps, beta1=beta1, beta2=beta2, lr=lr,
+                                                        maximize=False)
+                    continue
+                _adam_rows(p, grad.coalesce(), state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1,
+                           beta2, eps)
+        return loss
+
+
+def _adam_rows(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+               lr: float, beta1: float, beta2: float, eps: float) -> None:
+    """SparseAdam's update of the rows of ``grad`` (coalesced, one sparse dimension), in its order of operations."""
+    values = grad._values()
+    if values.numel() == 0:
+        return
+    rows = grad._indices()[0]
+    old_exp_avg = exp_avg.index_select(0, rows)
+    exp_avg_update = values.sub(old_exp_avg).mul_(1 - beta1)
+    exp_avg.index_add_(0, rows, exp_avg_update)
+    old_exp_avg_sq = exp_avg_sq.index_select(0, rows)
+    exp_avg_sq_update = values.pow(2).sub_(old_exp_avg_sq).mul_(1 - beta2)
+    exp_avg_sq.index_add_(0, rows, exp_avg_sq_update)
+    numer = exp_avg_update.add_(old_exp_avg)
+    denom = exp_avg_sq_update.add_(old_exp_avg_sq).sqrt_().add_(eps)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    p.index_add_(0, rows, -step_size * numer.div_(denom))
 
 
 def row_gradients(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

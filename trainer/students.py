@@ -39,6 +39,7 @@ from gemline.errors import BadConfigError
 from sequences.schema import SPARSE_FEATURES
 from trainer.delayed import DelayedBatch
 from trainer.labels import loss_terms
+from trainer.sparse_optim import RowSparseAdam
 
 VariantName = Literal["alone", "aux_head", "adapter", "representation"]
 """The four students of each domain, each adding one mechanism to the one before."""
@@ -232,9 +233,10 @@ class Student(nn.Module):
 
 
 def student_optimizers(student: Student, learning_rate: float) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """(Adam over the dense parameters, SparseAdam over the tables) of ``student``."""
+    """(Adam over the dense parameters, SparseAdam over the tables) of ``student``; SparseAdam's rule by
+    :class:`trainer.sparse_optim.RowSparseAdam` (the same results and state, less CPU)."""
     return (torch.optim.Adam(student.dense_parameters(), lr=learning_rate),
-            torch.optim.SparseAdam(student.table_parameters(), lr=learning_rate))
+            RowSparseAdam(student.table_parameters(), lr=learning_rate))
 
 
 class StudentAdapter(nn.Module):

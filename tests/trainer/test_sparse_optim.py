@@ -16,7 +16,7 @@ from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainer.config import DistributedConfig, EmbeddingOptimizerName, TrainerConfig
 from trainer.data import encode_examples, fit_normalizer, make_batch
 from trainer.loop import local_engine, train_step
-from trainer.sparse_optim import RowWiseAdagrad, embedding_optimizer, fused_optimizer
+from trainer.sparse_optim import RowSparseAdam, RowWiseAdagrad, embedding_optimizer, fused_optimizer
 
 from .conftest import synthetic_examples
 
@@ -219,3 +219,42 @@ def test_row_gradients_add_each_rows_lookups_in_order_and_zero_rows_change_nothi
     with_zeros, zero_sums = row_gradients(torch.sparse_coo_tensor(all_ids[None], all_values, (10, 4)))
     assert torch.equal(zero_sums[torch.isin(with_zeros, rows)], sums)
     assert not zero_sums[~torch.isin(with_zeros, rows)].any()
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_row_sparse_adam_steps_as_torch_sparse_adam_bit_for_bit(maximize):
+    """Two tables under RowSparseAdam and under torch.optim.SparseAdam, 25 steps of lookups with repeated ids, a
+    step where one table gets no gradient and one where its gradient has no rows: every weight and moment equal
+    bit for bit, the same step counts, and each optimiser resumes from the other's state_dict."""
+    g = torch.Generator().manual_seed(11)
+    mine = torch.nn.ModuleList(torch.nn.Embedding(50, 4, sparse=True) for _ in range(2))
+    theirs = torch.nn.ModuleList(torch.nn.Embedding(50, 4, sparse=True) for _ in range(2))
+    theirs.load_state_dict(mine.state_dict())
+    fast = RowSparseAdam(mine.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-6, maximize=maximize)
+    slow = torch.optim.SparseAdam(theirs.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-6, maximize=maximize)
+    for step in range(25):
+        ids = torch.randint(0, 50, (2, 30), generator=g)  # repeats within a step: a row's lookups are summed
+        weights = torch.randn(30, 4, generator=g)
+        for tables, opt in ((mine, fast), (theirs, slow)):
+            opt.zero_grad()
+            used = [0] if step == 7 else [0, 1]  # step 7: table 1 has no gradient at all
+            loss = sum((tables[t](ids[t]) * weights).sum() for t in used)
+            if step == 12:  # table 1's gradient has no rows
+                loss = loss + tables[1](torch.zeros(0, dtype=torch.int64)).sum()
+            loss.backward()
+            opt.step()
+        for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a, b), step
+    for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+        assert fast.state[a]["step"] == slow.state[b]["step"] == (25 if a is mine[0].weight else 24)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(fast.state[a][key], slow.state[b][key]) and fast.state[a][key].abs().sum() > 0
+    swapped = torch.optim.SparseAdam(mine.parameters(), lr=0.05)
+    swapped.load_state_dict(fast.state_dict())
+    again = RowSparseAdam(theirs.parameters(), lr=0.05)
+    again.load_state_dict(slow.state_dict())
+    assert swapped.state_dict()["param_groups"] == again.state_dict()["param_groups"]
+    with pytest.raises(RuntimeError, match="dense gradients"):
+        dense = torch.nn.Parameter(torch.zeros(3))
+        dense.grad = torch.ones(3)
+        RowSparseAdam([dense], lr=0.1).step()

@@ -309,3 +309,21 @@ def test_only_the_representation_student_reads_the_teachers_vectors():
     assert torch.equal(aux(ids, dense, a)[0], aux(ids, dense, b)[0])
     with pytest.raises(ValueError, match="teacher's vectors"):
         rep(ids, dense, None)
+
+
+def test_teacher_vectors_come_out_as_a_loop_over_the_rows_puts_them():
+    """``_vectors`` against the per-row loop it replaced: a chunked list<float32> column with null rows (zeros),
+    and a vector of another width refused by name and width."""
+    from trainer.distill import _vectors
+
+    rng = np.random.default_rng(5)
+    rows = [None if rng.random() < 0.3 else rng.standard_normal(3).astype(np.float32).tolist() for _ in range(50)]
+    column = pa.chunked_array([pa.array(rows[:20], pa.list_(pa.float32())), pa.array(rows[20:], pa.list_(pa.float32()))])
+    expected = np.zeros((50, 3), dtype=np.float32)
+    for i, value in enumerate(rows):
+        if value is not None:
+            expected[i] = value
+    assert np.array_equal(_vectors(column, 50, 3, "user_vector"), expected) and expected.any()
+    assert np.array_equal(_vectors(pa.array([None, None], pa.list_(pa.float32())), 2, 3, "x"), np.zeros((2, 3)))
+    with pytest.raises(InputSchemaError, match="user_vector has vectors of width 2"):
+        _vectors(pa.array([[1.0, 2.0, 3.0], None, [1.0, 2.0]], pa.list_(pa.float32())), 3, 3, "user_vector")
