@@ -372,12 +372,14 @@ def run_specs(specs: list, table: pa.Table, *, sample_rows: int | None = None) -
     frame = _frame(table if take is None else table.take(take))
     # GX applies a row condition by filtering the whole frame, every column copied (a fifth of the examples
     # suite's CPU with three per-domain label rates): each conditional expectation reads a frame of its columns.
+    whole: list = []
     narrow: dict[tuple[str, ...], list] = {}
     for exp in exps:
         reads = _columns_read(exp)
         if reads is not None and set(reads) <= set(frame.columns):
             narrow.setdefault(reads, []).append(exp)
-    whole = [e for e in exps if not any(e is x for group in narrow.values() for x in group)]
+        else:
+            whole.append(exp)
     gx_results = _run_gx(whole, frame) if whole else []
     for reads, group in narrow.items():
         gx_results += _run_gx(group, frame[list(reads)])
