@@ -121,6 +121,16 @@ class BuildConfig:
     made 22 build passes instead of 13 and spent 19% more CPU per event for the same freshness (README "Followers
     wake")."""
 
+    features_interval_ms: int = 60_000
+    """Event time (ms) between two materialisations of the feature views (``features/user``,
+    ``features/user_category``, ``features/item``: every key's counters as of the watermark, rewritten whole). A
+    build writes them when its watermark is at least this far past the watermark of the oldest of the three as last
+    written, when none is written yet, and on a ``final`` build; other passes leave them as they are (their
+    ``as_of_ms`` says how old they are). 0: every build. The examples' features do not depend on it: they are taken
+    point in time when each impression is first built. In the spirit of Feast's scheduled materialisation
+    (https://docs.feast.dev, "Materialization"): a ``build --follow`` pass every ~10 s rewrote about 35 MB of feature
+    rows each time, a sixth of the pass's CPU, for views an online store refreshes on its own schedule."""
+
     MOVED_KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "checkpoint_every": "hygiene.checkpoint_every", "vacuum_retention_hours": "hygiene.retention_hours",
         "compact_min_files": "hygiene.compact_min_files",
@@ -160,6 +170,8 @@ class BuildConfig:
             raise BadConfigError(f"build.interval_s must be >= 0 seconds, got {self.interval_s}")
         if self.watch_s is not None and not self.watch_s > 0:
             raise BadConfigError(f"build.watch_s must be > 0 seconds (or unset: no watching), got {self.watch_s}")
+        if self.features_interval_ms < 0:
+            raise BadConfigError(f"build.features_interval_ms must be >= 0 ms, got {self.features_interval_ms}")
         if not self.min_gap_s >= 0:
             raise BadConfigError(f"build.min_gap_s must be >= 0 seconds, got {self.min_gap_s}")
         if self.shards != "auto" and (not isinstance(self.shards, int) or self.shards < 1):

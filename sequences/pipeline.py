@@ -50,7 +50,7 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +105,12 @@ from sequences.shards import (
 )
 from sequences.state_cache import BuildStateCache, HeldBuffer, PendingKeys
 from sequences.vectorized import (
+    FEATURE_VIEW_OUTPUTS,
     item_shard_vectorized,
     label_latencies_vectorized,
     not_held,
     user_shard_vectorized,
+    without_views,
 )
 
 log = logging.getLogger(__name__)
@@ -170,13 +172,13 @@ of rows that left (:func:`expire_rows`), instead of rewriting the whole state.""
 
 
 def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms: int | None, close_ms: int,
-                     build: int):
+                     build: int, feature_views: bool = True):
     shard, pieces = keyed
     tables = gather_inputs([load_piece(p) for p in pieces], user_inputs(config))
     kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
     vectorized = config.shard_step == "vectorized"
-    out = (user_shard_vectorized(tables, config, **kwargs, new_buffer_rows_only=True) if vectorized
-           else user_shard_reference(tables, config, **kwargs))
+    out = (user_shard_vectorized(tables, config, **kwargs, new_buffer_rows_only=True, feature_views=feature_views)
+           if vectorized else without_views(user_shard_reference(tables, config, **kwargs), feature_views))
     for name, (_, key) in _ROW_STATE.items():
         # Rows the state already holds stay where they are; only the ones first kept now are written.
         if name == "buffer" and vectorized:
@@ -188,10 +190,13 @@ def _user_shard_step(keyed, config: BuildConfig, watermark_ms: int, old_close_ms
             yield _USER_OUTPUT_TABLES[name], f"user-{shard:05d}", table
 
 
-def _item_shard_step(keyed, config: BuildConfig, watermark_ms: int, user_shards: int, spill: str | None):
+def _item_shard_step(keyed, config: BuildConfig, watermark_ms: int, user_shards: int, spill: str | None,
+                     feature_views: bool = True):
     shard, pieces = keyed
-    step = item_shard_vectorized if config.shard_step == "vectorized" else item_shard_reference
-    out = step(gather_inputs([load_piece(p) for p in pieces], ITEM_INPUTS), config, watermark_ms=watermark_ms)
+    inputs = gather_inputs([load_piece(p) for p in pieces], ITEM_INPUTS)
+    out = (item_shard_vectorized(inputs, config, watermark_ms=watermark_ms, feature_views=feature_views)
+           if config.shard_step == "vectorized"
+           else without_views(item_shard_reference(inputs, config, watermark_ms), feature_views))
     for user_shard, table in split_by_shard(out["dense"], "user_id", user_shards):
         yield beam.pvalue.TaggedOutput("dense", (user_shard, spill_piece("dense", table, spill)))
     for name in ("evicted", ITEM_FEATURES.name):
@@ -236,6 +241,11 @@ _ROUTES: tuple[tuple[str, str, str, str, Any], ...] = (
 key column, row filter or None)."""
 
 
+_SNAPSHOT_STATE: dict[str, Table] = {"seq": Table.SEQUENCES, "dseq": Table.SEQUENCES_BY_DOMAIN}
+"""The state a build rewrites whole every pass (input name -> table): the stored sequences, held in memory from
+one pass of a process to the next (:class:`sequences.state_cache.HeldSnapshots`)."""
+
+
 _USER_OUTPUT_TABLES = {"buffer": Table.BUILD_BUFFER, "evicted": Table.BUILD_EVICTED, "pending": Table.BUILD_PENDING,
                        "orphan_labels": Table.ORPHAN_LABELS}
 # The other shard outputs are named after their tables ("sequences", "features/user", "examples", ...).
@@ -265,11 +275,14 @@ class BuildIncrement(beam.PTransform):
         spill_dir: when given, shard inputs travel through the shuffles as Arrow IPC files in this
             directory (paths in the records; see :func:`sequences.shards.spill_piece`), else inline.
         build: the build's number, stored with the ``history`` rows it appends.
+        feature_views: compute the feature views (``features/*`` parts); False: none of their parts are made
+            (a pass that does not materialise them, ``build.features_interval_ms``).
     """
 
     def __init__(self, config: BuildConfig, *, watermark_ms: int, old_close_ms: int | None, close_ms: int,
-                 spill_dir: str | None = None, build: int = 0) -> None:
+                 spill_dir: str | None = None, build: int = 0, feature_views: bool = True) -> None:
         super().__init__()
+        self._feature_views = feature_views
         self._build = build
         self._spill_dir = spill_dir
         self._config = config
@@ -286,7 +299,8 @@ class BuildIncrement(beam.PTransform):
             tuple(pieces["item"])
             | "ItemPieces" >> beam.Flatten()
             | "GroupByItemShard" >> beam.GroupByKey()
-            | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards, spill)
+            | "BuildItemShard" >> beam.FlatMap(_item_shard_step, self._config, self._watermark_ms, shards, spill,
+                                               self._feature_views)
             .with_outputs("dense", main="parts")
         )
         user_parts = (
@@ -294,7 +308,8 @@ class BuildIncrement(beam.PTransform):
             | "UserPieces" >> beam.Flatten()
             | "GroupByUserShard" >> beam.GroupByKey()
             | "BuildUserShard" >> beam.FlatMap(
-                _user_shard_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms, self._build)
+                _user_shard_step, self._config, self._watermark_ms, self._old_close_ms, self._close_ms, self._build,
+                self._feature_views)
         )
         # Two outputs, not one Flatten: a Flatten of two stages' outputs would materialise (pickle)
         # every output table between stages, while a consumer of each is fused with its producer.
@@ -324,7 +339,9 @@ compression release the GIL, so the writes and the computation share the cores).
 
 
 def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tuple,
-                    held: HeldBuffer | None = None, pending_keys: PendingKeys | None = None) -> None:
+                    held: HeldBuffer | None = None, pending_keys: PendingKeys | None = None,
+                    snapshots: dict[str, dict[int, pa.Table]] | None = None,
+                    collect: dict[Table, dict[int, pa.Table]] | None = None) -> None:
     """:func:`_run_on_beam`'s work in this process, without Beam: the same functions (:func:`_emit_table`,
     :func:`_shard_pieces` along :data:`_ROUTES`, :func:`_item_shard_step`, :func:`_user_shard_step`,
     :func:`_write_part`) in the order the two shuffles impose (every item shard before any user shard),
@@ -340,6 +357,9 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     labels (:class:`sequences.state_cache.BuildStateCache`): its pieces go to the shards as they are (in
     memory, not spilled) and the pending state's labels are taken from it, instead of reading the buffer.
     ``pending_keys``: the pending state's keys held across passes (:class:`sequences.state_cache.PendingKeys`).
+    ``snapshots``: inputs (``"seq"``, ``"dseq"``) already split into this build's user shards, taken as they are
+    instead of reading them (:class:`sequences.state_cache.HeldSnapshots`); ``collect``: tables whose user-shard
+    parts are collected into it, ``{table: {shard: rows}}`` (what the next pass's ``snapshots`` hold).
 
     Raises:
         whatever a step or a write raises.
@@ -349,11 +369,11 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     pieces: dict[str, dict[int, list]] = {"item": defaultdict(list), "user": defaultdict(list)}
 
     def item_step(keyed: tuple) -> list:
-        return list(_item_shard_step(keyed, config, steps["watermark_ms"], shards, spill))
+        return list(_item_shard_step(keyed, config, steps["watermark_ms"], shards, spill, steps["feature_views"]))
 
     def user_step(keyed: tuple) -> list:
         return list(_user_shard_step(keyed, config, steps["watermark_ms"], steps["old_close_ms"], steps["close_ms"],
-                                     steps["build"]))
+                                     steps["build"], steps["feature_views"]))
 
     counters: dict[int, list[tuple[int, Any]]] = {}
 
@@ -364,6 +384,8 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
                 counters.setdefault(shard, []).append(out.value)
             else:
                 parts.append(out)
+                if collect is not None and out[0] in collect and out[1].startswith("user-"):
+                    collect[out[0]][shard] = out[2]
         return parts
 
     parallel = min(config.parallel_shards, shards)
@@ -376,6 +398,10 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
                     for _, _, kind, key, _ in routes:  # the buffer's routes keep every row
                         for shard, table in held.pieces[key].items():
                             pieces[kind][shard].append(spill_piece(name, table, None))
+                    continue
+                if snapshots is not None and name in snapshots:
+                    for shard, table in snapshots[name].items():
+                        pieces["user"][shard].append((name, table))
                     continue
                 labels = held.labels if name == "pending" and held is not None else None
                 for table in _emit_table(None, spec, buffer_labels=labels, pending_keys=pending_keys):
@@ -583,11 +609,14 @@ def _version_at_build(lake: str, table: str, build: int | None, opts: StorageOpt
     dt = open_table(lake, table, storage_options=opts)
     if dt is None:
         return None
-    for entry in dt.history():
-        raw = entry.get("gemline")
-        meta = json.loads(raw) if raw else {}
-        if meta.get("app_id") == APP_ID and meta.get("build") == build:
-            return int(entry["version"])
+    # The newest commits first (the build asks for the last build's, one of them): the whole history is one log
+    # file per commit.
+    for limit in (20, None):
+        for entry in dt.history(limit=limit):
+            raw = entry.get("gemline")
+            meta = json.loads(raw) if raw else {}
+            if meta.get("app_id") == APP_ID and meta.get("build") == build:
+                return int(entry["version"])
     raise ValueError(f"{table}: no commit of build {build} in its history; was the table vacuumed past it?")
 
 
@@ -983,6 +1012,27 @@ def build_hygiene(build: BuildConfig, *, auto_shards: bool = False) -> HygieneCo
     return dataclasses.replace(build.hygiene, compact_min_files=floor)
 
 
+def feature_views_due(lake: str, config: BuildConfig, watermark_ms: int, *, final: bool,
+                      opts: StorageOptions | None = None, snapshots: Mapping[str, Any] | None = None) -> bool:
+    """Whether a build at ``watermark_ms`` (ms since epoch UTC) materialises the feature views
+    (``build.features_interval_ms``): on a ``final`` build, when one of them has no build commit yet, or when the
+    watermark is at least the interval past the oldest watermark they were last written at.
+
+    The oldest, not the newest: a build that crashed after committing some of the views finds the others older and
+    writes them on its rerun (the committed ones are skipped as done), so the three always move together.
+    ``snapshots``: open handles of the tables, by name (read instead of opening them again)."""
+    if final or config.features_interval_ms == 0:
+        return True
+    written = []
+    for name in FEATURE_VIEW_OUTPUTS:
+        meta = commit_metadata(lake, name, APP_ID, storage_options=opts,
+                               snapshot=None if snapshots is None else snapshots.get(name)) or {}
+        if meta.get("watermark_ms") is None:
+            return True
+        written.append(int(meta["watermark_ms"]))
+    return watermark_ms - min(written) >= config.features_interval_ms
+
+
 def uses_beam(config: BuildConfig, beam_args: list[str] | None) -> bool:
     """Whether :func:`run_build` runs its computation as a Beam pipeline: ``build.engine = "beam"``,
     or ``"auto"`` with Beam flags given (a runner such as Dask or Flink, or DirectRunner options);
@@ -1196,21 +1246,33 @@ def run_build(
         "evicted": state[Table.BUILD_EVICTED],
         "pending": state[Table.BUILD_PENDING],
     }
+    views = feature_views_due(root, config, watermark_ms, final=final, opts=opts, snapshots=handles)
     steps = {"config": config, "watermark_ms": watermark_ms, "old_close_ms": old_close, "close_ms": close_ms,
-             "spill_dir": str(staging / "shuffle"), "build": build}
+             "spill_dir": str(staging / "shuffle"), "build": build, "feature_views": views}
     write = (str(root), opts, str(staging), build, done, schemas)
+    written: dict[Table, dict[int, pa.Table]] | None = None  # the stored sequences this pass wrote, to hold
     if on_beam:
         _run_on_beam(sources, steps, write, list(beam_args or []))
     else:
         buffer_version = state[Table.BUILD_BUFFER][3]
         held = (None if state_cache is None or buffer_version is None else
                 state_cache.buffer(root, buffer_version, shards, config.memory_budget_bytes, opts))
-        _run_in_process(sources, steps, write, held, None if state_cache is None else state_cache.pending_keys)
+        snapshots: dict[str, dict[int, pa.Table]] | None = None
+        if state_cache is not None:
+            found = {source: state_cache.snapshots.get(str(root), name, state[name][3], last_build, shards)
+                     for source, name in _SNAPSHOT_STATE.items()}
+            snapshots = {source: by_shard for source, by_shard in found.items() if by_shard is not None}
+            written = {name: {} for name in _SNAPSHOT_STATE.values()}
+            state_cache.snapshots.clear()  # held again once this pass has committed
+        _run_in_process(sources, steps, write, held, None if state_cache is None else state_cache.pending_keys,
+                        snapshots, written)
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):
         if name in done:
             continue  # committed before a crash: the rerun computed the same rows
+        if name in FEATURE_VIEW_OUTPUTS and not views:
+            continue  # not materialised by this pass: the last snapshot stays
         files = _manifest_files(staging / name)
         counts: dict[str, Any] = {}
         if name == Table.EXAMPLES:
@@ -1236,6 +1298,12 @@ def run_build(
             storage_options=opts, removes=removes, snapshot=handles[name],
         )
     shutil.rmtree(staging, ignore_errors=True)
+    if state_cache is not None and written is not None:
+        if sum(t.nbytes for by_shard in written.values() for t in by_shard.values()) <= config.memory_budget_bytes // 4:
+            for name, by_shard in written.items():
+                at = _version_at_build(root, name, build, opts)
+                if at is not None:
+                    state_cache.snapshots.hold(str(root), name, at, build, shards, by_shard)
     hygiene = build_hygiene(config, auto_shards=auto_shards)
     row_state = {table for table, _ in _ROW_STATE.values()}
     for name in _OUTPUTS:

@@ -166,12 +166,15 @@ def _concat_outputs(a: Mapping[str, pa.Table], b: Mapping[str, pa.Table], schema
 # Item shard
 
 
-def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *, watermark_ms: int) -> dict[str, pa.Table]:
+def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *, watermark_ms: int,
+                          feature_views: bool = True) -> dict[str, pa.Table]:
     """:func:`sequences.shards.item_shard_reference`, vectorised over the shard's items.
 
     Args:
         tables: :data:`sequences.shards.ITEM_INPUTS` tables.
         watermark_ms: newest event time after this batch (ms since epoch UTC).
+        feature_views: compute the ``features/item`` rows; False: that output is empty (a pass that does not
+            materialise the feature views, ``build.features_interval_ms``), the others are the same.
 
     Returns:
         :data:`sequences.shards.ITEM_OUTPUTS` tables (row order may differ from the reference).
@@ -190,8 +193,10 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
     slow = _needs_reference(recent, "item_id", queries)
     if slow:
         fast_tables, slow_tables = _split(tables, {"new": "item_id", "buffer": "item_id", "evicted": "key"}, slow)
-        return _concat_outputs(item_shard_vectorized(fast_tables, config, watermark_ms=watermark_ms),
-                               item_shard_reference(slow_tables, config, watermark_ms), ITEM_OUTPUTS)
+        return _concat_outputs(item_shard_vectorized(fast_tables, config, watermark_ms=watermark_ms,
+                                                     feature_views=feature_views),
+                               without_views(item_shard_reference(slow_tables, config, watermark_ms), feature_views),
+                               ITEM_OUTPUTS)
     evicted = pl.DataFrame(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
 
     # Item counters of the new impressions, per (item, domain), as of each impression.
@@ -205,8 +210,8 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
         *[pl.Series(f_name, values[counter].astype(np.float64)) for f_name, counter in ITEM_DENSE.items()])
 
     visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
-    features = feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
-                             watermark_ms, ITEM_FEATURES.ttl_ms, config)
+    features = (feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
+                             watermark_ms, ITEM_FEATURES.ttl_ms, config) if feature_views else pl.DataFrame())
     if features.height:
         # visible is in (item, time, event_id) order: recent's sort.
         features = features.join(latest_non_null_in_order(visible, ["item_id", "domain"], ["category"]),
@@ -295,6 +300,7 @@ def user_shard_vectorized(
     old_close_ms: int | None,
     close_ms: int,
     new_buffer_rows_only: bool = False,
+    feature_views: bool = True,
 ) -> dict[str, pa.Table]:
     """:func:`sequences.shards.user_shard_reference`, vectorised over the shard's users.
 
@@ -302,6 +308,9 @@ def user_shard_vectorized(
     appends: :func:`sequences.pipeline._user_shard_step`), not every row kept; the other outputs are the same.
     The full output filtered by the input buffer's event ids gives the same rows (tested), without converting
     and hashing the whole buffer every pass.
+
+    ``feature_views``: False leaves the ``features/user`` and ``features/user_category`` outputs empty and does
+    not compute them (a pass that does not materialise the feature views, ``build.features_interval_ms``).
 
     Args:
         tables: :data:`sequences.shards.USER_INPUTS` tables.
@@ -336,11 +345,12 @@ def user_shard_vectorized(
                 "pending": "user_id", "dense": "user_id"}
         fast_tables, slow_tables = _split(tables, keys, slow)
         kwargs: dict[str, Any] = {"watermark_ms": watermark_ms, "old_close_ms": old_close_ms, "close_ms": close_ms}
-        reference = user_shard_reference(slow_tables, config, **kwargs)
+        reference = without_views(user_shard_reference(slow_tables, config, **kwargs), feature_views)
         if new_buffer_rows_only:
             reference["buffer"] = not_held(reference["buffer"], slow_tables["buffer"], "event_id")
         return _concat_outputs(user_shard_vectorized(fast_tables, config, **kwargs,
-                                                     new_buffer_rows_only=new_buffer_rows_only),
+                                                     new_buffer_rows_only=new_buffer_rows_only,
+                                                     feature_views=feature_views),
                                reference, user_outputs(config))
 
     evicted = pl.DataFrame(tables["evicted"].select(EVICTED_SCHEMA.names).cast(EVICTED_SCHEMA))
@@ -383,7 +393,7 @@ def user_shard_vectorized(
                                       dseq_table.rename({"seq_truncated": "prior_cut"}), config.same_domain_seq_len,
                                       watermark_ms)
 
-    visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
+    visible = recent.filter(pl.col("event_time_ms") <= watermark_ms) if feature_views else recent.clear()
     user_features = feature_rows(visible, ["user_id", "domain"], evicted, "user", {"key": "user_id", "domain": "domain"},
                                   watermark_ms, USER_FEATURES.ttl_ms, config)
     if user_features.height:
@@ -417,6 +427,18 @@ def user_shard_vectorized(
         USER_FEATURES.name: _to_arrow(user_features, USER_FEATURES.schema),
         USER_CATEGORY_FEATURES.name: _to_arrow(category_features, USER_CATEGORY_FEATURES.schema),
     }
+
+
+FEATURE_VIEW_OUTPUTS = (ITEM_FEATURES.name, USER_FEATURES.name, USER_CATEGORY_FEATURES.name)
+"""The shard steps' outputs that are feature views (``build.features_interval_ms``)."""
+
+
+def without_views(outputs: dict[str, pa.Table], feature_views: bool) -> dict[str, pa.Table]:
+    """``outputs`` with every feature-view output emptied unless ``feature_views``."""
+    if feature_views:
+        return outputs
+    return {name: table.schema.empty_table() if name in FEATURE_VIEW_OUTPUTS else table
+            for name, table in outputs.items()}
 
 
 def not_held(rows: pa.Table, held: pa.Table, key: str) -> pa.Table:
@@ -564,4 +586,5 @@ def _orphan_labels(labels: pl.DataFrame, recent: pl.DataFrame, fresh: pl.DataFra
     return _to_arrow(out.select(ORPHAN_LABELS_SCHEMA.names), ORPHAN_LABELS_SCHEMA)
 
 
-__all__ = ["item_shard_vectorized", "label_latencies_vectorized", "user_shard_vectorized"]
+__all__ = ["FEATURE_VIEW_OUTPUTS", "item_shard_vectorized", "label_latencies_vectorized", "not_held",
+           "user_shard_vectorized", "without_views"]
