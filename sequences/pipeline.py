@@ -241,11 +241,6 @@ _ROUTES: tuple[tuple[str, str, str, str, Any], ...] = (
 key column, row filter or None)."""
 
 
-_SNAPSHOT_STATE: dict[str, Table] = {"seq": Table.SEQUENCES, "dseq": Table.SEQUENCES_BY_DOMAIN}
-"""The state a build rewrites whole every pass (input name -> table): the stored sequences, held in memory from
-one pass of a process to the next (:class:`sequences.state_cache.HeldSnapshots`)."""
-
-
 _USER_OUTPUT_TABLES = {"buffer": Table.BUILD_BUFFER, "evicted": Table.BUILD_EVICTED, "pending": Table.BUILD_PENDING,
                        "orphan_labels": Table.ORPHAN_LABELS}
 # The other shard outputs are named after their tables ("sequences", "features/user", "examples", ...).
@@ -339,9 +334,7 @@ compression release the GIL, so the writes and the computation share the cores).
 
 
 def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tuple,
-                    held: HeldBuffer | None = None, pending_keys: PendingKeys | None = None,
-                    snapshots: dict[str, dict[int, pa.Table]] | None = None,
-                    collect: dict[Table, dict[int, pa.Table]] | None = None) -> None:
+                    held: HeldBuffer | None = None, pending_keys: PendingKeys | None = None) -> None:
     """:func:`_run_on_beam`'s work in this process, without Beam: the same functions (:func:`_emit_table`,
     :func:`_shard_pieces` along :data:`_ROUTES`, :func:`_item_shard_step`, :func:`_user_shard_step`,
     :func:`_write_part`) in the order the two shuffles impose (every item shard before any user shard),
@@ -357,9 +350,6 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
     labels (:class:`sequences.state_cache.BuildStateCache`): its pieces go to the shards as they are (in
     memory, not spilled) and the pending state's labels are taken from it, instead of reading the buffer.
     ``pending_keys``: the pending state's keys held across passes (:class:`sequences.state_cache.PendingKeys`).
-    ``snapshots``: inputs (``"seq"``, ``"dseq"``) already split into this build's user shards, taken as they are
-    instead of reading them (:class:`sequences.state_cache.HeldSnapshots`); ``collect``: tables whose user-shard
-    parts are collected into it, ``{table: {shard: rows}}`` (what the next pass's ``snapshots`` hold).
 
     Raises:
         whatever a step or a write raises.
@@ -384,8 +374,6 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
                 counters.setdefault(shard, []).append(out.value)
             else:
                 parts.append(out)
-                if collect is not None and out[0] in collect and out[1].startswith("user-"):
-                    collect[out[0]][shard] = out[2]
         return parts
 
     parallel = min(config.parallel_shards, shards)
@@ -398,10 +386,6 @@ def _run_in_process(sources: dict[str, tuple], steps: dict[str, Any], write: tup
                     for _, _, kind, key, _ in routes:  # the buffer's routes keep every row
                         for shard, table in held.pieces[key].items():
                             pieces[kind][shard].append(spill_piece(name, table, None))
-                    continue
-                if snapshots is not None and name in snapshots:
-                    for shard, table in snapshots[name].items():
-                        pieces["user"][shard].append((name, table))
                     continue
                 labels = held.labels if name == "pending" and held is not None else None
                 for table in _emit_table(None, spec, buffer_labels=labels, pending_keys=pending_keys):
@@ -1250,22 +1234,13 @@ def run_build(
     steps = {"config": config, "watermark_ms": watermark_ms, "old_close_ms": old_close, "close_ms": close_ms,
              "spill_dir": str(staging / "shuffle"), "build": build, "feature_views": views}
     write = (str(root), opts, str(staging), build, done, schemas)
-    written: dict[Table, dict[int, pa.Table]] | None = None  # the stored sequences this pass wrote, to hold
     if on_beam:
         _run_on_beam(sources, steps, write, list(beam_args or []))
     else:
         buffer_version = state[Table.BUILD_BUFFER][3]
         held = (None if state_cache is None or buffer_version is None else
                 state_cache.buffer(root, buffer_version, shards, config.memory_budget_bytes, opts))
-        snapshots: dict[str, dict[int, pa.Table]] | None = None
-        if state_cache is not None:
-            found = {source: state_cache.snapshots.get(str(root), name, state[name][3], last_build, shards)
-                     for source, name in _SNAPSHOT_STATE.items()}
-            snapshots = {source: by_shard for source, by_shard in found.items() if by_shard is not None}
-            written = {name: {} for name in _SNAPSHOT_STATE.values()}
-            state_cache.snapshots.clear()  # held again once this pass has committed
-        _run_in_process(sources, steps, write, held, None if state_cache is None else state_cache.pending_keys,
-                        snapshots, written)
+        _run_in_process(sources, steps, write, held, None if state_cache is None else state_cache.pending_keys)
 
     published = 0
     for name in tqdm(list(_OUTPUTS), desc="commit build tables", unit="table"):
@@ -1298,12 +1273,6 @@ def run_build(
             storage_options=opts, removes=removes, snapshot=handles[name],
         )
     shutil.rmtree(staging, ignore_errors=True)
-    if state_cache is not None and written is not None:
-        if sum(t.nbytes for by_shard in written.values() for t in by_shard.values()) <= config.memory_budget_bytes // 4:
-            for name, by_shard in written.items():
-                at = _version_at_build(root, name, build, opts)
-                if at is not None:
-                    state_cache.snapshots.hold(str(root), name, at, build, shards, by_shard)
     hygiene = build_hygiene(config, auto_shards=auto_shards)
     row_state = {table for table, _ in _ROW_STATE.values()}
     for name in _OUTPUTS:

@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 from gemline.lake import StorageOptions, open_table
 from gemline.tables import Table
 from sequences.publish import TASKS
-from sequences.shards import split_by_shard, split_by_shard_with_order
+from sequences.shards import split_by_shard_with_order
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,6 @@ class BuildStateCache:
         self._bytes_per_row: float | None = None  # measured on the files held last; kept when they are dropped
         self.pending_keys = PendingKeys()
         """The pending state's keys, held for :func:`sequences.pipeline.due_pending` (fnw and defer)."""
-        self.snapshots = HeldSnapshots()
-        """The stored sequences as the last pass wrote them (:class:`HeldSnapshots`)."""
 
     def clear(self, reason: str) -> None:
         """Drop every cached file (``reason`` is logged and kept in :attr:`stats`)."""
@@ -333,55 +331,3 @@ class PendingKeys:
             return None
         self.rows_taken += len(positions)
         return pa.concat_tables(parts).combine_chunks()  # one chunk, as a read of a row group or two gives
-
-
-class HeldSnapshots:
-    """Whole-snapshot state tables (``sequences``, ``sequences_by_domain``) as the previous pass of this process
-    wrote them, by user shard, so the next pass takes them from memory instead of decoding and spilling them.
-
-    Each pass rewrites these tables whole (every stored sequence, tens of MB after minutes of streaming) and the
-    next pass read them back: 0.3-0.4 CPU-s a pass at the end of a 10-minute run at 2,000 events/s (2026-12-03).
-    Exactness: a copy is kept only for the Delta version the pass's own build commit made (found by its build
-    number, :func:`sequences.pipeline._version_at_build`) and is used only by a pass that reads that very version of
-    that table in that lake; its rows are the rows that commit added (the parts the pass wrote, by shard), so a
-    user shard receives the same rows a read gives, possibly in another order (the shard steps' results do not
-    depend on it: they key every row by user and domain). A pass that fails, or another shard count, drops them.
-    Not thread-safe (one build at a time)."""
-
-    def __init__(self) -> None:
-        self._held: dict[str, tuple[tuple[str, int, int], int, dict[int, pa.Table]]] = {}
-        self.reused = 0
-        """Tables a pass took from memory (tests and the benchmark read it)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the Arrow data held."""
-        return sum(t.nbytes for _, _, by_shard in self._held.values() for t in by_shard.values())
-
-    def hold(self, lake: str, table: str, version: int, build: int, shards: int, by_shard: dict[int, pa.Table]) -> None:
-        """Keep ``table``'s rows at ``version`` (committed by build number ``build``) as ``{shard: rows}`` of
-        ``shards`` user shards."""
-        self._held[table] = ((lake, version, build), shards, by_shard)
-
-    def get(self, lake: str, table: str, version: int | None, build: int | None, shards: int,
-            ) -> dict[int, pa.Table] | None:
-        """``{shard: rows}`` of ``table`` at ``version`` (left by build ``build``) split into ``shards`` user shards,
-        or None when not held for exactly that version (read it from Delta)."""
-        held = self._held.get(table)
-        if held is None or version is None or held[0] != (lake, version, build):
-            return None
-        by_shard = held[2] if held[1] == shards else _resplit(held[2], shards)
-        self.reused += 1
-        return by_shard
-
-    def clear(self) -> None:
-        """Drop every table held."""
-        self._held = {}
-
-
-def _resplit(by_shard: dict[int, pa.Table], shards: int) -> dict[int, pa.Table]:
-    """Rows held for one user-shard count split into ``shards`` shards (by ``user_id``)."""
-    tables = [t for _, t in sorted(by_shard.items())]
-    if not tables:
-        return {}
-    return dict(split_by_shard(pa.concat_tables(tables), "user_id", shards))

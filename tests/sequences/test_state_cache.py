@@ -146,9 +146,6 @@ def test_passes_sharing_the_cache_write_what_fresh_passes_write(tmp_path, make_e
     assert len(snapshots["cached"][Table.EXAMPLES]) > 0
     if label_mode == "defer":  # the pending state's keys were held too (wait reads only the due row groups)
         assert cache.pending_keys.files_reused > 0
-    # The stored sequences (both tables) came from memory on every pass after the first, the crashed attempt
-    # included; its rerun read them from Delta (a failed pass drops what it held).
-    assert cache.snapshots.reused == 2 * (PASSES - 1)
 
 
 def test_the_cache_refuses_another_table_and_a_buffer_over_half_the_budget(tmp_path, make_event):
@@ -208,8 +205,6 @@ def test_another_shard_count_is_split_again_from_memory_as_a_fresh_read_splits_i
                 assert resplit + read == len(buffer.file_uris()) and read < len(buffer.file_uris())
                 assert not cache.stats.refused
         assert snapshots["cached"] == snapshots["fresh"], f"pass {n}"
-    # The stored sequences held by the last pass's shard count were split again for each new one, not read.
-    assert cache.snapshots.reused == 2 * 4
     lake = lakes["cached"]
     version = open_table(lake, Table.BUILD_BUFFER).version()
     assert cache.buffer(lake, version, 3, CONFIG.memory_budget_bytes) is not None  # the last pass's files read
