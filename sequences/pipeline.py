@@ -996,25 +996,22 @@ def build_hygiene(build: BuildConfig, *, auto_shards: bool = False) -> HygieneCo
     return dataclasses.replace(build.hygiene, compact_min_files=floor)
 
 
-def feature_views_due(lake: str, config: BuildConfig, watermark_ms: int, *, final: bool,
-                      opts: StorageOptions | None = None, snapshots: Mapping[str, Any] | None = None) -> bool:
+def feature_views_due(config: BuildConfig, watermark_ms: int, last_commits: Mapping[str, Mapping[str, Any]], *,
+                      final: bool) -> bool:
     """Whether a build at ``watermark_ms`` (ms since epoch UTC) materialises the feature views
     (``build.features_interval_ms``): on a ``final`` build, when one of them has no build commit yet, or when the
     watermark is at least the interval past the oldest watermark they were last written at.
 
-    The oldest, not the newest: a build that crashed after committing some of the views finds the others older and
-    writes them on its rerun (the committed ones are skipped as done), so the three always move together.
-    ``snapshots``: open handles of the tables, by name (read instead of opening them again)."""
+    ``last_commits``: each table's last build commit metadata, by table name (``{}`` for none; tables other than
+    the views are ignored). The oldest, not the newest: a build that crashed after committing some of the views
+    finds the others older and writes them on its rerun (the committed ones are skipped as done), so the three
+    always move together."""
     if final or config.features_interval_ms == 0:
         return True
-    written = []
-    for name in FEATURE_VIEW_OUTPUTS:
-        meta = commit_metadata(lake, name, APP_ID, storage_options=opts,
-                               snapshot=None if snapshots is None else snapshots.get(name)) or {}
-        if meta.get("watermark_ms") is None:
-            return True
-        written.append(int(meta["watermark_ms"]))
-    return watermark_ms - min(written) >= config.features_interval_ms
+    written = [last_commits.get(name, {}).get("watermark_ms") for name in FEATURE_VIEW_OUTPUTS]
+    if None in written:
+        return True
+    return watermark_ms - min(int(w) for w in written if w is not None) >= config.features_interval_ms
 
 
 def uses_beam(config: BuildConfig, beam_args: list[str] | None) -> bool:
@@ -1218,9 +1215,9 @@ def run_build(
     # One handle per output table for the rest of the build, brought up to date where it is used: opening a
     # table replays its log from the last checkpoint, and the commits and tidying below read each table 5-7 times.
     handles = {name: open_table(root, name, storage_options=opts) for name in _OUTPUTS}
-    done = frozenset(name for name in _OUTPUTS
-                     if (commit_metadata(root, name, APP_ID, storage_options=opts, snapshot=handles[name]) or {}
-                         ).get("build") == build)
+    last_commits = {name: commit_metadata(root, name, APP_ID, storage_options=opts, snapshot=handles[name]) or {}
+                    for name in _OUTPUTS}
+    done = frozenset(name for name, meta in last_commits.items() if meta.get("build") == build)
 
     sources = {
         "new": ("new", root, old_version, version, opts),
@@ -1230,7 +1227,7 @@ def run_build(
         "evicted": state[Table.BUILD_EVICTED],
         "pending": state[Table.BUILD_PENDING],
     }
-    views = feature_views_due(root, config, watermark_ms, final=final, opts=opts, snapshots=handles)
+    views = feature_views_due(config, watermark_ms, last_commits, final=final)
     steps = {"config": config, "watermark_ms": watermark_ms, "old_close_ms": old_close, "close_ms": close_ms,
              "spill_dir": str(staging / "shuffle"), "build": build, "feature_views": views}
     write = (str(root), opts, str(staging), build, done, schemas)

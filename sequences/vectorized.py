@@ -209,9 +209,10 @@ def item_shard_vectorized(tables: Mapping[str, pa.Table], config: BuildConfig, *
     dense = queries.select("user_id", pl.col("event_id").alias("example_id")).with_columns(
         *[pl.Series(f_name, values[counter].astype(np.float64)) for f_name, counter in ITEM_DENSE.items()])
 
-    visible = recent.filter(pl.col("event_time_ms") <= watermark_ms)
-    features = (feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
-                             watermark_ms, ITEM_FEATURES.ttl_ms, config) if feature_views else pl.DataFrame())
+    # Without the views, no visible event: feature_rows returns no row and computes nothing.
+    visible = recent.filter(pl.col("event_time_ms") <= watermark_ms) if feature_views else recent.clear()
+    features = feature_rows(visible, ["item_id", "domain"], evicted, "item", {"key": "item_id", "domain": "domain"},
+                            watermark_ms, ITEM_FEATURES.ttl_ms, config)
     if features.height:
         # visible is in (item, time, event_id) order: recent's sort.
         features = features.join(latest_non_null_in_order(visible, ["item_id", "domain"], ["category"]),
@@ -393,6 +394,7 @@ def user_shard_vectorized(
                                       dseq_table.rename({"seq_truncated": "prior_cut"}), config.same_domain_seq_len,
                                       watermark_ms)
 
+    # Without the views, no visible event: feature_rows returns no row and computes nothing.
     visible = recent.filter(pl.col("event_time_ms") <= watermark_ms) if feature_views else recent.clear()
     user_features = feature_rows(visible, ["user_id", "domain"], evicted, "user", {"key": "user_id", "domain": "domain"},
                                   watermark_ms, USER_FEATURES.ttl_ms, config)
