@@ -20,10 +20,9 @@ Every ~30 s it samples each stage's backlog:
   version: ``gemline.progress.validate_progress``, as ``gemline run``'s status view counts them);
 * build: newest ``events`` version minus the events version the newest ``examples`` commit built (versions);
 * trainer: newest ``examples`` version minus the newest version the continuous run consumed (versions; every
-  version counts before the run's first checkpoint).
-
-``distill --follow``'s backlog is not sampled (``gemline.progress`` has no reader of its cursor yet): read its
-CPU line, and its log, for whether it keeps up.
+  version counts before the run's first checkpoint);
+* distill (when ``gemline run`` starts it): the versions the teacher trained that the students have not distilled
+  yet (:func:`gemline.progress.distill_progress`, their newest checkpoint's cursor).
 
 A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
 shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope).
@@ -65,7 +64,8 @@ from scipy import stats  # type: ignore[import-untyped]  # pinned in requirement
 
 from gemline.config import GemlineConfig, load_config
 from gemline.lake import Lake, read_table
-from gemline.progress import build_progress, ingest_progress, train_progress, validate_progress
+from gemline.progress import build_progress, distill_progress, ingest_progress, train_progress, validate_progress
+from gemline.run import runs_distill
 from gemline.tables import Table
 from ingest.broker import free_port
 from ingest.generate import GenerateConfig
@@ -103,9 +103,12 @@ class Sample:
     validate: int | None = None
     """Versions not validated yet (:func:`gemline.progress.validate_progress`: the newest ``events`` version when
     unjudged, every unjudged ``examples`` version)."""
+    distill: int | None = None
+    """Examples versions the teacher trained that the students have not distilled yet; None when ``gemline run``
+    starts no ``distill --follow`` or the teacher has trained nothing yet."""
 
 
-STAGES = ("ingest", "validate", "build", "trainer")
+STAGES = ("ingest", "validate", "build", "trainer", "distill")
 CPU_ORDER = ("broker", "generate", "ingest", "validate", "build", "train", "distill", "run", "benchmark")
 
 
@@ -255,8 +258,9 @@ def sample(config: GemlineConfig, bootstrap: str, t_s: float, cpu_s: dict[str, f
         high = {}
     ingest = ingest_progress(lake, app_id_for(config.kafka.topic), lambda: high).lag if high else None
     generated = sum(h for _, h in high.values()) if high else None
+    distill = distill_progress(lake).lag if runs_distill(config) else None
     return Sample(t_s, ingest, build_progress(lake).lag, train_progress(lake).lag, generated, cpu_s,
-                  validate=validate_progress(lake).lag)
+                  validate=validate_progress(lake).lag, distill=distill)
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
                 trained = read_table(lake, Table.FRESHNESS)
                 print(f"t={s.t_s:5.0f} s backlog: ingest {s.ingest} messages, validate {s.validate} versions, "
                       f"build {s.build} events versions, "
-                      f"trainer {s.trainer} examples versions; versions measured: "
+                      f"trainer {s.trainer} examples versions, distill {s.distill} examples versions; versions measured: "
                       f"{0 if trained is None else len(set(trained['examples_version'].to_pylist()))}", flush=True)
         finally:
             _stop(proc)

@@ -449,7 +449,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     plan = RunPlan(bootstrap=args.bootstrap, broker_port=args.broker_port, generate_rate=args.generate_rate,
                    interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, watch_s=args.watch_s,
                    train=not args.no_train,
-                   metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout_s)
+                   metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout_s,
+                   distill_nice=args.distill_nice)
     code = run_pipeline(_config(args), plan)
     return _interrupted(args.command) if code == 130 else code
 
@@ -735,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-train", action="store_true", help="run every stage but the trainer (and its students, distill --follow)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="embedded broker: at a stop, wait at most this long for ingest to consume what it holds")
+    p.add_argument("--distill-nice", type=int, default=10,
+                   help="niceness added to distill --follow, off the freshness path: on a full machine it takes "
+                        "what the other stages leave (default 10; 0: the same priority)")
     _metrics_flag(p, "")
     p.set_defaults(func=cmd_run, passthrough=False)
 

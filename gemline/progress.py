@@ -10,6 +10,8 @@ ingest      newest ``events`` version        events committed (dead-letter rows)
 validate    newest validated events/examples versions validated                  versions not validated yet
 build       ``events`` version built         examples published                  events versions not built yet
 train       newest examples version trained  rows trained by the current run     examples versions not trained yet
+distill     newest examples version          rows the students distilled         versions the teacher trained, not
+            distilled                                                            distilled yet
 ==========  ===============================  ==================================  ==========================================
 
 "Trained" is read from the ``freshness`` table the continuous trainer writes once per version it has trained,
@@ -28,7 +30,7 @@ import pyarrow.compute as pc
 
 from gemline.gate import gate_decisions
 from gemline.increments import latest_version
-from gemline.lake import Lake, commit_metadata, commit_version_of, open_table, read_table
+from gemline.lake import Lake, commit_metadata, commit_version_of, lake_fs, open_table, read_table
 from gemline.metrics import consumer_lag, lake_offsets, table_rows
 from gemline.tables import Table
 
@@ -205,24 +207,74 @@ def _versions_with_rows(lake: Lake, after: int, newest: int) -> int:
     return sum(n is None or n > 0 for n in added)
 
 
+def _teacher_run(lake: Lake) -> tuple[int, int] | None:
+    """(newest examples version the current trainer run trained rows of, rows it trained) from the ``freshness``
+    table (the run of its newest row); None before the first trained version."""
+    from trainer.freshness import HOPS
+
+    rows = read_table(lake, Table.FRESHNESS, columns=["run_id", "examples_version", "hop", "rows", "wall_time_ms"])
+    if rows is None or rows.num_rows == 0:
+        return None
+    newest = rows.slice(int(pc.index(rows["wall_time_ms"], pc.max(rows["wall_time_ms"])).as_py()), 1)
+    run = rows.filter(pc.equal(rows["run_id"], newest["run_id"][0]))
+    trained_hop = HOPS[1]  # published->trained: every trained row, corrections included
+    done = int(pc.sum(run.filter(pc.equal(run["hop"], trained_hop))["rows"]).as_py() or 0)
+    return int(pc.max(run["examples_version"]).as_py()), done
+
+
 def train_progress(lake: Lake) -> StageProgress:
     """``last``: the newest examples version the current trainer run trained rows of (the run of the newest
     ``freshness`` row); ``rows``: the rows that run trained; ``lag``: ``examples`` versions committed since that
     added rows (the trainer passes over empty ones without a ``freshness`` row)."""
-    from trainer.freshness import HOPS
-
-    rows = read_table(lake, Table.FRESHNESS, columns=["run_id", "examples_version", "hop", "rows", "wall_time_ms"])
     examples = latest_version(lake.root, Table.EXAMPLES, storage_options=lake.storage_options)
-    if rows is None or rows.num_rows == 0:
+    teacher = _teacher_run(lake)
+    if teacher is None:
         # Before the first trained version every examples version with rows waits for the trainer.
         return StageProgress(lag=None if examples is None else _versions_with_rows(lake, -1, examples))
-    newest = rows.slice(int(pc.index(rows["wall_time_ms"], pc.max(rows["wall_time_ms"])).as_py()), 1)
-    run = rows.filter(pc.equal(rows["run_id"], newest["run_id"][0]))
-    trained = int(pc.max(run["examples_version"]).as_py())
-    trained_hop = HOPS[1]  # published->trained: every trained row, corrections included
-    done = int(pc.sum(run.filter(pc.equal(run["hop"], trained_hop))["rows"]).as_py() or 0)
+    trained, done = teacher
     lag = None if examples is None else _versions_with_rows(lake, trained, examples)
     return StageProgress(f"examples@{trained}", done, lag)
+
+
+DISTILL_CHECKPOINTS = "_distill/_checkpoints"
+"""Where ``gemline distill`` keeps its checkpoints under the lake root (``trainer.distill.distill_root`` +
+``trainer.checkpoint.CHECKPOINTS_DIR``; a test holds the two equal), read here without importing torch."""
+
+
+def _distill_meta(lake: Lake) -> dict | None:
+    """The ``meta.json`` of the students' newest complete checkpoint (the highest ``step-N`` holding one); None
+    when there is none. One directory listing and one small file read, also on an object-store lake."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    fs, root = lake_fs(lake)
+    base = f"{root}/{DISTILL_CHECKPOINTS}"
+    steps = sorted((int(info.base_name[5:]), info.path) for info in fs.get_file_info(
+        pafs.FileSelector(base, allow_not_found=True))
+        if info.type == pafs.FileType.Directory and info.base_name.startswith("step-") and info.base_name[5:].isdigit())
+    for _, path in reversed(steps):  # the newest step may still be written (meta.json comes last)
+        if fs.get_file_info(f"{path}/meta.json").type == pafs.FileType.File:
+            with fs.open_input_stream(f"{path}/meta.json") as f:
+                return json.loads(f.read())
+    return None
+
+
+def distill_progress(lake: Lake) -> StageProgress:
+    """``last``: the newest examples version the students distilled (their checkpoint's cursor minus one);
+    ``rows``: the rows they distilled; ``lag``: the examples versions with rows that the teacher's current run
+    trained (:func:`train_progress`'s ``last``) and the students have not distilled yet: distill follows the
+    teacher, so a version the teacher has not trained is not distill's lag. Unknown (``StageProgress()``)
+    before the teacher's first trained version."""
+    teacher = _teacher_run(lake)
+    if teacher is None:
+        return StageProgress()
+    meta = _distill_meta(lake)
+    extra = {} if meta is None else meta.get("extra", {})
+    cursor = int(extra.get("cursor", 0))
+    done = sum(int(v.get("rows") or 0) for v in extra.get("versions", []))
+    lag = _versions_with_rows(lake, cursor - 1, teacher[0]) if teacher[0] >= cursor else 0
+    return StageProgress(f"examples@{cursor - 1}" if cursor else "", done if meta else None, lag)
 
 
 def pipeline_progress(lake: Lake, *, ingest_app_id: str | None = None,
@@ -231,12 +283,13 @@ def pipeline_progress(lake: Lake, *, ingest_app_id: str | None = None,
     its writer id ``ingest_app_id`` (``ingest.pipeline.app_id_for(topic)``)."""
     out = {"validate": _guarded("validate", lambda: validate_progress(lake)),
            "build": _guarded("build", lambda: build_progress(lake)),
-           "train": _guarded("train", lambda: train_progress(lake))}
+           "train": _guarded("train", lambda: train_progress(lake)),
+           "distill": _guarded("distill", lambda: distill_progress(lake))}
     if ingest_app_id is not None:
         out["ingest"] = _guarded("ingest", lambda: ingest_progress(lake, ingest_app_id, watermarks))
     return out
 
 
-__all__ = ["DEAD_LETTER_WARN_SHARE", "DeadLetterShare", "StageProgress", "Watermarks", "build_progress",
-           "dead_letter_warning", "ingest_progress", "last_ingest_dead_letter", "pipeline_progress", "train_progress",
+__all__ = ["DEAD_LETTER_WARN_SHARE", "DISTILL_CHECKPOINTS", "DeadLetterShare", "StageProgress", "Watermarks",
+           "build_progress", "dead_letter_warning", "distill_progress", "ingest_progress", "last_ingest_dead_letter", "pipeline_progress", "train_progress",
            "validate_progress"]

@@ -74,6 +74,9 @@ class RunPlan:
             process (0: a free one, printed); None: no metrics endpoint.
         drain_timeout_s: with the embedded broker, the longest wait (s) at a stop for ingest to consume what the
             broker holds, after the generator stopped (what is left then is lost with the broker, and said).
+        distill_nice: added to ``distill --follow``'s niceness (:class:`gemline.supervisor.StageCommand`): the
+            students are off the freshness path (they follow the teacher, nothing waits for them), so on a full
+            machine they take what ingest, validation, the build and the trainer leave; 0: the same priority.
     """
 
     bootstrap: str | None = None
@@ -85,9 +88,13 @@ class RunPlan:
     train: bool = True
     metrics_port: int | None = None
     drain_timeout_s: float = 60.0
+    distill_nice: int = 10
 
     def __post_init__(self) -> None:
         from gemline.errors import BadConfigError
+
+        if not 0 <= self.distill_nice <= 19:
+            raise BadConfigError(f"--distill-nice must be in 0..19, got {self.distill_nice}")
 
         if not self.drain_timeout_s >= 0:
             raise BadConfigError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
@@ -145,7 +152,8 @@ def stage_commands(plan: RunPlan, bootstrap: str, flags: list[str], *, distill: 
                                              str(plan.poll_interval_s), *watch, *flags)))
         if distill:
             stages.append(StageCommand("distill", (*GEMLINE, "distill", "--follow", "--poll-interval-s",
-                                                   str(plan.poll_interval_s), *watch, *flags)))
+                                                   str(plan.poll_interval_s), *watch, *flags),
+                                       nice=plan.distill_nice))
     return stages
 
 

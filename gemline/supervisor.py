@@ -66,9 +66,12 @@ class StageCommand:
     may finish: exit 0 is done) or ``never``. A ``stop_last`` stage (a service the others use, the embedded
     broker) is stopped only once the others have exited, so they finish their step in flight against it; a
     ``stop_first`` stage (a producer, ``gemline generate``) before them, so what it sent can still be drained.
+    ``nice`` (>= 0) is added to the stage's scheduling niceness over the supervisor's (POSIX ``setpriority`` on
+    its process group: every thread and child): a stage off the freshness path (``distill --follow``) then takes
+    only the CPU the others leave when the machine is full, and all it wants when it is not.
 
     Raises:
-        ValueError: both ``stop_first`` and ``stop_last``.
+        ValueError: both ``stop_first`` and ``stop_last``; a negative ``nice`` (raising a priority needs root).
     """
 
     name: str
@@ -76,10 +79,13 @@ class StageCommand:
     restart: Literal["always", "on-failure", "never"] = "always"
     stop_last: bool = False
     stop_first: bool = False
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if self.stop_first and self.stop_last:
             raise ValueError(f"StageCommand {self.name!r}: stop_first and stop_last exclude each other")
+        if self.nice < 0:
+            raise ValueError(f"StageCommand {self.name!r}: nice must be >= 0, got {self.nice}")
 
 
 def restart_delay_s(failures: int, *, base_s: float, cap_s: float) -> float:
@@ -272,7 +278,7 @@ class Supervisor:
         stage.process = subprocess.Popen(stage.command.argv, stdout=stage._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         stage.started_at, stage.restart_at = self.clock(), None
-        self._say(f"{stage.command.name}: started (pid {stage.process.pid})")
+        self._say(f"{stage.command.name}: started (pid {stage.process.pid}{_lower_priority(stage)})")
 
     def start(self, names: Sequence[str] | None = None) -> None:
         """Start the processes of the stages ``names`` (all when None) that were never started, in order."""
@@ -450,6 +456,23 @@ class Supervisor:
         if self.gave_up is not None:
             raise StageGaveUpError(self.gave_up)
         return 130 if self._signal == signal.SIGINT else 0
+
+
+def _lower_priority(stage: StageState) -> str:
+    """Add ``stage.command.nice`` to the niceness of the stage's new process group (it leads one:
+    ``start_new_session``); returns what the start line says of it ('' for nice 0).
+
+    PRIO_PGRP sets every thread of every process in the group (Linux's setpriority), and threads and children
+    made later inherit it, so no preexec_fn (unsafe in a supervisor with threads) is needed. A platform without it,
+    or a process already gone, starts at the normal priority, and the line says so."""
+    if not stage.command.nice or stage.process is None:
+        return ""
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PGRP, stage.process.pid, min(19, own + stage.command.nice))
+    except (AttributeError, OSError) as exc:
+        return f", priority not lowered: {exc}"
+    return f", nice +{stage.command.nice}"
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -33,6 +33,8 @@ def test_the_window_is_the_last_5_minutes_or_the_last_half_and_stages_without_va
     assert growing_stages(samples) == ["ingest"]
     validating = [Sample(t, 0, 1, 5, validate=i) for i, t in enumerate(T)]  # validation falls behind, alone
     assert growing_stages(validating) == ["validate"]
+    distilling = [Sample(t, 0, 1, 5, distill=i) for i, t in enumerate(T)]  # the students fall behind the teacher
+    assert growing_stages(distilling) == ["distill"]
 
 
 def test_pooled_quantiles_are_the_row_weighted_means_of_the_versions():

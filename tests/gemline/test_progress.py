@@ -77,7 +77,7 @@ def test_an_empty_lake_and_an_unreachable_broker_show_as_unknown(tmp_path):
 
     empty = pipeline_progress(Lake(str(tmp_path / "empty")), ingest_app_id=APP, watermarks=down)
     assert empty == {"ingest": StageProgress(lag_unit="messages"), "validate": StageProgress(),
-                     "build": StageProgress(), "train": StageProgress()}
+                     "build": StageProgress(), "train": StageProgress(), "distill": StageProgress()}
     # The lake's part of ingest still shows when Kafka does not answer.
     assert pipeline_progress(_lake(tmp_path), ingest_app_id=APP, watermarks=down)["ingest"] == StageProgress(
         "events@3", 12, None, "messages")

@@ -57,6 +57,11 @@ def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_
     assert [s.name for s in stages] == ["ingest", "validate", "build", "train", "distill"]
     assert " ".join(stages[-1].argv).endswith(
         "gemline.cli distill --follow --poll-interval-s 7.0 --watch-s 1.0 --set lake=L")
+    # Off the freshness path, the students yield the CPU to the other stages (gemline run --distill-nice).
+    assert [s.nice for s in stages] == [0, 0, 0, 0, 10]
+    assert stage_commands(RunPlan(distill_nice=0), "h:1", [], distill=True)[-1].nice == 0
+    with pytest.raises(BadConfigError, match="--distill-nice must be in 0..19"):
+        RunPlan(distill_nice=-1)
     assert [s.name for s in stage_commands(RunPlan(train=False), "h:1", [], distill=True)] == ["ingest", "validate",
                                                                                                "build"]
 
@@ -66,15 +71,22 @@ def test_distill_follows_with_the_trainer_when_the_teacher_logs_predictions(tmp_
     monkeypatch.setattr(gemline.run, "GEMLINE", sleeper)
     config = load_config(overrides={"lake": str(tmp_path / "lake"), "build.label_mode": "defer"})
     seen: dict[str, int | None] = {}
+    nice: dict[str, int] = {}
 
     def all_up(sup) -> bool:
         seen.update({s.command.name: s.pid for s in sup.stages})
-        return all(s.process is not None and s.last_log_line() for s in sup.stages)
+        up = all(s.process is not None and s.last_log_line() for s in sup.stages)
+        if up:  # each stage's niceness, read while it runs
+            nice.update({s.command.name: os.getpriority(os.PRIO_PROCESS, s.pid) for s in sup.stages})
+        return up
 
     said: list[str] = []
     assert run_pipeline(config, RunPlan(bootstrap="127.0.0.1:1"), log_dir=tmp_path / "logs", say=said.append,
                         live=False, until=all_up) == 0
     assert list(seen) == ["ingest", "validate", "build", "train", "distill"] and all(seen.values())
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert nice == {"ingest": own, "validate": own, "build": own, "train": own, "distill": min(19, own + 10)}
+    assert any(line.startswith("distill: started (pid ") and line.endswith(", nice +10)") for line in said), said
     # The run's settings stay with the lake: a stage started alone there later builds with defer too.
     assert load_stage_config(None, {"lake": str(tmp_path / "lake")}).build.label_mode == "defer"
     assert (tmp_path / "logs" / "distill.log").read_text().startswith(

@@ -145,28 +145,51 @@ def test_running_extremes_stay_within_each_key():
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_merging_added_rows_orders_them_as_a_sort_of_everything(ties):
+def test_merging_added_rows_orders_them_as_a_sort_of_everything(ties, monkeypatch):
     import polars as pl
+
+    sorts: list[int] = []
+    real_init = sorted_history._Sorted.__init__
+    monkeypatch.setattr(sorted_history._Sorted, "__init__",
+                        lambda self, *args: sorts.append(1) or real_init(self, *args))
 
     rng = np.random.default_rng(3 + ties)
 
-    def rows(n, first):
+    def rows(n, added):
         return pl.DataFrame({"user_id": [f"u{u}" for u in rng.integers(0, 7, n)],
                              "domain": [f"d{d}" for d in rng.integers(0, 2, n)],
-                             "event_id": [f"e{first + i:04d}" for i in range(n)],
-                             "event_time_ms": rng.choice(1_000, n, replace=False) * 2 + 1 - (first > 0) * (not ties),
+                             "event_id": [f"e{2 * i + added:04d}" for i in range(n)],  # interleaved ids
+                             "event_time_ms": rng.choice(1_000, n, replace=False) * 2 + 1 - added * (not ties),
                              "created_ts_ms": rng.integers(0, 10_000, n), "build": rng.integers(0, 5, n)})
 
-    held, added = rows(120, 0), rows(40, 1000)  # without ties: the added times are even, the held ones odd
+    held, added = rows(120, False), rows(40, True)  # without ties: the added times are even, the held ones odd
+    if ties:  # half the added rows at a held row's user, domain and millisecond: their event ids order them
+        half = held.head(20).select("user_id", "domain", "event_time_ms")
+        added = pl.concat([added.head(20).drop("user_id", "domain", "event_time_ms").hstack(half).select(held.columns),
+                           added.tail(20)])
+    placed: list[int] = []
+    real_place = sorted_history._Sorted._place_ties
+    monkeypatch.setattr(sorted_history._Sorted, "_place_ties",
+                        lambda self, at, tied, *args: placed.append(tied.size) or real_place(self, at, tied, *args))
     for keys in (["user_id"], ["user_id", "domain"]):
         whole = pl.concat([held, added])
-        merged = sorted_history._Sorted(held, keys).merged(added, whole)
+        base = sorted_history._Sorted(held, keys)
+        before = len(sorts)
+        merged = base.merged(added, whole)
+        assert len(sorts) == before, "the added rows are merged in (ties placed by event id), nothing sorted again"
         fresh = sorted_history._Sorted(whole, keys)
         assert np.all(np.diff(merged.key) >= 0), "one search key order"
 
         def view(s):  # each row with what was derived for it, in (key, time, event id) order: codes may differ
-            return (s.rows.select(*keys, "event_time_ms", "event_id", "build")
+            return (s.sorted_rows().select(*keys, "event_time_ms", "event_id", "build")
                     .with_columns(suf=s.suffix_min, pre=s.prefix_max, made=s.prefix_created)
                     .sort(*keys, "event_time_ms", "event_id"))
 
-        assert view(merged).equals(view(fresh)) and merged.rows.height == 160
+        assert view(merged).equals(view(fresh)) and merged.sorted_rows().height == 160
+
+        def per_key(s):  # each key's event ids in the held order
+            return s.sorted_rows().group_by(keys, maintain_order=True).agg("event_id").sort(keys)
+
+        assert per_key(merged).equals(per_key(fresh)), "within a key: by time, then event id"
+        np.testing.assert_array_equal(merged.build_positions, np.sort(merged.build * 161 + np.arange(160)))
+    assert (min(placed) >= 20 if ties else placed == []), placed

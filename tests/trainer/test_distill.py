@@ -18,6 +18,8 @@ import trainer.distill as distill
 from gemline.cli import main
 from gemline.config import load_config
 from gemline.gate import release
+from gemline.lake import Lake
+from gemline.progress import DISTILL_CHECKPOINTS, StageProgress, distill_progress
 from sequences.schema import SPARSE_FEATURES
 from tests.conftest import trainer_args
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
@@ -98,9 +100,12 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
     run_once(*trainer_args(_config(straight)))
     shutil.copytree(straight, crashed)
 
+    assert distill_progress(Lake(str(straight))) == StageProgress("", None, 4), "four teacher versions with rows wait"
     out = _distill(straight)
     assert [(v["version"], v["quality"], v["rows"]) for v in out.versions] == [
         (0, "passed", 90), (1, "passed", 90), (2, "quarantined", 0), (3, "passed", 90)]
+    # gemline run's status and the freshness benchmark read the students' cursor from their newest checkpoint.
+    assert distill_progress(Lake(str(straight))) == StageProgress("examples@3", 270, 0)
     counts = [v["counts"].get("with_teacher") for v in out.versions]
     assert counts == [0, 90, None, 90], "version 0 was the teacher's first (not evaluated): labels alone"
     assert out.versions[0]["counts"]["label_only"] == 90
@@ -164,6 +169,9 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
     monkeypatch.setattr(distill, "_train", crash_in_version_1)
     with pytest.raises(RuntimeError, match="crash"):
         _distill(crashed)
+    # Version 0 distilled; 1 and 3 wait, and 2, quarantined, still counts until the cursor passes it (as the
+    # trainer's lag counts it).
+    assert distill_progress(Lake(str(crashed))) == StageProgress("examples@0", 90, 3)
     monkeypatch.setattr(distill, "_train", real)
     resumed = _distill(crashed)
     assert [v["version"] for v in resumed.versions] == [1, 2, 3], "resumed after the last finished version"
@@ -185,6 +193,13 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
     assert [p for p in loads if p.startswith(str(straight))] and len(loads) == 2, \
         "loaded to resume the crashed run, and for the released version"
     assert _distill(straight).versions == []
+
+
+def test_the_progress_reader_looks_where_distill_keeps_its_checkpoints(tmp_path):
+    from trainer.checkpoint import CHECKPOINTS_DIR
+
+    lake = Lake(str(tmp_path))
+    assert f"{distill.distill_root(lake)}/{CHECKPOINTS_DIR}" == f"{lake.root}/{DISTILL_CHECKPOINTS}"
 
 
 def test_cli_distill_once_prints_one_json_line(tmp_path, capsys):
