@@ -243,7 +243,8 @@ def validate_table(
 ) -> QualityResult:
     """Validate ``table`` at Delta ``version`` (latest when None) and record the outcome.
 
-    ``examples`` (:data:`INCREMENTAL`) is judged on the rows that version added; ``events`` on the rows added
+    ``examples`` (:data:`INCREMENTAL`) is judged on the rows that version added (none for a compaction: no
+    drift checks then, and no profile appended); ``events`` on the rows added
     since the newest version validated before it (the whole table when none was, or a commit since removed
     files), its ``unique:event_id`` against the earlier rows too, plus the dead-letter rate of its ingest
     batch; the other tables on the whole table at that version.
@@ -294,6 +295,10 @@ def validate_table(
     # examples is append-only: a version is judged on the rows it added (the increment a trainer consumes),
     # so the cost does not grow with the table and one bad build does not fail every later version.
     added = rows_added(root, table, table_version, storage_options=opts) if table in INCREMENTAL else None
+    if table in INCREMENTAL and added is None:
+        # A compaction (or metadata change) added no rows: its rows were judged in the versions that added them.
+        # Judging it as the whole table (as before) cost O(table) per compaction and grew with the run.
+        added = pa.schema(dt.schema().to_arrow()).empty_table()
     earlier, since = None, None
     if table == Table.EVENTS:
         since = (last_validated_before(root, Table.EVENTS, table_version, storage_options=opts) if session is None
@@ -317,7 +322,10 @@ def validate_table(
     k = validation.drift_history_batches
     history = (profile_history(root, table, table_version, k, storage_options=opts) if session is None
                else session.profile_history(table, table_version, k))
-    results = results + dead_checks + drift_checks(profile, [p for _, p in history], validation)
+    # A version that added no rows (a compaction, a build that published nothing) has no distribution to
+    # drift: its `empty` check says what there is to say, and its profile stays out of later baselines.
+    no_rows = table in INCREMENTAL and data.num_rows == 0
+    results = results + dead_checks + ([] if no_rows else drift_checks(profile, [p for _, p in history], validation))
     steps.update()
     run_id = f"{ts:013d}-{uuid.uuid4().hex[:8]}"
     report = build_report(
@@ -335,9 +343,10 @@ def validate_table(
                                         plots=plots == "always" or report["verdict"] != PASSED)
     # One app transaction per run on both tables: a retried write of this run lands once.
     app_id = f"validate:{run_id}"
-    append_profile(root, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
-                   passed=verdict(results) == PASSED, profile=profile, app_id=app_id, storage_options=opts,
-                   snapshot=None if session is None else session.snapshot(Table.QUALITY_PROFILES))
+    if not no_rows:
+        append_profile(root, table=table, table_version=table_version, run_id=run_id, run_ts_ms=ts,
+                       passed=verdict(results) == PASSED, profile=profile, app_id=app_id, storage_options=opts,
+                       snapshot=None if session is None else session.snapshot(Table.QUALITY_PROFILES))
     steps.update()
     append_quality_rows(
         root,

@@ -6,6 +6,7 @@ import json
 
 import pyarrow as pa
 import pytest
+from deltalake import DeltaTable
 
 from gemline.config import GemlineConfig
 from gemline.gate import gate_decision, release
@@ -246,6 +247,15 @@ def test_examples_versions_are_judged_on_the_rows_they_added(tmp_path, examples_
     assert not first.passed and second.passed, "one bad build does not fail every later version"
     assert (first.num_rows, second.num_rows) == (8, 8)  # each version's own rows, not the table's 16
     assert not gate_decision(tmp_path, "examples", 0).allowed and gate_decision(tmp_path, "examples", 1).allowed
+    # A compaction adds no rows: judged on none (not on the whole table, as a growing run's compactions were),
+    # and it passes, so the followers go on.
+    assert DeltaTable(str(tmp_path / "examples")).optimize.compact()["numFilesRemoved"] == 2
+    compacted = validate_table(Lake.for_config(cfg), "examples", 2, now_ms=NOW, **quality_sections(cfg))
+    assert compacted.num_rows == 0 and compacted.passed and compacted.failures == [("empty", "warning",
+                                                                                     compacted.failures[0][2])]
+    assert gate_decision(tmp_path, "examples", 2).allowed
+    profiled = {r["table_version"] for r in read_table(tmp_path, "quality_profiles").to_pylist()}
+    assert profiled == {0, 1}, "no rows: no profile in the later versions' drift baseline"
 
 
 def _unexpected(observed: str) -> int:
