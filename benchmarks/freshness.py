@@ -25,7 +25,11 @@ Every ~30 s it samples each stage's backlog:
   yet (:func:`gemline.progress.distill_progress`, their newest checkpoint's cursor).
 
 A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
-shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope).
+shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope). Known limit
+(2026-12-04): a version in flight counts as backlog, and with a version every ~10 s and a sample every 30 s
+whether a sample catches one drifts slowly, so a stage that keeps up can read 0 for minutes and then 1 for
+minutes, which the test (independent samples assumed) may call growth: read a flagged stage's samples and its
+hop in the ``freshness`` lines before concluding it falls behind.
 
 CPU budget: every ~5 s it reads the CPU time (user + system, ``psutil``) of every process under ``gemline run``,
 each counted to its stage (the ``gemline.cli`` subcommand in its command line, or its nearest such ancestor's:
