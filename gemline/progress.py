@@ -22,6 +22,7 @@ unknown, never stops the view.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -226,8 +227,12 @@ def train_progress(lake: Lake) -> StageProgress:
     """``last``: the newest examples version the current trainer run trained rows of (the run of the newest
     ``freshness`` row); ``rows``: the rows that run trained; ``lag``: ``examples`` versions committed since that
     added rows (the trainer passes over empty ones without a ``freshness`` row)."""
+    return _train_from(lake, _teacher_run(lake))
+
+
+def _train_from(lake: Lake, teacher: tuple[int, int] | None) -> StageProgress:
+    """:func:`train_progress` from the trainer's :func:`_teacher_run`."""
     examples = latest_version(lake.root, Table.EXAMPLES, storage_options=lake.storage_options)
-    teacher = _teacher_run(lake)
     if teacher is None:
         # Before the first trained version every examples version with rows waits for the trainer.
         return StageProgress(lag=None if examples is None else _versions_with_rows(lake, -1, examples))
@@ -266,7 +271,11 @@ def distill_progress(lake: Lake) -> StageProgress:
     trained (:func:`train_progress`'s ``last``) and the students have not distilled yet: distill follows the
     teacher, so a version the teacher has not trained is not distill's lag. Unknown (``StageProgress()``)
     before the teacher's first trained version."""
-    teacher = _teacher_run(lake)
+    return _distill_from(lake, _teacher_run(lake))
+
+
+def _distill_from(lake: Lake, teacher: tuple[int, int] | None) -> StageProgress:
+    """:func:`distill_progress` from the trainer's :func:`_teacher_run`."""
     if teacher is None:
         return StageProgress()
     meta = _distill_meta(lake)
@@ -281,10 +290,11 @@ def pipeline_progress(lake: Lake, *, ingest_app_id: str | None = None,
                       watermarks: Watermarks | None = None) -> dict[str, StageProgress]:
     """Each stage's progress (module docstring), keyed by the stage names of ``gemline run``; ingest's only with
     its writer id ``ingest_app_id`` (``ingest.pipeline.app_id_for(topic)``)."""
+    teacher = functools.cache(lambda: _teacher_run(lake))  # the freshness table, read once for train and distill
     out = {"validate": _guarded("validate", lambda: validate_progress(lake)),
            "build": _guarded("build", lambda: build_progress(lake)),
-           "train": _guarded("train", lambda: train_progress(lake)),
-           "distill": _guarded("distill", lambda: distill_progress(lake))}
+           "train": _guarded("train", lambda: _train_from(lake, teacher())),
+           "distill": _guarded("distill", lambda: _distill_from(lake, teacher()))}
     if ingest_app_id is not None:
         out["ingest"] = _guarded("ingest", lambda: ingest_progress(lake, ingest_app_id, watermarks))
     return out

@@ -107,9 +107,9 @@ class _Sorted:
 
     def merged(self, added: pl.DataFrame, whole: pl.DataFrame) -> _Sorted:
         """These rows with ``added`` merged in (``whole``: every row, ``added`` its last ones, for a re-sort): the
-        added rows sorted alone and put in place by binary search, not a sort of everything again. Where an
-        added event has the key and time of a held one (the event id decides their order), or the times leave
-        the search key's range, every row is sorted again instead: the same order either way."""
+        added rows sorted alone and put in place by binary search, not a sort of everything again; one with the
+        key and time of held ones goes among them by event id (:meth:`_place_ties`). Where that gives up, or the
+        times leave the search key's range, every row is sorted again instead: the same order either way."""
         if added.height == 0:
             return self
         codes = added.select(self.keys).unique().join(self.codes, on=self.keys, how="anti")
@@ -130,14 +130,15 @@ class _Sorted:
         held_key = self.kc * span + (self.time - lo)
         new_key = new_kc * span + (t - lo)
         at = np.searchsorted(held_key, new_key, side="left")
-        ties = np.flatnonzero(np.searchsorted(held_key, new_key, side="right") != at)
-        if ties.size and not self._place_ties(at, ties, held_key, new_key, new.get_column("event_id")):
+        end = np.searchsorted(held_key, new_key, side="right")
+        ties = np.flatnonzero(end != at)
+        if ties.size and not self._place_ties(at, end, ties, new.get_column("event_id")):
             return _Sorted(whole, self.keys)
         # New row m goes to position at[m] + m; the held rows fill the other positions in their order.
         total = len(self.perm) + new.height
         new_pos = at + np.arange(new.height)
-        is_new = np.zeros(total, dtype=bool)
-        is_new[new_pos] = True
+        is_held = np.ones(total, dtype=bool)
+        is_held[new_pos] = False
         out = _Sorted.__new__(_Sorted)
         out.keys, out.codes, out.whole = self.keys, codes, whole
         for name, fresh in (("perm", new.get_column("_r").cast(pl.Int64).to_numpy()), ("kc", new_kc), ("time", t),
@@ -145,25 +146,23 @@ class _Sorted:
                             ("created", new.get_column("created_ts_ms").to_numpy())):
             held = getattr(self, name)
             merged = np.empty(total, dtype=np.result_type(held.dtype, fresh.dtype))
-            merged[~is_new] = held
+            merged[is_held] = held
             merged[new_pos] = fresh
             setattr(out, name, merged)
         out._derive()
         return out
 
-    def _place_ties(self, at: np.ndarray, ties: np.ndarray, held_key: np.ndarray, new_key: np.ndarray,
-                    new_ids: pl.Series) -> bool:
-        """Move each added row in ``ties`` (its key and time those of held rows) past the held rows of its key and
-        time whose event id sorts before its own, as a sort by (key, time, event id) places it (Python compares
-        str by code point, which is UTF-8 byte order, polars' string order). False (nothing moved) for more than
-        :data:`TIES_MAX` such rows or an event id already held: the caller sorts everything again."""
+    def _place_ties(self, at: np.ndarray, end: np.ndarray, ties: np.ndarray, new_ids: pl.Series) -> bool:
+        """Move each added row in ``ties`` (its key and time those of the held rows ``at`` .. ``end`` - 1) past the
+        held rows whose event id sorts before its own, as a sort by (key, time, event id) places it (Python
+        compares str by code point, which is UTF-8 byte order, polars' string order). False (nothing moved) for
+        more than :data:`TIES_MAX` such rows or an event id already held: the caller sorts everything again."""
         if ties.size > TIES_MAX:
             return False
         held_ids = self.whole.get_column("event_id")
-        ends = np.searchsorted(held_key, new_key[ties], side="right")
         moved = at.copy()
-        for m, end in zip(ties.tolist(), ends.tolist(), strict=True):
-            group = held_ids.gather(self.perm[at[m]:end]).to_list()
+        for m in ties.tolist():
+            group = held_ids.gather(self.perm[at[m]:end[m]]).to_list()
             mine = new_ids[m]
             if mine in group:
                 return False

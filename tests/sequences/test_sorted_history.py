@@ -170,7 +170,7 @@ def test_merging_added_rows_orders_them_as_a_sort_of_everything(ties, monkeypatc
     placed: list[int] = []
     real_place = sorted_history._Sorted._place_ties
     monkeypatch.setattr(sorted_history._Sorted, "_place_ties",
-                        lambda self, at, tied, *args: placed.append(tied.size) or real_place(self, at, tied, *args))
+                        lambda self, at, end, tied, *args: placed.append(tied.size) or real_place(self, at, end, tied, *args))
     for keys in (["user_id"], ["user_id", "domain"]):
         whole = pl.concat([held, added])
         base = sorted_history._Sorted(held, keys)
