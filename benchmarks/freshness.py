@@ -24,12 +24,15 @@ Every ~30 s it samples each stage's backlog:
 * distill (when ``gemline run`` starts it): the versions the teacher trained that the students have not distilled
   yet (:func:`gemline.progress.distill_progress`, their newest checkpoint's cursor).
 
-A backlog is "growing" when the least-squares slope of its samples over the last 5 minutes (the last half of a
-shorter run) is > 0 with one-sided p < 0.05 (``scipy.stats.linregress``'s t-test on the slope). Known limit
-(2026-12-04): a version in flight counts as backlog, and with a version every ~10 s and a sample every 30 s
-whether a sample catches one drifts slowly, so a stage that keeps up can read 0 for minutes and then 1 for
-minutes, which the test (independent samples assumed) may call growth: read a flagged stage's samples and its
-hop in the ``freshness`` lines before concluding it falls behind.
+A stage's backlog is "growing" when each input waits longer for it than the one before (gemline.waits: with a
+steady arrival rate, backlog = rate x wait): over the inputs that arrived in the last 5 minutes (the last half of
+a shorter run), the least-squares line of wait against arrival time rises by at least ``--rise-s`` (default 10 s,
+one build interval: a stage ~3 % short of its input's rate) and its slope is > 0 with one-sided p < 0.05
+(``gemline.waits.wait_trend``). Each input's wait is read afterwards from what the stages committed (commit
+timestamps, ``quality`` runs, ``freshness`` rows, the students' checkpoint), one value per input, so it does not
+alias as a count of versions sampled every 30 s against a version every ~10 s did (until 2026-12-04 the verdict
+was that count's slope: it flagged a stage in 3 of 5 runs where no stage's waits rose by more than 5 s over the
+window). The samples above are still printed, for a look during the run.
 
 CPU budget: every ~5 s it reads the CPU time (user + system, ``psutil``) of every process under ``gemline run``,
 each counted to its stage (the ``gemline.cli`` subcommand in its command line, or its nearest such ancestor's:
@@ -43,15 +46,15 @@ After the run it prints the ``freshness`` table (trainer.freshness) per examples
 
     freshness impression->trained p50=X p95=Y p99=Z s; backlog growing: yes|no
 
-where X, Y, Z are the row-weighted means of the versions' p50, p95 and p99 (the table keeps quantiles per
-version, not rows, so this approximates the quantiles of all rows pooled). Goal on the 2-core dev machine:
+after one line per stage with its inputs' waits over the window (median, max, fitted rise, p). X, Y, Z are the
+row-weighted means of the versions' p50, p95 and p99 (the table keeps quantiles per version, not rows, so this
+approximates the quantiles of all rows pooled). Goal on the 2-core dev machine:
 p50 <= 90 s, p99 <= 240 s, no backlog growing over the last 5 minutes of a 10-minute run.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import subprocess
@@ -64,13 +67,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # pinned in requirements.lock
-from scipy import stats  # type: ignore[import-untyped]  # pinned in requirements.lock
 
 from gemline.config import GemlineConfig, load_config
 from gemline.lake import Lake, read_table
 from gemline.progress import build_progress, distill_progress, ingest_progress, train_progress, validate_progress
 from gemline.run import runs_distill
 from gemline.tables import Table
+from gemline.waits import Trend, stage_waits, wait_trend
 from ingest.broker import free_port
 from ingest.generate import GenerateConfig
 from ingest.kafka_clients import make_client
@@ -191,38 +194,30 @@ def budget_lines(first: Sample, last: Sample, title: str) -> list[str]:
     return lines
 
 
-def backlog_growing(t_s: Sequence[float], backlog: Sequence[float], *, alpha: float = 0.05) -> bool:
-    """True when the least-squares slope of ``backlog`` over ``t_s`` is > 0 with one-sided p < ``alpha``
-    (t-test of the slope, ``scipy.stats.linregress``). False with fewer than 3 points or a flat backlog.
-
-    Raises:
-        ValueError: ``t_s`` and ``backlog`` differ in length.
-    """
-    if len(t_s) != len(backlog):
-        raise ValueError(f"backlog_growing: {len(t_s)} times but {len(backlog)} backlog values")
-    if len(t_s) < 3 or len(set(backlog)) == 1 or len(set(t_s)) == 1:
-        return False
-    fit = stats.linregress(t_s, backlog)
-    if math.isnan(fit.pvalue):  # a perfect line: stderr 0
-        return bool(fit.slope > 0)
-    return bool(fit.slope > 0 and fit.pvalue / 2 < alpha)
+def window_start_s(run_s: float, window_s: float = 300.0) -> float:
+    """Where the judged window of a ``run_s``-second run starts, s into the run: its last ``window_s`` seconds,
+    or its last half when the run is shorter than two windows."""
+    return run_s - window_s if run_s >= 2 * window_s else run_s / 2
 
 
 def last_window(samples: Sequence[Sample], run_s: float, window_s: float = 300.0) -> list[Sample]:
-    """The samples of the last ``window_s`` seconds of a ``run_s``-second run, or of its last half when the run
-    is shorter than two windows."""
-    start = run_s - window_s if run_s >= 2 * window_s else run_s / 2
+    """The samples of the window of a ``run_s``-second run (:func:`window_start_s`)."""
+    start = window_start_s(run_s, window_s)
     return [s for s in samples if s.t_s >= start]
 
 
-def growing_stages(samples: Sequence[Sample]) -> list[str]:
-    """The stages whose backlog grows over ``samples`` (:func:`backlog_growing`; samples without a value left out)."""
-    out = []
-    for stage in STAGES:
-        points = [(s.t_s, getattr(s, stage)) for s in samples if getattr(s, stage) is not None]
-        if backlog_growing([t for t, _ in points], [b for _, b in points]):
-            out.append(stage)
-    return out
+def trend_lines(trends: dict[str, Trend | None]) -> list[str]:
+    """One line per stage: its inputs' waits over the window (:func:`gemline.waits.wait_trend`)."""
+    lines = []
+    for stage, t in trends.items():
+        if t is None:
+            lines.append(f"  {stage:9s} fewer than 3 inputs in the window")
+        else:
+            verdict = "STALLED (an input waits longer than any done)" if t.stalled else (
+                "GROWING" if t.growing else "keeps up")
+            lines.append(f"  {stage:9s} {t.inputs:4d} inputs, wait median {t.median_s:6.1f} max {t.max_s:6.1f} s, "
+                         f"fitted rise {t.rise_s:+7.1f} s (p={t.p:.3f}): {verdict}")
+    return lines
 
 
 def pooled(rows: list[dict[str, Any]], hop: str) -> tuple[float, float, float, int] | None:
@@ -290,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-s", type=float, default=10.0, help="gemline run --interval-s (build, validate)")
     parser.add_argument("--poll-interval-s", type=float, default=10.0, help="gemline run --poll-interval-s (train)")
     parser.add_argument("--watch-s", default="1", help="gemline run --watch-s (every follower; none: no watching)")
+    parser.add_argument("--rise-s", type=float, default=10.0,
+                        help="a stage's backlog grows when its inputs' waits rise by this much over the window (s)")
     parser.add_argument("--lake", help="lake folder (default: a new temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more settings for every stage, e.g. --set trainer.model=dlrm (repeatable)")
@@ -313,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
-        began = time.monotonic()
+        began, began_ms = time.monotonic(), time.time() * 1000
         meter = CpuMeter(proc.pid)
         samples.append(Sample(0.0, None, None, None, 0, meter.read()))
         try:
@@ -330,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"trainer {s.trainer} examples versions, distill {s.distill} examples versions; versions measured: "
                       f"{0 if trained is None else len(set(trained['examples_version'].to_pylist()))}", flush=True)
         finally:
+            ran_s, ended_ms = time.monotonic() - began, int(time.time() * 1000)
             _stop(proc)
     if proc.returncode not in (0, 130, -signal.SIGTERM) and time.monotonic() - began < run_s:
         raise SystemExit(f"gemline run exited early ({proc.returncode}); its log: {log_path}")
@@ -344,8 +342,15 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(budget_lines(window[0], window[-1], "over the backlog window")))
     if len(measured) >= 2:
         print("\n".join(budget_lines(measured[0], measured[-1], "over the whole run")))
-    growing = growing_stages(window)
-    print(f"backlog over the last {len(window)} samples: growing in {', '.join(growing) or 'no stage'}")
+    since_ms = int(began_ms + window_start_s(ran_s) * 1000)
+    waits = stage_waits(Lake.for_config(config), ingest_app_id=app_id_for(config.kafka.topic), until_ms=ended_ms,
+                        ingest_pending=bool(samples[-1].ingest), distill=runs_distill(config))
+    trends = {stage: wait_trend(w, since_ms, ended_ms, rise_s=args.rise_s) for stage, w in waits.items()}
+    print(f"each input's wait for its stage, inputs arrived t={window_start_s(ran_s):.0f}-{ran_s:.0f} s "
+          f"(growing: a fitted rise of at least {args.rise_s:g} s, p < 0.05):")
+    print("\n".join(trend_lines(trends)))
+    growing = [stage for stage, t in trends.items() if t is not None and t.growing]
+    print(f"backlog growing in {', '.join(growing) or 'no stage'}")
     total = pooled(rows, "impression->trained")
     if total is None:
         print(f"no trained rows measured: see the stage logs in {lake}/_run/logs")

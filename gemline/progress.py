@@ -246,7 +246,7 @@ DISTILL_CHECKPOINTS = "_distill/_checkpoints"
 ``trainer.checkpoint.CHECKPOINTS_DIR``; a test holds the two equal), read here without importing torch."""
 
 
-def _distill_meta(lake: Lake) -> dict | None:
+def distill_meta(lake: Lake) -> dict | None:
     """The ``meta.json`` of the students' newest complete checkpoint (the highest ``step-N`` holding one); None
     when there is none. One directory listing and one small file read, also on an object-store lake."""
     import json
@@ -278,7 +278,7 @@ def _distill_from(lake: Lake, teacher: tuple[int, int] | None) -> StageProgress:
     """:func:`distill_progress` from the trainer's :func:`_teacher_run`."""
     if teacher is None:
         return StageProgress()
-    meta = _distill_meta(lake)
+    meta = distill_meta(lake)
     extra = {} if meta is None else meta.get("extra", {})
     cursor = int(extra.get("cursor", 0))
     done = sum(int(v.get("rows") or 0) for v in extra.get("versions", []))

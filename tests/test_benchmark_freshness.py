@@ -1,4 +1,4 @@
-"""benchmarks.freshness's helpers: the backlog slope test, the sampling window, the pooled quantiles, the label
+"""benchmarks.freshness's helpers: the judged window and its per-stage lines, the pooled quantiles, the label
 settings and the generator's sizing (the run itself is the benchmark, not a test)."""
 
 from __future__ import annotations
@@ -6,35 +6,29 @@ from __future__ import annotations
 import pytest
 
 import benchmarks.freshness as bench
-from benchmarks.freshness import Sample, backlog_growing, growing_stages, last_window, pooled
+from benchmarks.freshness import Sample, last_window, pooled, trend_lines, window_start_s
+from gemline.waits import Trend
 from ingest.generate import GenerateConfig, generate_records
 
-T = [30.0 * i for i in range(11)]  # 5 minutes sampled every 30 s
-WOBBLE = [3, -3, 2, -2, 4, -4, 1, -1, 3, -3, 0]
 
-
-def test_a_backlog_rising_through_noise_grows_and_a_flat_or_falling_one_does_not():
-    assert backlog_growing(T, [100 + 2 * i + w for i, w in enumerate(WOBBLE)])
-    assert not backlog_growing(T, [100 + w for w in WOBBLE]), "noise around a level"
-    assert not backlog_growing(T, [100 - 5 * i + w for i, w in enumerate(WOBBLE)])
-    assert not backlog_growing(T, [7] * 11), "flat"
-    assert backlog_growing(T[:3], [0, 1, 2]), "an exact rise"
-    assert not backlog_growing(T[:2], [0, 50]), "two points tell nothing"
-    with pytest.raises(ValueError, match="11 times but 2"):
-        backlog_growing(T, [1, 2])
-
-
-def test_the_window_is_the_last_5_minutes_or_the_last_half_and_stages_without_values_are_left_out():
+def test_the_window_is_the_last_5_minutes_or_the_last_half():
+    assert window_start_s(600.0) == 300.0 and window_start_s(900.0) == 600.0
+    assert window_start_s(180.0) == 90.0, "shorter than two windows: its last half"
     ten = [Sample(30.0 * i, 0, None, 0) for i in range(1, 21)]
     assert [s.t_s for s in last_window(ten, 600.0)] == [30.0 * i for i in range(10, 21)]
-    three = ten[:6]
-    assert [s.t_s for s in last_window(three, 180.0)] == [90.0, 120.0, 150.0, 180.0]
-    samples = [Sample(t, 10 * i, None, 5) for i, t in enumerate(T)]
-    assert growing_stages(samples) == ["ingest"]
-    validating = [Sample(t, 0, 1, 5, validate=i) for i, t in enumerate(T)]  # validation falls behind, alone
-    assert growing_stages(validating) == ["validate"]
-    distilling = [Sample(t, 0, 1, 5, distill=i) for i, t in enumerate(T)]  # the students fall behind the teacher
-    assert growing_stages(distilling) == ["distill"]
+    assert [s.t_s for s in last_window(ten[:6], 180.0)] == [90.0, 120.0, 150.0, 180.0]
+
+
+def test_each_stage_gets_one_line_with_its_waits_and_verdict():
+    lines = trend_lines({"build": Trend(30, 9.5, 17.25, 2.3, 0.078, False),
+                         "train": Trend(29, 6.5, 35.6, 29.3, 0.0001, True), "distill": None,
+                         "ingest": Trend(31, 150.0, 300.0, -300.0, 1.0, True, stalled=True)})
+    assert lines == [
+        "  build       30 inputs, wait median    9.5 max   17.2 s, fitted rise    +2.3 s (p=0.078): keeps up",
+        "  train       29 inputs, wait median    6.5 max   35.6 s, fitted rise   +29.3 s (p=0.000): GROWING",
+        "  distill   fewer than 3 inputs in the window",
+        "  ingest      31 inputs, wait median  150.0 max  300.0 s, fitted rise  -300.0 s (p=1.000): STALLED (an input "
+        "waits longer than any done)"]
 
 
 def test_pooled_quantiles_are_the_row_weighted_means_of_the_versions():

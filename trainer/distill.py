@@ -230,7 +230,8 @@ class DistillResult:
     cursor: int
     """The next examples version to distill."""
     versions: list[dict[str, Any]] = field(default_factory=list)
-    """Per version this call passed: ``{"version", "quality", "rows", "counts"}``."""
+    """Per version this call passed: ``{"version", "quality", "rows", "counts", "inference", "distilled_ms"}``
+    (``distilled_ms``: when it was done, ms since epoch UTC; kept in the checkpoint for :mod:`gemline.waits`)."""
     waiting_for: int | None = None
     """The first version the teacher has not consumed yet (None: caught up with the examples table)."""
     report: dict[str, Any] | None = None
@@ -654,6 +655,7 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
                       "counts": counts, "inference": rates}
             if is_released:
                 skipped.remove(version)
+        record["distilled_ms"] = int(time.time() * 1000)  # wall clock: how long a version waited (gemline.waits)
         passed.append(record)
         result.versions.append(record)
         cursor = max(cursor, version + 1)

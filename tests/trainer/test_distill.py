@@ -8,6 +8,7 @@ import base64
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -19,7 +20,7 @@ from gemline.cli import main
 from gemline.config import load_config
 from gemline.gate import release
 from gemline.lake import Lake
-from gemline.progress import DISTILL_CHECKPOINTS, StageProgress, distill_progress
+from gemline.progress import DISTILL_CHECKPOINTS, StageProgress, distill_meta, distill_progress
 from sequences.schema import SPARSE_FEATURES
 from tests.conftest import trainer_args
 from trainer.checkpoint import TrainState, latest_checkpoint, read_state, save_checkpoint
@@ -101,7 +102,12 @@ def test_students_distill_each_teacher_version_once_and_a_quarantined_one_once_r
     shutil.copytree(straight, crashed)
 
     assert distill_progress(Lake(str(straight))) == StageProgress("", None, 4), "four teacher versions with rows wait"
+    before_ms = time.time() * 1000
     out = _distill(straight)
+    # Each version says when it was distilled, in order (gemline.waits reads it from the checkpoint).
+    stamps = [v["distilled_ms"] for v in out.versions]
+    assert before_ms <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= time.time() * 1000
+    assert [v["distilled_ms"] for v in distill_meta(Lake(str(straight)))["extra"]["versions"]] == stamps
     assert [(v["version"], v["quality"], v["rows"]) for v in out.versions] == [
         (0, "passed", 90), (1, "passed", 90), (2, "quarantined", 0), (3, "passed", 90)]
     # gemline run's status and the freshness benchmark read the students' cursor from their newest checkpoint.
