@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import heapq
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,12 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from deltalake import DeltaTable
 
 from gemline.gate import GateWatch, append_quality_rows
 from gemline.increments import LogTip, latest_version
-from gemline.lake import read_table, table_uri
+from gemline.lake import Lake, read_table
 from gemline.tables import Table
+from gemline.waits import commits
 
 
 def _quality_rows(version: int) -> list[dict]:
@@ -150,8 +149,7 @@ def simulate(*, minutes: float, commit_s: float, pass_s: tuple[float, float, flo
 
 def _commits(lake: str, table: str) -> dict[int, tuple[int, dict]]:
     """``{version: (commit time ms, gemline commit metadata)}`` of a table's log."""
-    return {int(h["version"]): (int(h["timestamp"]), json.loads(h.get("gemline") or "{}"))
-            for h in DeltaTable(table_uri(lake, table)).history()}
+    return {c.version: (c.timestamp_ms, dict(c.meta)) for c in commits(Lake(lake), table)}
 
 
 def measured_hops(lake: str) -> dict[str, list[float]]:

@@ -115,7 +115,6 @@ class Sample:
     starts no ``distill --follow`` or the teacher has trained nothing yet."""
 
 
-STAGES = ("ingest", "validate", "build", "trainer", "distill")
 CPU_ORDER = ("broker", "generate", "ingest", "validate", "build", "train", "distill", "run", "benchmark")
 
 

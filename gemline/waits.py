@@ -46,8 +46,6 @@ from gemline.lake import Lake, open_table, read_table
 from gemline.progress import distill_meta
 from gemline.tables import Table
 
-STAGES = ("ingest", "validate", "build", "train", "distill")
-
 
 @dataclass(frozen=True)
 class Commit:
@@ -191,8 +189,8 @@ def _distilled(lake: Lake) -> dict[int, int | None]:
 
 def stage_waits(lake: Lake, *, ingest_app_id: str, until_ms: int, ingest_pending: bool = True,
                 distill: bool = True) -> dict[str, list[Wait]]:
-    """Each stage's waits (module docstring) for the inputs that arrived by ``until_ms``, keyed by
-    :data:`STAGES` (``distill`` only with ``distill``). Reads the whole ``events`` and ``examples`` logs: for a
+    """Each stage's waits (module docstring) for the inputs that arrived by ``until_ms``, keyed by stage:
+    ``ingest``, ``validate``, ``build``, ``train`` and, with ``distill``, ``distill``. Reads the whole ``events`` and ``examples`` logs: for a
     run's analysis afterwards, not for a poll."""
     from sequences.pipeline import APP_ID as BUILD_APP_ID  # the build's writer id
 
