@@ -7,6 +7,8 @@ import pytest
 
 import benchmarks.freshness as bench
 from benchmarks.freshness import Sample, last_window, pooled, trend_lines, window_start_s
+from gemline.config import load_config
+from gemline.lake import Lake
 from gemline.waits import Trend
 from ingest.generate import GenerateConfig, generate_records
 
@@ -109,3 +111,33 @@ def test_the_cpu_meter_counts_a_grandchild_to_its_gemline_ancestor_and_keeps_an_
     assert set(alive) == {"build", "benchmark"} and len(meter.seen) == 2
     assert alive["build"] >= 0.3, "the grandchild's burn counts to its gemline ancestor's stage"
     assert after["build"] == pytest.approx(alive["build"]), "the exited processes keep their last reading"
+
+
+def test_compressed_windows_span_the_generated_time_the_real_windows_span():
+    """10 minutes at 2000 events/s: 1.1 x 600 s of wall time carry generate.days of behaviour; the windows shrink
+    by that factor, the trainer's click window equal to the build's."""
+    settings = bench.generator_settings(2000.0, 10.0)
+    compression = bench.time_compression(settings, 10.0)
+    assert compression == pytest.approx(float(settings["generate.days"]) * 86_400 / 660)
+    assert 1000 < compression < 1100  # 8.15 days in 660 s
+    windows = bench.compressed_windows(compression)
+    assert int(windows["build.click_window_ms"]) == round(86_400_000 / compression)
+    assert int(windows["build.conversion_window_ms"]) == round(7 * 86_400_000 / compression)
+    assert windows["trainer.click_window_ms"] == windows["build.click_window_ms"]
+    # The settings load: the trainer's window equals the build's, as the application requires.
+    config = load_config(overrides=windows)
+    assert config.build.click_window_ms == config.trainer.click_window_ms == int(windows["build.click_window_ms"])
+
+
+def test_load_lines_count_first_publications_and_corrections_per_minute(tmp_path):
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    began = 1_000_000
+    write_deltalake(str(tmp_path / "examples"), pa.table({
+        "created_ts_ms": pa.array([began + 5_000, began + 59_999, began + 60_000, began + 61_000, began + 185_000],
+                                  pa.int64()),
+        "corrects_example_id": pa.array([None, "a", None, "b", "c"], pa.string())}))
+    lines = bench.load_lines(Lake(str(tmp_path)), began)
+    assert lines == ["examples rows published per minute of the run (first publications + corrections): "
+                     "0: 1+1, 1: 1+1, 2: 0+0, 3: 0+1"]
