@@ -88,7 +88,8 @@ class VectorCapture:
         if isinstance(towers, nn.Module):
             def on_towers(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
                 self.representation.append(inputs[0].detach().float().cpu().numpy())
-            handles.append(towers.register_forward_pre_hook(on_towers))
+            # Run eagerly under trainer.compile: traced, the hook's copy to numpy broke the compiled graph's guards.
+            handles.append(towers.register_forward_pre_hook(torch.compiler.disable(on_towers)))
         try:
             yield self
         finally:

@@ -21,6 +21,10 @@ def causal_attention(
     scale: float,
 ) -> torch.Tensor:
     """``q, k, v (T, H, Dh)`` -> ``(T, H, Dh)`` in q's dtype."""
+    # At least 2 padded slots (the extra ones masked like any padding): under torch.compile ``max_len`` is a
+    # data-dependent size, and inductor's batched matmul asks whether it is 1, which it cannot decide; a length
+    # of at least 2 answers that without changing any output.
+    max_len = torch.sym_max(max_len, 2)
     qp, kp, vp = (jagged_to_padded(t.float(), offsets, max_len, 0.0).transpose(1, 2) for t in (q, k, v))
     i = torch.arange(max_len, device=q.device).view(-1, 1)
     j = torch.arange(max_len, device=q.device).view(1, -1)

@@ -320,6 +320,33 @@ def test_one_process_compile_compiles_the_dense_part_and_trains_as_eager(data, m
         torch.testing.assert_close(value, eager.model.state_dict()[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+def test_teacher_vectors_are_captured_from_a_compiled_dense_part_as_from_eager(data, monkeypatch):
+    """trainer.teacher_log hooks the towers inside the compiled dense part; traced, its copy to numpy failed dynamo's
+    guards on the first prediction (2026-12-04). aot_eager as above; the hook runs eagerly either way."""
+    from trainer.teacher_log import VectorCapture
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="aot_eager"))
+    captured = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        engine = local_engine(replace(TINY, model="dlrm", compile=compiled), data.dense.shape[1], DOMAINS, None)
+        capture = VectorCapture()
+        with capture.recording(engine.model):
+            probs = engine.predict(data, 16)
+        captured[compiled] = (probs, capture.vectors(len(data)))
+    (eager_probs, eager), (compiled_probs, got) = captured[False], captured[True]
+    np.testing.assert_allclose(compiled_probs, eager_probs, rtol=1e-5, atol=1e-6)
+    assert set(got) == {"user_vector", "candidate_vector", "representation"}
+    assert all(v is not None for v in got["representation"])  # the towers' input, read inside the compiled part
+    for key in got:
+        assert len(got[key]) == len(data) and [v is None for v in got[key]] == [v is None for v in eager[key]]
+        present = [i for i, v in enumerate(eager[key]) if v is not None]
+        if present:
+            np.testing.assert_allclose(np.stack([got[key][i] for i in present]),
+                                       np.stack([eager[key][i] for i in present]), rtol=1e-5, atol=1e-6)
+
+
 # -- the device benchmark's training run --------------------------------------------------------------------------
 
 
