@@ -14,18 +14,19 @@ checkout's config has no such keys; ``--label-mode window`` instead sets both at
 it happened, its labels final.
 
 Windows (``--windows real|compressed``, default real). The generator compresses ``generate.days`` of behaviour
-into the run (:func:`time_compression`: ~1,070x for 10 minutes at 2000 events/s), its label delays with it, but
-event times are the wall clock, so the default attribution windows (click 1 day, conversion 7 days) span the
+into the run (:func:`time_compression`: ~1,070x at 2000 events/s, whatever the minutes), its label delays with
+it, but event times are the wall clock, so the default attribution windows (click 1 day, conversion 7 days) span the
 whole run: 1,070x more generated behaviour than in real time. The label join attributes a click to every earlier
 impression of the same (user, item, domain) in the window (sequences.labels, multi-touch), so each click labels
 the user's exposures to that ad over the whole run, most of them published long before: late positives whose
-number grows with the time run so far (measured 2026-12-04 on 10-minute runs: correction rows were 4 % of the rows
-published in the run's second minute and 21 % in its eighth; of its 65k late clicks, 53k came more than 81 s, a
-compressed day, after their impression). Under
-``--windows compressed`` the windows shrink by the compression (:func:`compressed_windows`: click 81 s,
-conversion 567 s for 10 minutes), so a window holds what it would in real time; DEFER then also publishes its
-real-negative duplicates (each impression's click negative 81 s after it), the load DEFER has in its steady state.
-The per-minute rows published (first publications + corrections) are printed after the run.
+number grows with the time run so far (measured 2026-12-04 on a 10-minute run: correction rows were 6 % of the
+rows committed in its third minute and 20 % in its tenth; of its 65k late clicks, 53k came more than 81 s, a
+compressed day, after their impression). Under ``--windows compressed`` the windows shrink by the compression
+(:func:`compressed_windows`; the compression is proportional to the rate: click 81 s, conversion 567 s at 2000
+events/s), so a window holds what it would in real time; DEFER then also publishes its real-negative duplicates
+(each impression's click negative a compressed day after it), the load DEFER has in its steady state.
+The rows each minute's ``examples`` commits published (first publications + corrections) are printed after the
+run.
 
 Every ~30 s it samples each stage's backlog:
 
@@ -83,11 +84,12 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]  # pinned in requirements.lock
 
 from gemline.config import GemlineConfig, load_config
+from gemline.increments import Cursor, read_from, table_id
 from gemline.lake import Lake, read_table
 from gemline.progress import build_progress, distill_progress, ingest_progress, train_progress, validate_progress
 from gemline.run import runs_distill
 from gemline.tables import Table
-from gemline.waits import Trend, stage_waits, wait_trend
+from gemline.waits import Trend, commits, stage_waits, wait_trend
 from ingest.broker import free_port
 from ingest.generate import GenerateConfig
 from ingest.kafka_clients import make_client
@@ -270,17 +272,28 @@ def compressed_windows(compression: float) -> dict[str, str]:
 
 def load_lines(lake: Lake, began_ms: float) -> list[str]:
     """Per minute of the run, the ``examples`` rows the build published: first publications and correction rows
-    (``corrects_example_id`` set), by their ``created_ts_ms``; a load rising through the run shows here."""
-    table = read_table(lake, Table.EXAMPLES, columns=["created_ts_ms", "corrects_example_id"])
-    if table is None or table.num_rows == 0:
+    (``corrects_example_id`` set), each counted at the Delta commit that added it (its commit timestamp, the
+    minute being ``(commit ms - began_ms) // 60,000``); a load rising through the run shows here. Rows carry no
+    publication time of their own (``created_ts_ms`` is the impression's arrival, copied into its corrections)."""
+    tid = table_id(lake.root, Table.EXAMPLES, storage_options=lake.storage_options)
+    if tid is None:
         return []
-    minute = ((table["created_ts_ms"].to_numpy() - began_ms) // 60_000).astype(int)
-    corrected = table["corrects_example_id"].is_valid().to_numpy(zero_copy_only=False)
-    parts = []
-    for m in range(max(0, int(minute.min())), int(minute.max()) + 1):
-        mine = minute == m
-        parts.append(f"{m}: {int((mine & ~corrected).sum()):,}+{int((mine & corrected).sum()):,}")
-    return ["examples rows published per minute of the run (first publications + corrections): " + ", ".join(parts)]
+    committed = {c.version: c.timestamp_ms for c in commits(lake, Table.EXAMPLES)}
+    counts: dict[int, list[int]] = {}
+    for version, batch, _ in read_from(lake.root, Table.EXAMPLES, Cursor(tid, 0), columns=["corrects_example_id"],
+                                       storage_options=lake.storage_options):
+        if batch is None or batch.num_rows == 0:
+            continue
+        corrections = batch.num_rows - batch.column(0).null_count
+        minute = counts.setdefault(int((committed[version] - began_ms) // 60_000), [0, 0])
+        minute[0] += batch.num_rows - corrections
+        minute[1] += corrections
+    if not counts:
+        return []
+    parts = [f"{m}: {counts.get(m, [0, 0])[0]:,}+{counts.get(m, [0, 0])[1]:,}"
+             for m in range(max(0, min(counts)), max(counts) + 1)]
+    return ["examples rows published per minute of the run, by commit (first publications + corrections): "
+            + ", ".join(parts)]
 
 
 def generator_settings(rate: float, minutes: float, batch_messages: int = 1) -> dict[str, str]:

@@ -74,7 +74,7 @@ def run_demo(
     """
     from gemline.gate import GateClosedError
     from ingest.datasets import load_records
-    from ingest.pipeline import run_ingest
+    from ingest.pipeline import run_ingest, uses_beam
     from ingest.replay import replay
     from sequences.pipeline import run_build
     from trainer.continuous import run_once
@@ -127,7 +127,8 @@ def run_demo(
         validated_examples = None
         for k, (lo, hi) in enumerate(parts):
             label = f"increment {k + 1}/{len(parts)}" if len(parts) > 1 else dataset
-            console.rule(f"{label}: replay {hi - lo} records -> {topic}, ingest (Beam)")
+            engine = "Beam" if uses_beam(config.ingest, beam_args) else "in process"
+            console.rule(f"{label}: replay {hi - lo} records -> {topic}, ingest ({engine})")
             replay(records[lo:hi], bootstrap=bootstrap, topic=topic, partitions=config.kafka.partitions,
                    batch_messages=config.kafka.producer_batch_messages)
             ingested = run_ingest(lake, config.kafka, config.ingest, bootstrap=bootstrap, beam_args=beam_args,

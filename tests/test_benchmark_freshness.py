@@ -129,15 +129,22 @@ def test_compressed_windows_span_the_generated_time_the_real_windows_span():
     assert config.build.click_window_ms == config.trainer.click_window_ms == int(windows["build.click_window_ms"])
 
 
-def test_load_lines_count_first_publications_and_corrections_per_minute(tmp_path):
+def test_load_lines_count_each_commits_rows_at_its_commit_minute(tmp_path, monkeypatch):
+    """examples@0 (one first publication, one correction) committed 5 s into the run, examples@1 (one + two) at
+    185 s; the rows' created_ts_ms (the impression's arrival) play no part."""
     import pyarrow as pa
     from deltalake import write_deltalake
 
+    from gemline.waits import Commit
+
     began = 1_000_000
-    write_deltalake(str(tmp_path / "examples"), pa.table({
-        "created_ts_ms": pa.array([began + 5_000, began + 59_999, began + 60_000, began + 61_000, began + 185_000],
-                                  pa.int64()),
-        "corrects_example_id": pa.array([None, "a", None, "b", "c"], pa.string())}))
+    for ids in ([None, "a"], [None, "b", "c"]):
+        write_deltalake(str(tmp_path / "examples"), pa.table({
+            "created_ts_ms": pa.array([0] * len(ids), pa.int64()),
+            "corrects_example_id": pa.array(ids, pa.string())}), mode="append")
+    monkeypatch.setattr(bench, "commits", lambda lake, table: [Commit(0, began + 5_000, {}),
+                                                               Commit(1, began + 185_000, {})])
     lines = bench.load_lines(Lake(str(tmp_path)), began)
-    assert lines == ["examples rows published per minute of the run (first publications + corrections): "
-                     "0: 1+1, 1: 1+1, 2: 0+0, 3: 0+1"]
+    assert lines == ["examples rows published per minute of the run, by commit (first publications + corrections): "
+                     "0: 1+1, 1: 0+0, 2: 0+0, 3: 1+2"]
+    assert bench.load_lines(Lake(str(tmp_path / "none")), began) == []
