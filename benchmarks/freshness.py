@@ -290,8 +290,10 @@ def load_lines(lake: Lake, began_ms: float) -> list[str]:
         minute[1] += corrections
     if not counts:
         return []
-    parts = [f"{m}: {counts.get(m, [0, 0])[0]:,}+{counts.get(m, [0, 0])[1]:,}"
-             for m in range(max(0, min(counts)), max(counts) + 1)]
+    parts = []
+    for m in range(max(0, min(counts)), max(counts) + 1):
+        first, corrections = counts.get(m, [0, 0])
+        parts.append(f"{m}: {first:,}+{corrections:,}")
     return ["examples rows published per minute of the run, by commit (first publications + corrections): "
             + ", ".join(parts)]
 
@@ -403,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"examples@{r['examples_version']} {r['hop']:>22}: {r['rows']:7d} rows p50 {r['p50_s']:7.1f} "
               f"p95 {r['p95_s']:7.1f} p99 {r['p99_s']:7.1f} s (steps {r['step_first']}-{r['step_last']})")
-    print("\n".join(load_lines(Lake.for_config(config), began_ms)))
+    written = Lake.for_config(config)
+    print("\n".join(load_lines(written, began_ms)))
     window = last_window(samples, run_s)
     measured = [s for s in samples if s.cpu_s is not None]
     if len(window) >= 2:
@@ -411,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(measured) >= 2:
         print("\n".join(budget_lines(measured[0], measured[-1], "over the whole run")))
     since_ms = int(began_ms + window_start_s(ran_s) * 1000)
-    waits = stage_waits(Lake.for_config(config), ingest_app_id=app_id_for(config.kafka.topic), until_ms=ended_ms,
+    waits = stage_waits(written, ingest_app_id=app_id_for(config.kafka.topic), until_ms=ended_ms,
                         ingest_pending=bool(samples[-1].ingest), distill=runs_distill(config))
     trends = {stage: wait_trend(w, since_ms, ended_ms, rise_s=args.rise_s) for stage, w in waits.items()}
     print(f"each input's wait for its stage, inputs arrived t={window_start_s(ran_s):.0f}-{ran_s:.0f} s "

@@ -125,9 +125,9 @@ def run_demo(
         reset = bootstrap != config.kafka.bootstrap and _has_offsets(config)
         built = events_quality = examples_quality = None
         validated_examples = None
+        engine = "Beam" if uses_beam(config.ingest, beam_args) else "in process"
         for k, (lo, hi) in enumerate(parts):
             label = f"increment {k + 1}/{len(parts)}" if len(parts) > 1 else dataset
-            engine = "Beam" if uses_beam(config.ingest, beam_args) else "in process"
             console.rule(f"{label}: replay {hi - lo} records -> {topic}, ingest ({engine})")
             replay(records[lo:hi], bootstrap=bootstrap, topic=topic, partitions=config.kafka.partitions,
                    batch_messages=config.kafka.producer_batch_messages)

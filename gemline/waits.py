@@ -190,8 +190,8 @@ def _distilled(lake: Lake) -> dict[int, int | None]:
 def stage_waits(lake: Lake, *, ingest_app_id: str, until_ms: int, ingest_pending: bool = True,
                 distill: bool = True) -> dict[str, list[Wait]]:
     """Each stage's waits (module docstring) for the inputs that arrived by ``until_ms``, keyed by stage:
-    ``ingest``, ``validate``, ``build``, ``train`` and, with ``distill``, ``distill``. Reads the whole ``events`` and ``examples`` logs: for a
-    run's analysis afterwards, not for a poll."""
+    ``ingest``, ``validate``, ``build``, ``train`` and, with ``distill``, ``distill``. Reads the whole ``events``
+    and ``examples`` logs: for a run's analysis afterwards, not for a poll."""
     from sequences.pipeline import APP_ID as BUILD_APP_ID  # the build's writer id
 
     events, examples = commits(lake, Table.EVENTS), commits(lake, Table.EXAMPLES)

@@ -24,14 +24,13 @@ def test_inductor_compiles_the_reference_with_a_data_dependent_length():
     gen = torch.Generator().manual_seed(0)
     # Inductor's batched matmul asked whether the padded length is 1 and failed on real batches (2026-12-04).
     for lengths in ([0, 1, 16, 17, 0, 33], [1, 1, 0, 1], [4, 0, 2]):
-        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-        q, k, v = (torch.randn(int(offsets[-1]), 2, 8, generator=gen) for _ in range(3))
+        q, k, v = (torch.randn(sum(lengths), 2, 8, generator=gen) for _ in range(3))
+        offsets = Jagged.from_lengths(q, lengths).offsets
         torch.testing.assert_close(compiled(q, k, v, offsets), _attend(q, k, v, offsets), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lengths", [[1, 1, 0, 1], [0, 0]])
 def test_padding_to_two_slots_changes_no_output(lengths):
     """A batch whose longest row has 0 or 1 tokens: each token attends only itself (its own v)."""
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    q, k, v = (torch.randn(int(offsets[-1]), 2, 4) for _ in range(3))
-    torch.testing.assert_close(_attend(q, k, v, offsets), v)
+    q, k, v = (torch.randn(sum(lengths), 2, 4) for _ in range(3))
+    torch.testing.assert_close(_attend(q, k, v, Jagged.from_lengths(q, lengths).offsets), v)
