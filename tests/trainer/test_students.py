@@ -327,3 +327,12 @@ def test_teacher_vectors_come_out_as_a_loop_over_the_rows_puts_them():
     assert np.array_equal(_vectors(pa.array([None, None], pa.list_(pa.float32())), 2, 3, "x"), np.zeros((2, 3)))
     with pytest.raises(InputSchemaError, match="user_vector has vectors of width 2"):
         _vectors(pa.array([[1.0, 2.0, 3.0], None, [1.0, 2.0]], pa.list_(pa.float32())), 3, 3, "user_vector")
+
+
+def test_the_default_students_are_the_baseline_and_the_served_one():
+    from gemline.config import load_config
+    from trainer.students import VARIANTS
+
+    assert DistillConfig().variants == ("alone", "aux_head") == load_config().distill.variants
+    assert set(VARIANTS) == {"alone", "aux_head", "adapter", "representation"}, "all four stay selectable"
+    assert load_config(overrides={"distill.variants": ",".join(VARIANTS)}).distill.variants == VARIANTS
