@@ -74,6 +74,7 @@ from trainer.loop import domain_ids
 from trainer.metrics import TASKS, auc
 from trainer.models import build_model
 from trainer.students import (
+    SERVED,
     DistillConfig,
     Student,
     StudentAdapter,
@@ -573,8 +574,9 @@ def _run_distill(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, from_scrat
         state = read_state(resume)
         extra = state.extra
         if tuple(extra["variants"]) != dc.variants:
-            raise BadConfigError(f"the students in {root} are {extra['variants']}, not distill.variants={list(dc.variants)}: "
-                                 "set it back, or start again with --from-scratch")
+            raise BadConfigError(f"the students in {root} are {extra['variants']}, not distill.variants={list(dc.variants)} "
+                                 f"(the default since 2026-12-04 is {list(SERVED)}): resume them with --set "
+                                 f"distill.variants={','.join(extra['variants'])}, or start again with --from-scratch")
         run_id, cursor, history, passed = extra["run_id"], int(extra["cursor"]), extra["history"], extra["versions"]
         skipped, saves = [int(v) for v in extra["skipped"]], state.step
     else:

@@ -222,6 +222,7 @@ def test_cli_distill_once_prints_one_json_line(tmp_path, capsys):
         (0, 0), (1, 90), (2, 90), (3, 90), (4, 90)]
     assert Path(line["report_path"]).is_file()
     assert main(["distill", "--once", "--lake", str(lake), *sets, "--set", "distill.variants=alone"]) == 2
+    assert "resume them with --set distill.variants=alone,aux_head," in capsys.readouterr().err
 
 
 def _distill_kept(lake: Path, memory: distill.Memory) -> distill.DistillResult:
