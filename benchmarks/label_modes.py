@@ -94,16 +94,22 @@ def main(argv: list[str] | None = None) -> None:
     common = sorted(set.intersection(*(set(r["predictions"]) for r in runs.values())))
     print(f"\nimpressions evaluated in every mode: {len(common)}; waiting window {args.publish_delay_ms} ms, "
           f"model {args.model}, {args.increments} increments")
-    print("| mode | click AUC | click NE | conversion AUC | conversion NE | published after (h, p50 / p95) |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | click AUC | click NE | click calibration | conversion AUC | conversion NE | conversion calibration "
+          "| published after (h, p50 / p95) |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, run in runs.items():
-        labels = np.stack([run["labels"][i] for i in common]).astype(np.float64)
-        probs = np.stack([run["predictions"][i] for i in common]).astype(np.float64)
-        doms = np.array([run["domains"][i] for i in common], dtype=object)
-        metrics = evaluate(labels, probs, doms)
-        cells = [f"{metrics[t]['overall'][m]:.4f}" for t in TASKS for m in ("auc", "ne")]
         p50, p95 = run["fresh"]
-        print(f"| {mode} | {' | '.join(cells)} | {p50:.2f} / {p95:.2f} |")
+        print(f"| {mode} | {' | '.join(metric_cells(run, common))} | {p50:.2f} / {p95:.2f} |")
+
+
+def metric_cells(run: dict, ids: list[str]) -> list[str]:
+    """AUC, NE and calibration (mean prediction / label rate; above 1: overpredicts) of click then conversion,
+    over the impressions ``ids`` of one mode's ``run`` (:func:`run_mode`), judged on their final labels."""
+    labels = np.stack([run["labels"][i] for i in ids]).astype(np.float64)
+    probs = np.stack([run["predictions"][i] for i in ids]).astype(np.float64)
+    doms = np.array([run["domains"][i] for i in ids], dtype=object)
+    metrics = evaluate(labels, probs, doms)
+    return [f"{metrics[t]['overall'][m]:.4f}" for t in TASKS for m in ("auc", "ne", "calibration")]
 
 
 if __name__ == "__main__":
