@@ -8,7 +8,8 @@ batches, compactions never re-read), and for each version the quality gate allow
    (train on t, evaluate on t+1: the streaming protocol of generative-recommenders' DLRM-v3 loop and of
    MLPerf DLRMv4's temporal evaluation); AUC, NE, calibration and the row count per task and domain go to
    the Delta table ``training_metrics``, once per (run, version) (an app transaction per evaluation);
-2. **training** on the rows, in the order of the log, shuffled within each read batch by a seed derived
+2. **training** on the rows, in the order of the log, shuffled within each read batch (up to :data:`READ_ROWS`
+   rows of the version, across its files) by a seed derived
    from (trainer.seed, version, file index, row offset), so a resumed run replays the same order;
 3. its **freshness** -- p50/p95/p99 of impression -> published -> trained over the rows trained, to the Delta
    table ``freshness`` once per (run, version), just before the checkpoint (:mod:`trainer.freshness`);
@@ -48,6 +49,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
@@ -261,12 +263,48 @@ BOOTSTRAP_ROWS = 100_000
 """Rows of a new run's first version that fit the input normalizer, the domains and the output bias."""
 
 
+READ_ROWS = 131_072
+"""Rows of one version read (and shuffled) together at most when its rows were published early (fnw, defer): its
+consecutive files are gathered into one read up to this many rows. Why: the build writes a version's rows to one file
+per event date, and training shuffles within a read only. Under fnw/defer the older dates' files hold mostly
+corrections (real negatives, late positives) and the newest the first publications with their early positives, so
+file-sized reads trained those last and the models overpredicted at the next version's evaluation (README "Late
+labels", 2026-12-04: LR's click calibration 1.27 -> 1.06 under defer, fnw's click AUC 0.578 -> 0.639). A wait
+version's files are read one by one as before: all its rows are final, and training the newest date last measured
+better there. The same bound as :data:`REUSE_MAX_ROWS`, which keeps that many encoded rows anyway."""
+
+
+def _published_early(batch: pa.RecordBatch) -> bool:
+    """Whether any row of ``batch`` was published before its labels were final (``label_mode`` fnw or defer)."""
+    if "label_mode" not in batch.schema.names:
+        return False
+    return bool(pc.any(pc.not_equal(batch.column("label_mode"), "wait")).as_py())
+
+
 def _reads(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> Iterator[tuple[pa.Table | None, Cursor]]:
-    """``(rows, position after them)`` of each read (``trainer.batch_size * 64`` rows at most) of what ``version``
-    added from ``start`` on; rows None for a read that only moves the position (:func:`gemline.increments.read_from`)."""
-    for _, batch, after in read_from(lake.root, EXAMPLES, start, until_version=version, batch_rows=tc.batch_size * 64,
-                                     storage_options=lake.storage_options):
-        yield (None if batch is None else pa.Table.from_batches([batch])), after
+    """``(rows, position after them)`` of each read of what ``version`` added from ``start`` on, in log order: a
+    file's rows in reads of at most ``trainer.batch_size * 64`` rows, and consecutive early-published ones
+    (:func:`_published_early`) gathered into reads of at most :data:`READ_ROWS` rows; rows None for a read that only
+    moves the position (:func:`gemline.increments.read_from`)."""
+    held: list[pa.RecordBatch] = []
+    rows, last = 0, start
+    for _, batch, after in read_from(lake.root, EXAMPLES, start, until_version=version,
+                                     batch_rows=min(tc.batch_size * 64, READ_ROWS), storage_options=lake.storage_options):
+        early = batch is not None and _published_early(batch)
+        if held and (batch is None or not early or rows + batch.num_rows > READ_ROWS):
+            yield pa.Table.from_batches(held), last
+            held, rows = [], 0
+        if batch is None:
+            yield None, after
+            continue
+        if not early:
+            yield pa.Table.from_batches([batch]), after
+            continue
+        held.append(batch)
+        rows += batch.num_rows
+        last = after
+    if held:
+        yield pa.Table.from_batches(held), last
 
 
 def _version_batches(lake: Lake, tc: TrainerConfig, start: Cursor, version: int) -> Iterator[pa.RecordBatch]:

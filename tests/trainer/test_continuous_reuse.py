@@ -61,6 +61,7 @@ def _count_calls(monkeypatch, name: str) -> list[int]:
 def _run(tmp_path, monkeypatch, name: str, max_rows: int) -> dict:
     lake, corrections = _lake(tmp_path / name)
     monkeypatch.setattr(continuous, "REUSE_MAX_ROWS", max_rows)
+    monkeypatch.setattr(continuous, "READ_ROWS", BATCH * 64)  # reads of 256 rows, so @2 takes two
     encodes = _count_calls(monkeypatch, "encode_for")
     seen = []
     config = load_config(overrides={"lake": str(lake), **SMALL, "trainer.batch_size": str(BATCH)})
@@ -171,3 +172,43 @@ def _add_day(lake, day: int) -> None:
 
 def _params(path) -> dict[str, torch.Tensor]:
     return torch.load(f"{path}/state.pt", weights_only=False)["model"]
+
+
+def test_a_versions_files_are_read_together_up_to_read_rows(tmp_path, monkeypatch):
+    """Training shuffles within a read, so a read gathers an early-published version's files (the build writes its
+    corrections and first publications to different files): one read by default; split at READ_ROWS, the cursor
+    after the first read resumes at the next file, and every row is read once. A wait version's files are read one
+    by one, in log order."""
+    from deltalake import DeltaTable
+
+    from gemline.increments import Cursor
+    from gemline.lake import Lake
+
+    lake = tmp_path / "lake"
+    table = synthetic_examples(["2026-01-01", "2026-01-02", "2026-01-03"], 100, seed=5)
+    n = table.num_rows
+    defer = _early_columns(table, label_mode=["defer"] * n, click_open=[True] * n, conversion_open=[True] * n)
+    version = write_examples(lake, defer)
+    files = DeltaTable(str(lake / "examples")).file_uris()
+    assert len(files) == 3, "one file per event_date partition"
+    table_id = str(DeltaTable(str(lake / "examples")).metadata().id)
+    tc = load_config(overrides={"lake": str(lake), **SMALL, "trainer.batch_size": str(BATCH)}).trainer
+    start, end = Cursor(table_id, version), Cursor(table_id, version + 1)
+
+    reads = list(continuous._reads(Lake(str(lake)), tc, start, version))
+    assert [(r.num_rows, after) for r, after in reads] == [(300, end)], "the three files in one read"
+
+    monkeypatch.setattr(continuous, "READ_ROWS", 250)
+    reads = list(continuous._reads(Lake(str(lake)), tc, start, version))
+    assert [(r.num_rows, after) for r, after in reads] == [(200, Cursor(table_id, version, 2, 0)), (100, end)]
+    rest = list(continuous._reads(Lake(str(lake)), tc, reads[0][1], version))
+    assert [(r.num_rows, after) for r, after in rest] == [(100, end)]
+    assert rest[0][0].equals(reads[1][0]), "resuming at the first read's cursor reads the second read's rows"
+    ids = [i for r, _ in reads for i in r.column("example_id").to_pylist()]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 300
+
+    waited = write_examples(lake, _early_columns(table, label_mode=["wait"] * n, click_open=[False] * n,
+                                                 conversion_open=[False] * n))
+    reads = list(continuous._reads(Lake(str(lake)), tc, Cursor(table_id, waited), waited))
+    assert [(r.num_rows, after) for r, after in reads] == [
+        (100, Cursor(table_id, waited, 1, 0)), (100, Cursor(table_id, waited, 2, 0)), (100, Cursor(table_id, waited + 1))]
