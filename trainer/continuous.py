@@ -8,8 +8,8 @@ batches, compactions never re-read), and for each version the quality gate allow
    (train on t, evaluate on t+1: the streaming protocol of generative-recommenders' DLRM-v3 loop and of
    MLPerf DLRMv4's temporal evaluation); AUC, NE, calibration and the row count per task and domain go to
    the Delta table ``training_metrics``, once per (run, version) (an app transaction per evaluation);
-2. **training** on the rows, in the order of the log, shuffled within each read batch (up to :data:`READ_ROWS`
-   rows of the version, across its files) by a seed derived
+2. **training** on the rows, in the order of the log, shuffled within each read batch (an fnw/defer version's
+   files gathered into one, up to :data:`READ_ROWS` rows) by a seed derived
    from (trainer.seed, version, file index, row offset), so a resumed run replays the same order;
 3. its **freshness** -- p50/p95/p99 of impression -> published -> trained over the rows trained, to the Delta
    table ``freshness`` once per (run, version), just before the checkpoint (:mod:`trainer.freshness`);
@@ -269,7 +269,7 @@ consecutive files are gathered into one read up to this many rows. Why: the buil
 per event date, and training shuffles within a read only. Under fnw/defer the older dates' files hold mostly
 corrections (real negatives, late positives) and the newest the first publications with their early positives, so
 file-sized reads trained those last and the models overpredicted at the next version's evaluation (README "Late
-labels", 2026-12-04: LR's click calibration 1.27 -> 1.06 under defer, fnw's click AUC 0.578 -> 0.639). A wait
+labels", 2026-12-04: LR's click calibration 1.27 -> 1.06 under defer, LR's fnw click AUC 0.578 -> 0.639). A wait
 version's files are read one by one as before: all its rows are final, and training the newest date last measured
 better there. The same bound as :data:`REUSE_MAX_ROWS`, which keeps that many encoded rows anyway."""
 

@@ -175,8 +175,8 @@ def _params(path) -> dict[str, torch.Tensor]:
 
 
 def test_a_versions_files_are_read_together_up_to_read_rows(tmp_path, monkeypatch):
-    """Training shuffles within a read, so a read gathers an early-published version's files (the build writes its
-    corrections and first publications to different files): one read by default; split at READ_ROWS, the cursor
+    """Training shuffles within a read, so a read gathers an early-published version's files (the build writes one
+    file per event date, corrections of older dates apart from the newest first publications): one read by default; split at READ_ROWS, the cursor
     after the first read resumes at the next file, and every row is read once. A wait version's files are read one
     by one, in log order."""
     from deltalake import DeltaTable
