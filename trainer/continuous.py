@@ -56,7 +56,7 @@ import torch.distributed as dist
 from gemline.errors import BadConfigError, MissingInputError
 from gemline.gate import GateWatch, gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
-from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table, read_table
+from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table
 from gemline.locks import holding
 from gemline.polling import REPORT_CPU_SHARE, ReportThrottle, poll
 from gemline.tables import Table, commit
@@ -74,13 +74,16 @@ from trainer.checkpoint import (
 from trainer.config import TrainerConfig
 from trainer.data import (
     HASH_NAMESPACE,
+    SEQUENCE_KEYS,
     DenseNormalizer,
     EncodedExamples,
     PointerReader,
     dense_names,
     encode_for,
     fit_normalizer,
+    pointer_history,
     take_rows,
+    with_history_ids,
 )
 from trainer.delayed import first_publications, is_correction
 from trainer.id_mapping import MAPPING_FILE, IdMapping, start_mapping, with_rows
@@ -350,9 +353,18 @@ def _sizing_sample(lake: Lake, upto: int) -> pa.Table:
     """The id columns of ``examples@upto`` (every version a new run may consume when it starts): what its id
     tables are sized by (trainer.id_mapping). A first version alone can be tiny (the Taobao demo's first five
     versions hold 7 rows: tables sized by them would send nearly every later id to the OOV row); only the
-    rows' count per id is used, no row is trained or evaluated on here."""
-    table = read_table(lake, EXAMPLES, upto, columns=list(HASH_NAMESPACE), storage_options=lake.storage_options)
-    return pa.table({}) if table is None else table
+    rows' count per id is used, no row is trained or evaluated on here. Pointer-layout rows (build.examples_layout)
+    hold no history lists: they are read whole (they are small without them) and their lists rebuilt from the
+    history table, so both layouts count the same ids."""
+    dt = open_table(lake, EXAMPLES, upto, storage_options=lake.storage_options)
+    if dt is None:
+        return pa.table({})
+    dataset = dt.to_pyarrow_dataset()
+    if all(key in dataset.schema.names for key in SEQUENCE_KEYS):
+        return dataset.to_table(columns=list(HASH_NAMESPACE))
+    table = dataset.to_table()
+    table = with_history_ids(table, pointer_history(lake, table, storage_options=lake.storage_options))
+    return table.select([c for c in HASH_NAMESPACE if c in table.schema.names])
 
 
 @dataclass(frozen=True)
@@ -810,7 +822,10 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
                         log.info("examples@%d has dense columns the model does not read, trained as before: %s",
                                  version, unread)
                     noted = noted or bool(unread)
-                    ids.observe(first_publications(table))  # each impression counted once, as evaluation does
+                    fresh = first_publications(table)  # each impression counted once, as evaluation does
+                    if ids.mode == "managed":
+                        fresh = with_history_ids(fresh, pointers(fresh))
+                    ids.observe(fresh)
                     data = read.data if read.data is not None else encode_for(table, tc, normalizer, pointers(table),
                                                                                ids=ids)
                     # What on_step needs of its rows travels with each global batch: the loop prefetches, so the

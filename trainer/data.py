@@ -462,6 +462,26 @@ class PointerReader:
         return pointer_history(self.lake, table, storage_options=self.storage_options, tail=self.tail)
 
 
+def with_history_ids(table: pa.Table, pointers: PointerHistory | None) -> pa.Table:
+    """``table`` as :meth:`trainer.id_mapping.IdMapping.observe` counts it: fat rows unchanged, pointer-layout rows
+    with their :data:`SEQUENCE_KEYS` lists (list<string>, a null category as "") rebuilt from ``pointers`` as the
+    fat build writes them, so a managed mapping admits the same ids on either layout (build.examples_layout).
+
+    Raises:
+        InputSchemaError: pointer rows without ``pointers``. ValueError: as :func:`sequences.materialize.sequence_index`.
+    """
+    if all(key in table.schema.names for key in SEQUENCE_KEYS) or table.num_rows == 0:
+        return table
+    if pointers is None:
+        raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout): pass "
+                               "the PointerHistory of load_split / pointer_history")
+    index = pointers.index(table)
+    columns = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
+    for key in SEQUENCE_KEYS:
+        table = table.append_column(key, index.lists(columns[key], pa.string()))
+    return table
+
+
 def _dense_raw(table: pa.Table, names: tuple[str, ...]) -> np.ndarray:
     """(N, F) float64 of the named columns, null -> NaN; raises InputSchemaError (a TypeError) on a non-numeric column."""
     if not names:

@@ -46,8 +46,12 @@ namespace. With ``widths = "fixed"`` every table is D wide (width 0 in the stats
 
 Only the training data is counted (:meth:`IdMapping.observe`); evaluation looks ids up without
 counting them (:meth:`IdMapping.lookup`), so a progressive evaluation sees the mapping the model was
-trained with. Pending counts are kept exactly (a dict) where Monolith uses a counting Bloom filter:
-memory grows with the distinct rare ids (about 60 bytes each).
+trained with. Pointer-layout examples (build.examples_layout) hold no history lists: a managed run counts
+them with their lists rebuilt from the history table (:func:`trainer.data.with_history_ids`), as a fat run
+counts its rows, so both layouts admit the same ids; a hashed run's statistics count only the columns the
+rows hold (rebuilding the lists for statistics alone would cost every read a second history index). Pending
+counts are kept exactly (a dict) where Monolith uses a counting Bloom filter: memory grows with the distinct
+rare ids (about 60 bytes each).
 
 Collision statistics per namespace (:meth:`IdMapping.stats`), over every distinct id observed:
 ``collision_share`` is the share of distinct ids whose row holds another distinct id too (hash: a

@@ -35,6 +35,7 @@ from trainer.data import (
     latest_examples_version,
     load_split,
     num_batches,
+    with_history_ids,
 )
 from trainer.id_mapping import MAPPING_FILE, start_mapping, stats_rows, with_rows
 from trainer.labels import masked_rate
@@ -183,9 +184,12 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
                 f"{normalizer.names}; use trainer.init_from=scratch"
             )
         normalizer = saved
-    ids = start_mapping(tc, split.train, resume_from)
+    # A managed mapping admits, and cardinality widths count, history ids too: pointer rows get their lists back.
+    by_counts = tc.ids.mapping == "managed" or tc.ids.widths == "cardinality"
+    counted = with_history_ids(split.train, split.pointers) if by_counts else split.train
+    ids = start_mapping(tc, counted, resume_from)
     if resumed is None or _resume_position(resumed, version, tc.epochs) == _Position(0, 0):
-        ids.observe(split.train)  # not when continuing an unfinished run: its mapping counted this split already
+        ids.observe(counted)  # not when continuing an unfinished run: its mapping counted this split already
     tc = with_rows(tc, ids)
     for row in stats_rows(ids):
         log.info("ids %(namespace)s (%(mode)s): %(distinct_ids)d distinct, %(rows)d rows, collision share "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -95,27 +96,41 @@ def test_pointer_batches_equal_fat_batches(lakes, sequence_extras):
 
 
 @pytest.mark.slow
-def test_continuous_run_on_pointer_lake_equals_fat_lake(lakes):
-    """run_once over the builds' examples versions: the pointer lake trains GEM to the same parameters."""
+@pytest.mark.parametrize("mapping", ["hash", "managed"])
+def test_continuous_run_on_pointer_lake_equals_fat_lake(lakes, tmp_path, mapping):
+    """run_once over the builds' examples versions: the pointer lake trains GEM to the same parameters. Managed ids
+    (trainer.ids.mapping): the tables are sized by, and admit, the history's ids as well on both layouts, so the
+    saved vocabularies are equal too, and the ids admitted include history-only ones (hashed ids are not admitted:
+    their statistics count the history's ids on fat rows only, as the module docstring of trainer.id_mapping says)."""
+    import shutil
+
     from gemline.config import load_config
     from tests.conftest import trainer_args
     from trainer.continuous import run_once
+    from trainer.id_mapping import MAPPING_FILE, IdMapping
 
     from .conftest import mark_quality
 
-    params = {}
+    params, vocab = {}, {}
     for layout in ("fat", "pointer"):
-        lake = lakes[layout]
+        lake = str(tmp_path / layout)
+        shutil.copytree(lakes[layout], lake)  # each run on its own copy: the module's lakes stay untrained
         for version in (0, 1, 2):
             mark_quality(lake, version, passed=True)
         config = load_config(overrides={
             "lake": str(lake), "trainer.num_embeddings": "1000", "trainer.batch_size": "16", "trainer.seed": "0",
-            "trainer.model": "gem", "ingest.domains": '["d1", "d2"]'})
+            "trainer.model": "gem", "ingest.domains": '["d1", "d2"]', "trainer.ids.mapping": mapping,
+            "trainer.ids.min_count": "2"})
         out = run_once(*trainer_args(config))
         assert out.rows_trained_total > 0
         params[layout] = torch.load(f"{out.checkpoint_path}/state.pt", weights_only=False)["model"]
+        vocab[layout] = IdMapping.from_bytes((Path(out.checkpoint_path) / MAPPING_FILE).read_bytes()).vocabularies
     assert params["fat"].keys() == params["pointer"].keys()
     assert all(torch.equal(params["fat"][k], params["pointer"][k]) for k in params["fat"])
+    if mapping == "managed":
+        assert {ns: (v.rows, v.assigned) for ns, v in vocab["fat"].items()} == {
+            ns: (v.rows, v.assigned) for ns, v in vocab["pointer"].items()}
+        assert set(vocab["pointer"]["event_type"].assigned) >= {"click", "engagement"}, "only histories hold them"
 
 
 @pytest.mark.slow
