@@ -302,6 +302,9 @@ def model_mismatch(path: str | Path, built: set[str], saved: set[str], saved_dec
     gate = {"dense_arch.deep_gate"}
     if gate & set(missing) or gate & set(extra):  # missing: written without the gate; extra: with it
         hint += f" (this GEM checkpoint resumes with --set trainer.gem.deep_gate={str(bool(gate & set(extra))).lower()})"
+    match = {name for name in missing + extra if name.startswith("dense_arch.match_")}
+    if match:  # missing: written without the target-match counts; extra: with them
+        hint += f" (this GEM checkpoint resumes with --set trainer.gem.target_match={str(match <= set(extra)).lower()})"
     ema = {name for name in missing + extra if name.startswith("param_average.")}
     if ema:  # missing: written without the average; extra: with it (the decay itself is not checked)
         ours = _decay_setting(built_decays.get("param_average"))

@@ -84,13 +84,15 @@ ABLATIONS: dict[str, dict[str, str]] = {
     "wide": {"trainer.gem.wide": "false", "trainer.gem.deep_gate": "false", "trainer.gem.wide_loss": "joint"},
     "deep_gate": {"trainer.gem.deep_gate": "false"},
     "wide_loss": {"trainer.gem.wide_loss": "joint"},
+    "target_match": {"trainer.gem.target_match": "false"},
 }
 """Ablation name -> ``--set`` overrides (full keys, string values as on the command line) that switch one change of
 the full model off (issue 18's switches at their gem_small values; ``recency_branches`` off is gem_small's pyramid,
 which reads one stream; ``widths`` off: every table trainer.embedding_dim wide; ``pooled_history`` off: no whole-history
 means; ``gem_learning_rate`` off: GEM's dense part at ``trainer.learning_rate`` as the other models; ``wide`` off: no
 Wide & Deep linear term, so no deep gate and no wide loss of its own either (they need one); ``deep_gate`` off: the
-deep logits added ungated; ``wide_loss`` off: the wide part trained jointly with the deep part, on the summed logits)."""
+deep logits added ungated; ``wide_loss`` off: the wide part trained jointly with the deep part, on the summed logits; ``target_match`` off: no
+target-match counts of the candidate in the history)."""
 
 
 def ablated_config(tc: TrainerConfig, name: str) -> TrainerConfig:

@@ -85,7 +85,7 @@ def test_an_ablation_is_its_overrides_applied_to_the_full_config():
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("interformer", "unknown ablation 'interformer'; known: collisions, deep_gate, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, wide_loss, widths"),
+    ("interformer", "unknown ablation 'interformer'; known: collisions, deep_gate, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, target_match, task_towers, time_delta_buckets, wide, wide_loss, widths"),
     ("collisions", "ablation 'collisions' \\(trainer.ids.mapping=hash\\) changes nothing"),
 ])
 def test_an_unknown_or_empty_ablation_is_refused_before_training(tmp_path, name, message):
@@ -102,7 +102,7 @@ def test_cli_reports_an_unknown_ablation_in_one_line(tmp_path, capsys):
 
     assert main(["compare", "--set", f"lake={tmp_path}", "--ablate", "nope", "--json"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: unknown ablation 'nope'; known: collisions, deep_gate, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, task_towers, time_delta_buckets, wide, wide_loss, widths"]
+    assert err == ["error: unknown ablation 'nope'; known: collisions, deep_gate, final_labels, fmb_mlp_layers, gem_learning_rate, interformer_cross, personalized_ffn, pooled_history, recency_branches, same_domain_stream, sequence_len, target_match, task_towers, time_delta_buckets, wide, wide_loss, widths"]
 
 
 def test_compare_json_of_a_tiny_run_with_an_ablation(tmp_path):

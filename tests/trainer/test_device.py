@@ -274,7 +274,7 @@ def _dense_inputs(model, data, rows) -> tuple:
     if hasattr(model.sparse_arch, "keys"):  # GEM
         found = model.sparse_arch(batch.sparse, batch.sequence)
         return (found.pooled, found.values, found.offsets, found.target, batch.dense, ids, found.same_values,
-                found.same_offsets)
+                found.same_offsets, found.history_means, found.wide, found.matches)
     kt = model.sparse_arch(merge_sequence_kjt(batch.sparse, batch.sequence))
     pooled = torch.stack([pad_width(kt[k], model.dim) for k in (*SPARSE_FEATURES, *SEQUENCE_KEYS)], dim=1)
     return pooled, batch.dense, ids

@@ -76,7 +76,7 @@ FINGERPRINT = Path(__file__).parent / "data" / "gem_param_fingerprint.json"
 FINGERPRINT_TRAINER = TrainerConfig(
     embedding_dim=12, num_embeddings=101, hidden_dims=(20, 10), tower_hidden=7,
     gem=GemConfig(preset="gem_small", layers=3, heads=3, pyramid_ratio=0.6, max_sequence_len=10, dense_tokens=3, fm_outputs=5, lcb_outputs=6,
-                  fm_rank=4, wide=False),
+                  fm_rank=4, wide=False, target_match=False),
 )
 """Every [trainer.gem] knob of the gem_small preset (the model before issue 18) off its default (and distinct), so a
 knob wired to the wrong argument changes a shape."""

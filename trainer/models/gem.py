@@ -37,6 +37,7 @@ from sequences.schema import SPARSE_FEATURES
 from trainer.config import GemConfig, TrainerConfig
 from trainer.data import SAME_DOMAIN_KEYS, SEQUENCE_KEYS, TIME_BUCKETS_KEY
 from trainer.ema import ParameterAverage
+from trainer.id_mapping import FIRST_ID_ROW
 from trainer.models.interformer import BranchedInterFormer, InterFormer
 from trainer.models.sequence import SequenceStream, SequenceSummary, keep_newest
 from trainer.models.towers import (
@@ -78,6 +79,9 @@ class Lookups(NamedTuple):
     wide: torch.Tensor | None = None
     """(B, 2) float32 the wide part's id weights (click, conversion), summed over the sparse features and the
     mean-pooled history keys; None without ``wide_ids``."""
+    matches: torch.Tensor | None = None
+    """(B, NUM_MATCH_FEATURES) float32 :func:`target_matches` over the whole stored history; None without
+    ``target_match``."""
 
 
 class SparseArch(nn.Module):
@@ -117,14 +121,16 @@ class SparseArch(nn.Module):
         history_len: newest events of each history row looked up; None: all (the reference twin).
         wide_rng: the CPU RNG state (torch.get_rng_state) the wide tables are drawn from; None: the current one
             (:func:`wide_id_tables`).
+        target_match: also return :func:`target_matches` of the whole history (``matches``); no parameters.
     """
 
     def __init__(self, *, num_embeddings: TableRows, dim: int, time_buckets: int = 0, same_domain: bool = False,
                  widths: TableWidths | None = None, pooled_history: bool = False, wide_ids: bool = False,
                  history_len: int | None = None,
-                 wide_rng: torch.Tensor | None = None) -> None:
+                 wide_rng: torch.Tensor | None = None, target_match: bool = False) -> None:
         super().__init__()
         self.dim, self.time_buckets, self.same_domain, self.pooled_history = dim, time_buckets, same_domain, pooled_history
+        self.target_match = target_match
         self.history_len = None if pooled_history else history_len
         self.keys = [*SEQUENCE_KEYS, *([TIME_BUCKETS_KEY] if time_buckets else [])]
         self.bags = sparse_bags(num_embeddings, dim if widths is None else widths)
@@ -137,6 +143,7 @@ class SparseArch(nn.Module):
         and empty same-domain histories."""
         kt = self.bags(sparse)
         pooled = torch.stack([pad_width(kt[name], self.dim) for name in SPARSE_FEATURES], dim=1)
+        matches = target_matches(sparse, sequence) if self.target_match else None  # the whole history, before the cut
         history = sequence if self.history_len is None else newest_ids(sequence, self.history_len)
         batch, main = history.stride(), history[SEQUENCE_KEYS[0]]
         found = self.sequence(with_candidate(sparse, history, self.keys, self.time_buckets, same_domain=self.same_domain))
@@ -148,13 +155,45 @@ class SparseArch(nn.Module):
                  if self.pooled_history else None)
         wide = None if self.wide is None else self.wide(merge_sequence_kjt(sparse, sequence)).values().view(batch, -1, 2).sum(1)
         if not self.same_domain:
-            return Lookups(pooled, values, main.offsets(), target, None, None, means, wide)
+            return Lookups(pooled, values, main.offsets(), target, None, None, means, wide, matches)
         # Rows 2B..3B-1 of every key: the same-domain history, after each key's candidate rows.
         first = found[SEQUENCE_KEYS[0]].offsets()
         same_offsets = first[2 * batch:] - first[2 * batch]
         start = {key: total + (batch if key in CANDIDATE_KEYS else 0) for key in self.keys}
         same_values = _total([jagged[key][start[key]:] for key in self.keys])
-        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets, means, wide)
+        return Lookups(pooled, values, main.offsets(), target, same_values, same_offsets, means, wide, matches)
+
+
+NUM_MATCH_FEATURES = 3
+"""Columns of :func:`target_matches`."""
+
+
+def target_matches(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> torch.Tensor:
+    """(B, 3) float32 how the candidate recurs in each row's history: log1p(events of its item), log1p(events of
+    its category), and that category count over the history's length (0 for an empty history).
+
+    Ids are compared as the rows they map to (``trainer.id_mapping``: a candidate and its history share a
+    namespace, so one id gives one row); rows below ``FIRST_ID_ROW`` (2: the null id, and a managed mapping's OOV
+    row, which holds many ids) never match. Under hashing, two ids sharing a row match (the collision rate of the
+    run report), and ids hashed to row 1 never do (one row of ``trainer.num_embeddings``). The counts are
+    exact for a jagged history of any length, an empty row included; no parameters, no gradient.
+
+    Args:
+        sparse: keys include ``item_id`` and ``category``, one id per example (B rows).
+        sequence: keys include ``seq_item_ids`` and ``seq_categories``, oldest first (stride B).
+    """
+    batch = sequence.stride()
+    counts = []
+    for key, feature in CANDIDATE_KEYS.items():
+        history = sequence[key]
+        ids = history.values()
+        rows = token_rows(history.offsets(), ids.shape[0])
+        candidate = sparse[feature].values()
+        hit = (ids == candidate[rows]) & (ids >= FIRST_ID_ROW)
+        counts.append(torch.zeros(batch, dtype=torch.float32, device=ids.device).index_add_(0, rows, hit.float()))
+    item, category = counts
+    length = sequence[SEQUENCE_KEYS[1]].lengths().clamp(min=1).float()
+    return torch.stack([torch.log1p(item), torch.log1p(category), category / length], dim=1)
 
 
 def newest_ids(sequence: KeyedJaggedTensor, count: int) -> KeyedJaggedTensor:
@@ -286,7 +325,8 @@ class GemDenseArch(nn.Module):
         self.recency = nn.Embedding(config.max_sequence_len, dim)
         nn.init.normal_(self.recency.weight, std=0.02)
         self.pooled_history = config.pooled_history
-        num_inputs = len(SPARSE_FEATURES) + config.dense_tokens + (len(SEQUENCE_KEYS) if config.pooled_history else 0)
+        num_inputs = (len(SPARSE_FEATURES) + config.dense_tokens + (len(SEQUENCE_KEYS) if config.pooled_history else 0)
+                      + config.target_match)
         self.interformer: InterFormer | BranchedInterFormer
         if config.recency_branches:
             streams = [
@@ -337,6 +377,13 @@ class GemDenseArch(nn.Module):
         # gradient only once the gate's own gradient (the deep logit's covariance with the residual) has opened it.
         self.deep_gate = nn.Parameter(torch.zeros(2)) if config.deep_gate else None
         self.deep_shrinkage = config.deep_shrinkage
+        # Target-match counts (trainer.gem.target_match): one Wukong token, and a linear term of the wide part from
+        # zero (trained with it), made last so every other parameter draws what it draws without them.
+        self.match_embed = mlp([NUM_MATCH_FEATURES, 4 * dim, dim]) if config.target_match else None
+        joint_wide = config.target_match and config.wide_mode is not None and config.wide_loss == "joint"
+        self.match_wide = nn.utils.skip_init(nn.Linear, NUM_MATCH_FEATURES, 2, bias=False) if joint_wide else None
+        if self.match_wide is not None:
+            nn.init.zeros_(self.match_wide.weight)
 
     def _tokens(self, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         """The newest max_sequence_len tokens of each row, plus the embedding of their recency (0: the newest)."""
@@ -351,17 +398,19 @@ class GemDenseArch(nn.Module):
         self, pooled: torch.Tensor, seq_values: torch.Tensor, seq_offsets: torch.Tensor, target: torch.Tensor,
         dense: torch.Tensor, domain_ids: torch.Tensor, same_values: torch.Tensor | None = None,
         same_offsets: torch.Tensor | None = None, history_means: torch.Tensor | None = None,
-        wide_ids: torch.Tensor | None = None, *, parts: bool = False,
+        wide_ids: torch.Tensor | None = None, matches: torch.Tensor | None = None, *, parts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """pooled (B, S, D), seq_values (T, D), seq_offsets (B+1,), target (B, D), dense (B, F), domain_ids (B,),
         same-domain same_values (T', D) and same_offsets (B+1,) (with the same-domain stream), history_means
         (B, Q, D) (with ``pooled_history``), wide_ids (B, 2) the summed id weights (with ``wide = "full"``,
-        :attr:`Lookups.wide`) -> logits (B, 2): the deep part's (times the gate and ``deep_shrinkage``) plus the
-        wide part's. ``parts``: the pair (deep, wide) of (B, 2) float32 instead of their sum (the wide part needs
+        :attr:`Lookups.wide`), matches (B, NUM_MATCH_FEATURES) (with ``target_match``, :attr:`Lookups.matches`)
+        -> logits (B, 2): the deep part's (times the gate and ``deep_shrinkage``) plus the wide part's (with the
+        target-match term). ``parts``: the pair (deep, wide) of (B, 2) float32 instead of their sum (the wide part needs
         ``wide``), for ``wide_loss = "own"``'s two losses (:meth:`GemModel.training_logits`).
 
         Raises:
-            ValueError: the same-domain stream, ``pooled_history`` or the full wide part is on and its input is missing.
+            ValueError: the same-domain stream, ``pooled_history``, ``target_match`` or the full wide part is on and
+                its input is missing.
         """
         batch = pooled.shape[0]
         if self.num_dense == 0:
@@ -372,6 +421,10 @@ class GemDenseArch(nn.Module):
             if history_means is None:
                 raise ValueError("this GEM reads the whole history's mean rows (pooled_history): pass history_means")
             inputs.insert(1, history_means)
+        if self.match_embed is not None:
+            if matches is None:
+                raise ValueError("this GEM reads the candidate's target-match counts (target_match): pass matches")
+            inputs.append(self.match_embed(matches).unsqueeze(1))
         interaction_in = torch.cat(inputs, dim=1)
         tokens = self._tokens(seq_values, seq_offsets)
         if isinstance(self.interformer, BranchedInterFormer):
@@ -395,7 +448,10 @@ class GemDenseArch(nn.Module):
             logits = logits * self.deep_shrinkage
         if parts:
             return logits, self._wide(dense, domain_ids, wide_ids)
-        return logits if self.wide is None else logits + self._wide(dense, domain_ids, wide_ids)
+        if self.wide is None:
+            return logits
+        wide = self._wide(dense, domain_ids, wide_ids)
+        return logits + (wide if self.match_wide is None or matches is None else wide + self.match_wide(matches))
 
     def _wide(self, dense: torch.Tensor, domain_ids: torch.Tensor, wide_ids: torch.Tensor | None) -> torch.Tensor:
         """(B, 2) the wide part's logits: the dense term, plus with "full" the domain bias and the id weights (summed
@@ -423,7 +479,8 @@ def dense_param_groups(tc: TrainerConfig, named: Iterable[tuple[str, nn.Paramete
     wide: list[nn.Parameter] = []
     for name, param in named:
         parts = name.split(".")
-        (wide if parts[0] == "dense_arch" and parts[1:2] in (["wide"], ["wide_bias"], ["deep_gate"]) else deep).append(param)
+        (wide if parts[0] == "dense_arch" and parts[1:2] in (["wide"], ["wide_bias"], ["deep_gate"], ["match_wide"])
+         else deep).append(param)
     groups: list[dict[str, Any]] = [{"params": deep, "lr": tc.dense_learning_rate, "weight_decay": tc.dense_weight_decay}]
     return groups + ([{"params": wide, "lr": tc.wide_learning_rate}] if wide else [])
 
@@ -463,7 +520,7 @@ class GemModel(RankingModel):
                                       same_domain=config.same_domain_stream, widths=embedding_widths,
                                       pooled_history=config.pooled_history, wide_ids=config.wide_mode == "full",
                                       history_len=config.max_sequence_len,
-                                      wide_rng=start)
+                                      wide_rng=start, target_match=config.target_match)
         self.dense_arch = GemDenseArch(
             config, dim=embedding_dim, num_dense=num_dense, num_domains=len(self.domains), hidden_dims=hidden_dims,
             tower_hidden=tower_hidden,
@@ -487,7 +544,7 @@ class GemModel(RankingModel):
         self.check_inputs(dense, domain_ids)
         found = self.sparse_arch(sparse, sequence)
         return self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
-                               found.same_values, found.same_offsets, found.history_means, found.wide)
+                               found.same_values, found.same_offsets, found.history_means, found.wide, found.matches)
 
     def training_logits(self, sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor, dense: torch.Tensor,
                         domain_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -504,7 +561,8 @@ class GemModel(RankingModel):
         self.check_inputs(dense, domain_ids)
         found = self.sparse_arch(sparse, sequence)
         deep, wide = self.dense_arch(found.pooled, found.values, found.offsets, found.target, dense, domain_ids,
-                                     found.same_values, found.same_offsets, found.history_means, found.wide, parts=True)
+                                     found.same_values, found.same_offsets, found.history_means, found.wide, found.matches,
+                                     parts=True)
         return wide.detach() + deep, wide
 
     def init_output_bias(self, base_rates: torch.Tensor) -> None:
