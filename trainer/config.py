@@ -383,6 +383,12 @@ class IdsConfig:
         self.pinned_rows()
         self.pinned_widths()
 
+    @property
+    def sized_by_counts(self) -> bool:
+        """Whether a run's tables are sized from its ids' counts (managed rows or cardinality widths), so the data it
+        starts with is counted, history ids included (trainer.id_mapping)."""
+        return self.mapping == "managed" or self.widths == "cardinality"
+
     def pinned_rows(self) -> dict[str, int]:
         """``table_rows`` as namespace -> rows; raises BadConfigError on an entry that is not ``name=rows`` (rows >= 3)."""
         return _pinned(self.table_rows, "table_rows", "rows", 3)

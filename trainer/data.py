@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 SEQUENCE_KEYS: tuple[str, ...] = ("seq_item_ids", "seq_categories", "seq_event_types")
 """Sequence columns the model embeds (``seq_domains`` is not used), keys of ``Batch.sequence``."""
 
+HISTORY_COLUMN_OF = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
+"""Sequence key -> the history table's column its ids come from (sequences.schema.HISTORY_SCHEMA)."""
+
+
 HASH_NAMESPACE: dict[str, str] = {
     **{name: name for name in SPARSE_FEATURES},
     "item_id": "item",
@@ -476,9 +480,8 @@ def with_history_ids(table: pa.Table, pointers: PointerHistory | None) -> pa.Tab
         raise InputSchemaError(f"examples lack the sequence columns {list(SEQUENCE_KEYS)} (pointer layout): pass "
                                "the PointerHistory of load_split / pointer_history")
     index = pointers.index(table)
-    columns = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
     for key in SEQUENCE_KEYS:
-        table = table.append_column(key, index.lists(columns[key], pa.string()))
+        table = table.append_column(key, index.lists(HISTORY_COLUMN_OF[key], pa.string()))
     return table
 
 
@@ -513,8 +516,8 @@ def _pointer_sequences(index: SequenceIndex, rows: RowsOf) -> dict[str, np.ndarr
     """SEQUENCE_KEYS -> (T,) ids of pointer-layout rows from their cross-domain :class:`SequenceIndex`: each
     (user, build) pair's candidate events are mapped to rows once and the examples gather from them (RecD's
     inverse indices, arXiv 2211.05239)."""
-    columns = {"seq_item_ids": "item_id", "seq_categories": "category", "seq_event_types": "event_type"}
-    return {key: rows(index.events.column(columns[key]).cast(pa.string()), key)[index.index] for key in SEQUENCE_KEYS}
+    return {key: rows(index.events.column(HISTORY_COLUMN_OF[key]).cast(pa.string()), key)[index.index]
+            for key in SEQUENCE_KEYS}
 
 
 def _with_pointer_extras(table: pa.Table, pointers: PointerHistory, whole: SequenceIndex) -> pa.Table:

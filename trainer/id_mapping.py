@@ -179,8 +179,7 @@ class IdMapping:
         unknown = sorted((set(pinned) | set(pinned_widths)) - set(namespaces))
         if unknown:
             raise BadConfigError(f"trainer.ids.table_rows / table_widths name namespaces {unknown}; known: {namespaces}")
-        counted = config.mapping == "managed" or config.widths == "cardinality"
-        counts = _count(first, columns) if counted else {}
+        counts = _count(first, columns) if config.sized_by_counts else {}
         least = config.min_count if config.mapping == "managed" else 1
         distinct = {ns: sum(1 for n in counts.get(ns, {}).values() if n >= least) for ns in namespaces}
         widths = dict(pinned_widths)

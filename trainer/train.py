@@ -185,8 +185,7 @@ def train_holdout(tc: TrainerConfig, lake: Lake, version: int, make_engine: Engi
             )
         normalizer = saved
     # A managed mapping admits, and cardinality widths count, history ids too: pointer rows get their lists back.
-    by_counts = tc.ids.mapping == "managed" or tc.ids.widths == "cardinality"
-    counted = with_history_ids(split.train, split.pointers) if by_counts else split.train
+    counted = with_history_ids(split.train, split.pointers) if tc.ids.sized_by_counts else split.train
     ids = start_mapping(tc, counted, resume_from)
     if resumed is None or _resume_position(resumed, version, tc.epochs) == _Position(0, 0):
         ids.observe(counted)  # not when continuing an unfinished run: its mapping counted this split already

@@ -183,16 +183,16 @@ def target_matches(sparse: KeyedJaggedTensor, sequence: KeyedJaggedTensor) -> to
         sequence: keys include ``seq_item_ids`` and ``seq_categories``, oldest first (stride B).
     """
     batch = sequence.stride()
+    main = sequence[SEQUENCE_KEYS[0]]
+    # The history keys share their lengths (trainer.data checks them against seq_length): one row index serves both.
+    rows = token_rows(main.offsets(), main.values().shape[0])
     counts = []
     for key, feature in CANDIDATE_KEYS.items():
-        history = sequence[key]
-        ids = history.values()
-        rows = token_rows(history.offsets(), ids.shape[0])
-        candidate = sparse[feature].values()
-        hit = (ids == candidate[rows]) & (ids >= FIRST_ID_ROW)
+        ids = sequence[key].values()
+        hit = (ids == sparse[feature].values()[rows]) & (ids >= FIRST_ID_ROW)
         counts.append(torch.zeros(batch, dtype=torch.float32, device=ids.device).index_add_(0, rows, hit.float()))
     item, category = counts
-    length = sequence[SEQUENCE_KEYS[1]].lengths().clamp(min=1).float()
+    length = main.lengths().clamp(min=1).float()
     return torch.stack([torch.log1p(item), torch.log1p(category), category / length], dim=1)
 
 
