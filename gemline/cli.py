@@ -55,6 +55,9 @@ def _metrics_flag(parser: argparse.ArgumentParser, when: str) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help=f"{when}serve Prometheus metrics (gemline.metrics) on this port, 0: a free one (printed); "
                              "default: none")
+    parser.add_argument("--metrics-addr", default="127.0.0.1",
+                        help="the interface --metrics-port listens on (default 127.0.0.1: this machine only; "
+                             "0.0.0.0: every interface, for a scraper on another host)")
 
 
 def _watch_seconds(value: str) -> float | None:
@@ -239,7 +242,7 @@ def _ingest_streaming(args: argparse.Namespace, config: GemlineConfig, extra: li
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:
-        with serving_metrics(config, args.metrics_port, bootstrap=bootstrap):
+        with serving_metrics(config, args.metrics_port, bootstrap=bootstrap, addr=args.metrics_addr):
             summary = run_streaming(Lake.for_config(config), config.kafka, config.ingest, config.ingest.streaming,
                                     bootstrap=bootstrap, stop=stop, beam_args=extra)
     finally:
@@ -256,7 +259,7 @@ def cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
         from gemline.run import serving_metrics
 
         config = _config(args)
-        with serving_metrics(config, args.metrics_port, bootstrap=config.kafka.bootstrap):
+        with serving_metrics(config, args.metrics_port, bootstrap=config.kafka.bootstrap, addr=args.metrics_addr):
             follow_build(config, beam_args=_beam_args(args, extra), on_pass=_print_new_work())
         return 0
     if args.metrics_port is not None:
@@ -449,7 +452,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     plan = RunPlan(bootstrap=args.bootstrap, broker_port=args.broker_port, generate_rate=args.generate_rate,
                    interval_s=args.interval_s, poll_interval_s=args.poll_interval_s, watch_s=args.watch_s,
                    train=not args.no_train,
-                   metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout_s,
+                   metrics_port=args.metrics_port, metrics_addr=args.metrics_addr, drain_timeout_s=args.drain_timeout_s,
                    distill_nice=args.distill_nice)
     code = run_pipeline(_config(args), plan)
     return _interrupted(args.command) if code == 130 else code

@@ -9,6 +9,7 @@ its traceback. So raise one of these only where the message tells the user what 
     ----  -------------------------  ------------------------------------------------------------
     2     BadConfigError             a config file, ``--set`` or flag value a command cannot use
     2     MissingInputError          a table, file or topic a command reads does not exist
+    2     CheckpointError            a checkpoint file is corrupt, tampered with or names no checkpoint
     2     BrokerUnreachableError     the Kafka cluster refuses connections or does not answer
     2     BrokerTimeoutError         a Kafka read made no progress within its timeout
     2     gemline.locks.LakeBusyError         another run of the stage holds the lake
@@ -64,6 +65,17 @@ class InputSchemaError(GemlineError, ValueError, TypeError):
     model was trained with. The message names the column and what was expected.
 
     A ``ValueError`` for a missing column and a ``TypeError`` for a retyped one, as the readers raised before.
+    """
+
+
+class CheckpointError(GemlineError, ValueError):
+    """A checkpoint a command would resume from cannot be used (exit 2): a ``state.pt`` (or students' file, DCP
+    ``.metadata``) that does not load with ``torch.load(weights_only=True)`` -- corrupt, truncated, or holding an
+    object that would run code when unpickled --, a ``meta.json`` that is not what the trainer writes, or a run
+    pointer (``_continuous/CURRENT``) naming no complete checkpoint. The message names the file and how to go on
+    (move the file away, point CURRENT elsewhere, or ``--from-scratch``).
+
+    A ``ValueError``, as the loaders raised for a checkpoint that did not fit before this class existed.
     """
 
 

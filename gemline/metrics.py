@@ -1,7 +1,8 @@
 """Prometheus metrics of a running pipeline, read from the lake, Kafka and the supervisor when scraped.
 
 ``gemline run --metrics-port PORT`` (and ``ingest --streaming`` / ``build --follow``) serve these on
-``http://HOST:PORT/metrics`` in the Prometheus text format:
+``http://127.0.0.1:PORT/metrics`` in the Prometheus text format (``--metrics-addr ADDR`` listens elsewhere, e.g.
+``0.0.0.0`` for every interface):
 
 =========================================== ======================================================================
 ``gemline_consumer_lag{topic,partition}``   Kafka high watermark minus the lake's committed offset (messages)
@@ -266,9 +267,15 @@ class PipelineCollector(Collector):
         return [restarts, up]
 
 
-def serve(collector: Collector, port: int, *, addr: str = "0.0.0.0") -> tuple[Any, int]:
+LOCAL_ADDR = "127.0.0.1"
+"""Where metrics listen unless told otherwise: this machine only. The metrics name tables, topics and stage states;
+widening that to a network is a decision (``--metrics-addr 0.0.0.0``), not a default."""
+
+
+def serve(collector: Collector, port: int, *, addr: str = LOCAL_ADDR) -> tuple[Any, int]:
     """Serve ``collector``'s metrics over HTTP on ``addr:port`` (0: a free port) from a daemon thread
-    (``prometheus_client.start_http_server``), in a registry of its own.
+    (``prometheus_client.start_http_server``), in a registry of its own. ``addr``: the interface, loopback by
+    default (:data:`LOCAL_ADDR`); ``"0.0.0.0"`` or ``"::"`` for every interface.
 
     Returns:
         (the WSGI server, to ``shutdown()``; the port it listens on).

@@ -43,7 +43,7 @@ from rich.table import Table as RichTable
 from gemline.config import GemlineConfig, config_overrides, save_run_settings
 from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
-from gemline.metrics import LagSource, PipelineCollector, StageSample, lake_offsets, serve
+from gemline.metrics import LOCAL_ADDR, LagSource, PipelineCollector, StageSample, lake_offsets, serve
 from gemline.progress import StageProgress, dead_letter_warning, last_ingest_dead_letter, pipeline_progress
 from gemline.supervisor import StageCommand, Supervisor
 from gemline.tables import Table
@@ -72,6 +72,7 @@ class RunPlan:
         train: run the continuous trainer.
         metrics_port: serve Prometheus metrics (:mod:`gemline.metrics`) on this port from the supervisor
             process (0: a free one, printed); None: no metrics endpoint.
+        metrics_addr: the interface they listen on (loopback by default; ``0.0.0.0`` for every interface).
         drain_timeout_s: with the embedded broker, the longest wait (s) at a stop for ingest to consume what the
             broker holds, after the generator stopped (what is left then is lost with the broker, and said).
         distill_nice: added to ``distill --follow``'s niceness (:class:`gemline.supervisor.StageCommand`): the
@@ -87,6 +88,7 @@ class RunPlan:
     watch_s: float | None = 1.0
     train: bool = True
     metrics_port: int | None = None
+    metrics_addr: str = LOCAL_ADDR
     drain_timeout_s: float = 60.0
     distill_nice: int = 10
 
@@ -176,10 +178,10 @@ def kafka_lag_source(config: GemlineConfig, bootstrap: str, *, timeout_s: float 
 @contextlib.contextmanager
 def serving_metrics(config: GemlineConfig, port: int | None, *, bootstrap: str | None,
                     stages: Callable[[], list[StageSample]] | None = None,
-                    say: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Serve :mod:`gemline.metrics` for ``config``'s lake on ``port`` (0: a free one; None: nothing is served)
-    from a daemon thread while the block runs, and say where first; the lag metric only with a ``bootstrap``,
-    the stage metrics only with ``stages``.
+                    say: Callable[[str], None] | None = None, addr: str = LOCAL_ADDR) -> Iterator[None]:
+    """Serve :mod:`gemline.metrics` for ``config``'s lake on ``addr:port`` (port 0: a free one; None: nothing is
+    served; ``addr``: loopback by default) from a daemon thread while the block runs, and say where first; the lag
+    metric only with a ``bootstrap``, the stage metrics only with ``stages``.
 
     Raises:
         OSError: the port is taken.
@@ -188,10 +190,12 @@ def serving_metrics(config: GemlineConfig, port: int | None, *, bootstrap: str |
         yield
         return
     lag = None if bootstrap is None else kafka_lag_source(config, bootstrap)
-    server, bound = serve(PipelineCollector(Lake.for_config(config), lag=lag, stages=stages), port)
+    server, bound = serve(PipelineCollector(Lake.for_config(config), lag=lag, stages=stages), port, addr=addr)
+    where = "this machine only" if addr == LOCAL_ADDR else "all interfaces" if addr in ("0.0.0.0", "::") else addr
+    host = LOCAL_ADDR if addr in ("0.0.0.0", "::") else f"[{addr}]" if ":" in addr else addr
     try:
         (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
-            f"metrics: port {bound}, all interfaces (http://127.0.0.1:{bound}/metrics)")
+            f"metrics: {addr}:{bound}, {where} (http://{host}:{bound}/metrics)")
         yield
     finally:
         server.shutdown()
@@ -306,7 +310,7 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
         progress = (lambda: pipeline_progress(lake, ingest_app_id=lag.app_id, watermarks=lag.watermarks)) if live else None
         watch = dead_letter_watch(lake, lag.app_id, say)
         with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
-                             say=say):
+                             say=say, addr=plan.metrics_addr):
             return _supervise(sup, lake, progress, None if until is None else (lambda: until(sup)), drain,
                               plan.drain_timeout_s, watch)
 

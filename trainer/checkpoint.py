@@ -8,10 +8,18 @@ checkpointer, which also counts a step only once its files are complete.
     step-N/state.pt      model, optimisers (and their classes), RNG states, parameter-average decays (torch.save)
     step-N/meta.json     step, examples_seen, examples_version, extra (written last)
     step-N/*             extra files given by the caller (e.g. loss_curve.png)
+
+Nothing read back runs code. A lake may be shared by several people and machines, so a ``state.pt`` is untrusted
+input: it is read with ``torch.load(weights_only=True)`` (PyTorch's restricted unpickler: tensors, plain
+containers, numbers and strings only; torch docs "torch.load", "weights_only"), and everything the trainer saves
+is of those kinds -- the numpy RNG states as lists (:func:`_plain`). Checkpoints written before that held numpy
+arrays: the three numpy names those need are allowed by name (:data:`LEGACY_NUMPY_GLOBALS`), nothing else. A file
+that does not load is one :class:`gemline.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -29,11 +37,12 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
-from gemline.errors import BadConfigError
+from gemline.errors import BadConfigError, CheckpointError
 from gemline.lake import Lake, StorageOptions, as_lake, is_remote, lake_fs
 
 CHECKPOINTS_DIR = "_checkpoints"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+"""A checkpoint folder's name; any other name under ``_checkpoints`` is not one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +67,88 @@ def checkpoints_root(lake: Lake | str | Path) -> Path:
     return Path(as_lake(lake).root) / CHECKPOINTS_DIR
 
 
+_NDARRAY = "__ndarray__"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every numpy array replaced by ``{"__ndarray__": list, "dtype": str}`` (in dicts, lists and
+    tuples): what ``torch.load(weights_only=True)`` reads back without allowing any numpy name."""
+    if isinstance(value, np.ndarray):
+        return {_NDARRAY: value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+def _numpy(value: Any) -> Any:
+    """The inverse of :func:`_plain`."""
+    if isinstance(value, dict):
+        if _NDARRAY in value:
+            return np.asarray(value[_NDARRAY], dtype=value["dtype"])
+        return {key: _numpy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_numpy(item) for item in value)
+    return value
+
+
 def _rng_state(numpy_rng: np.random.Generator | None) -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy_global": np.random.get_state(),
-        "numpy_generator": None if numpy_rng is None else numpy_rng.bit_generator.state,
+        "numpy_global": _plain(np.random.get_state(legacy=False)),
+        "numpy_generator": None if numpy_rng is None else _plain(numpy_rng.bit_generator.state),
     }
+
+
+LEGACY_NUMPY_GLOBALS: list[Any] = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,  # type: ignore[attr-defined]
+                                   np.dtypes.UInt32DType]
+"""The numpy names a ``state.pt`` written before the RNG states were saved as lists needs (its MT19937 key, a uint32
+array): allowed by name for ``torch.load(weights_only=True)`` (torch.serialization.safe_globals), so those
+checkpoints still resume. An array's dtype and bytes are data; its elements are unpickled by the same restricted
+unpickler."""
+
+STATE_KEYS = ("model", "optimizers", "rng")
+"""What every ``state.pt`` this module writes holds (besides optional keys)."""
+
+
+def safe_load(source: str | Path | bytes, *, name: str | Path | None = None) -> Any:
+    """``torch.load(source, weights_only=True)`` onto the CPU, with :data:`LEGACY_NUMPY_GLOBALS` allowed: a file (or
+    the bytes of one, named ``name`` in messages) read from a lake, which anyone who can write there may have
+    replaced. An object whose unpickling would call anything but torch's tensor rebuilders and those names (a
+    ``__reduce__`` payload, any class) is refused before it runs.
+
+    Raises:
+        gemline.errors.CheckpointError: the file is missing, truncated, not a torch file, or holds what the restricted
+            unpickler refuses; the message names the file and ``--from-scratch``.
+    """
+    label = name if name is not None else source if not isinstance(source, bytes) else "checkpoint payload"
+    try:
+        with torch.serialization.safe_globals(LEGACY_NUMPY_GLOBALS):
+            return torch.load(io.BytesIO(source) if isinstance(source, bytes) else source, weights_only=True,
+                              map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - whatever a corrupt or hostile file raises becomes one line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint file {label} cannot be loaded safely ({type(exc).__name__}: {reason[:200]}); it is corrupt "
+            "or was written by something other than gemline: move its checkpoint folder away to resume from an "
+            "older one, or start a new run with --from-scratch") from exc
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    """``path/state.pt`` through :func:`safe_load`, checked to hold :data:`STATE_KEYS`.
+
+    Raises:
+        gemline.errors.CheckpointError: as :func:`safe_load`, or the payload is not a dict with those keys.
+    """
+    payload = safe_load(path / "state.pt")
+    if not isinstance(payload, dict) or not all(key in payload for key in STATE_KEYS):
+        have = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"checkpoint file {path / 'state.pt'} is not a gemline checkpoint (holds {have}, "
+                              f"expected {', '.join(STATE_KEYS)}): move its folder away, or start a new run with "
+                              "--from-scratch")
+    return payload
 
 
 def save_checkpoint(
@@ -149,7 +233,7 @@ def latest_checkpoint(lake: Lake | str | Path, *, storage_options: StorageOption
         return None
     best: tuple[int, Path] | None = None
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
+        match = STEP_DIR.match(entry.name)
         if match and (entry / "meta.json").is_file() and (entry / "state.pt").is_file():
             step = int(match.group(1))
             if best is None or step > best[0]:
@@ -158,14 +242,25 @@ def latest_checkpoint(lake: Lake | str | Path, *, storage_options: StorageOption
 
 
 def read_state(path: str | Path) -> TrainState:
-    """The :class:`TrainState` of a checkpoint directory (meta.json only; cheap)."""
-    meta = json.loads((Path(path) / "meta.json").read_text())
-    return TrainState(
-        step=meta["step"],
-        examples_seen=meta["examples_seen"],
-        examples_version=meta["examples_version"],
-        extra=meta["extra"],
-    )
+    """The :class:`TrainState` of a checkpoint directory (meta.json only; cheap).
+
+    Raises:
+        FileNotFoundError: there is no ``meta.json``.
+        gemline.errors.CheckpointError: ``meta.json`` is not JSON, or lacks a field or has one of another type.
+    """
+    file = Path(path) / "meta.json"
+    text = file.read_text()
+    try:
+        meta = json.loads(text)
+        state = TrainState(step=int(meta["step"]), examples_seen=int(meta["examples_seen"]),
+                           examples_version=int(meta["examples_version"]), extra=meta["extra"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint file {file} is not a gemline checkpoint's meta.json ({type(exc).__name__}: "
+                              f"{exc}): move its folder away, or start a new run with --from-scratch") from exc
+    if not isinstance(state.extra, dict):
+        raise CheckpointError(f"checkpoint file {file}: 'extra' is a {type(state.extra).__name__}, not an object: "
+                              "move its folder away, or start a new run with --from-scratch")
+    return state
 
 
 _OPTIMIZER_SETTINGS = {"trainer.sparse_optim.RowWiseAdagrad": "rowwise_adagrad",
@@ -188,13 +283,14 @@ def load_checkpoint(
             (e.g. :class:`trainer.sparse_optim.RowWiseAdagrad` given per-element Adagrad sums).
         gemline.errors.BadConfigError: (a ValueError) an optimiser of another class than the saved one
             (e.g. another ``trainer.embedding_optimizer``).
+        gemline.errors.CheckpointError: (a ValueError) ``state.pt`` or ``meta.json`` does not load safely
+            (:func:`safe_load`).
         RuntimeError: the model's parameters do not match the saved state dict (torch's message).
     """
     path = Path(path)
     if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
-    # weights_only=False: the payload holds RNG states (numpy arrays, tuples) the trainer wrote itself.
-    payload = torch.load(path / "state.pt", weights_only=False, map_location="cpu")  # loads onto any device's model
+    payload = _load_state(path)
     if set(payload["optimizers"]) != set(optimizers):
         raise ValueError(
             f"checkpoint has optimisers {sorted(payload['optimizers'])}, got {sorted(optimizers)}; "
@@ -226,12 +322,13 @@ def rng_state() -> dict[str, Any]:
 
 def restore_rng_state(rng: dict[str, Any], numpy_rng: np.random.Generator | None = None) -> None:
     """Set every RNG (torch, python, numpy global, and ``numpy_rng`` when both it and a saved state are there) to
-    ``rng``, as :func:`save_checkpoint` or :func:`rng_state` recorded them."""
+    ``rng``, as :func:`save_checkpoint` or :func:`rng_state` recorded them (numpy states as :func:`_plain` lists, or
+    as the arrays of checkpoints written before)."""
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    np.random.set_state(rng["numpy_global"])
+    np.random.set_state(_numpy(rng["numpy_global"]))
     if numpy_rng is not None and rng["numpy_generator"] is not None:
-        numpy_rng.bit_generator.state = rng["numpy_generator"]
+        numpy_rng.bit_generator.state = _numpy(rng["numpy_generator"])
 
 
 def load_weights(path: str | Path, model: nn.Module) -> TrainState:
@@ -242,12 +339,13 @@ def load_weights(path: str | Path, model: nn.Module) -> TrainState:
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
+        gemline.errors.CheckpointError: ``state.pt`` or ``meta.json`` does not load safely (:func:`safe_load`).
         RuntimeError: the model's parameters do not match the saved state dict (torch's message).
     """
     path = Path(path)
     if not (path / "meta.json").is_file() or not (path / "state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs state.pt and meta.json)")
-    payload = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
+    payload = _load_state(path)
     _load_model(path, model, payload["model"], payload.get("param_average_decays"))
     return read_state(path)
 
@@ -353,7 +451,7 @@ def _latest_remote(lake: Lake | str | Path, storage_options: StorageOptions | No
         if info.is_file:
             step_dir, _, file = info.path[len(base) + 1:].partition("/")
             files.setdefault(step_dir, set()).add(file)
-    steps = [(int(m.group(1)), d) for d in files if (m := _STEP_DIR.match(d)) and {"meta.json", "state.pt"} <= files[d]]
+    steps = [(int(m.group(1)), d) for d in files if (m := STEP_DIR.match(d)) and {"meta.json", "state.pt"} <= files[d]]
     if not steps:
         return None
     _, step_dir = max(steps)

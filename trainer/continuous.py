@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -50,10 +51,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from gemline.errors import BadConfigError, MissingInputError
+from gemline.errors import BadConfigError, CheckpointError, MissingInputError
 from gemline.gate import GateWatch, gate_decisions
 from gemline.increments import Cursor, CursorError, latest_version, read_from, table_id
 from gemline.lake import Lake, StorageOptions, is_remote, lake_fs, open_table
@@ -63,6 +65,7 @@ from gemline.tables import Table, commit
 from trainer import freshness, teacher_log
 from trainer.checkpoint import (
     CHECKPOINTS_DIR,
+    STEP_DIR,
     TrainState,
     latest_checkpoint,
     model_mismatch,
@@ -102,6 +105,11 @@ CONTINUOUS_DIR = "_continuous"
 """Continuous runs keep their checkpoints under ``LAKE/_continuous/runs/<run_id>/_checkpoints``, apart from one-shot
 runs; ``LAKE/_continuous/CURRENT`` names the run a plain ``--once`` resumes (:func:`current_root`)."""
 CURRENT_RUN_FILE = "CURRENT"
+RUN_MARKER = "RUN"
+"""``runs/<run_id>/RUN``: written when a run starts, before ``CURRENT`` names it, so a run that has not checkpointed
+yet is told apart from a name that points nowhere."""
+RUN_ID = re.compile(r"^[0-9a-f]{12}$")
+"""What a continuous run id is (``uuid4().hex[:12]``): a name read from the lake is used in a path only if it is one."""
 
 TRAINING_METRICS_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), nullable=False),
@@ -136,21 +144,40 @@ def current_root(lake: str | Path, storage_options: StorageOptions | None = None
     Why a pointer: a ``--from-scratch`` run starts at step 0, so "the checkpoint with the highest step" across
     runs would resume the older, longer run; each run's own folder and the pointer to the newest make the new
     run the one that goes on.
+
+    A name read from the lake is checked before it is used: CURRENT must hold a run id (:data:`RUN_ID`) of a run
+    that was started here (its ``RUN`` marker) or has a complete checkpoint.
+
+    Raises:
+        gemline.errors.CheckpointError: CURRENT is not a run id (garbled, a path), or names a run that neither started
+            here nor has a checkpoint (deleted, or written by hand); the message says how to go on.
     """
     fs, base = lake_fs(continuous_root(lake), storage_options)
     try:
         with fs.open_input_stream(f"{base}/{CURRENT_RUN_FILE}") as fh:
-            run_id = fh.read().decode().strip()
+            raw = fh.read(4096)
     except (FileNotFoundError, OSError):
         return continuous_root(lake)
-    return run_root(lake, run_id) if run_id else continuous_root(lake)
+    where = f"{continuous_root(lake)}/{CURRENT_RUN_FILE}"
+    fix = ("write the id of a run under runs/ that has a checkpoint into it, or start a new run with "
+           "`gemline train --once --from-scratch`")
+    run_id = raw.decode("utf-8", errors="replace").strip()
+    if not RUN_ID.match(run_id):
+        raise CheckpointError(f"{where} holds {run_id[:40]!r}, not a run id (12 hex digits): {fix}")
+    root = run_root(lake, run_id)
+    marker = fs.get_file_info(f"{base}/runs/{run_id}/{RUN_MARKER}")
+    if marker.type != pafs.FileType.File and latest_checkpoint(root, storage_options=storage_options) is None:
+        raise CheckpointError(f"{where} names run {run_id}, which has no checkpoint under {root}: {fix}")
+    return root
 
 
 def _set_current(lake: str | Path, run_id: str, storage_options: StorageOptions | None) -> None:
     """Point ``LAKE/_continuous/CURRENT`` at ``run_id``: a new file renamed over the old on a local lake (a reader
     sees the old run or the new, never half a name); one PUT on an object store (atomic there)."""
     fs, base = lake_fs(continuous_root(lake), storage_options)
-    fs.create_dir(base, recursive=True)
+    fs.create_dir(f"{base}/runs/{run_id}", recursive=True)
+    with fs.open_output_stream(f"{base}/runs/{run_id}/{RUN_MARKER}") as out:
+        out.write(json.dumps({"run_id": run_id, "started_ms": int(time.time() * 1000)}).encode())
     if is_remote(lake):
         with fs.open_output_stream(f"{base}/{CURRENT_RUN_FILE}") as out:
             out.write(run_id.encode())
@@ -484,7 +511,8 @@ def _prune(root: str, keep: int) -> None:
     if is_remote(root):
         return
     folder = Path(root) / CHECKPOINTS_DIR
-    steps = sorted((int(p.name.split("-")[1]), p) for p in folder.glob("step-*") if (p / "meta.json").is_file())
+    steps = sorted((int(m.group(1)), p) for p in folder.glob("step-*")
+                   if (m := STEP_DIR.match(p.name)) and (p / "meta.json").is_file())
     for step, path in steps[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(sharded_checkpoint_dir(root, step), ignore_errors=True)
@@ -642,7 +670,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
         raise BadConfigError("train --once/--follow with --nproc > 1 needs a local (or shared file system) lake: the "
                          "sharded checkpoints (DCP) are written to a file system every rank sees; use --nproc 1 here")
     own_root = root is None
-    root = current_root(lake.root, opts) if root is None else root
+    if root is None:  # a new run (--from-scratch) gets its own folder below: what CURRENT says does not matter
+        root = continuous_root(lake.root) if from_scratch else current_root(lake.root, opts)
     plan = _plan(lake, from_scratch, rank, world, root)
     tid = plan["table_id"]
     resume = plan["resume"]

@@ -65,6 +65,7 @@ from trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_state,
+    safe_load,
     save_checkpoint,
 )
 from trainer.config import TrainerConfig
@@ -335,14 +336,15 @@ def save_students(students: _Students) -> bytes:
     return buffer.getvalue()
 
 
-def load_students(students: _Students, payload: bytes) -> None:
+def load_students(students: _Students, payload: bytes, *, name: str = STUDENTS_FILE) -> None:
     """Restore :func:`save_students`'s payload into ``students``, built by :meth:`_Students.add` for the same
     domains in the same order (their seeded init supplies every row the payload lacks, with zero moments).
 
     Raises:
+        gemline.errors.CheckpointError: the payload does not load safely (:func:`trainer.checkpoint.safe_load`).
         RuntimeError: the payload does not fit the students (torch's message).
     """
-    saved = torch.load(io.BytesIO(payload), weights_only=True)
+    saved = safe_load(payload, name=name)
     model = students.modules.state_dict()
     rows: dict[str, list[torch.Tensor]] = saved["rows"]
     for domain, key, j, name in _table_slots(students):
@@ -519,7 +521,7 @@ def _load(path: str | Path, extra: dict[str, Any], dc: DistillConfig, tc: Traine
     for domain in extra["domains"]:
         students.add(domain)
     if extra.get("format") == CHECKPOINT_FORMAT:
-        load_students(students, (Path(path) / STUDENTS_FILE).read_bytes())
+        load_students(students, (Path(path) / STUDENTS_FILE).read_bytes(), name=str(Path(path) / STUDENTS_FILE))
         return students
     init = {name: tensor.clone() for name, tensor in students.modules.state_dict().items() if ".tables." in name}
     load_checkpoint(path, students.modules, students.optimizers)

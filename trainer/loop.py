@@ -21,7 +21,7 @@ behind :class:`Engine`, as torchtitan keeps its ``Trainer`` loop apart from the 
 Every checkpoint has one format (trainer.checkpoint): ``step-N/meta.json`` (written last: step,
 examples seen, the caller's position and its extra) and ``state.pt`` with the full parameters, so a
 sharded run's checkpoint warm-starts a one-process run; the optimiser state lives in ``state.pt`` (one
-process) or in the DCP folder ``meta.json`` names (``extra["sharded"]``, sharded runs).
+process) or in the DCP folder beside it, ``_checkpoints/sharded/step-N`` (sharded runs; ``extra["sharded"]`` marks one).
 
 Devices: the model lives on ``trainer.device``; each step's batch is built from its rows, checked, pinned (CUDA) and
 copied to the device one step ahead on a background thread (:func:`prepare_batch`, trainer.prefetch), so the forward

@@ -4,7 +4,7 @@ Every rank sees the same global batches (the same rows in the same order as a on
 trains on its contiguous slice of each (:func:`trainer.distributed.split_rows`); predictions are made
 on slices too and gathered on rank 0. A checkpoint is the DCP folder of every rank's shards (model,
 fused embedding optimiser and Adam state; trainer.sharded_checkpoint) plus rank 0's ordinary ``step-N/`` with the
-full parameters, whose meta.json (written last) names the folder (``extra["sharded"]``) and the world
+full parameters, whose meta.json (written last) marks the folder beside it (``extra["sharded"]``) and the world
 size, so it counts only once both are complete. On an object-store lake only ``step-N/`` is written
 (DCP here writes to a file system every rank sees): such a run cannot be resumed sharded.
 
@@ -38,7 +38,7 @@ from trainer.distributed import (
 from trainer.loop import to_device
 from trainer.models import build_model
 from trainer.models.towers import RankingModel
-from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_checkpoint_dir
+from trainer.sharded_checkpoint import load_sharded, save_sharded, sharded_checkpoint_dir, shards_of
 
 
 @dataclass
@@ -157,7 +157,7 @@ class ShardedEngine:
             gemline.errors.BadConfigError: the checkpoint is not a sharded run's of this model and world size (:func:`check_resumable`).
         """
         check_resumable(state, Path(path), self.world_size, self.tc.model, embedding_optimizer=self.tc.table_optimizer)
-        load_sharded(self.sharded, state.extra["sharded"])
+        load_sharded(self.sharded, shards_of(path))
         self.steps = self.synced_at = state.step
 
 

@@ -241,3 +241,30 @@ def test_cli_build_follow_serves_metrics(tmp_path):
     assert got["gemline_rows"] == {(("table", "examples"),): 6}
     assert "gemline_consumer_lag" not in got  # no Kafka cluster configured: no lag metric
     assert proc.returncode == 0
+
+
+def test_metrics_listen_on_loopback_unless_told_otherwise(tmp_path):
+    from gemline.cli import build_parser
+    from gemline.config import load_config
+    from gemline.run import serving_metrics
+
+    collector = PipelineCollector(Lake(str(tmp_path / "lake")), tables=[])
+    server, _ = serve(collector, 0)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+    finally:
+        server.shutdown()
+        server.server_close()
+    config = load_config(overrides={"lake": str(tmp_path / "lake")})
+    for addr, where in (("127.0.0.1", "this machine only"), ("0.0.0.0", "all interfaces")):
+        said: list[str] = []
+        with serving_metrics(config, 0, bootstrap=None, say=said.append, addr=addr):
+            port = int(said[0].split(":")[2].split(",")[0])
+            assert scrape(port) is not None
+        assert said[0].startswith(f"metrics: {addr}:{port}, {where} (http://127.0.0.1:{port}/metrics)")
+    parser = build_parser()
+    for command in (["run"], ["build", "--follow"], ["ingest", "--streaming"]):
+        args, _ = parser.parse_known_args(command)
+        assert args.metrics_addr == "127.0.0.1", command
+    args, _ = parser.parse_known_args(["run", "--metrics-addr", "0.0.0.0"])
+    assert args.metrics_addr == "0.0.0.0"

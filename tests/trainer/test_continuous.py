@@ -46,7 +46,7 @@ def _add(lake, day: int, rows: int = 200, passed: bool | None = True, table: pa.
 
 
 def _params(path) -> dict[str, torch.Tensor]:
-    return torch.load(f"{path}/state.pt", weights_only=False)["model"]
+    return torch.load(f"{path}/state.pt", weights_only=True)["model"]
 
 
 def test_each_version_once_with_progressive_metrics(tmp_path):
@@ -523,7 +523,7 @@ def test_a_changed_model_switch_is_refused_by_a_poll_with_nothing_new(tmp_path):
     first = run_once(lake_, tc)
     saved = json.loads((Path(first.checkpoint_path) / "meta.json").read_text())["extra"]["model_signature"]
     assert saved["parameters"] == sorted(torch.load(Path(first.checkpoint_path) / "state.pt",
-                                                    weights_only=False)["model"]), "the names the checkpoint holds"
+                                                    weights_only=True)["model"]), "the names the checkpoint holds"
     assert run_once(lake_, tc).versions == [], "unchanged: an idle poll as before"
     with pytest.raises(BadConfigError, match=r"holds another model: .*--from-scratch") as err:
         run_once(lake_, replace(tc, hidden_dims=(64,)))  # one hidden layer fewer: other parameters

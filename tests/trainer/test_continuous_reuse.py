@@ -66,7 +66,7 @@ def _run(tmp_path, monkeypatch, name: str, max_rows: int) -> dict:
     seen = []
     config = load_config(overrides={"lake": str(lake), **SMALL, "trainer.batch_size": str(BATCH)})
     result = run_once(*trainer_args(config), on_predictions=seen.append)
-    params = torch.load(f"{result.checkpoint_path}/state.pt", weights_only=False)["model"]
+    params = torch.load(f"{result.checkpoint_path}/state.pt", weights_only=True)["model"]
     return {"result": result, "seen": seen, "params": params, "encodes": encodes[0], "corrections": corrections}
 
 
@@ -171,7 +171,7 @@ def _add_day(lake, day: int) -> None:
 
 
 def _params(path) -> dict[str, torch.Tensor]:
-    return torch.load(f"{path}/state.pt", weights_only=False)["model"]
+    return torch.load(f"{path}/state.pt", weights_only=True)["model"]
 
 
 def test_a_versions_files_are_read_together_up_to_read_rows(tmp_path, monkeypatch):

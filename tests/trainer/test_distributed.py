@@ -268,7 +268,7 @@ def _reference(num_steps: int, model_name: str = "ranker", managed: bool = False
 
 def _check_case(out_dir: Path, case: str, reference) -> None:
     world, mesh, _ = CASES[case]
-    ranks = [torch.load(out_dir / f"{case}-rank{r}.pt", weights_only=False) for r in range(world)]
+    ranks = [torch.load(out_dir / f"{case}-rank{r}.pt", weights_only=True) for r in range(world)]
     ref_losses, ref_state, ref_initial, ref_accumulators = reference
     for r in ranks:
         np.testing.assert_allclose(r["losses"], ref_losses, rtol=LOSS_RTOL, err_msg=f"{case}: loss curve")
@@ -530,7 +530,7 @@ def test_world_size_2_gem_and_dlrm_match_one_process(tmp_path):
     for case, model_name in CASE_MODEL.items():
         _check_case(tmp_path, case, _reference(STEPS, model_name, case in MANAGED_IDS))
     # The managed case's tables have the mapping's rows per feature, not trainer.num_embeddings.
-    state = torch.load(tmp_path / "gem_managed_ids_tw_1x2-rank0.pt", weights_only=False)["state"]
+    state = torch.load(tmp_path / "gem_managed_ids_tw_1x2-rank0.pt", weights_only=True)["state"]
     rows = {k.split(".")[-2]: v.shape[0] for k, v in state.items() if ".t_" in k}
     assert rows["t_item_id"] == rows["t_item"] == 42 and rows["t_user_id"] == 47 and rows["t_category"] == 10, rows
 
@@ -543,7 +543,7 @@ def test_sharded_gem_resumes_from_dcp_bit_for_bit(tmp_path):
     """
     _launch(2, ["resume"], tmp_path)
     for rank in range(2):
-        out = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
+        out = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=True)
         assert out["resumed"] == out["straight"], out
         assert out["control"][:3] == out["straight"][:3] and out["control"][3] != out["straight"][3], out
 

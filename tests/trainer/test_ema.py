@@ -165,7 +165,7 @@ def test_a_checkpoint_from_before_the_decay_was_recorded_keeps_the_old_hint(tmp_
     engine = engine_of(replace(SMALL, gem=replace(SMALL.gem, ema_decay=0.5)))
     engine.train_step(data, np.arange(8))
     path = Path(engine.save(tmp_path, state))
-    payload = torch.load(path / "state.pt", weights_only=False)
+    payload = torch.load(path / "state.pt", weights_only=True)
     assert payload.pop("param_average_decays") == {"param_average": 0.5}
     torch.save(payload, path / "state.pt")  # as written before issue 20
     other = engine_of(replace(SMALL, gem=replace(SMALL.gem, ema_decay=None)))

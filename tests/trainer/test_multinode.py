@@ -99,7 +99,7 @@ def test_cli_accepts_multinode_flags():
 
 
 def _state(checkpoint_path: str) -> dict[str, torch.Tensor]:
-    return torch.load(Path(checkpoint_path) / "state.pt", weights_only=False)["model"]
+    return torch.load(Path(checkpoint_path) / "state.pt", weights_only=True)["model"]
 
 
 def _two_launchers(config, version: int, out: Path) -> dict:

@@ -123,7 +123,7 @@ def test_continuous_run_on_pointer_lake_equals_fat_lake(lakes, tmp_path, mapping
             "trainer.ids.min_count": "2"})
         out = run_once(*trainer_args(config))
         assert out.rows_trained_total > 0
-        params[layout] = torch.load(f"{out.checkpoint_path}/state.pt", weights_only=False)["model"]
+        params[layout] = torch.load(f"{out.checkpoint_path}/state.pt", weights_only=True)["model"]
         vocab[layout] = IdMapping.from_bytes((Path(out.checkpoint_path) / MAPPING_FILE).read_bytes()).vocabularies
     assert params["fat"].keys() == params["pointer"].keys()
     assert all(torch.equal(params["fat"][k], params["pointer"][k]) for k in params["fat"])

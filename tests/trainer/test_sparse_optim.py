@@ -184,7 +184,7 @@ def test_a_checkpoint_from_before_the_choice_is_refused_by_rowwise_adagrad(tmp_p
     engine, data = _engine_and_data("adagrad")
     train_step(engine.model, engine.optimizers, make_batch(data, BATCHES[0]))
     path = Path(save_checkpoint(tmp_path, TrainState(step=1, examples_seen=16, examples_version=0), engine.model, engine.optimizers))
-    payload = torch.load(path / "state.pt", weights_only=False)
+    payload = torch.load(path / "state.pt", weights_only=True)
     del payload["optimizer_types"]
     torch.save(payload, path / "state.pt")
     rowwise, _ = _engine_and_data("rowwise_adagrad")

@@ -170,8 +170,8 @@ def test_crashed_run_resumes_to_the_same_parameters(make_lake, tmp_path, monkeyp
     assert resumed.steps == uninterrupted.steps == 8
     assert resumed.loss_curve == uninterrupted.loss_curve[3:]
     assert read_state(resumed.checkpoint_path).examples_seen == read_state(uninterrupted.checkpoint_path).examples_seen == 200
-    ours = torch.load(Path(resumed.checkpoint_path) / "state.pt", weights_only=False)["model"]
-    theirs = torch.load(Path(uninterrupted.checkpoint_path) / "state.pt", weights_only=False)["model"]
+    ours = torch.load(Path(resumed.checkpoint_path) / "state.pt", weights_only=True)["model"]
+    theirs = torch.load(Path(uninterrupted.checkpoint_path) / "state.pt", weights_only=True)["model"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert resumed.metrics == uninterrupted.metrics
 
@@ -198,7 +198,7 @@ def test_warm_start_from_a_sharded_runs_checkpoint(make_lake):
     result = _run(config(lake, **settings, **{"trainer.init_from": "latest", "trainer.learning_rate": "1e-12",
                                                       "trainer.embedding_learning_rate": "1e-12"}), progress=False)
     assert result.steps == 7 + 4  # 120 train rows / 32 -> 4 steps after the sharded run's 7
-    final = torch.load(Path(result.checkpoint_path) / "state.pt", weights_only=False)
+    final = torch.load(Path(result.checkpoint_path) / "state.pt", weights_only=True)
     assert set(final["optimizers"]) == {"dense", "embeddings"}
     for key, value in saved.state_dict().items():
         torch.testing.assert_close(final["model"][key], value, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
