@@ -97,6 +97,7 @@ def synthetic_events(users: int, events_per_user: int, seed: int = 0, *, pareto:
         "kafka_partition": pa.array(np.zeros(n, dtype=np.int32)),
         "kafka_offset": np.arange(n),
         "event_time_us": t * 1000,
+        "kafka_generation": pa.array(np.zeros(n, dtype=np.int32)),
     }).select(EVENTS_TABLE_SCHEMA.names).cast(EVENTS_TABLE_SCHEMA)
 
 

@@ -16,6 +16,7 @@
     gemline run [--bootstrap HOST:PORT] [--generate-rate R] [--interval-s S] [--poll-interval-s S] [--watch-s S] [--no-train]
                 [--metrics-port P]
     gemline lineage [--json]
+    gemline audit [--json]
     gemline distill --once | --follow [--poll-interval-s S] [--watch-s S] [--from-scratch]
                   [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id JOB]]
     gemline demo [--dataset NAME] [--path FILE] [--limit N] [--nproc N]
@@ -469,10 +470,27 @@ def cmd_lineage(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"continuous run {record['run_id']}: step {record['step']}, {record['rows_trained_total']} rows trained"
           + _rows_split(versions))
     for v in versions:
-        offsets = ", ".join(f"{o['topic']}[{o['partition']}] {o['start']}..{o['end']}" for o in v.get("kafka_offsets", []))
+        offsets = ", ".join(f"{o['topic']}[{o['partition']}] {o['start']}..{o['end']}{_generation_tag(o)}"
+                            for o in v.get("kafka_offsets", []))
         print(f"  examples@{v['version']}: {v['quality']}, {v['rows_trained']} rows{_rows_split([v])}; events versions "
               f"{v.get('events_versions', [])}; Kafka {offsets or '-'}")
     return 0
+
+
+def _generation_tag(offsets: dict[str, Any]) -> str:
+    """`` (gen G, id ID)`` of a lineage ``kafka_offsets`` entry: which generation of the topic the batch read (the
+    id where the broker gave one); empty where the batch predates generations."""
+    if offsets.get("generation") is None:
+        return ""
+    return f" (gen {offsets['generation']}" + (f", id {offsets['topic_id']})" if offsets.get("topic_id") else ")")
+
+
+def cmd_audit(args: argparse.Namespace, extra: list[str]) -> int:
+    from ingest.audit import audit, format_report
+
+    result = audit(Lake.for_config(_config(args)))
+    print(json.dumps(result) if args.json else format_report(result))
+    return 0 if result["clean"] else 1
 
 
 def _rows_split(versions: list[dict[str, Any]]) -> str:
@@ -749,6 +767,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--json", action="store_true", help="the lineage as JSON")
     p.set_defaults(func=cmd_lineage, passthrough=False)
+
+    p = sub.add_parser("audit", help="reconcile the Kafka offsets the lake read with events, dead_letter, late_events, "
+                                     "dropped duplicates and backfills; exit 1 if any is lost or doubled")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=cmd_audit, passthrough=False)
 
     p = sub.add_parser("distill", help="per-domain students learn each new examples version from its labels and the "
                                        "logged teacher predictions; report under LAKE/_runs")

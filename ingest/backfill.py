@@ -20,8 +20,8 @@ to ``events`` when someone decides they should count after all, exactly once per
    ``duplicate_conflict``; this job writes only ``events``).
 4. Commit the rest to ``events`` (``EVENTS_TABLE_SCHEMA``, partitioned by ``event_date``) in one
    commit tagged with the app transaction (``backfill:late_events``, k) and metadata
-   ``{"late_events_version", "late_rows_read", "rows_readmitted", "duplicates_skipped",
-   "conflicts_skipped", "backfill_ms"}``.
+   ``{"late_events_version", "late_rows_read", "rows_readmitted", "readmitted_offsets", "duplicates_skipped",
+   "conflicts_skipped", "backfill_ms"}`` (``readmitted_offsets``: which records moved, :func:`readmitted_offsets`).
 
 One atomic commit per run carries both the rows and the consumed ``late_events`` version, so a crash
 at any point leaves either nothing (the rerun redoes the batch) or everything (the rerun finds nothing
@@ -46,7 +46,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
@@ -56,7 +58,7 @@ from gemline.lake import Lake, commit_metadata, committed_version, open_table
 from gemline.locks import holding
 from gemline.tables import Table, commit
 from ingest.config import IngestConfig, KafkaConfig
-from ingest.dedup import committed_ids, committed_payloads, drop_duplicates, split_conflicts
+from ingest.dedup import committed_ids, committed_payloads, drop_duplicates, offset_runs, split_conflicts
 from ingest.pipeline import app_id_for
 from ingest.schema import EVENTS_TABLE_SCHEMA
 
@@ -174,6 +176,28 @@ def _as_events(late: pa.Table, backfill_ms: int) -> pa.Table:
     return rows.sort_by([(c, "ascending") for c in ("kafka_topic", "kafka_partition", "kafka_offset")])
 
 
+def readmitted_offsets(rows: pa.Table) -> list[dict[str, Any]]:
+    """The Kafka coordinates of re-admitted ``rows``, for the commit metadata (``readmitted_offsets``): one entry
+    ``{"topic", "generation" (None for rows from before generations), "partition", "runs": [[start, end), ...]}``
+    per (topic, generation, partition), in that order (:func:`ingest.dedup.offset_runs`). ``gemline audit`` counts
+    a record these name in both ``late_events`` and ``events`` once (:mod:`ingest.audit`)."""
+    if rows.num_rows == 0:
+        return []
+    generation = (rows.column("kafka_generation").to_numpy(zero_copy_only=False) if "kafka_generation" in
+                  rows.column_names else np.full(rows.num_rows, np.nan))
+    topics = rows.column("kafka_topic").to_numpy(zero_copy_only=False)
+    partitions = rows.column("kafka_partition").to_numpy()
+    offsets = rows.column("kafka_offset").to_numpy()
+    known = ~np.isnan(generation.astype(np.float64))
+    out = []
+    for topic in sorted(set(topics.tolist())):
+        for gen in sorted({int(g) for g in generation[known & (topics == topic)]}) + [None]:
+            mask = (topics == topic) & ((~known) if gen is None else (known & (generation == gen)))
+            for part, runs in offset_runs(partitions[mask], offsets[mask]).items():
+                out.append({"topic": topic, "generation": gen, "partition": int(part), "runs": runs})
+    return sorted(out, key=lambda e: (e["topic"], -1 if e["generation"] is None else e["generation"], e["partition"]))
+
+
 @holding("ingest")
 def backfill_late_events(
     lake: Lake, kafka: KafkaConfig, ingest: IngestConfig, *, now_ms: int | None = None
@@ -231,7 +255,8 @@ def backfill_late_events(
         conflicting, duplicates = split_conflicts(candidates, rows, payloads, window_ms)
         conflicts = conflicting.num_rows
     metadata = {"late_events_version": version, "late_rows_read": late.num_rows, "rows_readmitted": rows.num_rows,
-                "duplicates_skipped": duplicates, "conflicts_skipped": conflicts, "backfill_ms": backfill_ms}
+                "readmitted_offsets": readmitted_offsets(rows), "duplicates_skipped": duplicates,
+                "conflicts_skipped": conflicts, "backfill_ms": backfill_ms}
     # Even when every row was a duplicate, the (possibly empty) commit records the consumed version.
     wrote = commit(root, Table.EVENTS, rows, app_id=BACKFILL_APP_ID, version=batch_version, metadata=metadata,
                    storage_options=opts)

@@ -161,6 +161,49 @@ def split_conflicts(batch: pa.Table, kept: pa.Table, committed: pa.Table, window
     return table, len(dropped) - len(conflict)
 
 
+def offset_runs(partitions: np.ndarray, offsets: np.ndarray) -> dict[str, list[list[int]]]:
+    """Kafka coordinates as JSON runs: ``{"<partition>": [[start, end), ...]}``, each run a half-open range of
+    consecutive offsets, in order; a coordinate given twice counts once. A same-seed restart's duplicates are
+    long runs of consecutive offsets, so this stays small where the count is large.
+
+    Args:
+        partitions: (N,) ints.
+        offsets: (N,) ints, same order.
+    """
+    if len(offsets) == 0:
+        return {}
+    parts, offs = np.asarray(partitions, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+    order = np.lexsort((offs, parts))
+    parts, offs = parts[order], offs[order]
+    keep = np.ones(len(offs), dtype=bool)
+    keep[1:] = (parts[1:] != parts[:-1]) | (offs[1:] != offs[:-1])
+    parts, offs = parts[keep], offs[keep]
+    starts = np.flatnonzero(np.r_[True, (parts[1:] != parts[:-1]) | (offs[1:] != offs[:-1] + 1)])
+    ends = np.r_[starts[1:], len(offs)]
+    out: dict[str, list[list[int]]] = {}
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        out.setdefault(str(int(parts[a])), []).append([int(offs[a]), int(offs[b - 1]) + 1])
+    return out
+
+
+def dropped_offsets(batch: pa.Table, kept: pa.Table, conflicts: pa.Table) -> dict[str, list[list[int]]]:
+    """The Kafka coordinates of the rows :func:`drop_duplicates` dropped as identical duplicates: the rows of
+    ``batch`` neither in ``kept`` nor in ``conflicts`` (:func:`split_conflicts`: those go to ``dead_letter``),
+    as :func:`offset_runs` (recorded in the ingest commit, ``duplicates_dropped_offsets``, for ``ingest.audit``).
+
+    Args:
+        batch: the events rows before dedup; kept, conflicts: subsets of it (the same partitions and offsets).
+    """
+    def coords(t: pa.Table) -> np.ndarray:
+        return (t["kafka_partition"].to_numpy().astype(np.int64) << 40) | t["kafka_offset"].to_numpy().astype(np.int64)
+
+    if batch.num_rows == kept.num_rows:
+        return {}
+    gone = coords(batch)
+    gone = gone[~np.isin(gone, np.concatenate([coords(kept), coords(conflicts)]))]
+    return offset_runs(gone >> 40, gone & ((1 << 40) - 1))
+
+
 def conflict_dead_letter(conflicts: pa.Table, schema: pa.Schema) -> pa.Table:
     """``dead_letter`` rows (reason ``duplicate_conflict``) for the rows of :func:`split_conflicts`.
 
@@ -177,7 +220,8 @@ def conflict_dead_letter(conflicts: pa.Table, schema: pa.Schema) -> pa.Table:
                               "another payload; this delivery is not the same event",
                     "raw": json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode(),
                     "kafka_topic": r["kafka_topic"], "kafka_partition": r["kafka_partition"],
-                    "kafka_offset": r["kafka_offset"], "created_ts_ms": r["created_ts_ms"], "kafka_key": None})
+                    "kafka_offset": r["kafka_offset"], "created_ts_ms": r["created_ts_ms"], "kafka_key": None,
+                    "kafka_generation": r.get("kafka_generation")})
     return pa.Table.from_pylist(out, schema=schema)
 
 

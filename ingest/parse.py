@@ -216,7 +216,7 @@ def _dead(rec: KafkaRecord, reason: str, detail: str) -> tuple[Literal["dead"], 
 def dead_row(rec: KafkaRecord, reason: str, detail: str) -> dict[str, Any]:
     """A ``DEAD_LETTER_SCHEMA`` row for ``rec``: the reason, the detail (cut to 1,000 characters), the
     raw value (``b""`` for a tombstone; the first :data:`RAW_PREFIX_BYTES` of a too-large one), the
-    Kafka key and coordinates."""
+    Kafka key and coordinates (``kafka_generation`` null: the ingest driver stamps it)."""
     value = b"" if rec.value is None else rec.value
     return {
         "reason": reason,
@@ -227,6 +227,7 @@ def dead_row(rec: KafkaRecord, reason: str, detail: str) -> dict[str, Any]:
         "kafka_offset": rec.offset,
         "created_ts_ms": rec.timestamp_ms,
         "kafka_key": rec.key,
+        "kafka_generation": None,  # stamped by the ingest driver (ingest.pipeline), which knows the generation
     }
 
 
@@ -386,6 +387,7 @@ def _parse(rec: KafkaRecord, *, domains: Iterable[str], now_ms: int, max_future_
     row["kafka_partition"] = rec.partition
     row["kafka_offset"] = rec.offset
     row["event_time_us"] = time_us
+    row["kafka_generation"] = None  # stamped by the ingest driver (ingest.pipeline)
     return "ok", row
 
 

@@ -25,7 +25,11 @@ The lake, not a Kafka consumer group, records what was consumed. Each run is one
    watermark to ``late_events``. Commit ``dead_letter``, then ``late_events``, then ``events``
    (partitioned by ``event_date``), each tagged (app_id, batch_version) and carrying
    ``{"offset_ranges", "end_offsets", "now_ms", "watermarks_ms", "duplicates_dropped",
-   "late_events"}``; remove the staging dir.
+   "duplicates_dropped_offsets", "late_events", "rules", "topic_identity", "generation", "gaps"}``
+   (and ``"reset"`` when the batch started over on the topic); remove the staging dir. Every row carries
+   the batch's topic generation (``kafka_generation``, :mod:`ingest.schema`); ``duplicates_dropped_offsets``
+   names the offsets counted in ``duplicates_dropped`` (``{"<partition>": [[start, end), ...]}``), so that
+   ``gemline audit`` (:mod:`ingest.audit`) can account for every offset read.
 
 Each commit is atomic and idempotent, and ``events`` moves the offsets only after
 ``dead_letter`` and ``late_events`` hold the same batch, so a crash anywhere loses no record and
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -72,6 +77,7 @@ from ingest.dedup import (
     committed_payloads,
     conflict_dead_letter,
     drop_duplicates,
+    dropped_offsets,
     split_conflicts,
     split_late,
 )
@@ -176,6 +182,9 @@ class _Plan:
     gaps: dict[int, tuple[int, int]]
     rules_changed: tuple[str, ...] = ()
     reset: dict[str, Any] | None = None
+    generation: int | None = 0
+    """The topic generation stamped on the rows (``kafka_generation``, :mod:`ingest.schema`); None only for a
+    recovered batch planned before generations existed (its rows stay null, its metadata without one)."""
 
 
 def cap_ranges(ranges: list[OffsetRange], max_offsets: int | None) -> list[OffsetRange]:
@@ -190,6 +199,32 @@ def cap_ranges(ranges: list[OffsetRange], max_offsets: int | None) -> list[Offse
     if max_offsets < 1:
         raise ValueError(f"cap_ranges: expected max_offsets >= 1 or None, got {max_offsets}")
     return [OffsetRange(r.topic, r.partition, r.start, min(r.end, r.start + max_offsets)) for r in ranges]
+
+
+def _generation_of(lake: Lake, app_id: str, events_meta: dict[str, Any]) -> int | None:
+    """The generation of the app's last ``events`` commit (``events_meta``): its recorded ``generation``; for a
+    commit from before generations were recorded, the ``--reset-topic`` batches among the app's commits (the
+    first commit starts generation 0, each later reset one more); None when the app never committed."""
+    if not events_meta:
+        return None
+    if "generation" in events_meta:
+        return int(events_meta["generation"])
+    dt = open_table(lake.root, Table.EVENTS, storage_options=lake.delta_options)
+    generation = -1
+    for entry in [] if dt is None else reversed(dt.history()):  # oldest first
+        meta = json.loads(entry["gemline"]) if entry.get("gemline") else {}
+        if meta.get("app_id") == app_id:
+            generation = 0 if generation < 0 else generation + ("reset" in meta)
+    return max(generation, 0)
+
+
+def stamp_generation(table: pa.Table, generation: int | None) -> pa.Table:
+    """``table`` (events or dead-letter rows) with ``kafka_generation`` set to ``generation`` on every row
+    (None: left as it is, null)."""
+    if generation is None:
+        return table
+    i = table.schema.get_field_index("kafka_generation")
+    return table.set_column(i, table.schema.field(i), pa.array(np.full(table.num_rows, generation, np.int32)))
 
 
 def _plan_batch(lake: Lake, kafka: KafkaConfig, ingest: IngestConfig, bootstrap: str, now_ms: int | None,
@@ -229,10 +264,13 @@ def _plan_batch(lake: Lake, kafka: KafkaConfig, ingest: IngestConfig, bootstrap:
         log.info("ingest %s: recovering batch %d from its dead_letter commit (%d ranges)",
                  app_id, batch_version, len(ranges))
         gaps = {int(g["partition"]): (int(g["start"]), int(g["end"])) for g in meta.get("gaps", [])}
+        recorded_generation = meta.get("generation")  # absent: a batch planned before generations, kept so
         return _Plan(batch_version, ranges, ends, int(meta["now_ms"]), recovered=True, watermarks_ms=marks,
                      rules=rules, identity=snapshot_identity or TopicIdentity(None, 0, {}), gaps=gaps,
-                     rules_changed=changed, reset=meta.get("reset"))
+                     rules_changed=changed, reset=meta.get("reset"),
+                     generation=None if recorded_generation is None else int(recorded_generation))
 
+    last_generation = _generation_of(lake, app_id, events_meta)
     reset = None
     if reset_topic and previous is not None:
         try:  # a deliberate start-over is for a topic that changed; the same topic would be read again from 0
@@ -253,8 +291,9 @@ def _plan_batch(lake: Lake, kafka: KafkaConfig, ingest: IngestConfig, bootstrap:
     ends = {**prev_ends, **{r.partition: r.end for r in ranges}} if not reset_topic else {r.partition: r.end
                                                                                            for r in ranges}
     clock_ms = int(time.time() * 1000) if now_ms is None else int(now_ms)
+    generation = 0 if last_generation is None else last_generation + (1 if reset_topic else 0)
     return _Plan(batch_version, ranges, ends, clock_ms, recovered=False, watermarks_ms=marks, rules=ingest,
-                 identity=snap.identity, gaps=snap.gaps, reset=reset)
+                 identity=snap.identity, gaps=snap.gaps, reset=reset, generation=generation)
 
 
 STAGED_SUFFIX = ".arrow"
@@ -566,13 +605,14 @@ def run_ingest(
                  len(plan.ranges))
         events, dead = _run_in_process(kafka, ingest, bootstrap, plan)
     _check_batch(events, dead, plan.ranges)
+    events, dead = stamp_generation(events, plan.generation), stamp_generation(dead, plan.generation)
     existing = open_table(root, Table.EVENTS, storage_options=opts)
     rules = plan.rules
     dataset = None if existing is None else existing.to_pyarrow_dataset()
     committed = committed_ids(dataset, events, rules.dedup_window_ms)
     parsed = events
     events, duplicates = drop_duplicates(parsed, committed, rules.dedup_window_ms)
-    n_conflicts = 0
+    n_conflicts, dropped = 0, {}
     if duplicates:
         payloads = committed_payloads(dataset, pc.unique(parsed["event_id"]), parsed["event_time_ms"],
                                       rules.dedup_window_ms)
@@ -580,6 +620,7 @@ def run_ingest(
         n_conflicts = conflicts.num_rows
         if n_conflicts:
             dead = pa.concat_tables([dead, conflict_dead_letter(conflicts, DEAD_LETTER_SCHEMA)])
+        dropped = dropped_offsets(parsed, events, conflicts)
     events, late, watermarks = split_late(events, plan.watermarks_ms, rules.allowed_lateness_ms,
                                           now_ms=plan.now_ms)
     metadata = {
@@ -588,11 +629,13 @@ def run_ingest(
         "now_ms": plan.now_ms,
         "watermarks_ms": {str(p): w for p, w in sorted(watermarks.items())},
         "duplicates_dropped": duplicates,
+        "duplicates_dropped_offsets": dropped,
         "late_events": late.num_rows,
         "rules": rules_of(rules),
         "topic_identity": plan.identity.to_dict(),
         "gaps": [{"partition": p, "start": a, "end": b, "count": b - a} for p, (a, b) in sorted(plan.gaps.items())],
         **({"reset": plan.reset} if plan.reset is not None else {}),
+        **({"generation": plan.generation} if plan.generation is not None else {}),
     }
     wrote_dead = commit(root, Table.DEAD_LETTER, dead, app_id=app_id, version=plan.batch_version,
                         metadata=metadata, storage_options=opts)

@@ -6,6 +6,13 @@ Wire format: one JSON object per Kafka message, keyed by ``user_id`` (UTF-8), wi
 The ``event_time_ms`` wire field also accepts seconds, microseconds and ISO-8601 strings; ingest
 normalises them (``ingest.parse``).
 
+Topic generations. ``kafka_generation`` (``events``, ``late_events``, ``dead_letter``) is the lake's generation of
+the topic a record was read from: 0 for the first topic of that name the lake read, one more after each
+``gemline ingest --reset-topic`` (a recreated topic starts its offsets at 0 again, so (kafka_topic,
+kafka_partition, kafka_offset) alone names two records after a reset). Ingest stamps it on every row and records
+it in each batch's commit metadata (``generation``, beside the broker's ``topic_identity``). Rows written before
+the column existed hold null, and their batches' metadata lacks it; ``ingest.audit`` reconciles them apart.
+
 Version history:
     1  first version.
 """
@@ -123,6 +130,8 @@ EVENTS_TABLE_SCHEMA = pa.schema(
         # Event time normalised to UTC microseconds (event_time_ms = floor(us / 1000)). Ingest always
         # fills it; nullable only because events tables written before it existed lack it.
         pa.field("event_time_us", pa.int64()),
+        # Which read of the topic the record came from (module docstring). Null in rows written before it existed.
+        pa.field("kafka_generation", pa.int32()),
     ]
 )
 """Arrow schema of the ``events`` Delta table (partitioned by ``event_date``)."""
@@ -146,6 +155,7 @@ DEAD_LETTER_SCHEMA = pa.schema(
         pa.field("kafka_offset", pa.int64(), nullable=False),
         pa.field("created_ts_ms", pa.int64(), nullable=False),  # the Kafka record timestamp as read
         pa.field("kafka_key", pa.binary()),  # the message key as read (null: none); dead_letter rows before it lack it
+        pa.field("kafka_generation", pa.int32()),  # as in EVENTS_TABLE_SCHEMA (module docstring)
     ]
 )
 """Arrow schema of the ``dead_letter`` Delta table. ``raw`` is ``b""`` for a tombstone (reason

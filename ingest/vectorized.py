@@ -280,6 +280,8 @@ def _events_table(cols: dict[str, pl.Series], keep: np.ndarray, meta: pa.RecordB
             arrays[name] = dates
         elif name in cols:
             arrays[name] = cols[name].filter(mask).to_arrow().cast(field.type)
+        elif name == "kafka_generation":  # stamped by the ingest driver (ingest.pipeline)
+            arrays[name] = pa.nulls(len(us), field.type)
         elif name == "created_ts_ms":  # the rule of ingest.parse.known_since, on columns
             stamps = meta.column("timestamp_ms").take(take).to_numpy()
             floor, ceiling, now_ms = known

@@ -942,7 +942,8 @@ class _Sources:
 
     def of(self, version: int) -> dict[str, Any]:
         """``{"events_versions": [...], "kafka_offsets": [{"events_version", "topic", "partition", "start",
-        "end"}]}`` of examples@version (empty lists where the lake does not record them)."""
+        "end", "generation", "topic_id"}]}`` of examples@version (empty lists where the lake does not record them;
+        ``generation`` and ``topic_id`` only where the batch recorded them)."""
         if self._examples is None:
             self._examples, self._events = self._history(EXAMPLES), self._history(Table.EVENTS)
         built = self._examples.get(version, {}).get("events_version")
@@ -952,9 +953,21 @@ class _Sources:
                   if v < version and m.get("events_version") is not None]
         first = max(before) + 1 if before else 0
         versions = list(range(first, int(built) + 1))
-        offsets = [{"events_version": ev, **r} for ev in versions
-                   for r in self._events.get(ev, {}).get("offset_ranges", [])]
+        offsets = [{"events_version": ev, **r, **_read_identity(self._events[ev])} for ev in versions
+                   if ev in self._events for r in self._events[ev].get("offset_ranges", [])]
         return {"events_versions": versions, "kafka_offsets": offsets}
+
+
+def _read_identity(meta: dict[str, Any]) -> dict[str, Any]:
+    """Which topic an ingest batch read (its events commit ``meta``): ``{"generation", "topic_id"}``, each only where
+    the batch recorded it (``ingest.schema``'s topic generations: after ``--reset-topic`` the same
+    (topic, partition, offset) names another record)."""
+    out: dict[str, Any] = {}
+    if "generation" in meta:
+        out["generation"] = meta["generation"]
+    if (meta.get("topic_identity") or {}).get("topic_id") is not None:
+        out["topic_id"] = meta["topic_identity"]["topic_id"]
+    return out
 
 
 FOLLOW_REPORT_EVERY_S = 60.0

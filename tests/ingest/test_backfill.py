@@ -32,7 +32,7 @@ def _row(eid: str, t_ms: int, offset: int, *, created: int, partition: int = 0, 
             "event_type": event_type, "category": "c1", "position": None, "ad_format": None, "age": None,
             "gender": None, "location": None, "schema_version": 1, "created_ts_ms": created,
             "event_date": dates_between(t_ms, t_ms)[0], "kafka_topic": "events", "kafka_partition": partition,
-            "kafka_offset": offset, "event_time_us": t_ms * 1000}
+            "kafka_offset": offset, "event_time_us": t_ms * 1000, "kafka_generation": None}
 
 
 def _late(row: dict, watermark_ms: int) -> dict:

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.dedup import committed_ids, dates_between, drop_duplicates, split_late
+from ingest.dedup import (
+    committed_ids,
+    dates_between,
+    drop_duplicates,
+    dropped_offsets,
+    offset_runs,
+    split_conflicts,
+    split_late,
+)
 from ingest.schema import EVENTS_TABLE_SCHEMA, LATE_EVENTS_SCHEMA
 
 DAY = 86_400_000
@@ -145,3 +153,20 @@ def test_dates_between(lo, hi, expected):
 def test_dates_between_rejects_reversed_bounds():
     with pytest.raises(ValueError, match="min_ms <= max_ms"):
         dates_between(5, 4)
+
+
+def test_offset_runs_are_half_open_runs_per_partition():
+    assert offset_runs([], []) == {}
+    assert offset_runs([1, 0, 0, 0, 0, 1, 0], [7, 3, 1, 2, 5, 8, 2]) == {"0": [[1, 4], [5, 6]], "1": [[7, 9]]}
+
+
+def test_dropped_offsets_name_the_identical_duplicates_not_the_conflicts():
+    # e1 twice (identical: dropped), e2 twice with another time in the window (another payload: a conflict).
+    batch = _events([("e1", DAY, 0), ("e2", DAY, 0), ("e1", DAY, 0), ("e2", DAY + 1, 0), ("e3", DAY, 1)])
+    kept, n = drop_duplicates(batch, _committed([]), DAY)
+    assert n == 2
+    conflicts, identical = split_conflicts(batch, kept, _committed([]).append_column("event_time_us", pa.array(
+        [], pa.int64())), DAY)
+    assert identical == 1 and conflicts["kafka_offset"].to_pylist() == [3]
+    assert dropped_offsets(batch, kept, conflicts) == {"0": [[2, 3]]}
+    assert dropped_offsets(kept, kept, conflicts) == {}

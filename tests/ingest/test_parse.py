@@ -143,7 +143,7 @@ def test_dead_letter_cases(reason, detail, value):
     assert detail in row["detail"]
     raw = b"" if value is None else value[:1024] if reason == "too_large" else value
     assert row == {"reason": reason, "detail": row["detail"], "raw": raw, "kafka_topic": "t", "kafka_partition": 2,
-                   "kafka_offset": 7, "created_ts_ms": TS_MS, "kafka_key": b"u1"}
+                   "kafka_offset": 7, "created_ts_ms": TS_MS, "kafka_key": b"u1", "kafka_generation": None}
     pa.Table.from_pylist([row], schema=DEAD_LETTER_SCHEMA)  # the row fits the table
 
 
@@ -162,7 +162,7 @@ def test_valid_row_is_hand_checked():
         "domain": "facebook", "event_type": "impression", "category": "shoes", "position": 3,
         "ad_format": "story", "age": 41, "gender": "f", "location": "10115", "schema_version": 1,
         "created_ts_ms": TS_MS, "event_date": "2023-11-14", "kafka_topic": "t", "kafka_partition": 2,
-        "kafka_offset": 7, "event_time_us": 1_700_000_000_000_000,
+        "kafka_offset": 7, "event_time_us": 1_700_000_000_000_000, "kafka_generation": None,
     }
     assert list(row) == EVENTS_TABLE_SCHEMA.names
 

@@ -403,6 +403,10 @@ def test_bad_inputs_duplicates_and_late_events_end_to_end(broker, topic, tmp_pat
     meta = commit_metadata(cfg.lake, "events", app_id_for(topic))
     part = events["e0"]["kafka_partition"]
     assert meta["duplicates_dropped"] == 1 and meta["late_events"] == 0
+    assert meta["duplicates_dropped_offsets"] == {str(part): [[5, 6]]}  # the second e0 (the 6th message)
+    assert meta["generation"] == 0
+    assert {r["kafka_generation"] for r in events.values()} == {0}
+    assert set(read_table(cfg.lake, "dead_letter")["kafka_generation"].to_pylist()) == {0}
     assert meta["watermarks_ms"] == {str(part): max(r["event_time_ms"] for r in events.values())}
 
     watermark = meta["watermarks_ms"][str(part)]

@@ -221,6 +221,7 @@ def test_hand_checked_batch_rows():
         "event_type": "impression", "category": "c", "position": 3, "ad_format": None, "age": 41, "gender": "f",
         "location": None, "schema_version": 1, "created_ts_ms": NOW_MS, "event_date": "2023-11-14",
         "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": 100, "event_time_us": NOW_MS * 1000,
+        "kafka_generation": None,  # stamped by the ingest driver, not the parser
     }]
     assert [d["reason"] for d in dead] == ["not_json"]
 

@@ -289,8 +289,11 @@ def test_lineage_names_the_events_versions_and_kafka_offsets_behind_each_version
     ranges = [[{"topic": "t", "partition": 0, "start": 0, "end": 5}],
               [{"topic": "t", "partition": 0, "start": 5, "end": 9}, {"topic": "t", "partition": 1, "start": 0, "end": 2}],
               [{"topic": "t", "partition": 0, "start": 9, "end": 12}]]
-    for i, r in enumerate(ranges):  # three ingest batches: events@0..2
-        commit_once(str(lake), "events", events, app_id="ingest:t", version=i, metadata={"offset_ranges": r})
+    # Three ingest batches: events@0..2; the third read generation 1 of the topic (after a --reset-topic).
+    identity = [{}, {}, {"generation": 1, "topic_identity": {"topic_id": "id-2", "partitions": 2, "last": {}}}]
+    for i, r in enumerate(ranges):
+        commit_once(str(lake), "events", events, app_id="ingest:t", version=i,
+                    metadata={"offset_ranges": r, **identity[i]})
     for i, built in enumerate([1, 2]):  # examples@0 built from events 0-1, examples@1 from events 2
         commit_once(str(lake), "examples", synthetic_examples([f"2026-01-0{i + 1}"], 50, seed=i), app_id="build",
                     version=i, partition_by=["event_date"], metadata={"events_version": built})
@@ -300,7 +303,7 @@ def test_lineage_names_the_events_versions_and_kafka_offsets_behind_each_version
     assert [(r["version"], r["events_versions"]) for r in records] == [(0, [0, 1]), (1, [2])]
     assert records[0]["kafka_offsets"] == [{"events_version": 0, **ranges[0][0]},
                                            *[{"events_version": 1, **r} for r in ranges[1]]]
-    assert records[1]["kafka_offsets"] == [{"events_version": 2, **ranges[2][0]}]
+    assert records[1]["kafka_offsets"] == [{"events_version": 2, **ranges[2][0], "generation": 1, "topic_id": "id-2"}]
 
 
 def test_cli_train_once_lineage_and_a_second_trainer_refused(tmp_path, capsys):
