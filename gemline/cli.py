@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,7 +40,7 @@ from typing import Any, Sequence
 from gemline.config import GemlineConfig, load_stage_config, parse_set_flags
 from gemline.errors import BadConfigError, GemlineError, MissingInputError, RetentionGapError
 from gemline.lake import Lake
-from gemline.process import run_and_exit
+from gemline.process import SUPERVISOR_FD_ENV, run_and_exit, watch_lifeline
 from gemline.tables import Table
 
 
@@ -50,6 +51,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override one config key, e.g. --set build.max_seq_len=512 (repeatable)",
     )
+
+
+def _positive_rate(text: str) -> float:
+    """argparse type: events/s, a finite number > 0 (0 or less would never send, or divide by zero)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected events/s > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected events/s > 0, got {text!r}")
+    return value
 
 
 def _metrics_flag(parser: argparse.ArgumentParser, when: str) -> None:
@@ -439,8 +451,13 @@ def _train_continuous(args: argparse.Namespace) -> int:
     result = run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc)
     show(result)
     if not result.versions and result.waiting_for is not None:
-        print(f"train: nothing trained: examples@{result.waiting_for} is not validated yet; run `gemline validate "
-              "--table examples`, then this command again", file=sys.stderr)
+        if "quarantined" in result.waiting_reason:
+            print(f"train: nothing trained: {result.waiting_reason}; `gemline report --table examples --version "
+                  f"{result.waiting_for}` shows why, `gemline quality release {result.waiting_for} --table examples "
+                  "--reason ...` lets it through", file=sys.stderr)
+        else:
+            print(f"train: nothing trained: examples@{result.waiting_for} is not validated yet; run `gemline validate "
+                  "--table examples`, then this command again", file=sys.stderr)
     if not result.versions and result.empty_versions:
         print(f"train: nothing trained: {_version_span(sorted(result.empty_versions))} no rows: {NOTHING_PUBLISHED}",
               file=sys.stderr)
@@ -633,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="produce synthetic three-domain traffic (config section [generate])")
     _common(p)
     _kafka_flags(p)
-    p.add_argument("--rate", type=float, default=None, help="target events/s (default: as fast as possible)")
+    p.add_argument("--rate", type=_positive_rate, default=None, help="target events/s, > 0 (default: as fast as possible)")
     p.set_defaults(func=cmd_generate, passthrough=False)
 
     p = sub.add_parser("ingest", help="Kafka -> events / dead_letter (one bounded snapshot, exactly once)")
@@ -745,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     _kafka_flags(p)
     p.add_argument("--broker-port", type=int, default=0,
                    help="without --bootstrap: the embedded broker's port (default: a free one)")
-    p.add_argument("--generate-rate", type=float, default=None,
+    p.add_argument("--generate-rate", type=_positive_rate, default=None,
                    help="also produce synthetic traffic at this many events/s ([generate] settings)")
     p.add_argument("--interval-s", type=float, default=None,
                    help="the longest wait between build/validate passes (default: build.interval_s, validation 10 s)")
@@ -989,6 +1006,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "nproc", 1) < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     _sigterm_as_interrupt()
+    # A stage of `gemline run`: stop with the supervisor, however it dies (gemline.supervisor). Popped, so a process
+    # this one starts (a torchrun rank) does not take the number for a descriptor it never inherited.
+    lifeline = os.environ.pop(SUPERVISOR_FD_ENV, None)
+    if lifeline is not None and lifeline.isdigit():
+        watch_lifeline(int(lifeline))
     _quiet_interrupts()
     _quiet_known_noise()
     try:

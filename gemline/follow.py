@@ -81,6 +81,34 @@ class Waiting:
             raise ValueError(f"follow: expected min_gap_s >= 0 seconds, got {self.min_gap_s}")
 
 
+class LongWait:
+    """Says once, at WARNING, that a follower has made no progress for longer than ``intervals`` of its passes'
+    intervals (``interval_s``; at least 60 s) while its input waits, and why: the INFO line at the start of a wait is
+    the usual lag of a stage behind the one before it; a wait that lasts is what an operator must see. Said again
+    only after the stage progressed in between."""
+
+    def __init__(self, interval_s: float, *, intervals: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_s = max(intervals * interval_s, 60.0)
+        self.clock = clock
+        self.since: float | None = None
+        self.said = False
+
+    def note(self, stage: str, reason: str, progressed: bool) -> bool:
+        """Record the pass just done: ``reason`` why its newest input waits ('': none waits), ``progressed``
+        whether it did work; return whether this call said the warning."""
+        now = self.clock()
+        if progressed or not reason:
+            self.since, self.said = None, False
+            return False
+        if self.since is None:
+            self.since = now
+        if self.said or now - self.since < self.limit_s:
+            return False
+        self.said = True
+        log.warning("%s has made no progress for %.0f s: %s", stage, now - self.since, reason)
+        return True
+
+
 def _loop(one_pass: Callable[[FollowState], None], state: FollowState, waiting: Waiting,
           probe: Callable[[], Hashable], max_passes: int | None) -> FollowState:
     watch = probe if waiting.watch_s is not None else None
@@ -103,13 +131,14 @@ def _latest(lake: Lake, table: str) -> int | None:
     return latest_version(lake.root, table, storage_options=lake.storage_options)
 
 
-def _newest_allowed(lake: Lake) -> tuple[int | None, str, bool]:
+def _newest_allowed(lake: Lake, gate: str = "required") -> tuple[int | None, str, bool]:
     """The newest ``events`` version the gate allows (None if none), why the newest version is not allowed
     ('' when it is, or when there is no events table), and whether that newest version was validated at all
-    (False: validation has not reached it yet, the usual lag of a stage behind the one before it)."""
+    (False: validation has not reached it yet, the usual lag of a stage behind the one before it). With ``gate``
+    ``"off"`` (``build.events_gate``) every version is allowed: the newest one, unjudged."""
     newest = _latest(lake, Table.EVENTS)
-    if newest is None:
-        return None, "", True
+    if newest is None or gate == "off":
+        return newest, "", True
     decisions = gate_decisions(lake, Table.EVENTS, range(newest + 1))
     allowed = [v for v, d in decisions.items() if d.allowed]
     last = decisions[newest]
@@ -129,7 +158,7 @@ def nothing_published_hint(build: BuildConfig, result: BuildResult) -> str | Non
                f"{longest_ms / 3_600_000:g} h" if longest_ms >= 3_600_000 else f"{longest_ms / 1000:g} s")
     return (f"{NOTHING_PUBLISHED}: {result.num_pending} impressions wait for their attribution windows (the "
             f"longest: {longest}); to train sooner, publish early with late-label corrections: --set "
-            "build.label_mode=defer --set build.publish_delay_ms=60000 (README \"Late labels: wait, fnw, defer\")")
+            "build.label_mode=defer --set build.publish_delay_ms=60000 (docs/training.md, \"Late labels: wait, fnw, defer\")")
 
 
 def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam_args: Sequence[str] | None = None,
@@ -155,11 +184,15 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
     lake = Lake.for_config(config)
     hinted = False
     cache = BuildStateCache()  # the buffer a pass reads, kept for the next one (sequences.state_cache)
+    if waiting is None:
+        waiting = Waiting(config.build.interval_s if interval_s is None else interval_s, config.build.watch_s,
+                          config.build.min_gap_s)
+    patience = LongWait(waiting.interval_s, clock=waiting.clock)
 
     def one_pass(state: FollowState) -> None:
         nonlocal hinted
-        before = state.waiting
-        version, state.waiting, validated = _newest_allowed(lake)
+        before, built = state.waiting, len(state.done)
+        version, state.waiting, validated = _newest_allowed(lake, config.build.events_gate)
         if version is not None:
             try:
                 result = run_build(lake, config.build, events_version=version, beam_args=list(beam_args or []),
@@ -177,13 +210,13 @@ def follow_build(config: GemlineConfig, *, interval_s: float | None = None, beam
         if state.waiting and state.waiting != before:  # said once, not at every pass
             # Validation a pass behind is the normal lag of a follower (INFO); a quarantine is news.
             log.log(logging.INFO if not validated else logging.WARNING, "build waits: %s", state.waiting)
+        patience.note("build", state.waiting, len(state.done) > built)
         if on_pass is not None:
             on_pass(state)
 
-    if waiting is None:
-        waiting = Waiting(config.build.interval_s if interval_s is None else interval_s, config.build.watch_s,
-                          config.build.min_gap_s)
-    return _loop(one_pass, FollowState(), waiting, GateWatch(lake, Table.EVENTS), max_passes)
+    # Without the gate, a new events version (not a verdict about one) is what the build waits for.
+    probe = GateWatch(lake, Table.EVENTS) if config.build.events_gate != "off" else (lambda: _latest(lake, Table.EVENTS))
+    return _loop(one_pass, FollowState(), waiting, probe, max_passes)
 
 
 def follow_validate(config: GemlineConfig, tables: Sequence[str], *, interval_s: float = 30.0,

@@ -38,6 +38,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -100,12 +101,23 @@ SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "KEY")
 REDACTED = "***"
 
 
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s:]*(?::[^/@\s]*)?@")
+"""The ``user:password@`` part of a URL (RFC 3986 userinfo)."""
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``scheme://user:password@host``) replaced by ``***``."""
+    return _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+
+
 def redact(options: Mapping[Any, Any] | None) -> dict[Any, Any] | None:
     """A copy of ``options`` with the value of every secret key (see :data:`SECRET_MARKERS`) replaced
-    by ``"***"``, for messages, logs and reprs; None stays None."""
+    by ``"***"``, and the credentials inside any URL value (``http://user:pass@host``, :func:`redact_url`) too, for
+    messages, logs and reprs; None stays None."""
     if options is None:
         return None
-    return {k: REDACTED if any(m in str(k).upper() for m in SECRET_MARKERS) else v for k, v in options.items()}
+    return {k: REDACTED if any(m in str(k).upper() for m in SECRET_MARKERS) else redact_url(v) if isinstance(v, str)
+            else v for k, v in options.items()}
 
 
 def _check_option_types(storage_options: Mapping[Any, Any]) -> None:

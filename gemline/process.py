@@ -84,3 +84,53 @@ def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the parent died before the setting took: it will never fire
         os._exit(1)
+
+
+SUPERVISOR_FD_ENV = "GEMLINE_SUPERVISOR_FD"
+"""Names, in a stage's environment, the file descriptor of its supervisor's lifeline (:func:`watch_lifeline`)."""
+
+LIFELINE_GRACE_S = 10.0
+"""Seconds a stage whose supervisor is gone has to stop cleanly (SIGTERM) before its process group is SIGKILLed."""
+
+
+def watch_lifeline(fd: int, *, grace_s: float = LIFELINE_GRACE_S, say: Callable[[str], None] | None = None) -> bool:
+    """In a stage started by :class:`gemline.supervisor.Supervisor`: watch the read end ``fd`` of the supervisor's
+    pipe from a daemon thread. The supervisor alone holds the write end, so the read returns (EOF) exactly when it is
+    gone, by any signal, ``kill -9`` and the OOM killer included; the stage then SIGTERMs itself (its clean stop:
+    the step in flight, reports, locks) and, ``grace_s`` seconds later, SIGKILLs its process group. Unlike
+    ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`) this fires on the death of the supervisor process, not of the
+    thread that forked the stage, and works on any POSIX system.
+
+    Returns:
+        True when the watch started; False when ``fd`` is not an open pipe (a stale environment: nothing watched).
+    """
+    import stat
+    import threading
+    import time
+
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+    except OSError:
+        return False
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 64):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
+            f"the supervisor (gemline run) is gone: stopping (SIGTERM; SIGKILL after {grace_s:g} s)")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os._exit(137)
+
+    threading.Thread(target=watch, name="gemline-lifeline", daemon=True).start()
+    return True

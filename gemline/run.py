@@ -26,7 +26,11 @@ one, one line per start, exit and restart.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +49,7 @@ from gemline.increments import latest_version
 from gemline.lake import Lake, is_remote
 from gemline.metrics import LOCAL_ADDR, LagSource, PipelineCollector, StageSample, lake_offsets, serve
 from gemline.progress import StageProgress, dead_letter_warning, last_ingest_dead_letter, pipeline_progress
-from gemline.supervisor import StageCommand, Supervisor
+from gemline.supervisor import StageCommand, Supervisor, last_readable_line
 from gemline.tables import Table
 from ingest.broker import accepts, free_port
 from ingest.replay import ensure_topic
@@ -195,7 +199,7 @@ def serving_metrics(config: GemlineConfig, port: int | None, *, bootstrap: str |
     host = LOCAL_ADDR if addr in ("0.0.0.0", "::") else f"[{addr}]" if ":" in addr else addr
     try:
         (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
-            f"metrics: {addr}:{bound}, {where} (http://{host}:{bound}/metrics)")
+            f"metrics: port {bound} on {addr}, {where} (http://{host}:{bound}/metrics)")
         yield
     finally:
         server.shutdown()
@@ -239,6 +243,90 @@ def status_view(sup: Supervisor, lake: Lake, tables: tuple[str, ...] = (Table.EV
     return Group(stages, f"lake {lake.root}: {versions}")
 
 
+RUN_RECORD = "supervisor.json"
+"""``LAKE/_run/supervisor.json`` (a local lake; else under the system temp folder, per lake): the running
+``gemline run``'s pid, start, private options folder and stages' pids, removed when it stops. One found at a start
+is what a run that died without stopping left (:func:`clean_after_dead_run`)."""
+
+
+def run_record_path(lake: Lake) -> Path:
+    """Where :data:`RUN_RECORD` of a run on ``lake`` is kept."""
+    if is_remote(lake.root):
+        import hashlib
+
+        digest = hashlib.sha1(lake.root.encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / f"gemline-run-{digest}.json"
+    return Path(lake.root) / "_run" / RUN_RECORD
+
+
+def _gemline_process(pid: int) -> bool:
+    """Whether ``pid`` runs now and is a gemline command (its command line names gemline): a pid from an old record
+    may have been reused by an unrelated process, which must not be signalled."""
+    try:
+        return b"gemline" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        if sys.platform.startswith("linux"):
+            return False
+        try:  # no /proc: alive is the best we can tell
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def clean_after_dead_run(lake: Lake, say: Callable[[str], None], *, grace_s: float = 10.0) -> list[str]:
+    """Before a ``gemline run`` starts on ``lake``: find what an earlier run that did not stop left (its
+    :data:`RUN_RECORD`), stop its stages still running (SIGTERM to each process group, SIGKILL after ``grace_s``),
+    remove its private options folder, say what was found in one line, and return those findings.
+
+    Raises:
+        gemline.locks.LakeBusyError: the recorded run is alive: another ``gemline run`` runs on this lake.
+    """
+    from gemline.locks import LakeBusyError
+
+    path = run_record_path(lake)
+    try:
+        record = json.loads(path.read_text())
+        pid, started_ms = int(record["pid"]), int(record.get("started_ms", 0))
+    except FileNotFoundError:
+        return []
+    except (ValueError, KeyError, TypeError):
+        record, pid, started_ms = {}, -1, 0
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started_ms / 1000))
+    if pid > 0 and pid != os.getpid() and _gemline_process(pid):
+        raise LakeBusyError(f"another `gemline run` (pid {pid}, started {started}) runs on this lake: stop it first "
+                            f"(Ctrl-C in its terminal, or kill -TERM {pid})")
+    found: list[str] = []
+    stages = {str(k): int(v) for k, v in (record.get("stages") or {}).items()}
+    alive = {name: p for name, p in stages.items() if p > 0 and _gemline_process(p)}
+    for p in alive.values():
+        with contextlib.suppress(OSError):
+            os.killpg(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline and any(_gemline_process(p) for p in alive.values()):
+        time.sleep(0.2)
+    for name, p in alive.items():
+        if _gemline_process(p):
+            with contextlib.suppress(OSError):
+                os.killpg(p, signal.SIGKILL)
+        found.append(f"stage {name} (pid {p}) still running: stopped")
+    private = str(record.get("private_dir") or "")
+    if private and Path(private).name.startswith("gemline-run-") and Path(private).is_dir():
+        shutil.rmtree(private, ignore_errors=True)
+        found.append(f"its options folder {private}: removed")
+    say(f"gemline run: the previous run on this lake (pid {pid}, started {started}) did not stop cleanly; "
+        + ("; ".join(found) if found else "nothing of it was left running"))
+    path.unlink(missing_ok=True)
+    return found
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None = None,
                  say: Callable[[str], None] | None = None, live: bool | None = None,
                  until: Callable[[Supervisor], bool] | None = None) -> int:
@@ -255,64 +343,80 @@ def run_pipeline(config: GemlineConfig, plan: RunPlan, *, log_dir: Path | None =
         gemline.errors.MissingInputError: ingest could not start over on a new embedded broker's topic.
         gemline.errors.BadConfigError: the topic exists with another partition count than ``kafka.partitions``.
         gemline.supervisor.StageGaveUpError: a stage kept exiting with a permanent error (its message).
+        gemline.locks.LakeBusyError: another ``gemline run`` runs on this lake (:func:`clean_after_dead_run`).
     """
-    from gemline.errors import BrokerUnreachableError
-    from trainer.launch import write_private_config  # the spelling of a config file's lake and its options
-
     lake = Lake.for_config(config)
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     live = sys.stdout.isatty() if live is None else live
     # Saved before any stage starts: a stage run alone on this lake later takes them as defaults (gemline.config).
     save_run_settings(config)
-    with tempfile.TemporaryDirectory(prefix="gemline-run-") as private:  # 0700: only this user reads it
-        options_file = (write_private_config(lake, Path(private) / "options.toml")
-                        if config.lake_storage_options else None)
-        flags = config_flags(config, options_file)
-        logs = log_dir or (Path(private) / "logs" if is_remote(config.lake) else Path(config.lake) / "_run" / "logs")
-        broker: list[StageCommand] = []
-        bootstrap = plan.bootstrap or config.kafka.bootstrap
-        port = 0
-        if not bootstrap:
-            port = plan.broker_port or free_port()
-            bootstrap = f"127.0.0.1:{port}"
-            broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)), stop_last=True)]
-        stages = stage_commands(plan, bootstrap, flags, distill=runs_distill(config))
-        sup = Supervisor([*broker, *stages], log_dir=logs, on_event=say)
+    clean_after_dead_run(lake, say)
+    record_path = run_record_path(lake)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gemline-run-") as private:  # 0700: only this user reads it
+            record = {"pid": os.getpid(), "started_ms": int(time.time() * 1000), "private_dir": private, "stages": {}}
+            _write_record(record_path, record)
+            return _run_stages(config, plan, lake, private, say, live, log_dir, until,
+                               lambda pids: _write_record(record_path, {**record, "stages": pids}))
+    finally:
+        record_path.unlink(missing_ok=True)
+
+
+def _run_stages(config: GemlineConfig, plan: RunPlan, lake: Lake, private: str, say: Callable[[str], None],
+                live: bool, log_dir: Path | None, until: Callable[[Supervisor], bool] | None,
+                on_spawn: Callable[[dict[str, int]], None]) -> int:
+    """:func:`run_pipeline` inside its private folder and run record."""
+    from gemline.errors import BrokerUnreachableError
+    from trainer.launch import write_private_config  # the spelling of a config file's lake and its options
+
+    options_file = (write_private_config(lake, Path(private) / "options.toml")
+                    if config.lake_storage_options else None)
+    flags = config_flags(config, options_file)
+    logs = log_dir or (Path(private) / "logs" if is_remote(config.lake) else Path(config.lake) / "_run" / "logs")
+    broker: list[StageCommand] = []
+    bootstrap = plan.bootstrap or config.kafka.bootstrap
+    port = 0
+    if not bootstrap:
+        port = plan.broker_port or free_port()
+        bootstrap = f"127.0.0.1:{port}"
+        broker = [StageCommand("broker", (*GEMLINE, "broker", "--port", str(port)), stop_last=True)]
+    stages = stage_commands(plan, bootstrap, flags, distill=runs_distill(config))
+    sup = Supervisor([*broker, *stages], log_dir=logs, on_event=say, on_spawn=on_spawn)
+    try:
+        if broker:
+            sup.start(["broker"])
+            if not wait_for_port("127.0.0.1", port, 60.0):
+                raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within "
+                                             f"60 s; its log: {sup.stages[0].log_path}")
+        if broker or plan.generate_rate is not None:
+            ensure_topic(bootstrap, config.kafka.topic, config.kafka.partitions)
+        if broker and _ingested_offsets(config, lake):
+            say(f"the lake's Kafka offsets are of an earlier embedded broker, whose records were in memory and "
+                f"are gone: ingest starts over on this broker's topic ({config.kafka.topic!r}, `gemline ingest "
+                "--reset-topic`, recorded as `reset` in the events commit)")
+            _reset_topic(bootstrap, flags, sup.log_dir / "ingest.log")
+            if plan.generate_rate is not None:
+                say(f"generate: if generate.seed={config.generate.seed} generated into this lake before, it sends "
+                    "the same event ids again: ingest drops them as duplicates (or dead-letters them as "
+                    "conflicts); new traffic needs another generate.seed and a generate.start_ms after the lake's newest "
+                    "event (traffic from an earlier start lands behind the watermark, in late_events)")
+    except BaseException:
         try:
-            if broker:
-                sup.start(["broker"])
-                if not wait_for_port("127.0.0.1", port, 60.0):
-                    raise BrokerUnreachableError(f"the embedded broker did not listen on 127.0.0.1:{port} within "
-                                                 f"60 s; its log: {sup.stages[0].log_path}")
-            if broker or plan.generate_rate is not None:
-                ensure_topic(bootstrap, config.kafka.topic, config.kafka.partitions)
-            if broker and _ingested_offsets(config, lake):
-                say(f"the lake's Kafka offsets are of an earlier embedded broker, whose records were in memory and "
-                    f"are gone: ingest starts over on this broker's topic ({config.kafka.topic!r}, `gemline ingest "
-                    "--reset-topic`, recorded as `reset` in the events commit)")
-                _reset_topic(bootstrap, flags, sup.log_dir / "ingest.log")
-                if plan.generate_rate is not None:
-                    say(f"generate: if generate.seed={config.generate.seed} generated into this lake before, it sends "
-                        "the same event ids again: ingest drops them as duplicates (or dead-letters them as "
-                        "conflicts); new traffic needs another generate.seed and a generate.start_ms after the lake's newest "
-                        "event (traffic from an earlier start lands behind the watermark, in late_events)")
-        except BaseException:
-            try:
-                sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start
-            except KeyboardInterrupt:  # a second Ctrl-C: kill it now rather than leave it
-                sup.escalate()
-                sup.stop(grace_s=0)
-            raise
-        say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
-        drain = _ingest_lag(config, lake, bootstrap, sup) if broker and any(
-            s.name == "ingest" for s in stages) else None
-        lag = kafka_lag_source(config, bootstrap, timeout_s=2.0)  # a down broker must not hold the view long
-        progress = (lambda: pipeline_progress(lake, ingest_app_id=lag.app_id, watermarks=lag.watermarks)) if live else None
-        watch = dead_letter_watch(lake, lag.app_id, say)
-        with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
-                             say=say, addr=plan.metrics_addr):
-            return _supervise(sup, lake, progress, None if until is None else (lambda: until(sup)), drain,
-                              plan.drain_timeout_s, watch)
+            sup.stop(grace_s=5)  # the broker must not outlive a failed or interrupted start
+        except KeyboardInterrupt:  # a second Ctrl-C: kill it now rather than leave it
+            sup.escalate()
+            sup.stop(grace_s=0)
+        raise
+    say(f"gemline run: {len(sup.stages)} stages, Kafka at {bootstrap}, logs in {logs}")
+    drain = _ingest_lag(config, lake, bootstrap, sup) if broker and any(
+        s.name == "ingest" for s in stages) else None
+    lag = kafka_lag_source(config, bootstrap, timeout_s=2.0)  # a down broker must not hold the view long
+    progress = (lambda: pipeline_progress(lake, ingest_app_id=lag.app_id, watermarks=lag.watermarks)) if live else None
+    watch = dead_letter_watch(lake, lag.app_id, say)
+    with serving_metrics(config, plan.metrics_port, bootstrap=bootstrap, stages=lambda: stage_samples(sup),
+                         say=say, addr=plan.metrics_addr):
+        return _supervise(sup, lake, progress, None if until is None else (lambda: until(sup)), drain,
+                          plan.drain_timeout_s, watch)
 
 
 def dead_letter_watch(lake: Lake, app_id: str, say: Callable[[str], None]) -> Callable[[], None]:
@@ -354,11 +458,15 @@ def _reset_topic(bootstrap: str, flags: list[str], log_path: Path) -> None:
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        start = log.tell()
         code = subprocess.run([*GEMLINE, "ingest", "--reset-topic", "--bootstrap", bootstrap, *flags], stdout=log,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False).returncode
     if code != 0:
-        raise MissingInputError(f"`gemline ingest --reset-topic` on the new embedded broker exited with {code}; "
-                                f"its log: {log_path}")
+        with open(log_path, "rb") as log:
+            log.seek(start)
+            said = last_readable_line(log.read()[-8192:].decode("utf-8", errors="replace"))
+        raise MissingInputError(f"`gemline ingest --reset-topic` on the new embedded broker exited with {code}"
+                                f"{f' ({said})' if said else ''}; its log: {log_path}")
 
 
 def _ingest_lag(config: GemlineConfig, lake: Lake, bootstrap: str, sup: Supervisor) -> Callable[[], int]:

@@ -20,6 +20,12 @@ Children run in their own sessions (``start_new_session``): a Ctrl-C in the term
 which then stops the children in order, instead of every process at once. Their stdout and stderr go to one log
 file per stage.
 
+Nothing outlives the supervisor, however it dies: each child inherits the read end of a pipe whose write end only the
+supervisor holds (its lifeline, named by :data:`gemline.process.SUPERVISOR_FD_ENV`); a gemline stage watches it
+(:func:`gemline.process.watch_lifeline`), and when the supervisor is gone -- SIGKILL, the OOM killer -- it stops as
+on SIGTERM and is SIGKILLed with its process group after :data:`gemline.process.LIFELINE_GRACE_S`. ``on_spawn``
+lets the caller record the children's pids for a later run to check (``gemline run``'s run record).
+
 The restart policy follows the usual supervisor shape (systemd's ``Restart=always`` with ``RestartSec``, Erlang/OTP
 supervisors' restart intensity): the delay doubles with each consecutive failure up to a cap, and a child that
 stayed up for ``healthy_after_s`` seconds counts as healthy again, so its next crash waits the base delay.
@@ -41,6 +47,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 from gemline.errors import GemlineError
+from gemline.process import SUPERVISOR_FD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +241,7 @@ class Supervisor:
         max_permanent_exits: starts in a row ending with :data:`PERMANENT_EXIT` after which a stage is given up
             and the run stops (module docstring).
         on_event: called with one line per start, exit and restart (besides the log).
+        on_spawn: called after each start with ``{stage: pid}`` of every stage running.
 
     Raises:
         ValueError: two stages with one name, a negative delay, or ``max_permanent_exits < 1``.
@@ -241,7 +249,8 @@ class Supervisor:
 
     def __init__(self, commands: Sequence[StageCommand], *, log_dir: Path, backoff_s: float = 1.0,
                  max_backoff_s: float = 60.0, healthy_after_s: float = 60.0, max_permanent_exits: int = 5,
-                 on_event: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 on_event: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_spawn: Callable[[dict[str, int]], None] | None = None) -> None:
         names = [c.name for c in commands]
         if len(set(names)) != len(names):
             raise ValueError(f"Supervisor: stage names must be unique, got {names}")
@@ -261,6 +270,9 @@ class Supervisor:
         self.gave_up: str | None = None
         """Why the run stops on its own: a stage given up (module docstring); None while none is."""
         self._signal: int | None = None
+        self.on_spawn = on_spawn
+        self._lifeline: tuple[int, int] | None = None
+        """(read, write) ends of the pipe each child watches (module docstring); opened at the first start."""
 
     def _say(self, line: str) -> None:
         log.info("%s", line)
@@ -275,10 +287,17 @@ class Supervisor:
         if stage._log is None:
             stage._log = open(stage.log_path, "ab")
             stage.new_log_lines()  # from here on: a log kept from an earlier run is not relayed again
+        if self._lifeline is None:
+            self._lifeline = os.pipe()  # both ends close-on-exec: only pass_fds hands the read end to a child
+        read = self._lifeline[0]
         stage.process = subprocess.Popen(stage.command.argv, stdout=stage._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(read,),
+                                         env={**os.environ, SUPERVISOR_FD_ENV: str(read)})
         stage.started_at, stage.restart_at = self.clock(), None
         self._say(f"{stage.command.name}: started (pid {stage.process.pid}{_lower_priority(stage)})")
+        if self.on_spawn is not None:
+            self.on_spawn({s.command.name: s.process.pid for s in self.stages
+                           if s.process is not None and s.process.poll() is None})
 
     def start(self, names: Sequence[str] | None = None) -> None:
         """Start the processes of the stages ``names`` (all when None) that were never started, in order."""
@@ -361,6 +380,10 @@ class Supervisor:
             if stage._log is not None:
                 stage._log.close()
                 stage._log = None
+        if self._lifeline is not None:  # every child is stopped: the pipe has done its work
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
         return {s.command.name: s.last_exit_code for s in self.stages}
 
     def escalate(self) -> None:

@@ -204,7 +204,9 @@ class ContinuousResult:
     """Per evaluated version: ``{"examples_version", "rows", "auc", "ne"}`` of the click task, overall."""
     checkpoint_path: str | None = None
     waiting_for: int | None = None
-    """The first version this call stopped at because it is not validated yet (None: caught up)."""
+    """The first version this call stopped at because the gate does not allow it (None: caught up)."""
+    waiting_reason: str = ""
+    """Why it waits, in the gate's words (:class:`gemline.gate.GateDecision`: not validated yet, or quarantined)."""
     freshness: list[dict[str, Any]] = field(default_factory=list)
     """The ``freshness`` rows this call measured (:mod:`trainer.freshness`), whether or not an earlier, crashed
     call had already committed that version's."""
@@ -582,7 +584,37 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
     finally:
         torch.set_num_threads(previous_threads)
     assert result is not None, "one process is rank 0"
+    if write_report and result.report_path is None and root is None:
+        result.report_path = refresh_report(lake)  # a call with nothing new: the page may predate the checkpoint
     return result
+
+
+def refresh_report(lake: Lake) -> str | None:
+    """Rewrite the run report (:func:`trainer.run_report.write_run_report`) of the lake's current continuous run
+    from its newest checkpoint's lineage when the page is missing or older than that checkpoint (its ``saved_ms``);
+    return the page's path when rewritten, None when it was current or there is no checkpoint. What a follower
+    calls at a stop, and a ``--once`` with nothing new: a report drawn at most once a minute must not stay behind
+    the checkpoint once nothing will draw it again.
+
+    Raises:
+        gemline.errors.CheckpointError: CURRENT or the checkpoint's meta.json cannot be used (:func:`current_root`).
+        OSError: the lake's filesystem refuses the write.
+    """
+    path = latest_checkpoint(current_root(lake.root, lake.storage_options), storage_options=lake.storage_options)
+    if path is None:
+        return None
+    state = read_state(path)
+    cont = state.extra["continuous"]
+    run_id = str(cont["run_id"])
+    if not RUN_ID.match(run_id) or not cont.get("lineage"):
+        return None
+    fs, base = lake_fs(lake.root, lake.storage_options)
+    page = fs.get_file_info(f"{base}/_runs/{run_id}/report.html")
+    saved_ms = int(cont.get("saved_ms", 0))
+    if page.type == pafs.FileType.File and page.mtime is not None and page.mtime.timestamp() * 1000 >= saved_ms:
+        return None
+    return write_run_report(lake, run_id, lineage=cont["lineage"], step=state.step,
+                            rows_trained_total=state.examples_seen, checkpoint=str(path))
 
 
 def model_signature(tc: TrainerConfig, num_dense: int, domains: tuple[str, ...]) -> dict[str, Any]:
@@ -741,7 +773,7 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     released = [v for v in skipped if decisions[v].allowed]
     todo = released + list(range(cursor.version, upto + 1))
     if upto < newest:
-        result.waiting_for = upto + 1
+        result.waiting_for, result.waiting_reason = upto + 1, decisions[upto + 1].reason
         log.info("examples@%d and later wait for their validation (%s)", upto + 1, decisions[upto + 1].reason)
 
     signature: dict[str, Any] = {}
@@ -990,7 +1022,8 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
     examples version not validated yet does not wake it: the gate would hold it back. Returns the calls made.
 
     An interrupt while waiting ends cleanly; one during a call propagates (the CLI prints one line, exit
-    130) and the next run resumes from the newest checkpoint, so nothing is trained twice. Before the first
+    130) and the next run resumes from the newest checkpoint, so nothing is trained twice. Either way the run
+    report and TensorBoard file are rewritten at the stop when older than the newest checkpoint (:func:`refresh_report`). Before the first
     ``examples`` version exists (``gemline run`` starts the trainer with the build), it waits, saying so once.
 
     Args:
@@ -1018,8 +1051,14 @@ def follow(lake: Lake, tc: TrainerConfig, *, poll_interval_s: float = 30.0, from
             reports.drawn(result.report_cpu_s)
         return result
 
-    return poll(once, name="train", interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls,
-                watch=GateWatch(lake, EXAMPLES), watch_s=watch_s, sleep=sleep, clock=clock)
+    try:
+        return poll(once, name="train", interval_s=poll_interval_s, on_result=on_result, max_polls=max_polls,
+                    watch=GateWatch(lake, EXAMPLES), watch_s=watch_s, sleep=sleep, clock=clock)
+    finally:  # stopped (Ctrl-C, SIGTERM) or done: the report shows the last checkpoint, not the last drawing
+        try:
+            refresh_report(lake)
+        except Exception as exc:  # noqa: BLE001 - a failed drawing must not hide why the loop ended
+            log.warning("the run report was not rewritten at the stop: %s", exc)
 
 
 def _published_open(table: pa.Table) -> np.ndarray:

@@ -876,10 +876,13 @@ def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s:
     (:class:`trainer.data.PointerReader`), and the students it saved last are kept in memory (:class:`Memory`).
     The report page is redrawn by a call that distilled when the last drawing is at least ``report_every_s`` seconds
     old (0: after every such call) and its CPU time is at most ``report_cpu_share`` of the time since
-    (:class:`gemline.polling.ReportThrottle`; 1.0: ``report_every_s`` alone), the first call always."""
+    (:class:`gemline.polling.ReportThrottle`; 1.0: ``report_every_s`` alone), the first call always, and at the stop
+    (Ctrl-C, SIGTERM) when a later call distilled without drawing it."""
     pointers, memory = PointerReader(lake), Memory()
     teacher = LogTip(lake.root, Table.TRAINING_METRICS, storage_options=lake.storage_options)
     reports = ReportThrottle(report_every_s, report_cpu_share, clock=time.monotonic)
+
+    undrawn: list[tuple[str, dict[str, Any]]] = []  # the newest (run, report) a throttled call did not draw
 
     def once(first: bool) -> DistillResult:
         due = reports.due()
@@ -887,11 +890,21 @@ def follow(lake: Lake, tc: TrainerConfig, dc: DistillConfig, *, poll_interval_s:
                                   memory=memory, report=due)
         if result.report_path is not None and due:
             reports.drawn(result.report_cpu_s)
+            undrawn.clear()
+        elif result.versions and result.report is not None:
+            undrawn[:] = [(result.run_id, result.report)]
         return result
 
-    return poll(once,
-                name="distill", interval_s=poll_interval_s, on_result=on_result, waiting=_waiting,
-                max_polls=max_polls, watch=teacher.advance, watch_s=watch_s)
+    try:
+        return poll(once,
+                    name="distill", interval_s=poll_interval_s, on_result=on_result, waiting=_waiting,
+                    max_polls=max_polls, watch=teacher.advance, watch_s=watch_s)
+    finally:  # stopped (Ctrl-C, SIGTERM) or done: the page shows the last call, not the last drawing
+        for run_id, report in undrawn:
+            try:
+                write_report(lake, run_id, report)
+            except Exception as exc:  # noqa: BLE001 - a failed drawing must not hide why the loop ended
+                log.warning("the distill report was not rewritten at the stop: %s", exc)
 
 
 def _waiting(result: DistillResult) -> str:

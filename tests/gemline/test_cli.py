@@ -609,3 +609,24 @@ def test_compare_seeds_are_distinct_non_negative_integers(tmp_path, capsys, seed
         main(["compare", "--lake", str(tmp_path / "lake"), f"--seeds={seeds}"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.rstrip().endswith(message) and "_seed_list" not in err, err
+
+
+@pytest.mark.parametrize("rate", ["-5", "0", "nan", "inf", "x"])
+def test_a_rate_that_is_not_positive_is_one_usage_line(rate, capsys):
+    for argv in (["generate", "--rate", rate], ["run", "--generate-rate", rate]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "expected events/s > 0" in capsys.readouterr().err
+
+
+def test_train_once_names_a_quarantined_version_as_quarantined(tmp_path, capsys):
+    from tests.conftest import trainer_args  # noqa: F401 - the trainer tests' lake helpers
+    from tests.trainer.test_continuous import SMALL, _add
+
+    lake = tmp_path / "lake"
+    _add(lake, 1, passed=False)
+    sets = [arg for key, value in SMALL.items() for arg in ("--set", f"{key}={value}")]
+    assert main(["train", "--once", "--lake", str(lake), *sets]) == 0
+    err = capsys.readouterr().err
+    assert "examples@0 is quarantined" in err and "quality release 0" in err and "not validated" not in err, err

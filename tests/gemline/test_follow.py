@@ -133,7 +133,7 @@ def test_build_follow_interval_and_watch_are_config_keys_and_the_flags_override_
         gaps.append(None if earliest is None else earliest - clock())
         return "stopped"
 
-    monkeypatch.setattr(follow, "_newest_allowed", lambda lake: (None, "", True))  # an empty lake: nothing to build
+    monkeypatch.setattr(follow, "_newest_allowed", lambda lake, gate="required": (None, "", True))  # an empty lake: nothing to build
     monkeypatch.setattr(follow, "wait_for_input", stopped)
     config = tmp_path / "gemline.toml"
     config.write_text("[build]\ninterval_s = 4.5\nwatch_s = 0.25\n")
@@ -299,3 +299,41 @@ def test_the_followers_pointer_summaries_give_the_checks_of_the_whole_history(tm
     _, extra = _pointer_checks(Lake(lake), config.build, "examples", stranger, index=index)
     assert (extra[0].name, extra[0].success) == ("pointers_materialize", False)
     assert "missing from history" in extra[0].observed
+
+
+def test_build_follow_honours_events_gate_off_and_wakes_on_new_events(tmp_path, fake_clock):
+    """With build.events_gate = "off" the follower builds every events version as it lands, never validated (the
+    one-shot build's behaviour), and a new version, not a verdict, wakes it."""
+    from dataclasses import replace
+
+    from gemline.follow import Waiting
+
+    lake = str(tmp_path / "lake")
+    config = _follow_config(lake)
+    config = replace(config, build=replace(config.build, events_gate="off"))
+    _write(lake, [_event("a1", 0, "impression", "u1", "i1")], 0)
+    fake_clock.at(5.0, lambda: _write(lake, [_event("b1", 30, "impression", "u2", "i2")], 1))
+    passes: list[tuple[float, list, str]] = []
+    follow_build(config, max_passes=2, waiting=Waiting(45.0, 1.0, sleep=fake_clock.sleep, clock=fake_clock),
+                 on_pass=lambda state: passes.append((fake_clock.now, [d["version"] for d in state.done],
+                                                      state.waiting)))
+    assert passes == [(0.0, [0], ""), (5.0, [0, 1], "")]
+
+
+def test_a_wait_without_progress_is_said_once_at_warning(caplog):
+    from gemline.follow import LongWait
+
+    now = [0.0]
+    wait = LongWait(10.0, clock=lambda: now[0])  # three intervals, at least 60 s
+    said = []
+    with caplog.at_level("WARNING", logger="gemline.follow"):
+        for t, reason, progressed in [(0, "events@3 is not validated yet", False), (30, "events@4 ...", False),
+                                      (61, "events@4 is not validated yet", False), (90, "x", False),
+                                      (100, "", True), (120, "events@9 is quarantined", False),
+                                      (185, "events@9 is quarantined", False)]:
+            now[0] = float(t)
+            said.append(wait.note("build", reason, progressed))
+    assert said == [False, False, True, False, False, False, True]
+    assert [r.getMessage() for r in caplog.records] == [
+        "build has made no progress for 61 s: events@4 is not validated yet",
+        "build has made no progress for 65 s: events@9 is quarantined"]

@@ -22,6 +22,9 @@ REMOTE = {"AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "AKIA-id", "AWS_SECRET
     ({"AWS_SECRET_ACCESS_KEY": SECRET, "aws_session_token": "t", "db_password": "p", "AWS_ACCESS_KEY_ID": "i"},
      {"AWS_SECRET_ACCESS_KEY": "***", "aws_session_token": "***", "db_password": "***", "AWS_ACCESS_KEY_ID": "***"}),
     ({"AWS_ALLOW_HTTP": True, "GOOGLE_SERVICE_ACCOUNT_KEY": 7}, {"AWS_ALLOW_HTTP": True, "GOOGLE_SERVICE_ACCOUNT_KEY": "***"}),
+    ({"AWS_ENDPOINT_URL": "http://user:pass@host:9000/x", "PROXY": "https://tok@proxy", "AWS_REGION": "a@b"},
+     {"AWS_ENDPOINT_URL": "http://***@host:9000/x", "PROXY": "https://***@proxy", "AWS_REGION": "a@b"}),
+    ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}, {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}),
 ])
 def test_redact(options, expected):
     assert redact(options) == expected

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +272,73 @@ def test_a_ctrl_c_before_the_stages_start_leaves_no_broker(tmp_path, monkeypatch
     pid = int(next(line for line in said if line.startswith("broker: started")).split("pid ")[1].rstrip(")"))
     with pytest.raises(ProcessLookupError):  # stopped and reaped
         os.kill(pid, 0)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_nothing_outlives_a_sigkilled_supervisor_and_the_next_run_cleans_up(tmp_path):
+    """SIGKILL `gemline run` (no Ctrl-C, no SIGTERM: the OOM killer's way): every stage, the broker and the generator
+    stop within 15 s (the supervisor's lifeline), freeing their locks; the next `gemline run` on the lake says what
+    the dead one left, removes its private folder, and starts."""
+    lake = tmp_path / "lake"
+    out = open(tmp_path / "run.log", "wb")
+    run = subprocess.Popen([*gemline.run.GEMLINE, "run", "--lake", str(lake), "--no-train", "--generate-rate", "20",
+                            "--set", "generate.num_users=40"], stdout=out, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    record_path = lake / "_run" / "supervisor.json"
+    deadline = time.monotonic() + 120
+    record: dict = {}
+    while time.monotonic() < deadline:
+        if record_path.is_file():
+            record = json.loads(record_path.read_text())
+            if {"broker", "generate", "ingest", "build"} <= set(record["stages"]):
+                break
+        assert run.poll() is None, (tmp_path / "run.log").read_text()
+        time.sleep(0.5)
+    assert {"broker", "generate", "ingest", "build"} <= set(record.get("stages", {})), record
+    time.sleep(2)  # the stages are up and hold their locks
+    left = _descendants(run.pid)
+    assert set(record["stages"].values()) <= left
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in left):
+        time.sleep(0.25)
+    assert not [p for p in left if _alive(p)], "a process of the killed run is still running"
+    assert Path(record["private_dir"]).is_dir(), "a SIGKILLed run cannot remove its folder itself"
+
+    said: list[str] = []
+    config = load_config(overrides={"lake": str(lake), "generate.num_users": "40"})
+    assert run_pipeline(config, RunPlan(train=False), say=said.append, live=False,
+                        until=lambda sup: all(s.process is not None for s in sup.stages)) == 0
+    found = next(line for line in said if "did not stop cleanly" in line)
+    assert f"pid {run.pid}" in found and "options folder" in found and "removed" in found, found
+    assert not Path(record["private_dir"]).exists()
+    assert any(line.startswith("gemline run: ") and "stages" in line for line in said), said
+    assert not record_path.exists(), "a run that stopped removes its record"

@@ -253,3 +253,40 @@ def test_a_run_that_started_but_never_checkpointed_is_not_an_error(tmp_path):
     _add(lake, 2)
     again = run_once(*trainer_args(_config(lake)))
     assert again.run_id != first.run_id and again.rows_trained_total == 400, "a new run, as the crashed one would be"
+
+
+def _page_step(lake: Path, run_id: str) -> str:
+    text = (lake / "_runs" / run_id / "report.html").read_text()
+    return text.split("<p>step ", 1)[1].split(",", 1)[0]
+
+
+def test_follow_rewrites_a_throttled_report_when_it_stops(tmp_path):
+    from trainer.continuous import follow
+
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    config = _config(lake)
+    calls: list = []
+
+    def after(result) -> None:
+        calls.append(result)
+        if len(calls) == 1:
+            _add(lake, 2)  # the second call trains it; its report is throttled (report_every_s)
+
+    follow(*trainer_args(config), poll_interval_s=0, max_polls=2, watch_s=None, report_every_s=3600,
+           report_cpu_share=1.0, on_result=after)
+    assert calls[0].report_path is not None and calls[1].report_path is None, "the second drawing was throttled"
+    assert _page_step(lake, calls[1].run_id) == str(calls[1].step) != str(calls[0].step), "redrawn at the stop"
+
+
+def test_once_rewrites_a_report_older_than_its_checkpoint(tmp_path):
+    lake = tmp_path / "lake"
+    _add(lake, 1)
+    _add(lake, 2)
+    first = run_once(*trainer_args(_config(lake)), max_versions=1)
+    second = run_once(*trainer_args(_config(lake)), write_report=False)
+    assert _page_step(lake, first.run_id) == str(first.step) != str(second.step)
+    idle = run_once(*trainer_args(_config(lake)))  # nothing new to train: the stale page is redrawn
+    assert idle.versions == [] and idle.report_path is not None
+    assert _page_step(lake, first.run_id) == str(second.step)
+    assert run_once(*trainer_args(_config(lake))).report_path is None, "a current page is left alone"
