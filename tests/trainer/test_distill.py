@@ -332,3 +332,30 @@ def test_follow_redraws_the_report_at_most_every_report_every_s(tmp_path, monkey
                           watch_s=None, report_every_s=60.0, report_cpu_share=1.0, on_result=lambda _: clock.update(s=clock["s"] + 40)) == 4
     # t = 1000 (the first call: drawn), 1040 (too soon), 1080 (80 s after the last: drawn), 1120 (too soon)
     assert asked == [True, False, True, False]
+
+
+def test_follow_draws_a_throttled_report_when_it_stops(tmp_path, monkeypatch):
+    """The last call distilled without drawing (throttled): the page is drawn from its report at the stop, once; a
+    call that drew leaves nothing to draw."""
+    import types
+
+    clock = {"s": 1000.0}
+    drawn: list[tuple[str, dict]] = []
+
+    def fake_once(lake, tc, dc, *, report, **_):
+        n = clock["s"]
+        return distill.DistillResult(run_id="r", cursor=1, versions=[{"version": 0}], report={"at": n},
+                                     report_path="page" if report else None)
+
+    monkeypatch.setattr(distill, "time", types.SimpleNamespace(monotonic=lambda: clock["s"]))
+    monkeypatch.setattr(distill, "run_distill_once", fake_once)
+    monkeypatch.setattr(distill, "write_report", lambda lake, run_id, report: drawn.append((run_id, report)))
+    config = _config(tmp_path / "lake")
+    args = (trainer_args(config)[0], config.trainer, config.distill)
+    step = {"poll_interval_s": 0, "watch_s": None, "report_every_s": 60.0, "report_cpu_share": 1.0,
+            "on_result": lambda _: clock.update(s=clock["s"] + 40)}
+    distill.follow(*args, max_polls=2, **step)  # t = 1000 drawn by the call, 1040 throttled
+    assert drawn == [("r", {"at": 1040.0})], "drawn at the stop from the last call's report"
+    drawn.clear()
+    distill.follow(*args, max_polls=1, **step)  # the only call drew: nothing left
+    assert drawn == []
