@@ -30,7 +30,7 @@ from gemline.config import GemlineConfig
 from gemline.gate import GateClosedError, GateWatch, gate_decisions
 from gemline.increments import LogTip, latest_version
 from gemline.lake import Lake
-from gemline.polling import sleep_or_stop, wait_for_input
+from gemline.polling import LongWait, sleep_or_stop, wait_for_input
 from gemline.tables import Table
 
 if TYPE_CHECKING:
@@ -79,34 +79,6 @@ class Waiting:
             raise ValueError(f"follow: expected watch_s > 0 seconds (or None: no watching), got {self.watch_s}")
         if not self.min_gap_s >= 0:
             raise ValueError(f"follow: expected min_gap_s >= 0 seconds, got {self.min_gap_s}")
-
-
-class LongWait:
-    """Says once, at WARNING, that a follower has made no progress for longer than ``intervals`` of its passes'
-    intervals (``interval_s``; at least 60 s) while its input waits, and why: the INFO line at the start of a wait is
-    the usual lag of a stage behind the one before it; a wait that lasts is what an operator must see. Said again
-    only after the stage progressed in between."""
-
-    def __init__(self, interval_s: float, *, intervals: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limit_s = max(intervals * interval_s, 60.0)
-        self.clock = clock
-        self.since: float | None = None
-        self.said = False
-
-    def note(self, stage: str, reason: str, progressed: bool) -> bool:
-        """Record the pass just done: ``reason`` why its newest input waits ('': none waits), ``progressed``
-        whether it did work; return whether this call said the warning."""
-        now = self.clock()
-        if progressed or not reason:
-            self.since, self.said = None, False
-            return False
-        if self.since is None:
-            self.since = now
-        if self.said or now - self.since < self.limit_s:
-            return False
-        self.said = True
-        log.warning("%s has made no progress for %.0f s: %s", stage, now - self.since, reason)
-        return True
 
 
 def _loop(one_pass: Callable[[FollowState], None], state: FollowState, waiting: Waiting,

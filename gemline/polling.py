@@ -132,6 +132,34 @@ class ReportThrottle:
         self._gap_s = max(self.every_s, cpu_s / self.share)
 
 
+class LongWait:
+    """Says once, at WARNING, that a follower has made no progress for longer than ``intervals`` of its passes'
+    intervals (``interval_s``; at least 60 s) while its input waits, and why: the INFO line at the start of a wait is
+    the usual lag of a stage behind the one before it; a wait that lasts is what an operator must see. Said again
+    only after the stage progressed in between."""
+
+    def __init__(self, interval_s: float, *, intervals: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_s = max(intervals * interval_s, 60.0)
+        self.clock = clock
+        self.since: float | None = None
+        self.said = False
+
+    def note(self, stage: str, reason: str, progressed: bool) -> bool:
+        """Record the pass just done: ``reason`` why its newest input waits ('': none waits), ``progressed``
+        whether it did work; return whether this call said the warning."""
+        now = self.clock()
+        if progressed or not reason:
+            self.since, self.said = None, False
+            return False
+        if self.since is None:
+            self.since = now
+        if self.said or now - self.since < self.limit_s:
+            return False
+        self.said = True
+        log.warning("%s has made no progress for %.0f s: %s", stage, now - self.since, reason)
+        return True
+
+
 def poll(call: Callable[[bool], R], *, name: str, interval_s: float, on_result: Callable[[R], object] | None = None,
          waiting: Callable[[R], str] | None = None, max_polls: int | None = None,
          watch: Callable[[], Hashable] | None = None, watch_s: float | None = None,
@@ -161,19 +189,23 @@ def poll(call: Callable[[bool], R], *, name: str, interval_s: float, on_result: 
     if watch_s is not None and not watch_s > 0:
         raise ValueError(f"{name} follow: expected watch_s > 0 seconds, got {watch_s}")
     calls, started, said = 0, False, ""
+    patience = LongWait(interval_s, clock=clock)
     while max_polls is None or calls < max_polls:
         seen = None if watch is None else watch()
         try:
             result = call(not started)
         except MissingInputError as exc:
-            reason = str(exc)
+            reason, missing = str(exc), True
         else:
-            started = True
+            started, missing = True, False
             reason = "" if waiting is None else waiting(result)
             if on_result is not None:
                 on_result(result)
         if reason and reason != said:
-            log.warning("%s waits: %s", name, reason)
+            # A missing input is news; a stage a version behind the one before it is the usual lag (INFO), said
+            # at WARNING only once it lasts (LongWait: the same reason for several intervals).
+            log.log(logging.WARNING if missing else logging.INFO, "%s waits: %s", name, reason)
+        patience.note(name, reason, progressed=reason != said)
         said = reason
         calls += 1
         if max_polls is not None and calls >= max_polls:

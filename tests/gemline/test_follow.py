@@ -321,12 +321,12 @@ def test_build_follow_honours_events_gate_off_and_wakes_on_new_events(tmp_path, 
 
 
 def test_a_wait_without_progress_is_said_once_at_warning(caplog):
-    from gemline.follow import LongWait
+    from gemline.polling import LongWait
 
     now = [0.0]
     wait = LongWait(10.0, clock=lambda: now[0])  # three intervals, at least 60 s
     said = []
-    with caplog.at_level("WARNING", logger="gemline.follow"):
+    with caplog.at_level("WARNING", logger="gemline.polling"):
         for t, reason, progressed in [(0, "events@3 is not validated yet", False), (30, "events@4 ...", False),
                                       (61, "events@4 is not validated yet", False), (90, "x", False),
                                       (100, "", True), (120, "events@9 is quarantined", False),

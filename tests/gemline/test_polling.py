@@ -150,3 +150,18 @@ def test_report_throttle_waits_every_s_or_its_cpu_share_of_the_last_drawing():
 def test_report_throttle_rejects_bad_settings(every_s, share):
     with pytest.raises(ValueError, match="ReportThrottle"):
         ReportThrottle(every_s, share)
+
+
+def test_a_lag_is_said_at_info_and_a_lasting_one_at_warning_once(fake_clock, caplog):
+    """A follower a version behind says so at INFO (the usual lag); the same reason for several intervals (at least
+    60 s) becomes one WARNING."""
+    results = iter([1, 1, 1, 1, 1, 2])
+
+    with caplog.at_level("INFO", logger="gemline.polling"):
+        poll(lambda first: next(results), name="distill", interval_s=30, max_polls=6, watch=None,
+             waiting=lambda r: f"the teacher has not consumed examples@{r} yet", sleep=fake_clock.sleep,
+             clock=fake_clock)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "distill waits: the teacher has not consumed examples@1 yet"),
+        ("WARNING", "distill has made no progress for 90 s: the teacher has not consumed examples@1 yet"),
+        ("INFO", "distill waits: the teacher has not consumed examples@2 yet")]

@@ -79,6 +79,7 @@ def test_students_wait_for_the_teacher_and_need_an_examples_table(tmp_path, caps
 
 
 def test_follow_says_once_that_it_waits(tmp_path, caplog):
+    caplog.set_level("INFO", logger="gemline.polling")
     config = _config(tmp_path / "lake")
     lake = trainer_args(config)[0]
     results = []
@@ -87,9 +88,10 @@ def test_follow_says_once_that_it_waits(tmp_path, caplog):
     _lake(tmp_path / "lake")  # the examples arrive; the teacher has not consumed any
     assert distill.follow(lake, config.trainer, config.distill, poll_interval_s=0, max_polls=3,
                           on_result=results.append) == 3
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("distill waits")]
-    assert said == [f"distill waits: no examples table in {lake.root}: run `gemline build` first",
-                    "distill waits: the teacher has not consumed examples@0 yet"], "each reason once, not per poll"
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("distill waits")]
+    assert said == [("WARNING", f"distill waits: no examples table in {lake.root}: run `gemline build` first"),
+                    ("INFO", "distill waits: the teacher has not consumed examples@0 yet")], \
+        "each reason once, not per poll; a stage behind the one before it is the usual lag, not a warning"
     assert [r.waiting_for for r in results] == [0, 0, 0]
     assert [r.report_path for r in results] == [None, None, None]
     assert not (tmp_path / "lake" / "_runs").exists() or not list((tmp_path / "lake" / "_runs").glob("distill-*")), \
