@@ -584,17 +584,23 @@ def run_once(lake: Lake, tc: TrainerConfig, *, from_scratch: bool = False, keep_
     finally:
         torch.set_num_threads(previous_threads)
     assert result is not None, "one process is rank 0"
-    if write_report and result.report_path is None and root is None:
-        result.report_path = refresh_report(lake)  # a call with nothing new: the page may predate the checkpoint
     return result
+
+
+def _report_current(lake: Lake, run_id: str, saved_ms: int) -> bool:
+    """Whether run ``run_id``'s report page exists and is at least as new as its checkpoint saved at ``saved_ms``
+    (ms since epoch UTC): one file-info call."""
+    fs, base = lake_fs(lake.root, lake.storage_options)
+    page = fs.get_file_info(f"{base}/_runs/{run_id}/report.html")
+    return page.type == pafs.FileType.File and page.mtime is not None and page.mtime.timestamp() * 1000 >= saved_ms
 
 
 def refresh_report(lake: Lake) -> str | None:
     """Rewrite the run report (:func:`trainer.run_report.write_run_report`) of the lake's current continuous run
     from its newest checkpoint's lineage when the page is missing or older than that checkpoint (its ``saved_ms``);
     return the page's path when rewritten, None when it was current or there is no checkpoint. What a follower
-    calls at a stop, and a ``--once`` with nothing new: a report drawn at most once a minute must not stay behind
-    the checkpoint once nothing will draw it again.
+    calls at a stop: a report drawn at most once a minute must not stay behind the checkpoint once nothing will draw
+    it again. (A ``--once`` with nothing new does the same from the checkpoint it resumed, :func:`consume`.)
 
     Raises:
         gemline.errors.CheckpointError: CURRENT or the checkpoint's meta.json cannot be used (:func:`current_root`).
@@ -606,12 +612,7 @@ def refresh_report(lake: Lake) -> str | None:
     state = read_state(path)
     cont = state.extra["continuous"]
     run_id = str(cont["run_id"])
-    if not RUN_ID.match(run_id) or not cont.get("lineage"):
-        return None
-    fs, base = lake_fs(lake.root, lake.storage_options)
-    page = fs.get_file_info(f"{base}/_runs/{run_id}/report.html")
-    saved_ms = int(cont.get("saved_ms", 0))
-    if page.type == pafs.FileType.File and page.mtime is not None and page.mtime.timestamp() * 1000 >= saved_ms:
+    if not RUN_ID.match(run_id) or not cont.get("lineage") or _report_current(lake, run_id, int(cont.get("saved_ms", 0))):
         return None
     return write_run_report(lake, run_id, lineage=cont["lineage"], step=state.step,
                             rows_trained_total=state.examples_seen, checkpoint=str(path))
@@ -946,10 +947,12 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     result.step, result.rows_trained_total, result.cursor = counters.step, counters.examples_seen, cursor
     if rank != 0:
         return None
-    if lineage and not idle and write_report:
+    # An idle call (nothing new) redraws only a page older than its checkpoint, from what the resume already read.
+    if lineage and write_report and (not idle or not _report_current(lake, run_id, saved_ms)):
         began = time.process_time()
         result.report_path = write_run_report(lake, run_id, lineage=lineage, step=counters.step,
-                                              rows_trained_total=counters.examples_seen, checkpoint=result.checkpoint_path)
+                                              rows_trained_total=counters.examples_seen,
+                                              checkpoint=result.checkpoint_path or resume)
         result.report_cpu_s = time.process_time() - began
     return result
 
