@@ -127,21 +127,25 @@ def ranges_of(offsets: np.ndarray) -> list[tuple[int, int]]:
     return [(int(u[a]), int(u[b - 1]) + 1) for a, b in zip(starts, ends)]
 
 
+def _log(lake: Lake, table: Table) -> tuple[list[tuple[int, dict[str, Any]]], int | None]:
+    """(Delta version, gemline metadata) of ``table``'s commits that carry it, oldest first, and the oldest version
+    the log still holds (None: no table), from one read of the history."""
+    dt = open_table(lake.root, table, storage_options=lake.delta_options)
+    entries = [] if dt is None else [e for e in dt.history() if "version" in e]
+    out = [(int(e["version"]), json.loads(e["gemline"])) for e in entries if e.get("gemline")]
+    return sorted(out, key=lambda e: e[0]), min((int(e["version"]) for e in entries), default=None)
+
+
 def _history(lake: Lake, table: Table) -> list[tuple[int, dict[str, Any]]]:
     """(Delta version, gemline metadata) of ``table``'s commits, oldest first; [] without the table."""
-    dt = open_table(lake.root, table, storage_options=lake.delta_options)
-    out = []
-    for entry in [] if dt is None else dt.history():
-        if entry.get("gemline") and "version" in entry:
-            out.append((int(entry["version"]), json.loads(entry["gemline"])))
-    return sorted(out, key=lambda e: e[0])
+    return _log(lake, table)[0]
 
 
 def _commits(lake: Lake) -> tuple[list[_Batch], list[_Backfill], int | None]:
     """The ingest batches and backfills of the ``events`` log, and the oldest version the log still holds."""
     batches: list[_Batch] = []
     backfills: list[_Backfill] = []
-    history = _history(lake, Table.EVENTS)
+    history, oldest = _log(lake, Table.EVENTS)
     for _, meta in history:
         app = str(meta.get("app_id", ""))
         if app.startswith(INGEST_PREFIX) and "offset_ranges" in meta:
@@ -163,8 +167,6 @@ def _commits(lake: Lake) -> tuple[list[_Batch], list[_Backfill], int | None]:
                 ((str(e["topic"]), LEGACY if e["generation"] is None else int(e["generation"]), int(e["partition"])),
                  _runs(e["runs"])) for e in entries]
             backfills.append(_Backfill(moved, int(meta.get("rows_readmitted", 0))))
-    dt = open_table(lake.root, Table.EVENTS, storage_options=lake.delta_options)
-    oldest = None if dt is None else min((int(e["version"]) for e in dt.history() if "version" in e), default=None)
     return batches, backfills, oldest
 
 
