@@ -451,7 +451,7 @@ def _train_continuous(args: argparse.Namespace) -> int:
     result = run_once(lake, config.trainer, from_scratch=args.from_scratch, nproc=args.nproc)
     show(result)
     if not result.versions and result.waiting_for is not None:
-        if "quarantined" in result.waiting_reason:
+        if result.waiting_quarantined:
             print(f"train: nothing trained: {result.waiting_reason}; `gemline report --table examples --version "
                   f"{result.waiting_for}` shows why, `gemline quality release {result.waiting_for} --table examples "
                   "--reason ...` lets it through", file=sys.stderr)

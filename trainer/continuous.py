@@ -207,6 +207,8 @@ class ContinuousResult:
     """The first version this call stopped at because the gate does not allow it (None: caught up)."""
     waiting_reason: str = ""
     """Why it waits, in the gate's words (:class:`gemline.gate.GateDecision`: not validated yet, or quarantined)."""
+    waiting_quarantined: bool = False
+    """Whether ``waiting_for`` was judged and refused (quarantined), rather than not validated yet."""
     freshness: list[dict[str, Any]] = field(default_factory=list)
     """The ``freshness`` rows this call measured (:mod:`trainer.freshness`), whether or not an earlier, crashed
     call had already committed that version's."""
@@ -774,7 +776,8 @@ def consume(lake: Lake, tc: TrainerConfig, make_engine: EngineFactory, *, from_s
     released = [v for v in skipped if decisions[v].allowed]
     todo = released + list(range(cursor.version, upto + 1))
     if upto < newest:
-        result.waiting_for, result.waiting_reason = upto + 1, decisions[upto + 1].reason
+        waits = decisions[upto + 1]
+        result.waiting_for, result.waiting_reason, result.waiting_quarantined = upto + 1, waits.reason, waits.validated
         log.info("examples@%d and later wait for their validation (%s)", upto + 1, decisions[upto + 1].reason)
 
     signature: dict[str, Any] = {}
